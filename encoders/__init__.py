@@ -1,0 +1,17 @@
+"""Base models and query encoders.
+
+A query encoder is the frozen base model plus a small adapter (``lora``, ``bias``,
+``partial``) or nothing (``identity``). :class:`EncoderPool` keeps many of them over one base
+in memory and encodes rows of different encoders together.
+"""
+
+from qswap.encoders.artifact import (EncoderArtifact, EncoderManifest, load_encoder,
+                                     read_manifest, save_encoder)
+from qswap.encoders.base import BaseModel, load_base
+from qswap.encoders.embedding import BaseSpec, embed_batch, tokenize_batch
+from qswap.encoders.matryoshka import truncate
+from qswap.encoders.pool import BASE_KEY, EncoderPool
+
+__all__ = ["BASE_KEY", "BaseModel", "BaseSpec", "EncoderArtifact", "EncoderManifest", "EncoderPool",
+           "embed_batch", "load_base", "load_encoder", "read_manifest", "save_encoder",
+           "tokenize_batch", "truncate"]

@@ -1,0 +1,75 @@
+"""Text -> embedding mechanics shared by the frozen base, query encoders and tuning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from qswap.encoders.pooling import pool
+
+
+@dataclass(frozen=True)
+class BaseSpec:
+    """How a base model turns text into an embedding (beyond its weights and tokenizer)."""
+
+    pooling: str = "mean"
+    query_prefix: str = ""
+    document_prefix: str = ""
+    normalize: bool = True
+    max_length: int = 512
+
+
+def tokenize_batch(tokenizer: Tokenizer, texts: list[str], prefix: str,
+                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenise ``prefix + text`` for each text; pads to the longest row, truncates at max length."""
+    encs = tokenizer.encode_batch([prefix + t for t in texts])
+    ids = torch.tensor([e.ids for e in encs], dtype=torch.long, device=device)
+    mask = torch.tensor([e.attention_mask for e in encs], dtype=torch.long, device=device)
+    return ids, mask
+
+
+def embed_batch(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                spec: BaseSpec, **forward_kwargs) -> torch.Tensor:
+    """Forward, pool and (optionally) L2-normalise. Differentiable: tuning calls it with grad."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    x = pool(hidden, attention_mask, spec.pooling)
+    return torch.nn.functional.normalize(x, dim=-1) if spec.normalize else x
+
+
+def length_sorted_batches(tokenizer: Tokenizer, texts: list[str], prefix: str,
+                          batch_size: int) -> Iterator[list[int]]:
+    """Yield index lists of ``texts`` grouped by token length, so a batch pads little."""
+    lengths = [len(e.ids) for e in tokenizer.encode_batch([prefix + t for t in texts])] \
+        if len(texts) > batch_size else [0] * len(texts)
+    order = sorted(range(len(texts)), key=lambda i: -lengths[i])
+    for s in range(0, len(order), batch_size):
+        yield order[s:s + batch_size]
+
+
+def encode_texts(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 tokenizer: Tokenizer, texts: list[str], prefix: str, batch_size: int,
+                 device: torch.device, dim: int, progress: bool = False,
+                 desc: str = "embedding") -> np.ndarray:
+    """Encode ``texts`` in length-sorted batches under ``torch.inference_mode``.
+
+    ``forward(ids, mask)`` returns pooled embeddings; the result keeps the input order.
+    """
+    out = np.empty((len(texts), dim), dtype=np.float32)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(texts), desc=desc, unit="doc", smoothing=0.05)
+    with torch.inference_mode():
+        for idx in length_sorted_batches(tokenizer, texts, prefix, batch_size):
+            ids, mask = tokenize_batch(tokenizer, [texts[i] for i in idx], prefix, device)
+            out[idx] = forward(ids, mask).float().cpu().numpy()
+            if bar is not None:
+                bar.update(len(idx))
+    if bar is not None:
+        bar.close()
+    return out
