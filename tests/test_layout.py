@@ -1,0 +1,110 @@
+"""Packaging and architecture rules: one import name, one-way dependencies."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+# Dependency direction. import-linter (grimp) cannot follow a package-dir mapping that
+# spreads one import name over several root folders, so the rule is checked from the source
+# with ast: (importer prefix, forbidden prefix, allowed exceptions).
+CONTRACTS = [
+    ("qswap.index", "qswap.server", ()), ("qswap.encoders", "qswap.server", ()),
+    ("qswap.tuning", "qswap.server", ()), ("qswap.bench", "qswap.server", ()),
+    ("qswap.encoders", "qswap.index", ()), ("qswap.encoders", "qswap.tuning", ()),
+    ("qswap.encoders", "qswap.bench", ()), ("qswap.encoders", "qswap.cli", ()),
+    ("qswap.index", "qswap.encoders", ("qswap.index.cli",)), ("qswap.index", "qswap.tuning", ()),
+    ("qswap.index", "qswap.bench", ()), ("qswap.index", "qswap.cli", ()),
+    ("qswap.tuning", "qswap.bench", ()), ("qswap.tuning", "qswap.cli", ()),
+    *[(core, sub, ()) for core in ("qswap.space", "qswap.errors", "qswap.atomic", "qswap.paths")
+      for sub in ("qswap.encoders", "qswap.index", "qswap.tuning", "qswap.bench", "qswap.server")],
+]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg, folder in PYPROJECT["tool"]["setuptools"]["package-dir"].items():
+        for f in (ROOT / folder).rglob("*.py"):
+            rel = f.relative_to(ROOT / folder).with_suffix("")
+            parts = [pkg, *rel.parts]
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = f
+    return out
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    import ast
+    tree = ast.parse(path.read_text(), str(path))
+    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return found
+
+
+def _under(mod: str, prefix: str) -> bool:
+    return mod == prefix or mod.startswith(prefix + ".")
+
+
+def test_dependency_direction():
+    """server -> index, encoders; tuning -> encoders, index; nothing imports server (but the CLI)."""
+    mods = _modules()
+    assert "qswap.server" in mods and "qswap.encoders.pool" in mods
+    broken = []
+    for name, path in mods.items():
+        for imp in _imports(name, path):
+            for src, forbidden, allowed in CONTRACTS:
+                if _under(name, src) and _under(imp, forbidden) and not any(_under(name, a) for a in allowed):
+                    broken.append(f"{name} imports {imp}")
+    assert not broken, "dependency rule broken: " + "; ".join(sorted(set(broken)))
+
+
+def test_the_checker_sees_a_violation(tmp_path):
+    """The checker itself can fail: a forbidden import in a probe file is reported."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from qswap.server import app\nfrom . import pool\n")
+    imps = _imports("qswap.encoders.probe", probe)
+    assert "qswap.server" in imps and "qswap.encoders.pool" in imps
+
+
+def test_every_package_folder_is_installed():
+    """Each folder with __init__.py under the mapped roots is listed in pyproject packages."""
+    cfg = PYPROJECT["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    for pkg, folder in cfg["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            name = ".".join([pkg, *rel.parts]) if rel.parts else pkg
+            assert name in listed, f"{init.parent} is not listed in [tool.setuptools] packages"
+
+
+def test_no_generic_top_level_modules(tmp_path):
+    """Outside the repo, `server` etc. do not import: only `qswap.server` does."""
+    code = ("import importlib.util as u, qswap.server, qswap.index, qswap.encoders, qswap.tuning;"
+            "print([n for n in ('server','index','encoders','tuning','bench','core') if u.find_spec(n)])")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_cli_help_lists_every_command():
+    r = subprocess.run([sys.executable, "-m", "qswap.cli", "--help"], cwd=ROOT.parent,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    for cmd in ("serve", "index", "encoders", "tune", "bench"):
+        assert cmd in r.stdout
