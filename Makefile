@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PORT ?= 8000
 
-.PHONY: setup serve test test-fast lint-imports clean
+.PHONY: setup serve test test-fast debian-lists clean
 
 $(BIN)/qswap: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,14 +19,19 @@ setup: $(BIN)/qswap
 serve: setup
 	$(BIN)/qswap serve --port $(PORT)
 
-test: setup
+# Debian package descriptions (English + de/fr/it translations) for the slow real-data tests
+# and benchmarks. A plain `apt-get update` later drops the translations again.
+debian-lists:
+	@if ls /var/lib/apt/lists/*i18n_Translation-de* >/dev/null 2>&1 && command -v lz4cat >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  apt-get -q -o Acquire::Languages="en,de,fr,it" update >/dev/null && apt-get install -y -q lz4 >/dev/null; \
+	else echo "run as root: apt-get -o Acquire::Languages=en,de,fr,it update && apt-get install -y lz4"; exit 1; fi
+
+test: setup debian-lists
 	$(BIN)/python -m pytest -q
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
-
-lint-imports: setup
-	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -36,10 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from qswap.encoders.check import format_table, run_check
+    from qswap.encoders.check import check_passed, format_table, run_check
     rows = run_check()
     print(format_table(rows))
-    return 0
+    return 0 if check_passed(rows) else 1
 
 
 def _convert(args: argparse.Namespace) -> int:

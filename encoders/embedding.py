@@ -44,7 +44,8 @@ def embed_batch(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
 def length_sorted_batches(tokenizer: Tokenizer, texts: list[str], prefix: str,
                           batch_size: int) -> Iterator[list[int]]:
     """Yield index lists of ``texts`` grouped by token length, so a batch pads little."""
-    lengths = [len(e.ids) for e in tokenizer.encode_batch([prefix + t for t in texts])] \
+    # attention_mask, not ids: the tokenizer pads, so every row's ids have the same length.
+    lengths = [sum(e.attention_mask) for e in tokenizer.encode_batch([prefix + t for t in texts])] \
         if len(texts) > batch_size else [0] * len(texts)
     order = sorted(range(len(texts)), key=lambda i: -lengths[i])
     for s in range(0, len(order), batch_size):

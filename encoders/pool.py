@@ -194,7 +194,7 @@ class EncoderPool:
                 groups.setdefault(k if e.overrides else None, []).append(i)
             for gkey, rows in groups.items():
                 if len(rows) > batch_size:
-                    lens = [len(e.ids) for e in tok.encode_batch([spec.query_prefix + texts[i] for i in rows])]
+                    lens = [sum(e.attention_mask) for e in tok.encode_batch([spec.query_prefix + texts[i] for i in rows])]
                     rows = [r for _, r in sorted(zip(lens, rows), key=lambda x: -x[0])]
                 for s in range(0, len(rows), batch_size):
                     idx = rows[s:s + batch_size]

@@ -132,3 +132,12 @@ def test_base_pooling_and_length_sorting_keep_order(tiny_base):
     # truncation at max length does not fail on very long input
     long = tiny_base.encode_queries(["word " * 500])
     assert long.shape == (1, tiny_base.dim)
+
+
+def test_length_sorted_batches_group_by_real_length(tiny_base):
+    """Batches group texts of similar token length (padding does not hide the length)."""
+    from qswap.encoders.embedding import length_sorted_batches
+    texts = ["a"] * 4 + ["chess " * 30] * 4
+    texts = [t for pair in zip(texts[:4], texts[4:]) for t in pair]  # interleave short/long
+    batches = list(length_sorted_batches(tiny_base.tokenizer, texts, "", batch_size=4))
+    assert [sorted(len(texts[i]) for i in b) for b in batches] == [[180] * 4, [1] * 4]
