@@ -10,7 +10,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+
+# torch and faiss each bundle an OpenMP runtime; with the default (active) wait policy their
+# idle threads spin while the other computes. Measured on 2 cores: query encode 140-1400 ms ->
+# 19 ms, flat search 12 ms -> 0.6 ms with PASSIVE. Read when a runtime loads, so set it before
+# any subcommand imports torch or faiss; an explicit value in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from qswap import __version__
 from qswap.errors import QswapError

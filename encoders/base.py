@@ -79,7 +79,7 @@ def _weights_sha(path: Path) -> str:
     return h.hexdigest()
 
 
-def _read_spec(path: Path, max_length: int | None) -> tuple[str, BaseSpec]:
+def _read_spec(path: Path, max_length: int | None, default_name: str) -> tuple[str, BaseSpec]:
     """The text spec: ``qswap_base.json`` if present, else inferred from sentence-transformers files."""
     f = path / SPEC_FILE
     if f.exists():
@@ -90,7 +90,7 @@ def _read_spec(path: Path, max_length: int | None) -> tuple[str, BaseSpec]:
                         normalize=bool(d.get("normalize", True)),
                         max_length=int(d.get("max_length", 512)))
     else:
-        name = path.name
+        name = default_name
         pooling = "mean"
         pcfg = path / "1_Pooling" / "config.json"
         if pcfg.exists():
@@ -147,13 +147,16 @@ def load_base(source: str | Path = DEFAULT_BASE, device: str | torch.device | No
     hf_logging.disable_progress_bar()
     src = str(source)
     path = Path(src).expanduser()
+    default_name = path.name
     if path.is_dir():
         path = path.resolve()
+        default_name = path.name
     elif "/" in src or src.startswith("."):
         raise NotFoundError(f"model directory {src} does not exist",
                             "give an existing local model directory or a bundled name")
     else:
         path = resolve_bundled(src)
+        default_name = src
     if not (path / "config.json").exists():
         raise NotFoundError(f"{path} has no config.json", "point to a Hugging Face model directory")
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
@@ -161,7 +164,7 @@ def load_base(source: str | Path = DEFAULT_BASE, device: str | torch.device | No
         raise InvalidInputError(
             f"{path}: model type {config.model_type!r} is not a supported text encoder",
             f"use a BERT / XLM-R family encoder ({', '.join(_SUPPORTED)})")
-    name, spec = _read_spec(path, max_length)
+    name, spec = _read_spec(path, max_length, default_name)
     tok = _load_tokenizer(path)
     tok_sha = hashlib.sha256(tok.to_str().encode()).hexdigest()
     limit = min(spec.max_length, getattr(config, "max_position_embeddings", spec.max_length))

@@ -102,6 +102,12 @@ class EncoderPool:
                 raise NotFoundError(f"encoder {key} is not loaded", "list loaded encoders first")
             if entry.adapter is not None and self._peft is not None:
                 self._peft.delete_adapter(entry.adapter)
+                if not any(e.adapter for e in self._entries.values()):
+                    # peft cannot be left with zero adapters (its active adapter would dangle):
+                    # go back to a plain parameter-sharing view of the base.
+                    self._peft = None
+                    self._module = _sharing_copy(self.base.model)
+                    self._names = {n: n for n in self._base_params}
 
     def _entry(self, key: str) -> _Entry:
         try:

@@ -122,3 +122,16 @@ def test_lora_targets_missing_refused(tiny_base, tmp_path):
     art.lora_config = {**cfg, "target_modules": ["q_proj", "v_proj"]}  # a Llama-style adapter
     with pytest.raises(InvalidInputError, match="does not fit"):
         EncoderPool(tiny_base).add(art)
+
+
+def test_removing_the_last_lora_leaves_a_working_pool(tiny_base, tmp_path):
+    pool = EncoderPool(tiny_base)
+    pool.add(load_encoder(make_lora(tiny_base, tmp_path / "l", "l", seed=1), tiny_base.space))
+    pool.add(load_encoder(make_overrides(tiny_base, tmp_path / "b", "b", "bias", seed=2), tiny_base.space))
+    pool.remove("l@1")
+    got = pool.encode(TEXTS[:2] * 2, [BASE_KEY, BASE_KEY, "b@1", "b@1"])
+    np.testing.assert_allclose(got[:2], tiny_base.encode_queries(TEXTS[:2]), atol=1e-6)
+    assert np.abs(got[2:] - got[:2]).max() > 1e-3
+    # and LoRA can be added again afterwards
+    pool.add(load_encoder(make_lora(tiny_base, tmp_path / "l2", "l2", seed=3), tiny_base.space))
+    assert pool.encode(["x"], ["l2@1"]).shape == (1, tiny_base.dim)

@@ -1,0 +1,378 @@
+"""``qswap index build | info | add | delete | search | eval | reindex``.
+
+Wire with ``register(subparsers)``; every handler is ``args.func(args) -> int`` and raises
+:class:`~qswap.errors.QswapError` for user-facing failures (the top-level CLI prints one line
+and exits 2). Only this module of :mod:`qswap.index` imports :mod:`qswap.encoders`, lazily,
+so that ``import qswap.index`` stays free of torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapError
+from qswap.index.build import build_index
+from qswap.index.config import KINDS, QUANTS, IndexConfig
+from qswap.index.corpus import BadLine, iter_corpus
+from qswap.index.evaluate import evaluate
+from qswap.index.store import DocumentIndex
+from qswap.space import EmbeddingSpace
+
+DEFAULT_MODEL = "multilingual-e5-small"
+_ADD_BATCH = 1000
+
+
+@dataclass
+class Embedder:
+    """A base model as two functions: documents (with the document prefix) and queries."""
+
+    name: str
+    space: EmbeddingSpace
+    documents: Callable[[list[str]], np.ndarray]
+    queries: Callable[[list[str]], np.ndarray]
+
+
+def load_embedder(model: str) -> Embedder:
+    """The frozen text tower of ``model`` (bundled name or local model folder)."""
+    from qswap.encoders import load_base  # torch is imported only by commands that embed
+
+    base = load_base(model)
+    return Embedder(
+        name=model,
+        space=base.space,
+        documents=lambda texts: base.encode_documents(texts, batch_size=max(len(texts), 1)),
+        queries=lambda texts: base.encode_queries(texts),
+    )
+
+
+def _model_arg(value: str) -> str:
+    """Model names stay as given; an existing folder is recorded by absolute path."""
+    p = Path(value).expanduser()
+    return str(p.resolve()) if p.is_dir() else value
+
+
+# ---------------------------------------------------------------------- parser
+def register(subparsers: Any) -> None:
+    """Add the ``index`` command and its subcommands to a top-level argparse CLI."""
+    p = subparsers.add_parser("index", help="build, change, query and evaluate document indexes",
+                              description="Document indexes: FAISS + float16 embeddings + SQLite documents.")
+    sub = p.add_subparsers(dest="index_command", metavar="SUBCOMMAND", required=True)
+
+    b = sub.add_parser("build", help="embed a corpus and build an index (resumable)",
+                       description="Embed a JSONL ({id, text, ...metadata}) or BEIR corpus with the frozen text "
+                                   "tower and build an index. Rerunning after an interruption resumes.")
+    b.add_argument("corpus", type=Path, help="JSONL file, or BEIR folder with corpus.jsonl")
+    b.add_argument("--out", "-o", type=Path, required=True, help="index folder to create or replace")
+    b.add_argument("--model", type=_model_arg, default=DEFAULT_MODEL,
+                   help=f"base model name or local folder (default {DEFAULT_MODEL})")
+    b.add_argument("--format", choices=["auto", "jsonl", "beir"], default="auto")
+    b.add_argument("--on-bad-line", choices=["stop", "skip"], default="stop",
+                   help="stop at the first bad corpus line (default) or skip and list bad lines")
+    b.add_argument("--batch-size", type=int, default=None, help="texts per embedding batch (default 64)")
+    b.add_argument("--chunk-rows", type=int, default=None, help="documents per resumable chunk (default 4096)")
+    b.add_argument("--no-progress", action="store_true")
+    _add_config_args(b)
+    b.set_defaults(func=cmd_build)
+
+    i = sub.add_parser("info", help="show an index's manifest facts")
+    i.add_argument("index", type=Path)
+    i.add_argument("--json", action="store_true")
+    i.add_argument("--no-verify", action="store_true", help="skip checksum verification")
+    i.set_defaults(func=cmd_info)
+
+    a = sub.add_parser("add", help="embed and add documents from a JSONL file")
+    a.add_argument("index", type=Path)
+    a.add_argument("corpus", type=Path)
+    a.add_argument("--upsert", action="store_true", help="replace documents whose id exists")
+    a.add_argument("--model", type=_model_arg, default=None, help="default: the model the index was built with")
+    a.add_argument("--format", choices=["auto", "jsonl", "beir"], default="auto")
+    a.add_argument("--on-bad-line", choices=["stop", "skip"], default="stop")
+    a.set_defaults(func=cmd_add)
+
+    d = sub.add_parser("delete", help="delete documents by id")
+    d.add_argument("index", type=Path)
+    d.add_argument("ids", nargs="*", help="external ids")
+    d.add_argument("--ids-file", type=Path, help="file with one id per line")
+    d.set_defaults(func=cmd_delete)
+
+    s = sub.add_parser("search", help="search with the base model's query tower")
+    s.add_argument("index", type=Path)
+    s.add_argument("query", nargs="+", help="query text (several: one search each)")
+    s.add_argument("-k", "--k", type=int, default=10)
+    s.add_argument("--filter", action="append", default=[], metavar="FIELD=VALUE",
+                   help="metadata equality (VALUE parsed as JSON if it can be: 2020, true, \"2020\")")
+    s.add_argument("--model", type=_model_arg, default=None)
+    s.add_argument("--no-text", action="store_true")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_search)
+
+    e = sub.add_parser("eval", help="recall@k vs exact search, bytes per document, latency",
+                       description="Evaluate the index as configured, or (with index options) an in-memory "
+                                   "variant built from the stored embeddings.")
+    e.add_argument("index", type=Path)
+    e.add_argument("-k", "--k", type=int, default=10)
+    e.add_argument("--n-queries", type=int, default=1000,
+                   help="perturbed-document queries when --queries is not given")
+    e.add_argument("--queries", type=Path, help="query texts: JSONL with \"text\" or one query per line")
+    e.add_argument("--model", type=_model_arg, default=None)
+    e.add_argument("--latency-queries", type=int, default=200)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--threads", type=int, default=None,
+                   help="FAISS (OpenMP) threads for the measurement (default: all cores)")
+    e.add_argument("--json", action="store_true")
+    _add_config_args(e)
+    e.set_defaults(func=cmd_eval)
+
+    r = sub.add_parser("reindex", help="rebuild FAISS with other options from the stored embeddings")
+    r.add_argument("index", type=Path)
+    _add_config_args(r)
+    r.set_defaults(func=cmd_reindex)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("index options (unset: chosen by corpus size, or kept)")
+    g.add_argument("--dim", type=int, help="Matryoshka prefix kept in FAISS (e.g. 256)")
+    g.add_argument("--quant", choices=QUANTS)
+    g.add_argument("--kind", choices=KINDS)
+    g.add_argument("--nlist", type=int, help="IVF lists")
+    g.add_argument("--nprobe", type=int, help="IVF lists searched")
+    g.add_argument("--hnsw-m", type=int, help="HNSW neighbours per node")
+    g.add_argument("--ef-construction", type=int)
+    g.add_argument("--ef-search", type=int)
+    g.add_argument("--pq-m", type=int, help="PQ sub-quantisers (divides dim)")
+    g.add_argument("--oversample", type=int, help="candidates per result when rescoring")
+    g.add_argument("--rescore", action=argparse.BooleanOptionalAction, default=None,
+                   help="re-rank candidates with stored full vectors")
+    g.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=None)
+
+
+def _config_from(args: argparse.Namespace) -> IndexConfig:
+    kw: dict[str, Any] = {k: getattr(args, k, None) for k in (
+        "dim", "quant", "kind", "nlist", "nprobe", "hnsw_m", "ef_construction", "ef_search", "pq_m",
+        "oversample", "rescore")}
+    if getattr(args, "gpu", None) is not None:
+        kw["use_gpu"] = args.gpu
+    for k in ("batch_size", "chunk_rows"):
+        if getattr(args, k, None) is not None:
+            kw[k] = getattr(args, k)
+    cfg = IndexConfig(**kw)
+    cfg.validate()
+    return cfg
+
+
+def _config_given(args: argparse.Namespace) -> bool:
+    return any(getattr(args, k, None) is not None for k in (
+        "dim", "quant", "kind", "nlist", "nprobe", "hnsw_m", "ef_construction", "ef_search", "pq_m",
+        "oversample", "rescore", "gpu"))
+
+
+def _model_for(index: DocumentIndex, given: str | None) -> str:
+    return given or index.manifest.get("build", {}).get("model") or DEFAULT_MODEL
+
+
+def _embedder_for(index: DocumentIndex, given: str | None) -> Embedder:
+    emb = load_embedder(_model_for(index, given))
+    index.space.require_same(emb.space, f"model {emb.name}")
+    return emb
+
+
+# ---------------------------------------------------------------------- handlers
+def cmd_build(args: argparse.Namespace) -> int:
+    cfg = _config_from(args)
+    emb = load_embedder(args.model)
+    idx = build_index(args.corpus, args.out, emb.documents, emb.space, cfg, on_bad_line=args.on_bad_line,
+                      progress=not args.no_progress, format=args.format, model=args.model)
+    with idx:
+        info = idx.info()
+        c = info["config"]
+        bad = info["build"].get("n_bad_lines", 0)
+        print(f"built {args.out}: {info['documents']} documents, {c['kind']}/{c['quant']}/dim {c['dim']}"
+              f"{f', {bad} bad lines skipped' if bad else ''} in {info['build'].get('seconds', 0):.1f}s")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    with DocumentIndex.open(args.index, read_only=True, verify=not args.no_verify) as idx:
+        info = idx.info()
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=True, default=str))
+        return 0
+    c = info["config"]
+    b = info["build"]
+    lines = [
+        f"path:        {info['path']}",
+        f"documents:   {info['documents']} (rows {info['rows']}, tombstones {info['tombstones']}, "
+        f"generation {info['generation']})",
+        f"space:       {info['space']['name']} [{info['space']['fingerprint']}] dim {info['full_dim']}",
+        f"faiss:       {info['faiss']['factory']} (kind {c['kind']}, quant {c['quant']}, dim {c['dim']}, "
+        f"nprobe {c['nprobe']}, ef_search {c['ef_search']})",
+        f"rescoring:   {'on, oversample ' + str(c['oversample']) if info['rescoring'] else 'off'}",
+        "bytes/doc:   " + ", ".join(f"{k} {v:.0f}" for k, v in info["bytes_per_doc"].items()),
+        f"built:       {info['created_at']} from {b.get('corpus', '-')} with {b.get('model', '-')}"
+        f"{'; ' + str(b.get('n_bad_lines')) + ' bad lines skipped' if b.get('n_bad_lines') else ''}",
+        f"updated:     {info['updated_at']} (qswap {info['qswap_version']})",
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+def cmd_add(args: argparse.Namespace) -> int:
+    with DocumentIndex.open(args.index) as idx:
+        bad: list[BadLine] = []
+        records = list(iter_corpus(args.corpus, format=args.format, on_bad_line=args.on_bad_line, bad_lines=bad))
+        if not records:
+            raise InvalidInputError(f"{args.corpus}: no documents to add", "give a JSONL file of {id, text} objects")
+        if not args.upsert:
+            present = [d for d in idx.get([r.doc.id for r in records]) if d is not None]
+            if present:
+                raise ConflictError(f"{len(present)} ids already in the index, e.g. {present[0].id!r}",
+                                    "rerun with --upsert to replace them")
+        emb = _embedder_for(idx, args.model)
+        put = idx.upsert if args.upsert else idx.add
+        from tqdm import tqdm
+        with tqdm(total=len(records), unit="doc", desc="adding", file=sys.stderr, dynamic_ncols=True) as bar:
+            for i in range(0, len(records), _ADD_BATCH):
+                part = records[i:i + _ADD_BATCH]
+                put([r.doc for r in part], emb.documents([r.embed_text for r in part]))
+                bar.update(len(part))
+        verb = "upserted" if args.upsert else "added"
+        print(f"{verb} {len(records)} documents{f' ({len(bad)} bad lines skipped)' if bad else ''}; "
+              f"index holds {idx.count}")
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    ids = list(args.ids)
+    if args.ids_file:
+        if not args.ids_file.is_file():
+            raise NotFoundError(f"{args.ids_file} does not exist", "check the path")
+        ids += [ln.strip() for ln in args.ids_file.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if not ids:
+        raise InvalidInputError("no ids to delete", "pass ids as arguments or with --ids-file")
+    with DocumentIndex.open(args.index) as idx:
+        n = idx.delete(ids)
+        print(f"deleted {n} of {len(set(ids))} ids; index holds {idx.count}")
+    return 0
+
+
+def parse_filter(items: list[str]) -> dict[str, Any] | None:
+    """``["section=games", "year=2020"]`` -> ``{"section": "games", "year": 2020}``."""
+    out: dict[str, Any] = {}
+    for item in items:
+        field, sep, raw = item.partition("=")
+        if not sep or not field:
+            raise InvalidInputError(f"bad filter {item!r}", "write filters as FIELD=VALUE, e.g. section=games")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        if isinstance(value, (list, dict)):
+            value = raw
+        out[field] = value
+    return out or None
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    flt = parse_filter(args.filter)
+    with DocumentIndex.open(args.index, read_only=True) as idx:
+        emb = _embedder_for(idx, args.model)
+        results = idx.search(emb.queries(list(args.query)), args.k, filter=flt, with_text=not args.no_text)
+    if args.json:
+        print(json.dumps([{"query": q, "hits": [h.__dict__ for h in hits]}
+                          for q, hits in zip(args.query, results)], indent=2, ensure_ascii=False))
+        return 0
+    for q, hits in zip(args.query, results):
+        if len(args.query) > 1:
+            print(f"# {q}")
+        if not hits:
+            print("(no results)")
+        for rank, h in enumerate(hits, 1):
+            text = "" if h.text is None else " " + " ".join(h.text.split())[:100]
+            print(f"{rank:>3}  {h.score:.4f}  {h.id}{text}")
+    return 0
+
+
+def _read_queries(path: Path) -> list[str]:
+    if not path.is_file():
+        raise NotFoundError(f"{path} does not exist", "check the path")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        s = line.strip()
+        if not s:
+            continue
+        if s.startswith("{"):
+            try:
+                obj = json.loads(s)
+            except json.JSONDecodeError as e:
+                raise InvalidInputError(f"{path}, line {n}: not JSON ({e.msg})", "fix that line") from None
+            if not isinstance(obj.get("text"), str):
+                raise InvalidInputError(f"{path}, line {n}: no \"text\" string", "give {\"text\": ...} per line")
+            s = obj["text"]
+        out.append(s)
+    if not out:
+        raise InvalidInputError(f"{path}: no queries", "give one query per line")
+    return out
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidInputError(f"--threads must be positive, got {args.threads}", "pass e.g. --threads 1")
+        import faiss
+        faiss.omp_set_num_threads(args.threads)
+    with DocumentIndex.open(args.index, read_only=True) as idx:
+        queries = None
+        if args.queries:
+            emb = _embedder_for(idx, args.model)
+            queries = emb.queries(_read_queries(args.queries))
+        target = idx.with_config(_config_from(args), progress=True) if _config_given(args) else idx
+        report = evaluate(target, queries, n_queries=args.n_queries, k=args.k,
+                          latency_queries=args.latency_queries, seed=args.seed)
+        report["variant"] = target is not idx
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    c = report["config"]
+    k = report["k"]
+    print(f"{'variant' if report['variant'] else 'index'}: {report['factory']} (kind {c['kind']}, quant {c['quant']}, "
+          f"dim {c['dim']}, rescoring {'on x' + str(c['oversample']) if report['rescoring'] else 'off'}), "
+          f"{report['documents']} documents, {report['queries']} queries")
+    print(f"recall@{k}:   {report[f'recall@{k}']:.4f} (vs exact fp32 full-dimension search)")
+    print("bytes/doc:   " + ", ".join(f"{key} {v:.0f}" for key, v in report["bytes_per_doc"].items()))
+    print(f"latency:     p50 {report['latency_ms']['p50']:.2f} ms, p99 {report['latency_ms']['p99']:.2f} ms "
+          f"(single query); batch {report['batch_qps']:.0f} queries/s")
+    return 0
+
+
+def cmd_reindex(args: argparse.Namespace) -> int:
+    if not _config_given(args):
+        raise InvalidInputError("no index option given", "pass e.g. --dim 256 --quant sq8")
+    with DocumentIndex.open(args.index) as idx:
+        idx.reindex(_config_from(args))
+        c = idx.config
+        print(f"reindexed {args.index}: {c.kind}/{c.quant}/dim {c.dim}, generation {idx.generation}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m qswap.index.cli index ...``) until the top-level CLI wires it."""
+    parser = argparse.ArgumentParser(prog="qswap")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except QswapError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

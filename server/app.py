@@ -1,0 +1,88 @@
+"""The FastAPI app factory.
+
+``create_app(settings)`` builds the app without loading anything; its lifespan starts loading
+(base model, index, registry, default encoder) in a background thread and, on shutdown, stops
+the batch worker and closes the index. One app = one :class:`ServerState`, with its own
+Prometheus registry, so several apps can live in one process (tests do that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI
+from starlette.types import Scope
+
+from qswap import __version__
+from qswap.atomic import atomic_write_bytes
+from qswap.server import documents_api, encoders_api, health_api, search_api
+from qswap.server.config import ServerSettings
+from qswap.server.errors import install_error_handlers
+from qswap.server.logs import RequestContextMiddleware
+from qswap.server.state import ServerState
+
+OPENAPI_FILE = Path(__file__).with_name("openapi.json")
+
+DESCRIPTION = """\
+Retrieval over one frozen document index, with the **query encoder chosen per request**.
+
+- `POST /v1/search` searches with the default encoder, a named one (`name` or `name@version`),
+  or the one a `domain` alias points to. Each result says which encoder version served it.
+- Encoders are registered live (`POST /v1/encoders`), aliases switch atomically, and
+  concurrent requests are micro-batched into one forward pass and one index search.
+- Admin routes need the admin bearer token. Errors are `{"error", "detail", "hint"}`.
+"""
+
+
+def _limit_for(settings: ServerSettings):
+    def limit(scope: Scope) -> int:
+        if scope.get("method") == "POST" and scope.get("path") == "/v1/encoders":
+            for k, v in scope.get("headers", ()):
+                if k == b"content-type" and v.lower().startswith(b"multipart/"):
+                    return settings.max_upload_bytes
+        return settings.max_body_bytes
+    return limit
+
+
+def create_app(settings: ServerSettings | None = None, *, check: bool = True) -> FastAPI:
+    """Build the app; ``check=False`` skips the safety checks (only for schema generation)."""
+    settings = settings if settings is not None else ServerSettings()
+    if check:
+        settings.check()
+    state = ServerState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.start_loading()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.close)
+
+    app = FastAPI(title="qswap", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app.state.qs = state
+    install_error_handlers(app)
+    app.add_middleware(RequestContextMiddleware, limit_for=_limit_for(settings), metrics=lambda: state.metrics)
+    for module in (search_api, encoders_api, documents_api, health_api):
+        app.include_router(module.router)
+    return app
+
+
+def openapi_schema() -> dict[str, Any]:
+    """The OpenAPI schema (independent of settings), as JSON types."""
+    app = create_app(ServerSettings.model_construct(), check=False)
+    return json.loads(json.dumps(app.openapi()))
+
+
+def openapi_text() -> str:
+    return json.dumps(openapi_schema(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def write_openapi(path: Path = OPENAPI_FILE) -> Path:
+    """Write the schema (the committed copy is server/openapi.json)."""
+    atomic_write_bytes(Path(path), openapi_text().encode())
+    return Path(path)

@@ -1,0 +1,284 @@
+"""Dynamic micro-batching: concurrent searches share one forward pass and one index search.
+
+Request handlers put a job on a queue and await an asyncio future; one dedicated worker thread
+takes the first waiting job, collects whatever else arrives within ``window_s`` of it (up to
+``max_batch`` queries), encodes all rows in one ``encode(texts, keys)`` call (rows of different
+encoders together) and searches them with one index call per distinct filter. The event loop
+never runs model code. Other model work (embedding documents) is serialised on the same
+thread through :meth:`MicroBatcher.call`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from qswap.server.errors import NotReadyError
+
+log = logging.getLogger("qswap.server")
+
+EncodeFn = Callable[[list[str], list[str]], np.ndarray]
+SearchFn = Callable[[np.ndarray, int, "dict[str, Any] | None", bool], list[list[Any]]]
+_STOP = object()
+
+
+@dataclass
+class SearchOutcome:
+    """What one request gets back: hits per query and where its time went."""
+
+    hits: list[list[Any]]
+    truncated: list[bool]
+    queue_s: float
+    encode_s: float
+    search_s: float
+    batch_queries: int
+    batch_requests: int
+
+
+@dataclass
+class _Job:
+    texts: list[str]
+    key: str
+    k: int
+    filter: dict[str, Any] | None
+    with_text: bool
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    enqueued: float
+    on_done: Callable[[], None] | None = None
+    finished: bool = False
+
+
+@dataclass
+class _Call:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
+          exc: BaseException | None = None) -> None:
+    try:
+        loop.call_soon_threadsafe(_resolve, fut, result, exc)
+    except RuntimeError:   # the loop is closed: nobody waits any more
+        pass
+
+
+class MicroBatcher:
+    """One worker thread that batches searches; see the module docstring."""
+
+    def __init__(self, *, encode: EncodeFn, search: SearchFn,
+                 truncated: Callable[[list[str]], list[bool]] | None = None,
+                 window_s: float = 0.002, max_batch: int = 64, max_pending: int = 4096,
+                 metrics: Any = None, name: str = "qswap-batcher") -> None:
+        self._encode = encode
+        self._search = search
+        self._truncated = truncated
+        self.window_s = window_s
+        self.max_batch = max_batch
+        self.max_pending = max_pending
+        self.metrics = metrics
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._stopped = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Finish the batch in progress, refuse what is still queued, end the thread."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._q.put(_STOP)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    # -- submission (event loop side) -------------------------------------------------------
+
+    def _admit(self) -> None:
+        if self._stopped:
+            raise NotReadyError("the server is shutting down", "retry against another instance")
+        if self._q.qsize() >= self.max_pending:
+            raise NotReadyError(f"the server is overloaded ({self.max_pending} requests queued)",
+                                "retry shortly")
+
+    async def search(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None = None,
+                     with_text: bool = True, on_done: Callable[[], None] | None = None) -> SearchOutcome:
+        """Encode ``texts`` with encoder ``key`` and search; ``on_done`` runs exactly once,
+        on the worker thread, when the job is finished, failed or found cancelled (or here,
+        at once, when the job is refused)."""
+        try:
+            self._admit()
+        except NotReadyError:
+            if on_done is not None:
+                on_done()
+            raise
+        loop = asyncio.get_running_loop()
+        job = _Job(list(texts), key, k, filter, with_text, loop.create_future(), loop,
+                   time.perf_counter(), on_done)
+        self._q.put(job)
+        return await job.future
+
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args)`` on the worker thread (between batches) and return its result."""
+        self._admit()
+        loop = asyncio.get_running_loop()
+        c = _Call(fn, args, loop.create_future(), loop, kwargs)
+        self._q.put(c)
+        return await c.future
+
+    # -- worker thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        carry: Any = None
+        while True:
+            item = carry if carry is not None else self._q.get()
+            carry = None
+            if item is _STOP:
+                break
+            try:
+                if isinstance(item, _Call):
+                    self._do_call(item)
+                    continue
+                batch, rows = [item], len(item.texts)
+                deadline = item.enqueued + self.window_s
+                while rows < self.max_batch:
+                    wait = deadline - time.perf_counter()
+                    try:
+                        nxt = self._q.get(timeout=wait) if wait > 0 else self._q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not isinstance(nxt, _Job) or rows + len(nxt.texts) > self.max_batch:
+                        carry = nxt
+                        break
+                    batch.append(nxt)
+                    rows += len(nxt.texts)
+                self._process(batch)
+            except Exception:   # never let the worker die: requests would hang
+                log.exception("batch worker error")
+        self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, (_Job, _Call)):
+                _post(item.loop, item.future, exc=NotReadyError("the server is shutting down", "retry"))
+                if isinstance(item, _Job):
+                    self._finish(item)
+
+    def _do_call(self, c: _Call) -> None:
+        if c.future.cancelled():
+            return
+        try:
+            _post(c.loop, c.future, c.fn(*c.args, **c.kwargs))
+        except Exception as e:
+            _post(c.loop, c.future, exc=e)
+
+    @staticmethod
+    def _finish(job: _Job) -> None:
+        if not job.finished:
+            job.finished = True
+            if job.on_done is not None:
+                try:
+                    job.on_done()
+                except Exception:
+                    log.exception("on_done callback failed")
+
+    def _process(self, batch: list[_Job]) -> None:
+        start = time.perf_counter()
+        live = []
+        for j in batch:
+            if j.future.cancelled():   # the client went away while queued
+                self._finish(j)
+            else:
+                live.append(j)
+        if live:
+            try:
+                self._run_batch(live, start)
+            finally:
+                for j in live:
+                    self._finish(j)
+
+    def _run_batch(self, jobs: list[_Job], start: float) -> None:
+        texts = [t for j in jobs for t in j.texts]
+        keys = [j.key for j in jobs for _ in j.texts]
+        try:
+            trunc = self._truncated(texts) if self._truncated else [False] * len(texts)
+            emb = self._encode(texts, keys)
+        except Exception as e:
+            if len(jobs) > 1:
+                # One bad row must not fail its neighbours: retry each request alone.
+                for j in jobs:
+                    self._run_batch([j], start)
+                return
+            _post(jobs[0].loop, jobs[0].future, exc=e)
+            return
+        encode_s = time.perf_counter() - start
+        offsets, o = [], 0
+        for j in jobs:
+            offsets.append(o)
+            o += len(j.texts)
+        groups: dict[str, list[int]] = {}
+        for i, j in enumerate(jobs):
+            groups.setdefault(json.dumps(j.filter, sort_keys=True, default=str), []).append(i)
+        m = self.metrics
+        if m is not None:
+            m.batch_size.observe(len(texts))
+            m.batch_requests.observe(len(jobs))
+            m.encode_seconds.observe(encode_s)
+        for members in groups.values():
+            rows = [offsets[i] + r for i in members for r in range(len(jobs[i].texts))]
+            kmax = max(jobs[i].k for i in members)
+            with_text = any(jobs[i].with_text for i in members)
+            t0 = time.perf_counter()
+            try:
+                hits = self._search(np.ascontiguousarray(emb[rows]), kmax, jobs[members[0]].filter, with_text)
+            except Exception as e:
+                for i in members:
+                    _post(jobs[i].loop, jobs[i].future, exc=e)
+                continue
+            search_s = time.perf_counter() - t0
+            if m is not None:
+                m.search_seconds.observe(search_s)
+            pos = 0
+            for i in members:
+                j = jobs[i]
+                n = len(j.texts)
+                queue_s = max(0.0, start - j.enqueued)
+                if m is not None:
+                    m.queue_seconds.observe(queue_s)
+                off = offsets[i]
+                _post(j.loop, j.future, SearchOutcome(
+                    hits=[list(h[:j.k]) for h in hits[pos:pos + n]], truncated=trunc[off:off + n],
+                    queue_s=queue_s, encode_s=encode_s, search_s=search_s,
+                    batch_queries=len(texts), batch_requests=len(jobs)))
+                pos += n

@@ -1,0 +1,105 @@
+"""Server settings: one pydantic-settings model, read from ``QSWAP_*`` environment variables.
+
+Command-line flags of ``qswap serve`` override the environment; everything has a default so
+that ``qswap serve`` alone serves the bundled model over the demo index.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from qswap.errors import InvalidInputError
+from qswap.paths import data_dir
+
+DEFAULT_MODEL = "multilingual-e5-small"
+MIN_TOKEN_CHARS = 16
+_LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and the usual localhost names."""
+    if host in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class ServerSettings(BaseSettings):
+    """Everything ``qswap serve`` can be told. Environment: ``QSWAP_<FIELD>`` (e.g. ``QSWAP_ADMIN_TOKEN``)."""
+
+    model_config = SettingsConfigDict(env_prefix="QSWAP_", extra="ignore")
+
+    # -- what is served
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    index: Path | None = Field(None, description="index directory; none = the demo index (built on first start)")
+    read_only_index: bool = Field(False, description="open the index read-only (no document changes; "
+                                                     "other processes may write it)")
+    model: str = Field(DEFAULT_MODEL, description="base model: bundled name or local model directory")
+    device: str | None = Field(None, description="torch device (default: cuda if present, else cpu)")
+    default_encoder: str = Field("base", description="encoder used when a request names none "
+                                                     "(an alias named 'default' overrides it)")
+    # -- where state lives
+    state_dir: Path = Field(default_factory=lambda: data_dir() / "server",
+                            description="registry file and the server's own copies of encoders")
+    encoders_root: Path | None = Field(None, description="register-by-path is allowed only inside this directory")
+    # -- security
+    admin_token: SecretStr | None = Field(None, description="bearer token for admin routes")
+    search_token: SecretStr | None = Field(None, description="bearer token for search (none = open search)")
+    insecure: bool = Field(False, description="admin routes without a token, loopback only")
+    # -- throughput
+    backend: Literal["torch", "onnx"] = "torch"
+    onnx_threads: int | None = Field(None, ge=1)
+    batch_window_ms: float = Field(2.0, ge=0, le=1000, description="how long a batch waits for more requests")
+    max_batch: int = Field(64, ge=1, le=4096, description="queries encoded in one forward pass at most")
+    encoder_memory_bytes: int = Field(1 << 30, ge=0, description="budget for loaded adapters (LRU beyond it)")
+    delete_timeout_s: float = Field(30.0, gt=0, description="how long DELETE waits for in-flight requests")
+    # -- limits
+    max_queries: int = Field(64, ge=1, description="queries per search request")
+    max_k: int = Field(100, ge=1)
+    max_query_chars: int = Field(2048, ge=1, description="longer queries are cut (and flagged truncated)")
+    max_body_bytes: int = Field(2 << 20, ge=1024, description="JSON request bodies")
+    max_upload_bytes: int = Field(256 << 20, ge=1024, description="uploaded encoder archives (compressed)")
+    max_extracted_bytes: int = Field(1 << 30, ge=1024, description="uploaded encoder archives (extracted)")
+    max_archive_members: int = Field(64, ge=1)
+    max_documents: int = Field(1000, ge=1, description="documents per upsert request")
+    # -- logs
+    log_json: bool = True
+
+    @property
+    def admin_mode(self) -> Literal["token", "insecure", "disabled"]:
+        """How admin routes are guarded: by token, open on loopback, or switched off."""
+        if self.admin_token is not None:
+            return "token"
+        return "insecure" if self.insecure else "disabled"
+
+    @property
+    def store_dir(self) -> Path:
+        """The server's own copies of registered encoders."""
+        return self.state_dir / "encoders"
+
+    def check(self) -> None:
+        """Refuse settings that are unsafe or cannot work (raises :class:`InvalidInputError`)."""
+        if self.insecure and self.admin_token is None and not is_loopback(self.host):
+            raise InvalidInputError(
+                f"--insecure opens admin routes without a token; refusing to listen on {self.host}",
+                "use --host 127.0.0.1 with --insecure, or set an admin token (--token / QSWAP_ADMIN_TOKEN)")
+        for name in ("admin_token", "search_token"):
+            tok = getattr(self, name)
+            if tok is not None and len(tok.get_secret_value()) < MIN_TOKEN_CHARS:
+                raise InvalidInputError(
+                    f"{name} is shorter than {MIN_TOKEN_CHARS} characters",
+                    "generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+        if self.encoders_root is not None and not Path(self.encoders_root).is_dir():
+            raise InvalidInputError(f"encoders root {self.encoders_root} is not a directory",
+                                    "create it or point --encoders-root to an existing directory")
+        if self.index is not None and not Path(self.index).exists():
+            raise InvalidInputError(f"index {self.index} does not exist",
+                                    "build one with `qswap index build`, or omit --index to serve the demo")

@@ -1,0 +1,44 @@
+"""Index changes (admin): upsert documents embedded by the base document tower, delete by id.
+
+The embedding runs on the batch worker thread, between search batches, so model work stays
+on one thread and the event loop never runs it.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from qswap.server.auth import require_admin
+from qswap.server.errors import LimitExceededError
+from qswap.server.models import DeleteDocuments, DeleteResult, UpsertDocuments, UpsertResult
+from qswap.server.responses import ADMIN_ERRORS, state_of
+
+router = APIRouter(tags=["documents"])
+
+
+@router.post("/v1/documents", response_model=UpsertResult, responses=ADMIN_ERRORS,
+             dependencies=[Depends(require_admin)], summary="Add or replace documents")
+async def upsert_documents(body: UpsertDocuments, request: Request) -> UpsertResult:
+    from qswap.index import Document
+
+    state = state_of(request)
+    state.require_ready()
+    s = state.settings
+    if len(body.documents) > s.max_documents:
+        raise LimitExceededError(f"{len(body.documents)} documents in one request; the limit is {s.max_documents}",
+                                 "split the documents over several requests")
+    docs = [Document(id=d.id, text=d.text, metadata=d.metadata) for d in body.documents]
+    n, count = await state.batcher.call(state.embed_and_upsert, docs)
+    return UpsertResult(upserted=n, count=count)
+
+
+@router.delete("/v1/documents", response_model=DeleteResult, responses=ADMIN_ERRORS,
+               dependencies=[Depends(require_admin)], summary="Delete documents by id")
+async def delete_documents(body: DeleteDocuments, request: Request) -> DeleteResult:
+    state = state_of(request)
+    state.require_ready()
+    if len(body.ids) > state.settings.max_documents:
+        raise LimitExceededError(f"{len(body.ids)} ids in one request; the limit is {state.settings.max_documents}",
+                                 "split the ids over several requests")
+    n, count = await state.batcher.call(state.delete_documents, body.ids)
+    return DeleteResult(deleted=n, count=count)

@@ -1,0 +1,156 @@
+"""Encoder and alias routes: register (by path or upload), list, show, delete, alias.
+
+Mutations are admin routes; listing and showing follow the search access rule. Registration
+and deletion do disk and model work, so they run in threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+
+from qswap.encoders import BASE_KEY
+from qswap.errors import InvalidInputError
+from qswap.server.auth import require_admin, require_search
+from qswap.server.models import (Alias, AliasList, AliasSet, Deleted, EncoderInfo, EncoderList, RegisterByPath,
+                                 RegisterResponse)
+from qswap.server.registry import resolve_under_root
+from qswap.server.responses import ADMIN_ERRORS, ERRORS, state_of
+from qswap.server.state import ServerState
+
+router = APIRouter(tags=["encoders"])
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+_REGISTER_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": RegisterByPath.model_json_schema()},
+            "multipart/form-data": {"schema": {
+                "type": "object", "required": ["archive"],
+                "properties": {
+                    "archive": {"type": "string", "format": "binary",
+                                "description": ".tar.gz of one encoder directory"},
+                    "force": {"type": "boolean", "default": False,
+                              "description": "register even if the tuning guard refuses"}}}},
+        },
+    }
+}
+
+
+def _info(state: ServerState, key: str) -> EncoderInfo:
+    return EncoderInfo(**state.registry.info(key, state.base_version))
+
+
+def _form_bool(value: object, field: str) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise RequestValidationError([{"loc": ("body", field), "msg": "must be true or false", "type": "bool_parsing"}])
+
+
+@router.post("/v1/encoders", response_model=RegisterResponse, status_code=201, responses=ADMIN_ERRORS,
+             dependencies=[Depends(require_admin)], openapi_extra=_REGISTER_BODY,
+             summary="Register an encoder (directory under the encoders root, or uploaded .tar.gz)")
+async def register_encoder(request: Request, response: Response) -> RegisterResponse:
+    """JSON ``{"path", "force"}`` registers a directory under the configured encoders root;
+    multipart (``archive`` file + ``force`` field) registers an uploaded ``.tar.gz``.
+
+    The encoder is copied into the server's store, checksums and embedding space are verified
+    (409 ``space_mismatch`` names the differing field), the tuning guard runs, and the adapter
+    is attached. 201 when created, 200 when the identical encoder was already registered.
+    """
+    state = state_of(request)
+    state.require_ready()
+    ctype = request.headers.get("content-type", "").lower()
+    if ctype.startswith("multipart/form-data"):
+        form = await request.form(max_files=1, max_fields=4)
+        try:
+            archive = form.get("archive")
+            if not isinstance(archive, UploadFile):
+                raise RequestValidationError([{"loc": ("body", "archive"), "type": "missing",
+                                               "msg": "a file field 'archive' (.tar.gz) is required"}])
+            force = _form_bool(form.get("force"), "force")
+            rec, created = await asyncio.to_thread(state.register_archive, archive.file, force, archive.filename)
+        finally:
+            await form.close()
+    elif ctype.startswith("application/json") or not ctype:
+        try:
+            payload = RegisterByPath.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise RequestValidationError([{**err, "loc": ("body", *err.get("loc", ()))} for err in e.errors()]) from None
+        root = state.settings.encoders_root
+        if root is None:
+            raise InvalidInputError("register-by-path is disabled: the server has no encoders root",
+                                    "restart with --encoders-root DIR, or upload a .tar.gz archive")
+        src = resolve_under_root(root, payload.path)
+        rec, created = await asyncio.to_thread(state.registry.register, src, force=payload.force,
+                                               source=f"path:{payload.path}")
+    else:
+        raise HTTPException(415, "send application/json (path) or multipart/form-data (archive)")
+    response.status_code = 201 if created else 200
+    return RegisterResponse(encoder=_info(state, rec.key), created=created)
+
+
+@router.get("/v1/encoders", response_model=EncoderList, responses=ERRORS,
+            dependencies=[Depends(require_search)], summary="List encoders")
+async def list_encoders(request: Request) -> EncoderList:
+    state = state_of(request)
+    state.require_ready()
+    reg = state.registry
+    return EncoderList(default=reg.default_key(),
+                       encoders=[_info(state, k) for k in [BASE_KEY, *reg.keys()]])
+
+
+@router.get("/v1/encoders/{ref}", response_model=EncoderInfo, responses=ERRORS,
+            dependencies=[Depends(require_search)], summary="Show an encoder ('name' = latest version)")
+async def get_encoder(ref: str, request: Request) -> EncoderInfo:
+    state = state_of(request)
+    state.require_ready()
+    return _info(state, state.registry.resolve(encoder=ref))
+
+
+@router.delete("/v1/encoders/{key}", response_model=Deleted, responses=ADMIN_ERRORS,
+               dependencies=[Depends(require_admin)], summary="Delete an encoder version")
+async def delete_encoder(key: str, request: Request) -> Deleted:
+    """Refused (409) while an alias or the default points at it; waits for in-flight requests."""
+    state = state_of(request)
+    state.require_ready()
+    await asyncio.to_thread(state.registry.delete, key, state.settings.delete_timeout_s)
+    return Deleted(deleted=key)
+
+
+@router.get("/v1/aliases", response_model=AliasList, responses=ERRORS,
+            dependencies=[Depends(require_search)], tags=["aliases"], summary="List domain aliases")
+async def list_aliases(request: Request) -> AliasList:
+    state = state_of(request)
+    state.require_ready()
+    return AliasList(aliases=state.registry.aliases())
+
+
+@router.put("/v1/aliases/{domain}", response_model=Alias, responses=ADMIN_ERRORS,
+            dependencies=[Depends(require_admin)], tags=["aliases"], summary="Point a domain at an encoder")
+async def set_alias(domain: str, body: AliasSet, request: Request) -> Alias:
+    """Atomic switch: requests admitted before it finish on the previous version. The alias
+    ``default`` replaces the configured default encoder."""
+    state = state_of(request)
+    state.require_ready()
+    key, previous = await asyncio.to_thread(state.registry.set_alias, domain, body.encoder)
+    return Alias(domain=domain, encoder=key, previous=previous)
+
+
+@router.delete("/v1/aliases/{domain}", response_model=Alias, responses=ADMIN_ERRORS,
+               dependencies=[Depends(require_admin)], tags=["aliases"], summary="Remove a domain alias")
+async def delete_alias(domain: str, request: Request) -> Alias:
+    state = state_of(request)
+    state.require_ready()
+    key = await asyncio.to_thread(state.registry.delete_alias, domain)
+    return Alias(domain=domain, encoder=key)

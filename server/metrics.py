@@ -1,0 +1,51 @@
+"""Prometheus metrics, one :class:`CollectorRegistry` per app (tests run several apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_STAGE = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Metrics:
+    """Every metric the server exports (names prefixed ``qswap_``)."""
+
+    def __init__(self) -> None:
+        # The *_created series double the output and no dashboard uses them (process-wide switch).
+        disable_created_metrics()
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("qswap_requests", "HTTP requests by route, method and status",
+                                ["route", "method", "status"], registry=r)
+        self.request_seconds = Histogram("qswap_request_duration_seconds",
+                                         "HTTP request latency by route and encoder (empty for non-search)",
+                                         ["route", "encoder"], buckets=_LATENCY, registry=r)
+        self.queue_seconds = Histogram("qswap_queue_seconds", "time a search waited for its batch",
+                                       buckets=_STAGE, registry=r)
+        self.encode_seconds = Histogram("qswap_encode_seconds", "forward pass per batch",
+                                        buckets=_STAGE, registry=r)
+        self.search_seconds = Histogram("qswap_search_seconds", "index search per batch",
+                                        buckets=_STAGE, registry=r)
+        self.batch_size = Histogram("qswap_batch_size", "queries per encoded batch", buckets=_BATCH, registry=r)
+        self.batch_requests = Histogram("qswap_batch_requests", "requests merged into one batch",
+                                        buckets=_BATCH, registry=r)
+        self.queries = Counter("qswap_queries", "queries searched, by encoder", ["encoder"], registry=r)
+        self.truncated = Counter("qswap_truncated_queries", "queries cut to the model's max tokens", registry=r)
+        self.encoders_loaded = Gauge("qswap_encoders_loaded", "query encoders attached to the base", registry=r)
+        self.encoders_loaded_bytes = Gauge("qswap_encoders_loaded_bytes",
+                                           "bytes the loaded adapters add to the base", registry=r)
+        self.encoders_registered = Gauge("qswap_encoders_registered", "encoders in the registry", registry=r)
+        self.registrations = Counter("qswap_encoder_registrations", "encoder registrations by result",
+                                     ["result"], registry=r)
+        self.loads = Counter("qswap_encoder_loads", "encoders loaded into memory", registry=r)
+        self.evictions = Counter("qswap_encoder_evictions", "encoders evicted by the memory budget", registry=r)
+        self.errors = Counter("qswap_errors", "error responses by error code and status",
+                              ["code", "status"], registry=r)
+        self.index_documents = Gauge("qswap_index_documents", "documents in the index", registry=r)
+        self.ready = Gauge("qswap_ready", "1 once the index and the default encoder are loaded", registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

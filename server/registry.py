@@ -1,0 +1,538 @@
+"""Registered encoders, aliases, in-flight reference counts and the loaded-encoder LRU.
+
+- Registration copies the encoder directory into the server's own store (so later edits of
+  the source change nothing), verifies the copy (checksums, embedding space, tuning guard) and
+  attaches it to the pool (which checks that the adapter fits the base). The registry file
+  (``registry.json`` in the state dir) is written atomically before memory changes.
+- A request resolves ``encoder`` / ``domain`` / default to an exact key *at admission* and
+  holds a reference until it is finished; alias switches swap one dict (atomic), so a request
+  runs on the version it was admitted with. Deleting an encoder waits for its references.
+- Loaded encoders live in an LRU under a byte budget (``EncoderPool.memory_bytes``); the
+  default encoder and aliased ones are pinned; others load again on first use.
+
+Locks: ``_lock`` guards the in-memory tables and is never held across model code or disk
+work (the event loop takes it); ``_load_lock`` serialises pool changes; ``_admin_lock``
+serialises registrations, deletions and alias changes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from pathlib import Path, PurePath
+from typing import Any
+
+from qswap.atomic import atomic_write_json
+from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
+from qswap.encoders.artifact import MANIFEST, EncoderManifest, read_manifest, validate_name
+from qswap.errors import ConflictError, IntegrityError, InvalidInputError, NotFoundError, QswapError
+from qswap.space import EmbeddingSpace
+
+log = logging.getLogger("qswap.server")
+
+REGISTRY_FILE = "registry.json"
+LOCK_FILE = ".lock"
+FORMAT = 1
+DEFAULT_ALIAS = "default"   # an alias with this name overrides the configured default encoder
+_INCOMING = ".incoming-"
+
+
+def run_guard(guard: dict[str, Any] | None, force: bool) -> None:
+    """Run the tuning guard on an encoder's guard record (raises GuardRefusedError).
+
+    ``force`` accepts the encoder whatever its guard record says (the guard is skipped).
+    """
+    if force:
+        if guard is not None and not (isinstance(guard, dict) and guard.get("passed") is True):
+            log.warning("tuning guard skipped by force", extra={"guard_passed": (guard or {}).get("passed")
+                                                                 if isinstance(guard, dict) else None})
+        return
+    try:
+        from qswap.tuning.guard import check_guard
+    except ModuleNotFoundError as e:
+        # qswap.tuning is an optional neighbour of the server (written in parallel); without
+        # it there is no guard to run. Any other missing module is a real error.
+        if e.name in ("qswap.tuning", "qswap.tuning.guard"):
+            log.debug("qswap.tuning.guard not available; guard not checked")
+            return
+        raise
+    check_guard(guard)
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """``name@version`` -> (name, version); names cannot contain '@'."""
+    name, _, version = key.partition("@")
+    return name, version
+
+
+@dataclass
+class EncoderRecord:
+    """What the registry file keeps about one registered encoder."""
+
+    key: str
+    name: str
+    version: str
+    kind: str
+    space: str
+    files: dict[str, str]
+    registered_at: float
+    source: str
+    created_at: float | None = None
+    training: dict[str, Any] | None = None
+    guard: dict[str, Any] | None = None
+
+    @classmethod
+    def from_manifest(cls, m: EncoderManifest, source: str) -> "EncoderRecord":
+        return cls(key=m.key, name=m.name, version=m.version, kind=m.kind,
+                   space=str(m.space.get("fingerprint") or m.embedding_space().fingerprint),
+                   files=dict(m.files), registered_at=time.time(), source=source,
+                   created_at=m.created_at, training=m.training, guard=m.guard)
+
+
+def _open_nofollow(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        if path.is_symlink():
+            raise InvalidInputError(f"{path.name} in the encoder directory is a link",
+                                    "copy the real files into the encoder directory") from None
+        raise IntegrityError(f"cannot read {path}: {e.strerror}",
+                             "copy the whole encoder directory again") from None
+
+
+def copy_encoder_dir(src: Path, dst: Path) -> EncoderManifest:
+    """Copy the manifest and the files it lists (regular files only, no links) into ``dst``."""
+    manifest = read_manifest(src)
+    for name in [MANIFEST, *manifest.files]:
+        if "/" in name or "\\" in name or name in ("", ".", ".."):
+            raise IntegrityError(f"{src}: manifest lists a bad file name {name!r}", "re-export the encoder")
+        fd = _open_nofollow(src / name)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise InvalidInputError(f"{src / name} is not a regular file", "re-export the encoder")
+            with os.fdopen(fd, "rb", closefd=False) as fin, open(dst / name, "xb") as fout:
+                shutil.copyfileobj(fin, fout, 1 << 20)
+        finally:
+            os.close(fd)
+    return manifest
+
+
+def resolve_under_root(root: Path, given: str) -> Path:
+    """The real directory ``given`` names, which must lie inside ``root`` (no '..', no link escape)."""
+    if "\x00" in given:
+        raise InvalidInputError("the path contains a NUL byte", "give a plain directory path")
+    p = PurePath(given)
+    if ".." in p.parts:
+        raise InvalidInputError(f"path {given!r} contains '..'",
+                                "give the encoder directory relative to the encoders root")
+    root_real = Path(root).resolve()
+    real = (Path(p) if p.is_absolute() else root_real / p).resolve()
+    if not real.is_relative_to(root_real):
+        raise InvalidInputError(f"path {given!r} is outside the encoders root",
+                                "copy the encoder under the server's encoders root first")
+    if not real.is_dir():
+        raise NotFoundError(f"no encoder directory at {given!r} under the encoders root",
+                            "give the path of an encoder directory relative to the encoders root")
+    return real
+
+
+class EncoderRegistry:
+    """See the module docstring. Blocking methods (``register``, ``delete``, ``set_alias``,
+    ``ensure_loaded``) must run off the event loop; ``acquire``/``release``/lookups are cheap."""
+
+    def __init__(self, *, state_dir: Path, pool: EncoderPool, space: EmbeddingSpace, backend: Any,
+                 default_encoder: str = BASE_KEY, memory_budget: int = 1 << 30, metrics: Any = None) -> None:
+        self.state_dir = Path(state_dir)
+        self.store = self.state_dir / "encoders"
+        self.file = self.state_dir / REGISTRY_FILE
+        self.pool = pool
+        self.space = space
+        self.backend = backend
+        self.default_ref = default_encoder
+        self.memory_budget = memory_budget
+        self.metrics = metrics
+        self._records: dict[str, EncoderRecord] = {}
+        self._aliases: dict[str, str] = {}
+        self._refs: dict[str, int] = {}
+        self._loaded: OrderedDict[str, int] = OrderedDict()   # key -> bytes, least recently used first
+        self._deleting: set[str] = set()
+        self._lock = threading.RLock()
+        self._load_lock = threading.Lock()
+        self._admin_lock = threading.Lock()
+        self._state_fd: int | None = None
+
+    # -- persistence --------------------------------------------------------------------------
+
+    def load_state(self) -> None:
+        """Lock the state dir, read the registry file, drop entries whose stored copy is gone."""
+        self.store.mkdir(parents=True, exist_ok=True)
+        self._lock_state_dir()
+        if self.file.exists():
+            try:
+                data = json.loads(self.file.read_text())
+                records = {k: EncoderRecord(**v) for k, v in data.get("encoders", {}).items()}
+                aliases = {str(k): str(v) for k, v in data.get("aliases", {}).items()}
+            except (json.JSONDecodeError, TypeError, AttributeError, UnicodeDecodeError) as e:
+                raise IntegrityError(f"{self.file} is not a valid registry file: {e}",
+                                     "restore it from a backup, or move it away to start with no encoders") from None
+        else:
+            records, aliases = {}, {}
+        changed = False
+        for key in list(records):
+            if not (self.store / key / MANIFEST).is_file():
+                log.error("registered encoder has no stored copy; dropping it", extra={"encoder": key})
+                del records[key]
+                changed = True
+        for dom, key in list(aliases.items()):
+            if key != BASE_KEY and key not in records:
+                log.error("alias points to an unknown encoder; dropping it", extra={"domain": dom, "encoder": key})
+                del aliases[dom]
+                changed = True
+        for p in self.store.iterdir():
+            if p.name.startswith(_INCOMING) or (p.is_dir() and "@" in p.name and p.name not in records):
+                shutil.rmtree(p, ignore_errors=True)   # a crash mid-registration left it
+        with self._lock:
+            self._records, self._aliases = records, aliases
+        if changed:
+            self._save(records, aliases)
+        self._gauges()
+
+    def _lock_state_dir(self) -> None:
+        # Two servers writing one registry file would lose each other's changes.
+        if self._state_fd is not None:
+            return
+        fd = os.open(self.state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConflictError(f"state dir {self.state_dir} is in use by another server",
+                                "give each server its own --state-dir") from None
+        self._state_fd = fd
+
+    def close(self) -> None:
+        """Release the state-dir lock (the registry file is always up to date)."""
+        if self._state_fd is not None:
+            os.close(self._state_fd)
+            self._state_fd = None
+
+    def _save(self, records: dict[str, EncoderRecord], aliases: dict[str, str]) -> None:
+        atomic_write_json(self.file, {"format": FORMAT,
+                                      "encoders": {k: asdict(r) for k, r in sorted(records.items())},
+                                      "aliases": dict(sorted(aliases.items()))})
+
+    # -- resolution and reference counts ------------------------------------------------------
+
+    def _resolve_ref(self, ref: str) -> str:
+        if ref == BASE_KEY:
+            return BASE_KEY
+        if "@" in ref:
+            if ref in self._records and ref not in self._deleting:
+                return ref
+            raise NotFoundError(f"encoder {ref} is not registered", "list encoders with GET /v1/encoders")
+        versions = [r for r in self._records.values() if r.name == ref and r.key not in self._deleting]
+        if not versions:
+            raise NotFoundError(f"no encoder named {ref!r} is registered",
+                                "list encoders with GET /v1/encoders, or register one with POST /v1/encoders")
+        return max(versions, key=lambda r: r.registered_at).key
+
+    def default_key(self) -> str:
+        """The encoder that answers requests naming none."""
+        with self._lock:
+            return self._aliases.get(DEFAULT_ALIAS) or self._resolve_ref(self.default_ref)
+
+    def resolve(self, encoder: str | None = None, domain: str | None = None) -> str:
+        """Exact key for an encoder name/key, a domain alias, or (neither) the default."""
+        with self._lock:
+            if encoder is not None and domain is not None:
+                raise InvalidInputError("give an encoder or a domain, not both")
+            if domain is not None:
+                key = self._aliases.get(domain)
+                if key is None:
+                    known = ", ".join(sorted(self._aliases)) or "none"
+                    raise NotFoundError(f"no alias for domain {domain!r}", f"known domains: {known}")
+                return key
+            if encoder is None:
+                return self.default_key()
+            return self._resolve_ref(encoder)
+
+    def acquire(self, encoder: str | None = None, domain: str | None = None) -> str:
+        """Resolve and hold a reference: the key stays registered and loaded until :meth:`release`."""
+        with self._lock:
+            key = self.resolve(encoder, domain)
+            self._refs[key] = self._refs.get(key, 0) + 1
+            if key in self._loaded:
+                self._loaded.move_to_end(key)
+            return key
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            n = self._refs.get(key, 0) - 1
+            if n > 0:
+                self._refs[key] = n
+            else:
+                self._refs.pop(key, None)
+
+    def in_flight(self, key: str) -> int:
+        with self._lock:
+            return self._refs.get(key, 0)
+
+    def is_loaded(self, key: str) -> bool:
+        with self._lock:
+            return key == BASE_KEY or key in self._loaded
+
+    def _pinned(self) -> set[str]:
+        pinned = {BASE_KEY, *self._aliases.values()}
+        try:
+            pinned.add(self.default_key())
+        except NotFoundError:
+            pass
+        return pinned
+
+    # -- loading and the LRU -----------------------------------------------------------------
+
+    def ensure_loaded(self, key: str) -> None:
+        """Attach ``key`` to the pool if it is not (blocking: reads and verifies the stored copy)."""
+        if self.is_loaded(key):
+            return
+        with self._load_lock:
+            with self._lock:
+                if key in self._loaded:
+                    return
+                if key not in self._records:
+                    raise NotFoundError(f"encoder {key} is not registered", "list encoders with GET /v1/encoders")
+            art = load_encoder(self.store / key, self.space)   # re-verifies checksums of the stored copy
+            self.pool.add(art)
+            with self._lock:
+                self._loaded[key] = self.pool.memory_bytes(key)
+            if self.metrics is not None:
+                self.metrics.loads.inc()
+            log.info("encoder loaded", extra={"encoder": key, "bytes": self._loaded.get(key)})
+            self._evict(keep=key)
+        self._prepare(key)
+        self._gauges()
+
+    def _evict(self, keep: str) -> None:
+        """Detach least recently used, unpinned, idle encoders until under budget (holds _load_lock)."""
+        while True:
+            with self._lock:
+                if sum(self._loaded.values()) <= self.memory_budget:
+                    return
+                pinned = self._pinned()
+                victim = next((k for k in self._loaded
+                               if k != keep and k not in pinned and not self._refs.get(k)), None)
+                if victim is None:
+                    log.warning("loaded encoders exceed the memory budget; nothing can be evicted",
+                                extra={"bytes": sum(self._loaded.values()), "budget": self.memory_budget})
+                    return
+                del self._loaded[victim]   # from now on a new request reloads it (after this lock)
+            self.pool.remove(victim)
+            self._discard(victim)   # an ONNX session would keep the memory the budget freed
+            if self.metrics is not None:
+                self.metrics.evictions.inc()
+            log.info("encoder evicted", extra={"encoder": victim})
+
+    def _prepare(self, key: str) -> None:
+        try:
+            self.backend.prepare(key)
+        except Exception:   # an export failure must not fail the request: the pool still serves
+            log.exception("backend prepare failed", extra={"encoder": key})
+
+    def _discard(self, key: str) -> None:
+        try:
+            self.backend.discard(key)
+        except Exception:
+            log.exception("backend discard failed", extra={"encoder": key})
+
+    def _gauges(self) -> None:
+        if self.metrics is None:
+            return
+        with self._lock:
+            self.metrics.encoders_loaded.set(len(self._loaded) + 1)
+            self.metrics.encoders_loaded_bytes.set(sum(self._loaded.values()))
+            self.metrics.encoders_registered.set(len(self._records))
+
+    # -- administration ------------------------------------------------------------------------
+
+    def register(self, src: Path, *, force: bool = False, source: str = "") -> tuple[EncoderRecord, bool]:
+        """Copy, verify and attach the encoder directory ``src``; returns (record, created)."""
+        try:
+            out = self._register(Path(src), force, source)
+        except QswapError:
+            if self.metrics is not None:
+                self.metrics.registrations.labels(result="refused").inc()
+            raise
+        if self.metrics is not None:
+            self.metrics.registrations.labels(result="created" if out[1] else "exists").inc()
+        self._gauges()
+        return out
+
+    def _register(self, src: Path, force: bool, source: str) -> tuple[EncoderRecord, bool]:
+        with self._admin_lock:
+            self.store.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=_INCOMING, dir=self.store))
+            try:
+                copy_encoder_dir(src, staging)
+                # Everything below reads the copy: what is verified is what is stored and served.
+                art = load_encoder(staging, self.space)   # manifest, checksums, then the space
+                manifest = art.manifest
+                validate_name(manifest.name)
+                validate_name(manifest.version, "encoder version")
+                key = manifest.key
+                if manifest.name in (BASE_KEY, DEFAULT_ALIAS):
+                    raise ConflictError(f"encoder name {manifest.name!r} is reserved", "rename the encoder")
+                with self._lock:
+                    existing = self._records.get(key)
+                if existing is not None:
+                    if existing.files == manifest.files and existing.kind == manifest.kind:
+                        return existing, False
+                    raise ConflictError(f"encoder {key} is already registered with different files",
+                                        "register the new files under a new version")
+                run_guard(manifest.guard, force)
+                rec = EncoderRecord.from_manifest(manifest, source)
+                target = self.store / key
+                with self._load_lock:
+                    self.pool.add(art)   # refuses an adapter that does not fit the base
+                    try:
+                        if target.exists():
+                            shutil.rmtree(target)   # an unregistered leftover
+                        os.replace(staging, target)
+                        with self._lock:
+                            records = {**self._records, key: rec}
+                            aliases = dict(self._aliases)
+                        self._save(records, aliases)
+                    except BaseException:
+                        self.pool.remove(key)
+                        shutil.rmtree(target, ignore_errors=True)
+                        raise
+                    with self._lock:
+                        self._records = records
+                        self._loaded[key] = self.pool.memory_bytes(key)
+                    if self.metrics is not None:
+                        self.metrics.loads.inc()
+                    self._evict(keep=key)
+            finally:
+                if staging.exists():
+                    shutil.rmtree(staging, ignore_errors=True)
+        log.info("encoder registered", extra={"encoder": key, "kind": rec.kind, "source": source})
+        self._prepare(key)
+        return rec, True
+
+    def delete(self, key: str, timeout_s: float = 30.0) -> None:
+        """Unregister ``key`` after its in-flight requests finish (new ones are refused at once)."""
+        if "@" not in key:
+            raise InvalidInputError(f"delete needs an exact name@version, got {key!r}",
+                                    "list the versions with GET /v1/encoders")
+        with self._admin_lock:
+            with self._lock:
+                if key not in self._records:
+                    raise NotFoundError(f"encoder {key} is not registered", "list encoders with GET /v1/encoders")
+                domains = sorted(d for d, k in self._aliases.items() if k == key)
+                if domains:
+                    raise ConflictError(f"encoder {key} is the target of aliases {domains}",
+                                        "point those aliases elsewhere or delete them first")
+                if self._default_or_none() == key:
+                    raise ConflictError(f"encoder {key} is the default encoder",
+                                        "configure another default encoder first")
+                self._deleting.add(key)
+            try:
+                deadline = time.monotonic() + timeout_s
+                while self.in_flight(key):
+                    if time.monotonic() > deadline:
+                        raise ConflictError(f"encoder {key} still has requests in flight after {timeout_s:.0f}s",
+                                            "retry the delete when traffic to it has drained")
+                    time.sleep(0.005)
+                with self._lock:
+                    records = {k: r for k, r in self._records.items() if k != key}
+                    aliases = dict(self._aliases)
+                self._save(records, aliases)
+            except BaseException:
+                with self._lock:
+                    self._deleting.discard(key)
+                raise
+            with self._load_lock:
+                with self._lock:
+                    self._loaded.pop(key, None)
+                    self._records = records
+                    self._deleting.discard(key)
+                if key in self.pool:
+                    self.pool.remove(key)
+            self._discard(key)
+            shutil.rmtree(self.store / key, ignore_errors=True)
+        log.info("encoder deleted", extra={"encoder": key})
+        self._gauges()
+
+    def _default_or_none(self) -> str | None:
+        try:
+            return self.default_key()
+        except NotFoundError:
+            return None
+
+    def set_alias(self, domain: str, ref: str) -> tuple[str, str | None]:
+        """Point ``domain`` at ``ref`` (loaded first, so the switch costs traffic nothing)."""
+        validate_name(domain, "domain")
+        with self._admin_lock:
+            key = self.acquire(encoder=ref)   # held so it cannot be evicted before it is pinned
+            try:
+                self.ensure_loaded(key)
+                with self._lock:
+                    previous = self._aliases.get(domain)
+                    aliases = {**self._aliases, domain: key}
+                    records = dict(self._records)
+                self._save(records, aliases)
+                with self._lock:
+                    self._aliases = aliases   # one reference swap: requests see old or new
+            finally:
+                self.release(key)
+        log.info("alias set", extra={"domain": domain, "encoder": key, "previous": previous})
+        return key, previous
+
+    def delete_alias(self, domain: str) -> str:
+        with self._admin_lock:
+            with self._lock:
+                if domain not in self._aliases:
+                    raise NotFoundError(f"no alias for domain {domain!r}", "list aliases with GET /v1/aliases")
+                key = self._aliases[domain]
+                aliases = {d: k for d, k in self._aliases.items() if d != domain}
+                records = dict(self._records)
+            self._save(records, aliases)
+            with self._lock:
+                self._aliases = aliases
+        log.info("alias deleted", extra={"domain": domain, "encoder": key})
+        return key
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def aliases(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._aliases)
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return sorted(self._records)
+
+    def info(self, key: str, base_version: str) -> dict[str, Any]:
+        """A JSON-able description of one encoder (``base`` included)."""
+        with self._lock:
+            pinned = self._pinned()
+            aliases = sorted(d for d, k in self._aliases.items() if k == key)
+            if key == BASE_KEY:
+                return {"key": BASE_KEY, "name": BASE_KEY, "version": base_version, "kind": "identity",
+                        "space": self.space.fingerprint, "loaded": True, "pinned": True,
+                        "in_flight": self._refs.get(key, 0), "memory_bytes": 0, "aliases": aliases,
+                        "source": "base model"}
+            rec = self._records.get(key)
+            if rec is None:
+                raise NotFoundError(f"encoder {key} is not registered", "list encoders with GET /v1/encoders")
+            return {**asdict(rec), "loaded": key in self._loaded, "pinned": key in pinned,
+                    "in_flight": self._refs.get(key, 0), "memory_bytes": self._loaded.get(key),
+                    "aliases": aliases}

@@ -1,0 +1,537 @@
+"""The real server over HTTP: uvicorn on 127.0.0.1, a real 50-document index, real encoders."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from ..encoders.adapters import make_lora, make_overrides
+from .conftest import ADMIN, SEARCH, LiveServer, server_settings
+
+TOL = 3e-3   # the index rescoring uses float16 document vectors
+
+
+def _exact_scores(pool, doc_emb: np.ndarray, ids: list[str], key: str, query: str) -> dict[str, float]:
+    q = pool.encode([query], [key])[0]
+    return dict(zip(ids, (doc_emb @ q).tolist()))
+
+
+def _assert_served_by(hits: list[dict], pool, doc_emb, ids, key: str, query: str, k: int) -> None:
+    """Every hit's score is the exact cosine under encoder ``key``, and the hits are a top-k."""
+    exact = _exact_scores(pool, doc_emb, ids, key, query)
+    kth = sorted(exact.values(), reverse=True)[k - 1]
+    assert len(hits) == k
+    for h in hits:
+        assert abs(h["score"] - exact[h["id"]]) < TOL, (key, h)
+        assert exact[h["id"]] >= kth - TOL
+    scores = [h["score"] for h in hits]
+    assert scores == sorted(scores, reverse=True)
+
+
+def _tar_gz(src: Path, arcname: str) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+        t.add(src, arcname=arcname)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def admin(live):
+    with live.client(ADMIN) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def anon(live):
+    with live.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def registered(admin):
+    """ft@1, ft@2 (LoRA), bias@1, part@1 registered by path."""
+    for d in ("ft1", "ft2", "bias1", "part1"):
+        r = admin.post("/v1/encoders", json={"path": d})
+        assert r.status_code in (200, 201), r.text
+    return ["ft@1", "ft@2", "bias@1", "part@1"]
+
+
+@pytest.fixture(scope="module")
+def ids(corpus_docs):
+    return [d["id"] for d in corpus_docs]
+
+
+# ----------------------------------------------------------------------------- basics
+
+
+def test_health_ready_request_id(anon):
+    assert anon.get("/healthz").json() == {"status": "ok"}
+    r = anon.get("/readyz")
+    assert r.status_code == 200 and r.json()["ready"] is True and r.json()["index_documents"] == 50
+    r = anon.post("/v1/search", json={"query": "chess"}, headers={"X-Request-ID": "client-id.42"})
+    assert r.headers["x-request-id"] == "client-id.42"
+    r = anon.post("/v1/search", json={"query": "chess"}, headers={"X-Request-ID": "bad id with spaces" * 20})
+    rid = r.headers["x-request-id"]
+    assert len(rid) == 32 and " " not in rid
+
+
+def test_search_results_are_exact_for_every_encoder(anon, registered, reference_pool, doc_embeddings, ids):
+    q = "chess puzzle game"
+    r = anon.post("/v1/search", json={"query": q, "k": 5})
+    assert r.status_code == 200, r.text
+    res = r.json()["results"][0]
+    assert res["encoder"]["key"] == "base" and res["truncated"] is False
+    assert set(res["timings"]) == {"queue_ms", "encode_ms", "search_ms"}
+    _assert_served_by(res["hits"], reference_pool, doc_embeddings, ids, "base", q, 5)
+    for key in registered:
+        r = anon.post("/v1/search", json={"queries": [q, "audio video"], "k": 4, "encoder": key})
+        assert r.status_code == 200, r.text
+        out = r.json()["results"]
+        assert [o["encoder"] for o in out] == [{"key": key, "name": key.split("@")[0],
+                                                "version": key.split("@")[1]}] * 2
+        _assert_served_by(out[0]["hits"], reference_pool, doc_embeddings, ids, key, q, 4)
+        _assert_served_by(out[1]["hits"], reference_pool, doc_embeddings, ids, key, "audio video", 4)
+    r = anon.post("/v1/search", json={"query": q, "encoder": "ft"})   # name -> latest version
+    assert r.json()["results"][0]["encoder"]["key"] == "ft@2"
+
+
+def test_filter_and_with_text(anon, corpus_docs):
+    r = anon.post("/v1/search", json={"query": "music", "k": 20, "filter": {"section": "games"},
+                                      "with_text": False})
+    hits = r.json()["results"][0]["hits"]
+    games = {d["id"] for d in corpus_docs if d["section"] == "games"}
+    assert {h["id"] for h in hits} == games            # 13 of 50 documents match
+    assert all(h["text"] is None and h["metadata"]["section"] == "games" for h in hits)
+    texts = {d["id"]: d["text"] for d in corpus_docs}
+    hits = anon.post("/v1/search", json={"query": "music", "k": 3}).json()["results"][0]["hits"]
+    assert all(h["text"] == texts[h["id"]] for h in hits)
+
+
+# ----------------------------------------------------------------------------- registration
+
+
+def test_listing_and_idempotent_registration(anon, admin, registered):
+    listing = anon.get("/v1/encoders").json()
+    assert listing["default"] == "base"
+    assert [e["key"] for e in listing["encoders"]][:1] == ["base"]
+    assert set(registered) <= {e["key"] for e in listing["encoders"]}
+    info = anon.get("/v1/encoders/ft").json()
+    assert info["key"] == "ft@2" and info["kind"] == "lora" and info["loaded"] is True
+    r = admin.post("/v1/encoders", json={"path": "ft1"})
+    assert r.status_code == 200 and r.json()["created"] is False
+    assert anon.get("/v1/encoders/nope@1").status_code == 404
+
+
+def test_register_path_refusals(admin, encoders_root, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    outside_enc = outside / "enc"
+    shutil.copytree(encoders_root / "bias1", outside_enc)
+    link = encoders_root / "escape-link"
+    if not link.exists():
+        link.symlink_to(outside_enc, target_is_directory=True)
+    tampered = encoders_root / "tampered"
+    if not tampered.exists():
+        shutil.copytree(encoders_root / "part1", tampered)
+        (tampered / "adapter.safetensors").write_bytes(b"\x00" * 64)
+    filelink = encoders_root / "filelink"
+    if not filelink.exists():
+        shutil.copytree(encoders_root / "bias1", filelink)
+        (filelink / "adapter.safetensors").unlink()
+        (filelink / "adapter.safetensors").symlink_to(outside_enc / "adapter.safetensors")
+    cases = {
+        "../outside": (400, "invalid_input"), "ft1/../../x": (400, "invalid_input"),
+        str(outside_enc): (400, "invalid_input"), "escape-link": (400, "invalid_input"),
+        "missing-dir": (404, "not_found"), "tampered": (422, "integrity_error"),
+        "filelink": (400, "invalid_input"),
+    }
+    for path, (status, code) in cases.items():
+        r = admin.post("/v1/encoders", json={"path": path})
+        assert (r.status_code, r.json().get("error")) == (status, code), (path, r.text)
+        assert r.json()["detail"] and r.json()["hint"]
+    assert admin.get("/v1/encoders/tampered").status_code == 404
+
+
+def test_wrong_space_refused_while_serving(live, admin):
+    results: list[int] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        with live.client() as c:
+            while not stop.is_set():
+                results.append(c.post("/v1/search", json={"query": "linux server", "k": 3}).status_code)
+
+    t = threading.Thread(target=traffic)
+    t.start()
+    try:
+        time.sleep(0.1)
+        r = admin.post("/v1/encoders", json={"path": "alien"})
+        time.sleep(0.1)
+    finally:
+        stop.set()
+        t.join()
+    assert r.status_code == 409
+    body = r.json()
+    assert body["error"] == "space_mismatch" and body["field"] == "weights_sha256"
+    assert "weights_sha256" in body["detail"]
+    assert results and set(results) == {200}
+
+
+def test_upload_archive(admin, anon, tiny_base, tmp_path):
+    enc = make_overrides(tiny_base, tmp_path / "up", "uploaded", "bias", seed=21)
+    data = _tar_gz(enc, "uploaded")
+    r = admin.post("/v1/encoders", files={"archive": ("up.tar.gz", data, "application/gzip")},
+                   data={"force": "false"})
+    assert r.status_code == 201, r.text
+    assert r.json()["encoder"]["key"] == "uploaded@1" and r.json()["encoder"]["source"] == "upload:up.tar.gz"
+    r = admin.post("/v1/encoders", files={"archive": ("up.tar.gz", data, "application/gzip")})
+    assert r.status_code == 200 and r.json()["created"] is False
+    assert anon.post("/v1/search", json={"query": "x", "encoder": "uploaded@1"}).status_code == 200
+    evil = io.BytesIO()
+    with tarfile.open(fileobj=evil, mode="w:gz") as t:
+        info = tarfile.TarInfo("../../evil")
+        info.size = 1
+        t.addfile(info, io.BytesIO(b"x"))
+    r = admin.post("/v1/encoders", files={"archive": ("e.tar.gz", evil.getvalue(), "application/gzip")})
+    assert r.status_code == 400 and r.json()["error"] == "invalid_input"
+    r = admin.post("/v1/encoders", files={"archive": ("e.tar.gz", b"plain text", "application/gzip")})
+    assert r.status_code == 400
+    r = admin.post("/v1/encoders", files={"other": ("e.tar.gz", data, "application/gzip")})
+    assert r.status_code == 422 and r.json()["error"] == "validation_error"
+    r = admin.post("/v1/encoders", files={"archive": ("up.tar.gz", data, "application/gzip")},
+                   data={"force": "maybe"})
+    assert r.status_code == 422
+    r = admin.post("/v1/encoders", content=b"x", headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"] == "unsupported_media_type"
+
+
+def test_guard_refuses_unless_forced(admin, tiny_base, encoders_root):
+    from qswap.encoders import load_encoder, save_encoder
+    art = load_encoder(encoders_root / "bias1")
+    d = encoders_root / "guarded"
+    if not d.exists():
+        save_encoder(d, name="guarded", version="1", kind="bias", space=tiny_base.space, tensors=art.overrides,
+                     guard={"passed": False, "z_critical": 1.96, "checks": [
+                         {"name": "sentinel", "metric": "mrr@10", "degraded": True, "z": -3.1}]})
+    r = admin.post("/v1/encoders", json={"path": "guarded"})
+    assert r.status_code == 409 and r.json()["error"] == "guard_refused", r.text
+    r = admin.post("/v1/encoders", json={"path": "guarded", "force": True})
+    assert r.status_code == 201, r.text
+
+
+# ----------------------------------------------------------------------------- hot swap
+
+
+def test_alias_switch_under_concurrent_load(live, admin, anon, registered, reference_pool, doc_embeddings, ids):
+    q1, q2 = "chess puzzle game", "network server data"
+    s1 = _exact_scores(reference_pool, doc_embeddings, ids, "ft@1", q1)
+    s2 = _exact_scores(reference_pool, doc_embeddings, ids, "ft@2", q1)
+    assert max(abs(s1[i] - s2[i]) for i in ids) > 10 * TOL    # the two versions are distinguishable
+    assert admin.put("/v1/aliases/games", json={"encoder": "ft@1"}).status_code == 200
+    before = anon.get("/metrics").text
+    responses: list[tuple[int, dict]] = []
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def client_loop() -> None:
+        with live.client() as c:
+            while not stop.is_set():
+                try:
+                    r = c.post("/v1/search", json={"queries": [q1, q2], "k": 5, "domain": "games"})
+                    responses.append((r.status_code, r.json()))
+                except httpx.HTTPError as e:
+                    errors.append(repr(e))
+
+    threads = [threading.Thread(target=client_loop) for _ in range(4)]
+    for t in threads:
+        t.start()
+    switches = []
+    try:
+        for i in range(10):
+            time.sleep(0.06)
+            r = admin.put("/v1/aliases/games", json={"encoder": "ft@2" if i % 2 == 0 else "ft@1"})
+            assert r.status_code == 200
+            switches.append(r.json())
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors
+    assert len(responses) >= 20
+    assert {status for status, _ in responses} == {200}
+    seen = set()
+    for _, body in responses:
+        keys = {res["encoder"]["key"] for res in body["results"]}
+        assert len(keys) == 1                         # one request, one encoder version
+        key = keys.pop()
+        assert key in ("ft@1", "ft@2")
+        seen.add(key)
+        _assert_served_by(body["results"][0]["hits"], reference_pool, doc_embeddings, ids, key, q1, 5)
+    assert seen == {"ft@1", "ft@2"}
+    assert switches[0]["previous"] == "ft@1" and switches[0]["encoder"] == "ft@2"
+    assert anon.get("/v1/aliases").json()["aliases"]["games"] == "ft@1"
+
+    def merged(text: str) -> tuple[float, float]:
+        vals = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines()
+                if ln.startswith("qswap_batch_requests_")}
+        return vals["qswap_batch_requests_sum"], vals["qswap_batch_requests_count"]
+    (s0, c0), (s1_, c1) = merged(before), merged(anon.get("/metrics").text)
+    assert (s1_ - s0) > (c1 - c0)                     # some batches merged several requests
+
+
+def test_delete_encoder(admin, anon, encoders_root, tiny_base):
+    d = encoders_root / "todelete"
+    if not d.exists():
+        make_overrides(tiny_base, d, "todelete", "bias", seed=31)
+    assert admin.post("/v1/encoders", json={"path": "todelete"}).status_code == 201
+    assert admin.put("/v1/aliases/tmpdom", json={"encoder": "todelete"}).json()["encoder"] == "todelete@1"
+    r = admin.delete("/v1/encoders/todelete@1")
+    assert r.status_code == 409 and r.json()["error"] == "conflict"
+    assert admin.delete("/v1/aliases/tmpdom").status_code == 200
+    assert admin.delete("/v1/aliases/tmpdom").status_code == 404
+    assert admin.delete("/v1/encoders/todelete").status_code == 400   # exact version needed
+    r = admin.delete("/v1/encoders/todelete@1")
+    assert r.status_code == 200 and r.json() == {"deleted": "todelete@1"}
+    assert anon.get("/v1/encoders/todelete@1").status_code == 404
+    r = anon.post("/v1/search", json={"query": "x", "encoder": "todelete@1"})
+    assert r.status_code == 404 and r.json()["error"] == "not_found"
+    assert anon.post("/v1/search", json={"query": "x"}).status_code == 200
+
+
+# ----------------------------------------------------------------------------- security and limits
+
+
+def test_admin_routes_need_the_token(live, anon):
+    for method, path, kw in [("POST", "/v1/encoders", {"json": {"path": "ft1"}}),
+                             ("PUT", "/v1/aliases/x", {"json": {"encoder": "base"}}),
+                             ("DELETE", "/v1/encoders/ft@1", {}),
+                             ("POST", "/v1/documents", {"json": {"documents": [{"id": "a", "text": "b"}]}})]:
+        r = anon.request(method, path, **kw)
+        assert r.status_code == 401 and r.json()["error"] == "unauthorized", (path, r.text)
+        assert r.headers["www-authenticate"] == "Bearer"
+        with live.client("wrong-token-0123456789abcdef") as c:
+            assert c.request(method, path, **kw).status_code == 401
+    assert anon.get("/v1/aliases").status_code == 200           # reading is search-level (open here)
+
+
+def test_limits_and_bad_input_are_4xx(anon):
+    cases = [
+        ({"query": "x", "k": 21}, 422, "limit_exceeded"),
+        ({"queries": ["x"] * 9}, 422, "limit_exceeded"),
+        ({"query": ""}, 422, "validation_error"),
+        ({"query": "   "}, 422, "validation_error"),
+        ({"queries": []}, 422, "validation_error"),
+        ({}, 422, "validation_error"),
+        ({"query": "x", "queries": ["y"]}, 422, "validation_error"),
+        ({"query": "x", "k": 0}, 422, "validation_error"),
+        ({"query": "x", "k": "many"}, 422, "validation_error"),
+        ({"query": "x", "extra": 1}, 422, "validation_error"),
+        ({"query": "x", "encoder": "ft@1", "domain": "games"}, 422, "validation_error"),
+        ({"query": "x", "encoder": "nope"}, 404, "not_found"),
+        ({"query": "x", "encoder": "nope@3"}, 404, "not_found"),
+        ({"query": "x", "domain": "unknown-domain"}, 404, "not_found"),
+        ({"query": "x", "filter": {"section": ["a", "b"]}}, 400, "invalid_input"),
+        ({"query": 5}, 422, "validation_error"),
+    ]
+    for body, status, code in cases:
+        r = anon.post("/v1/search", json=body)
+        assert (r.status_code, r.json().get("error")) == (status, code), (body, r.text)
+        assert isinstance(r.json()["detail"], str) and r.json()["detail"]
+    r = anon.post("/v1/search", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"] == "validation_error"
+    r = anon.post("/v1/search", content=b"[1, 2]", headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    big = {"query": "x" * (70 * 1024)}
+    r = anon.post("/v1/search", json=big)
+    assert r.status_code == 413 and r.json()["error"] == "payload_too_large"
+
+    def chunks():
+        for _ in range(100):
+            yield b" " * 1024
+    r = anon.post("/v1/search", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"] == "payload_too_large"   # no content-length
+    r = anon.get("/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"] == "not_found"
+    r = anon.get("/v1/search")
+    assert r.status_code == 405 and r.json()["error"] == "method_not_allowed"
+
+
+def test_long_queries_are_truncated_and_flagged(anon):
+    long_words = " ".join(["chess"] * 200)          # > 64 tokens of the tiny model
+    r = anon.post("/v1/search", json={"queries": ["chess", long_words, "y" * 1000], "k": 2})
+    assert r.status_code == 200
+    assert [res["truncated"] for res in r.json()["results"]] == [False, True, True]
+    r2 = anon.post("/v1/search", json={"query": " ".join(["chess"] * 120), "k": 2})
+    assert r2.json()["results"][0]["hits"] == r.json()["results"][1]["hits"]   # both cut at max tokens
+
+
+def test_metrics_after_traffic(anon):
+    anon.post("/v1/search", json={"query": "metrics please"})
+    anon.post("/v1/search", json={"query": "x", "k": 1000})
+    text = anon.get("/metrics").text
+    for needle in ('qswap_request_duration_seconds_bucket{encoder="base",le="0.005",route="/v1/search"}',
+                   'qswap_requests_total{method="POST",route="/v1/search",status="200"}',
+                   "qswap_queue_seconds_count", "qswap_encode_seconds_count", "qswap_search_seconds_count",
+                   "qswap_batch_size_bucket", 'qswap_errors_total{code="limit_exceeded",status="422"}',
+                   'qswap_encoder_registrations_total{result="created"}', "qswap_encoders_loaded ",
+                   'qswap_queries_total{encoder="base"}', "qswap_index_documents 5", "qswap_ready 1.0"):
+        assert needle in text, needle
+    assert "_created" not in text
+
+
+def test_documents_upsert_and_delete(admin, anon):
+    before = anon.get("/readyz").json()["index_documents"]
+    docs = [{"id": "new-1", "text": "chess puzzle physics", "metadata": {"section": "fresh"}},
+            {"id": "new-2", "text": "audio video music", "metadata": {"section": "fresh", "n": 2}}]
+    try:
+        r = admin.post("/v1/documents", json={"documents": docs})
+        assert r.status_code == 200 and r.json() == {"upserted": 2, "count": before + 2}
+        hits = anon.post("/v1/search", json={"query": "chess", "k": 10, "filter": {"section": "fresh"}}
+                         ).json()["results"][0]["hits"]
+        assert sorted(h["id"] for h in hits) == ["new-1", "new-2"]
+        r = admin.post("/v1/documents", json={"documents": [{"id": "x", "text": ""}]})
+        assert r.status_code == 422
+    finally:
+        r = admin.request("DELETE", "/v1/documents", json={"ids": ["new-1", "new-2", "never-there"]})
+    assert r.status_code == 200 and r.json() == {"deleted": 2, "count": before}
+    hits = anon.post("/v1/search", json={"query": "chess", "filter": {"section": "fresh"}}).json()
+    assert hits["results"][0]["hits"] == []
+
+
+def test_openapi_committed_copy_matches(anon):
+    from qswap.server.app import OPENAPI_FILE, openapi_schema
+    committed = json.loads(OPENAPI_FILE.read_text())
+    assert committed == openapi_schema(), "run `qswap serve --write-openapi server/openapi.json`"
+    assert anon.get("/openapi.json").json() == committed
+
+
+# ----------------------------------------------------------------------------- other configurations
+
+
+def test_auth_modes_and_read_only(tmp_path, tiny_model_dir, index_dir):
+    s = server_settings(tmp_path / "a", tiny_model_dir, index_dir, search_token=SEARCH, read_only_index=True)
+    with LiveServer(s) as srv:
+        with srv.client() as c:
+            assert c.post("/v1/search", json={"query": "x"}).status_code == 401
+            assert c.get("/v1/encoders").status_code == 401
+            assert c.get("/healthz").status_code == 200 and c.get("/metrics").status_code == 200
+        with srv.client(SEARCH) as c:
+            assert c.post("/v1/search", json={"query": "x"}).status_code == 200
+            r = c.put("/v1/aliases/x", json={"encoder": "base"})
+            assert r.status_code == 403 and r.json()["error"] == "forbidden"   # no admin token: admin off
+    s = server_settings(tmp_path / "b", tiny_model_dir, index_dir, insecure=True, read_only_index=True)
+    with LiveServer(s) as srv, srv.client() as c:
+        r = c.put("/v1/aliases/x", json={"encoder": "base"})
+        assert r.status_code == 200 and r.json()["encoder"] == "base"
+        r = c.post("/v1/documents", json={"documents": [{"id": "a", "text": "b"}]})
+        assert r.status_code == 400 and "read-only" in r.json()["detail"]
+    from qswap.errors import InvalidInputError
+    from qswap.server.app import create_app
+    with pytest.raises(InvalidInputError):
+        create_app(server_settings(tmp_path / "c", tiny_model_dir, index_dir, insecure=True, host="0.0.0.0"))
+
+
+def test_restart_keeps_encoders_and_aliases(tmp_path, tiny_model_dir, index_dir, tiny_base, reference_pool,
+                                            doc_embeddings, ids):
+    root = tmp_path / "root"
+    make_lora(tiny_base, root / "r1", "rl", seed=11, version="1")    # same weights as ft@1
+    s = server_settings(tmp_path, tiny_model_dir, index_dir, encoders_root=root, admin_token=ADMIN,
+                        read_only_index=True)
+    with LiveServer(s) as srv, srv.client(ADMIN) as c:
+        assert c.post("/v1/encoders", json={"path": "r1"}).status_code == 201
+        assert c.put("/v1/aliases/games", json={"encoder": "rl@1"}).status_code == 200
+    # later edits of the source change nothing: the server serves its own verified copy
+    (root / "r1" / "adapter_model.safetensors").write_bytes(b"edited")
+    with LiveServer(s.model_copy(update={"default_encoder": "rl"})) as srv, srv.client() as c:
+        assert c.get("/v1/aliases").json()["aliases"] == {"games": "rl@1"}
+        assert c.get("/readyz").json()["default_encoder"] == "rl@1"
+        for body in ({"query": "chess puzzle game", "domain": "games", "k": 5},
+                     {"query": "chess puzzle game", "k": 5}):
+            res = c.post("/v1/search", json=body).json()["results"][0]
+            assert res["encoder"]["key"] == "rl@1"
+            _assert_served_by(res["hits"], reference_pool, doc_embeddings, ids, "ft@1", "chess puzzle game", 5)
+    assert json.loads((tmp_path / "state" / "registry.json").read_text())["aliases"] == {"games": "rl@1"}
+
+
+def test_not_ready_answers_503(tmp_path, tiny_model_dir):
+    bogus = tmp_path / "not-an-index"
+    bogus.mkdir()
+    (bogus / "junk.txt").write_text("x")
+    srv = LiveServer(server_settings(tmp_path, tiny_model_dir, bogus, admin_token=ADMIN))
+    srv.start(wait_ready=False)
+    try:
+        with srv.client() as c:
+            deadline = time.monotonic() + 20
+            while srv.app.state.qs.load_error is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            r = c.get("/readyz")
+            assert r.status_code == 503 and r.json()["error"] == "not_ready" and "failed" in r.json()["detail"]
+            r = c.post("/v1/search", json={"query": "x"})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert c.get("/healthz").status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_cli_serve_refusals_and_openapi(tmp_path, monkeypatch):
+    from qswap.errors import InvalidInputError
+    from qswap.server import cli
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--insecure", "--host", "0.0.0.0"])
+    with pytest.raises(InvalidInputError, match="insecure"):
+        args.func(args)
+    monkeypatch.setenv("QSWAP_ADMIN_TOKEN", "short")
+    args = parser.parse_args(["serve"])
+    with pytest.raises(InvalidInputError, match="shorter"):
+        args.func(args)
+    out = tmp_path / "openapi.json"
+    args = parser.parse_args(["serve", "--write-openapi", str(out)])
+    assert args.func(args) == 0
+    from qswap.server.app import OPENAPI_FILE
+    assert json.loads(out.read_text()) == json.loads(OPENAPI_FILE.read_text())
+    assert os.path.getsize(out) > 10_000
+
+
+def test_demo_index_built_once_then_cached(tmp_path, tiny_model_dir, monkeypatch):
+    import qswap.server.demo as demo
+    monkeypatch.setattr(demo, "demo_index_dir", lambda: tmp_path / "demo" / "index")
+    s = server_settings(tmp_path, tiny_model_dir, None)      # no --index: the bundled demo corpus
+    with LiveServer(s) as srv, srv.client() as c:
+        info1 = c.get("/v1/info").json()
+        assert info1["index"]["documents"] == 400 and info1["admin"] == "disabled"
+        r = c.post("/v1/search", json={"query": "chess game", "k": 3, "filter": {"section": "games"}})
+        hits = r.json()["results"][0]["hits"]
+        assert len(hits) == 3 and all(h["metadata"]["section"] == "games" and h["metadata"]["title"] for h in hits)
+    with LiveServer(s) as srv, srv.client() as c:
+        info2 = c.get("/v1/info").json()
+    assert info2["index"]["created_at"] == info1["index"]["created_at"]   # reused, not rebuilt
+
+
+def test_onnx_backend_serves_the_same_results(tmp_path, tiny_model_dir, index_dir, encoders_root, reference_pool,
+                                              doc_embeddings, ids):
+    s = server_settings(tmp_path, tiny_model_dir, index_dir, encoders_root=encoders_root, admin_token=ADMIN,
+                        read_only_index=True, backend="onnx", onnx_threads=1)
+    with LiveServer(s) as srv, srv.client(ADMIN) as c:
+        backend = srv.app.state.qs.backend
+        assert type(backend).__name__ == "OnnxBackend"
+        for d in ("ft1", "bias1"):
+            assert c.post("/v1/encoders", json={"path": d}).status_code == 201
+        for key in ("base", "ft@1", "bias@1"):
+            assert backend.wait(key, timeout=120), backend.error(key)
+            q = "chess puzzle game"
+            res = c.post("/v1/search", json={"query": q, "k": 5, "encoder": key}).json()["results"][0]
+            assert res["encoder"]["key"] == key
+            _assert_served_by(res["hits"], reference_pool, doc_embeddings, ids, key, q, 5)
+        assert c.delete("/v1/encoders/bias@1").status_code == 200
+        assert not backend.ready("bias@1") and backend.ready("ft@1")

@@ -1,0 +1,358 @@
+"""Server parts without HTTP: archive safety, micro-batching, registry LRU / refcounts, settings."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qswap.errors import (ConflictError, GuardRefusedError, IntegrityError, InvalidInputError, NotFoundError,
+                          SpaceMismatchError)
+from qswap.server.archive import extract_encoder_archive
+from qswap.server.batching import MicroBatcher
+from qswap.server.config import ServerSettings, is_loopback
+from qswap.server.errors import LimitExceededError, status_for
+
+# ----------------------------------------------------------------------------- archives
+
+
+def _tar(members: list[tuple[tarfile.TarInfo, bytes | None]], mode: str = "w:gz") -> io.BytesIO:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode=mode) as t:
+        for info, data in members:
+            t.addfile(info, io.BytesIO(data) if data is not None else None)
+    buf.seek(0)
+    return buf
+
+
+def _file(name: str, data: bytes = b"x") -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    return info, data
+
+
+def _extract(buf: io.BytesIO, dest: Path, max_bytes: int = 1 << 20, max_members: int = 16) -> Path:
+    dest.mkdir()
+    return extract_encoder_archive(buf, dest, max_bytes=max_bytes, max_members=max_members)
+
+
+def test_archive_good_layouts(tmp_path):
+    top = _extract(_tar([_file("manifest.json", b"{}"), _file("adapter.safetensors", b"abc")]), tmp_path / "a")
+    assert top == tmp_path / "a" and (top / "adapter.safetensors").read_bytes() == b"abc"
+    sub = _extract(_tar([_file("enc/manifest.json", b"{}"), _file("./enc/x.bin", b"1")]), tmp_path / "b")
+    assert sub == tmp_path / "b" / "enc" and (sub / "x.bin").read_bytes() == b"1"
+
+
+@pytest.mark.parametrize("case", ["absolute", "dotdot", "symlink", "hardlink", "fifo", "deep", "too_big",
+                                  "too_many", "duplicate", "no_manifest", "not_gzip", "garbage"])
+def test_archive_refusals(tmp_path, case):
+    members = [_file("enc/manifest.json", b"{}")]
+    if case == "absolute":
+        members.append(_file("/etc/evil", b"x"))
+    elif case == "dotdot":
+        members.append(_file("enc/../../evil", b"x"))
+    elif case in ("symlink", "hardlink"):
+        info = tarfile.TarInfo("enc/link")
+        info.type = tarfile.SYMTYPE if case == "symlink" else tarfile.LNKTYPE
+        info.linkname = "/etc/passwd"
+        members.append((info, None))
+    elif case == "fifo":
+        info = tarfile.TarInfo("enc/pipe")
+        info.type = tarfile.FIFOTYPE
+        members.append((info, None))
+    elif case == "deep":
+        members.append(_file("enc/a/b/c", b"x"))
+    elif case == "too_big":
+        members.append(_file("enc/big", b"0" * 5000))
+    elif case == "too_many":
+        members += [_file(f"enc/f{i}", b"x") for i in range(20)]
+    elif case == "duplicate":
+        members += [_file("enc/dup", b"1"), _file("enc/dup", b"2")]
+    elif case == "no_manifest":
+        members = [_file("enc/other.json", b"{}")]
+    if case == "not_gzip":
+        buf = _tar(members, mode="w")
+    elif case == "garbage":
+        buf = io.BytesIO(b"\x1f\x8b" + b"not really gzip" * 10)
+    else:
+        buf = _tar(members)
+    with pytest.raises(InvalidInputError):
+        _extract(buf, tmp_path / "out", max_bytes=4096)
+    assert not (tmp_path / "evil").exists() and not Path("/etc/evil").exists()
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+def _fake(calls: list, fail_key: str | None = None):
+    def encode(texts, keys):
+        calls.append(("encode", list(texts), list(keys), threading.current_thread().name))
+        if fail_key in keys:
+            raise InvalidInputError(f"bad key {fail_key}")
+        # row i -> a vector that encodes which text it was: search returns it as the hit id
+        return np.array([[float(len(t)), float(hash(k) % 7)] for t, k in zip(texts, keys)], dtype=np.float32)
+
+    def search(q, k, flt, with_text):
+        calls.append(("search", len(q), k, flt))
+        return [[f"{int(row[0])}:{r}" for r in range(k)] for row in q]
+    return encode, search
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_batcher_merges_concurrent_requests_into_one_pass():
+    calls: list = []
+    enc, srch = _fake(calls)
+    b = MicroBatcher(encode=enc, search=srch, window_s=0.2, max_batch=64)
+    b.start()
+    try:
+        async def main():
+            texts = [["a" * (i + 1)] * (1 + i % 2) for i in range(10)]
+            outs = await asyncio.gather(*[b.search(t, f"k{i % 3}", k=2 + i % 3) for i, t in enumerate(texts)])
+            return texts, outs, threading.current_thread().name
+        texts, outs, loop_thread = _run(main())
+    finally:
+        b.stop()
+    encodes = [c for c in calls if c[0] == "encode"]
+    searches = [c for c in calls if c[0] == "search"]
+    assert len(encodes) == 1 and len(encodes[0][1]) == sum(len(t) for t in texts)
+    assert len(searches) == 1 and searches[0][2] == 4            # one call, largest k of the group
+    assert encodes[0][3] == "qswap-batcher" != loop_thread       # model code never on the event loop
+    for i, (t, out) in enumerate(zip(texts, outs)):
+        assert len(out.hits) == len(t)
+        assert all(len(h) == 2 + i % 3 for h in out.hits)        # each request gets its own k
+        assert all(h[0].startswith(f"{len(t[0])}:") for h in out.hits)  # and its own rows
+        assert out.batch_requests == 10
+
+
+def test_batcher_isolates_failures():
+    calls: list = []
+    enc, srch = _fake(calls, fail_key="bad")
+    done: list[str] = []
+    b = MicroBatcher(encode=enc, search=srch, window_s=0.2, max_batch=64)
+    b.start()
+    try:
+        async def main():
+            return await asyncio.gather(
+                b.search(["x"], "good", 1, {"s": "a"}, on_done=lambda: done.append("1")),
+                b.search(["yy"], "bad", 1, on_done=lambda: done.append("2")),
+                b.search(["zzz"], "good", 1, {"s": "b"}, on_done=lambda: done.append("3")),
+                b.search(["w"], "good", 1, {"s": "a"}, on_done=lambda: done.append("4")),
+                return_exceptions=True)
+        outs = _run(main())
+    finally:
+        b.stop()
+    assert isinstance(outs[1], InvalidInputError)
+    assert [o.hits[0][0] for o in (outs[0], outs[2], outs[3])] == ["1:0", "3:0", "1:0"]
+    assert sorted(done) == ["1", "2", "3", "4"]                 # every reference released once
+
+
+def test_batcher_one_search_per_distinct_filter():
+    calls: list = []
+    enc, srch = _fake(calls)
+    b = MicroBatcher(encode=enc, search=srch, window_s=0.2, max_batch=64)
+    b.start()
+    try:
+        async def main():
+            return await asyncio.gather(b.search(["x"], "k", 1, {"s": "a"}), b.search(["yy"], "k", 3, {"s": "b"}),
+                                        b.search(["zzz"], "k", 2, {"s": "a"}))
+        outs = _run(main())
+    finally:
+        b.stop()
+    assert len([c for c in calls if c[0] == "encode"]) == 1
+    assert sorted((str(c[3]), c[1], c[2]) for c in calls if c[0] == "search") == [
+        ("{'s': 'a'}", 2, 2), ("{'s': 'b'}", 1, 3)]
+    assert [len(o.hits[0]) for o in outs] == [1, 3, 2]
+
+
+def test_batcher_respects_max_batch_and_runs_calls_on_worker():
+    calls: list = []
+    enc, srch = _fake(calls)
+    b = MicroBatcher(encode=enc, search=srch, window_s=0.2, max_batch=4)
+    b.start()
+    try:
+        async def main():
+            outs = await asyncio.gather(*[b.search(["q"] * 3, "k", 1) for _ in range(4)])
+            name = await b.call(lambda: threading.current_thread().name)
+            return outs, name
+        outs, name = _run(main())
+    finally:
+        b.stop()
+    assert name == "qswap-batcher"
+    assert all(len(c[1]) <= 4 for c in calls if c[0] == "encode")
+    assert sum(len(c[1]) for c in calls if c[0] == "encode") == 12 and len(outs) == 4
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+@pytest.fixture()
+def registry(tmp_path, tiny_base):
+    from qswap.encoders import EncoderPool
+    from qswap.server.backend import TorchBackend
+    from qswap.server.registry import EncoderRegistry
+    def make(budget: int = 1 << 30, default: str = "base") -> EncoderRegistry:
+        pool = EncoderPool(tiny_base)   # a new registry is a restart: a new pool
+        r = EncoderRegistry(state_dir=tmp_path / "state", pool=pool, space=tiny_base.space,
+                            backend=TorchBackend(pool), default_encoder=default, memory_budget=budget)
+        r.load_state()
+        made.append(r)
+        return r
+    made: list = []
+    yield make
+    for r in made:
+        r.close()
+
+
+def test_registry_lru_budget_pins_and_reloads(registry, encoders_root):
+    reg = registry(budget=1)   # smaller than any adapter: only pinned / in-use / newest stay
+    reg.register(encoders_root / "ft1")
+    reg.set_alias("games", "ft@1")                   # pinned from now on
+    for d in ("ft2", "bias1"):
+        reg.register(encoders_root / d)
+    assert [k for k in reg.keys() if reg.is_loaded(k)] == ["bias@1", "ft@1"]   # ft@2 was evicted
+    assert "ft@2" not in reg.pool
+    reg.register(encoders_root / "part1")
+    assert reg.is_loaded("ft@1") and reg.is_loaded("part@1") and not reg.is_loaded("bias@1")
+    key = reg.acquire(encoder="ft")                  # name -> latest version
+    assert key == "ft@2" and not reg.is_loaded(key)
+    reg.ensure_loaded(key)                           # first use loads it again
+    assert reg.is_loaded("ft@2") and reg.pool.encode(["chess"], ["ft@2"]).shape == (1, 32)
+    reg.register(encoders_root / "bias1")            # identical again: nothing evicts the in-use ft@2
+    assert reg.is_loaded("ft@2")
+    reg.release(key)
+
+
+def test_registry_survives_deleting_the_only_lora(registry, encoders_root):
+    reg = registry()
+    reg.register(encoders_root / "ft1")
+    reg.delete("ft@1")
+    assert reg.pool.encode(["chess"], ["base"]).shape == (1, 32)
+
+
+def test_registry_persists_and_copies(registry, encoders_root, tmp_path):
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(encoders_root / "bias1", src)
+    reg = registry()
+    rec, created = reg.register(src, source="test")
+    assert created and reg.register(src)[1] is False          # identical: idempotent
+    reg.set_alias("sound", "bias@1")
+    (src / "adapter.safetensors").write_bytes(b"changed after registration")
+    with pytest.raises(ConflictError, match="another server"):
+        registry()                                             # one server per state dir
+    reg.close()
+    reg2 = registry()                                          # a restart with the same state dir
+    assert reg2.keys() == ["bias@1"] and reg2.aliases() == {"sound": "bias@1"}
+    reg2.ensure_loaded("bias@1")                               # loads the server's own verified copy
+    assert reg2.resolve(domain="sound") == "bias@1"
+
+
+def test_registry_refusals(registry, encoders_root, tmp_path, monkeypatch):
+    import shutil
+
+    import qswap.server.registry as regmod
+    from qswap.encoders import load_encoder, save_encoder
+    reg = registry()
+    with pytest.raises(SpaceMismatchError) as e:
+        reg.register(encoders_root / "alien")
+    assert e.value.field == "weights_sha256"
+    bad = tmp_path / "tampered"
+    shutil.copytree(encoders_root / "bias1", bad)
+    (bad / "adapter.safetensors").write_bytes(b"tampered")
+    with pytest.raises(IntegrityError):
+        reg.register(bad)
+    link = tmp_path / "linked"
+    shutil.copytree(encoders_root / "bias1", link)
+    (link / "adapter.safetensors").unlink()
+    (link / "adapter.safetensors").symlink_to(encoders_root / "bias1" / "adapter.safetensors")
+    with pytest.raises(InvalidInputError):
+        reg.register(link)
+    # the guard: a failed record is refused unless forced
+    art = load_encoder(encoders_root / "bias1")
+    g = tmp_path / "guarded"
+    save_encoder(g, name="guarded", version="1", kind="bias", space=art.manifest.embedding_space(),
+                 tensors=art.overrides, guard={"passed": False, "checks": [
+                     {"name": "s", "metric": "mrr", "degraded": True, "z": -3.0}]})
+    seen = []
+    monkeypatch.setattr(regmod, "run_guard", lambda guard, force: seen.append((guard["passed"], force)) or (
+        None if force else (_ for _ in ()).throw(GuardRefusedError("degrades", "force"))))
+    with pytest.raises(GuardRefusedError):
+        reg.register(g)
+    assert reg.register(g, force=True)[1] is True
+    assert seen == [(False, False), (False, True)]
+    assert sorted(reg.keys()) == ["guarded@1"]                # nothing of the refused ones stays
+    assert [p.name for p in reg.store.iterdir()] == ["guarded@1"]
+
+
+def test_registry_delete_waits_for_in_flight(registry, encoders_root):
+    reg = registry()
+    reg.register(encoders_root / "bias1")
+    key = reg.acquire(encoder="bias@1")
+    t = threading.Thread(target=reg.delete, args=("bias@1", 10.0))
+    t.start()
+    time.sleep(0.2)
+    assert t.is_alive()                                          # still waiting for our reference
+    with pytest.raises(NotFoundError):
+        reg.acquire(encoder="bias@1")                            # but new requests are refused
+    assert reg.pool.encode(["still served"], [key]).shape == (1, 32)
+    reg.release(key)
+    t.join(5)
+    assert not t.is_alive() and reg.keys() == [] and "bias@1" not in reg.pool
+
+
+def test_registry_delete_refusals(registry, encoders_root):
+    reg = registry()
+    reg.register(encoders_root / "bias1")
+    reg.set_alias("x", "bias@1")
+    with pytest.raises(ConflictError):
+        reg.delete("bias@1")
+    with pytest.raises(InvalidInputError):
+        reg.delete("bias")
+    reg.delete_alias("x")
+    key = reg.acquire(encoder="bias@1")
+    with pytest.raises(ConflictError):
+        reg.delete("bias@1", timeout_s=0.1)                      # in use past the timeout
+    reg.release(key)
+    assert reg.resolve(encoder="bias") == "bias@1"               # the refused delete left it usable
+    reg.delete("bias@1")
+
+
+# ----------------------------------------------------------------------------- settings and errors
+
+
+def test_settings_refuse_unsafe(tmp_path):
+    with pytest.raises(InvalidInputError):
+        ServerSettings(insecure=True, host="0.0.0.0").check()
+    ServerSettings(insecure=True, host="127.0.0.1").check()
+    ServerSettings(insecure=True, host="::1").check()
+    with pytest.raises(InvalidInputError):
+        ServerSettings(admin_token="short").check()
+    assert ServerSettings(admin_token="x" * 20).admin_mode == "token"
+    assert ServerSettings().admin_mode == "disabled"
+    assert is_loopback("localhost") and not is_loopback("10.0.0.1")
+
+
+def test_settings_from_environment(monkeypatch):
+    monkeypatch.setenv("QSWAP_ADMIN_TOKEN", "t" * 32)
+    monkeypatch.setenv("QSWAP_MAX_K", "7")
+    s = ServerSettings()
+    assert s.admin_token.get_secret_value() == "t" * 32 and s.max_k == 7
+
+
+def test_error_map():
+    assert status_for(SpaceMismatchError("m", "dim", 1, 2)) == (409, "space_mismatch")
+    assert status_for(GuardRefusedError("m")) == (409, "guard_refused")
+    assert status_for(ConflictError("m")) == (409, "conflict")
+    assert status_for(NotFoundError("m")) == (404, "not_found")
+    assert status_for(IntegrityError("m")) == (422, "integrity_error")
+    assert status_for(LimitExceededError("m")) == (422, "limit_exceeded")
+    assert status_for(InvalidInputError("m")) == (400, "invalid_input")

@@ -1,0 +1,70 @@
+"""Documents a qswap index holds take its stored embeddings; mining can search it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from qswap.errors import SpaceMismatchError
+from qswap.index import Document, DocumentIndex, create_index
+from qswap.tuning.cli import register
+from qswap.tuning.data import read_beir
+from qswap.tuning.doc_cache import DocTable, StoredEmbeddings
+
+
+@pytest.fixture(scope="module")
+def beir_index(tiny_base, tuning_data, tmp_path_factory):
+    """An index of the tiny BEIR corpus whose stored vectors are *not* what the base computes
+    (each document stores its neighbour's embedding), so using them is observable."""
+    beir = read_beir(tuning_data["beir"], "en")
+    emb = tiny_base.encode_documents(beir.corpus_texts)
+    stored = np.roll(emb, 1, axis=0)
+    path = tmp_path_factory.mktemp("idx") / "index"
+    create_index(path, [Document(i, t) for i, t in zip(beir.corpus_ids, beir.corpus_texts)], stored,
+                 tiny_base.space).close()
+    return path, beir, stored
+
+
+def test_stored_embeddings_replace_embedding(tiny_base, beir_index, tmp_path):
+    path, beir, stored = beir_index
+    idx = DocumentIndex.open(path, read_only=True, expected_space=tiny_base.space)
+    table = DocTable()
+    for d, t in zip(beir.corpus_ids[:10], beir.corpus_texts[:10]):
+        table.add(t, d)
+    table.add("a document the index does not hold")
+    emb = table.embed(tiny_base, tmp_path / "cache", progress=False, stored=StoredEmbeddings.from_index(idx))
+    assert np.abs(emb[:10] - stored[:10]).max() < 2e-3                       # float16 storage
+    assert np.abs(emb[10] - tiny_base.encode_documents(["a document the index does not hold"])[0]).max() < 2e-3
+    # only the one document the index lacks was embedded (and cached)
+    cached = list((tmp_path / "cache" / tiny_base.space.fingerprint).glob("*.json"))
+    assert len(cached) == 1 and json.loads(cached[0].read_text())["count"] == 1
+
+
+def test_an_index_of_another_space_is_refused(other_tiny_model_dir, beir_index, tmp_path):
+    from qswap.encoders import load_base
+    other = load_base(other_tiny_model_dir, device="cpu")
+    with pytest.raises(SpaceMismatchError):
+        DocumentIndex.open(beir_index[0], read_only=True, expected_space=other.space)
+    idx = DocumentIndex.open(beir_index[0], read_only=True)
+    table = DocTable()
+    table.add("x", beir_index[1].corpus_ids[0])
+    with pytest.raises(SpaceMismatchError):
+        table.embed(other, tmp_path, progress=False, stored=StoredEmbeddings.from_index(idx))
+
+
+def test_run_with_an_index(tiny_model_dir, tuning_data, beir_index, tmp_path):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    out = tmp_path / "enc"
+    args = parser.parse_args(["tune", "run", "--base", str(tiny_model_dir), "--beir", str(tuning_data["beir"]),
+                              "--index", str(beir_index[0]), "--mine", "index", "--fn-cutoff", "1.0",
+                              "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--lr", "3e-3",
+                              "--batch-size", "8", "--epoch-batches", "3", "--max-epochs", "2", "--quiet"])
+    assert args.func(args) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["data"]["mining"]["source"] == "index" and report["data"]["mining"]["held_out"]["mined"] == 30
+    # the whole corpus came from the index: nothing was embedded or cached
+    assert not (tmp_path / "cache").exists()

@@ -1,0 +1,12 @@
+"""Adiabatic query-tower tuning: a query encoder tuned over a frozen document tower.
+
+Documents are embedded once by the frozen base (:mod:`~qswap.tuning.doc_cache`); a
+trainable copy of the base encodes queries (:mod:`~qswap.tuning.methods`: partial, bias,
+LoRA, full) and is trained with the papers' losses (:mod:`~qswap.tuning.losses`) in
+fixed-size epochs with early stopping (:mod:`~qswap.tuning.trainer`). A run
+(:mod:`~qswap.tuning.run`) evaluates base vs tuned (:mod:`~qswap.tuning.evaluation`,
+:mod:`~qswap.tuning.stats`, :mod:`~qswap.tuning.multilingual`), checks sentinel sets
+(:mod:`~qswap.tuning.guard`) and writes an encoder directory with its report.
+
+Nothing is imported here, so ``qswap.tuning.guard`` stays light for the server.
+"""

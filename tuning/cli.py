@@ -1,0 +1,270 @@
+"""``qswap tune``: run a tuning, plan one, evaluate or register an encoder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_BASE = "multilingual-e5-small"
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _langs(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def register(subparsers: Any) -> None:
+    """Add ``tune`` with ``run``, ``plan``, ``eval`` and ``register`` to the qswap CLI."""
+    tune = subparsers.add_parser("tune", help="adiabatic query-tower tuning and the compute planner",
+                                 description="Tune a query encoder over a frozen document tower.")
+    sub = tune.add_subparsers(dest="tune_command", metavar="SUBCOMMAND", required=True)
+    _add_run(sub)
+    _add_plan(sub)
+    _add_eval(sub)
+    _add_register(sub)
+
+
+def _add_run(sub: Any) -> None:
+    p = sub.add_parser("run", help="tune a query encoder and write an encoder directory",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Tune the query tower (documents stay frozen), evaluate base vs tuned, "
+                                   "run the guard and write an encoder directory with its report.")
+    g = p.add_argument_group("data")
+    g.add_argument("--train", type=Path, help='triplets JSONL: {"query", "pos": [...], "neg": [...]}')
+    g.add_argument("--beir", type=Path, help="BEIR directory: queries -> relevant documents (qrels)")
+    g.add_argument("--lang", help="BEIR training language (queries-<lang>.jsonl); default en when present")
+    g.add_argument("--beir-title", action="store_true", help="embed BEIR documents as title + text")
+    g.add_argument("--val-size", type=float, default=0.1, help="validation size: fraction (<1) or count")
+    g.add_argument("--test-size", type=float, default=0.1, help="test size: fraction (<1) or count")
+    g.add_argument("--max-samples", type=int, help="use at most this many samples (seeded choice)")
+    g = p.add_argument_group("hard negatives")
+    g.add_argument("--index", type=Path,
+                   help="a qswap index of the base's space: documents it holds take its stored embeddings "
+                        "(no re-embedding), and --mine index searches it")
+    g.add_argument("--mine", default="auto", choices=("auto", "corpus", "index", "none"),
+                   help="where hard negatives come from; auto: only when the triplet loss lacks negatives, "
+                        "from --index if given, else from the run's own documents (BEIR: the corpus)")
+    g.add_argument("--mine-k", type=int, default=30, help="candidates retrieved per query")
+    g.add_argument("--negatives", type=int, default=1, help="negatives per query in training")
+    g.add_argument("--fn-cutoff", type=float, default=0.95,
+                   help="drop a negative scoring above this fraction of the positive's score")
+    g = p.add_argument_group("method")
+    g.add_argument("--base", default=DEFAULT_BASE, help="bundled base name or local model directory")
+    g.add_argument("--method", default="partial", choices=("partial", "bias", "lora", "full"))
+    g.add_argument("--freeze-output-dense", action="store_true", help="partial: also freeze output.dense.weight")
+    g.add_argument("--freeze-blocks", type=int, default=0, help="partial: also freeze the first k blocks")
+    g.add_argument("--lora-rank", type=int, default=32)
+    g.add_argument("--lora-alpha", type=float, help="default: the rank")
+    g.add_argument("--lora-dropout", type=float, default=0.0)
+    g.add_argument("--lora-targets", type=_langs, help="comma-separated module names (default: all dense layers)")
+    g = p.add_argument_group("loss")
+    g.add_argument("--loss", default="triplet", choices=("triplet", "infonce", "samtone", "pair"))
+    g.add_argument("--metric", default="cos", choices=("cos", "euclid"))
+    g.add_argument("--margin", type=float, default=0.1, help="triplet margin")
+    g.add_argument("--temperature", type=float, help="default 0.02 (infonce), 0.01 (samtone, pair)")
+    g.add_argument("--no-in-batch", action="store_true", help="infonce/samtone: only own negatives")
+    g.add_argument("--bidirectional", action="store_true", help="also the document -> query direction")
+    g.add_argument("--doc-side", action="store_true", help="samtone: same-tower negatives on the document side")
+    g.add_argument("--pair-alpha", type=float, default=0.1)
+    g.add_argument("--matryoshka", type=_ints, default=[], metavar="DIMS",
+                   help="comma-separated prefix dimensions, e.g. 384,256")
+    g = p.add_argument_group("optimisation (paper defaults)")
+    g.add_argument("--lr", type=float, default=5e-8)
+    g.add_argument("--lr-rule", choices=("none", "sqrt"), default="none",
+                   help="sqrt: scale --lr from batch 14 to --batch-size by the square-root rule")
+    g.add_argument("--batch-size", type=int, default=14)
+    g.add_argument("--optimizer", default="adamw", choices=("adamw", "adamax", "sgd"))
+    g.add_argument("--no-momentum", action="store_true", help="beta1 = beta2 = 0 (Adamax without momentum)")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--scheduler", default="none", choices=("none", "L", "Q", "E0.95", "E0.98"))
+    g.add_argument("--epoch-batches", type=int, default=1000)
+    g.add_argument("--max-epochs", type=int, default=100)
+    g.add_argument("--patience", type=int, default=10, help="stop after this many idle epochs")
+    g.add_argument("--no-dropout", action="store_true", help="train in eval mode (no dropout)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("evaluation and guard")
+    g.add_argument("--eval-langs", type=_langs, default=[],
+                   help="BEIR query languages for the language matrix, e.g. en,de,fr,it")
+    g.add_argument("--sentinel", action="append", default=[],
+                   help="[NAME=]beir:DIR[:QLANG[-DLANG]] or [NAME=]triplets:FILE (repeatable)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", type=Path, required=True, help="encoder directory to write")
+    g.add_argument("--name", help="encoder name (default: the --out directory name)")
+    g.add_argument("--version", default="1")
+    g.add_argument("--cache-dir", type=Path, help="document-embedding cache (default <data dir>/doc-cache)")
+    g.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.add_argument("--register", metavar="URL", help="register the encoder on this server when done")
+    g.add_argument("--token", default=os.environ.get("QSWAP_TOKEN"), help="bearer token (or $QSWAP_TOKEN)")
+    g.add_argument("--force", action="store_true", help="register even if the guard failed")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from qswap.tuning.methods import MethodConfig
+    from qswap.tuning.optim import sqrt_scaled_lr
+    from qswap.tuning.run import LossConfig, RunConfig, run_tuning
+    from qswap.tuning.trainer import TrainConfig
+
+    lr = sqrt_scaled_lr(args.batch_size, base_lr=args.lr) if args.lr_rule == "sqrt" else args.lr
+    cfg = RunConfig(
+        out=args.out, base=args.base, train_file=args.train, beir_dir=args.beir, lang=args.lang,
+        beir_title=args.beir_title, validation=args.val_size, test=args.test_size,
+        max_samples=args.max_samples, index=args.index, mine=args.mine,
+        mine_k=args.mine_k, negatives=args.negatives, fn_cutoff=args.fn_cutoff,
+        method=MethodConfig(kind=args.method, freeze_output_dense=args.freeze_output_dense,
+                            freeze_blocks=args.freeze_blocks, lora_rank=args.lora_rank,
+                            lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                            lora_targets=args.lora_targets),
+        loss=LossConfig(kind=args.loss, metric=args.metric, margin=args.margin, temperature=args.temperature,
+                        in_batch=not args.no_in_batch, bidirectional=args.bidirectional,
+                        doc_side=args.doc_side, pair_alpha=args.pair_alpha, matryoshka_dims=args.matryoshka),
+        train=TrainConfig(lr=lr, batch_size=args.batch_size, epoch_batches=args.epoch_batches,
+                          max_epochs=args.max_epochs, patience=args.patience, optimizer=args.optimizer,
+                          momentum=not args.no_momentum, weight_decay=args.weight_decay,
+                          scheduler=args.scheduler, seed=args.seed, dropout=not args.no_dropout),
+        eval_langs=args.eval_langs, sentinels=args.sentinel, name=args.name, version=args.version,
+        cache_dir=args.cache_dir, device=args.device, progress=not args.quiet,
+        register_url=args.register, token=args.token, force=args.force)
+    res = run_tuning(cfg)
+    print(_summary(res.report))
+    if res.registration is not None:
+        print(f"registered: {json.dumps(res.registration)}")
+    return 0
+
+
+def _summary(r: dict[str, Any]) -> str:
+    enc, tr, g = r["encoder"], r["training"], r["guard"]
+    lines = [f"encoder   {enc['path']}  ({enc['name']}@{enc['version']}, kind {enc['kind']})",
+             f"training  best epoch {tr['best_epoch']}, stopped by {tr['stopped']}, {tr['steps']} steps, "
+             f"{tr['wall_seconds']:.1f} s"]
+    for key, label in (("test", "test"), ("retrieval", "retrieval")):
+        ev = r["evaluation"].get(key)
+        if ev:
+            m, nd = ev["metrics"]["pnd_cos"], ev["metrics"]["ndcg_at_10"]
+            z = ev["z_tests"].get("pnd_cos", {})
+            imp = "n/a" if m["improvement"] is None else f"{100 * m['improvement']:+.2f}%"
+            lines.append(f"{label:9s} PND(cos) {m['base']:.4f} -> {m['tuned']:.4f} (I {imp}, Z {z.get('z', 0):+.2f}); "
+                         f"nDCG@10 {nd['base']:.4f} -> {nd['tuned']:.4f}")
+    ml = r["evaluation"].get("multilingual")
+    if ml:
+        c = ml["counts"]
+        lines.append(f"languages {c['improved']}/{c['worsened']} of {c['pairs']} pairs significantly improved/worsened")
+    lines.append(f"guard     {'passed' if g['passed'] else 'FAILED'} ({len(g['checks'])} checks)")
+    lines.append(f"report    {Path(enc['path']) / 'report.md'}")
+    return "\n".join(lines)
+
+
+def _add_plan(sub: Any) -> None:
+    p = sub.add_parser("plan", help="method, data quantity and LoRA rank for a FLOP budget",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Algorithm 1 of the compute-optimal embedding paper on our base model, "
+                                   "with the expected wall time from a step measured here.")
+    p.add_argument("--budget", type=float, required=True, help="compute budget in FLOP, e.g. 1e16")
+    p.add_argument("--base", default=DEFAULT_BASE)
+    p.add_argument("--tokens-per-query", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=14)
+    p.add_argument("--epoch-batches", type=int, default=1000)
+    p.add_argument("--doc-tokens", type=float, default=0.0, help="document tokens embedded once (frozen tower)")
+    p.add_argument("--no-measure", action="store_true", help="do not time a training step")
+    p.add_argument("--step-time", type=float, help="seconds per step instead of measuring")
+    p.add_argument("--device", help="cpu or cuda")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from qswap.encoders import load_base
+    from qswap.tuning.methods import MethodConfig
+    from qswap.tuning.planner import format_plan, make_plan, measure_step_seconds
+
+    base = load_base(args.base, device=args.device)
+    plan = make_plan(args.budget, base, tokens_per_query=args.tokens_per_query, batch_size=args.batch_size,
+                     epoch_batches=args.epoch_batches, doc_tokens=args.doc_tokens)
+    step, alt = args.step_time, None
+    if step is None and not args.no_measure:
+        step = measure_step_seconds(base, MethodConfig(kind=plan.method, lora_rank=plan.lora_rank or 32),
+                                    args.batch_size, args.tokens_per_query)
+        alt = measure_step_seconds(base, MethodConfig(kind="partial"), args.batch_size, args.tokens_per_query)
+    if step is not None:
+        plan.set_step_time(step, alt)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def _add_eval(sub: Any) -> None:
+    p = sub.add_parser("eval", help="compare a saved encoder with its base on BEIR or triplets",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("encoder", type=Path, help="encoder directory")
+    p.add_argument("--beir", type=Path, help="BEIR directory")
+    p.add_argument("--langs", type=_langs, default=[], help="query languages for the language matrix")
+    p.add_argument("--triplets", type=Path, help="triplets JSONL with negatives")
+    p.add_argument("--sentinel", action="append", default=[], help="guard sentinel (as in `tune run`)")
+    p.add_argument("--base", help="base model (default: the manifest's space name, bundled)")
+    p.add_argument("--heatmap", type=Path, help="write the language-matrix PNG here")
+    p.add_argument("--cache-dir", type=Path)
+    p.add_argument("--device")
+    p.set_defaults(func=_eval)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from qswap.encoders import EncoderPool, load_base, load_encoder, read_manifest
+    from qswap.errors import InvalidInputError
+    from qswap.tuning.beir_eval import BeirEvaluator
+    from qswap.tuning.guard import evaluate_sentinels, parse_sentinel, triplet_metrics
+    from qswap.tuning.evaluation import compare_metrics
+    from qswap.tuning.multilingual import language_matrix, plot_heatmap
+
+    if not (args.beir or args.triplets or args.sentinel):
+        raise InvalidInputError("nothing to evaluate on", "give --beir, --triplets or --sentinel")
+    manifest = read_manifest(args.encoder)
+    base = load_base(args.base or manifest.space["name"], device=args.device)
+    art = load_encoder(args.encoder, expected_space=base.space)
+    pool = EncoderPool(base)
+    pool.add(art)
+
+    def encode(texts: list[str]):
+        return pool.encode(texts, [art.key] * len(texts))
+
+    out: dict[str, Any] = {"encoder": art.key}
+    evaluator = BeirEvaluator(base, encode, args.cache_dir, progress=sys.stderr.isatty())
+    if args.beir:
+        langs = args.langs or [None]
+        m = language_matrix(evaluator, args.beir, langs)
+        out["beir"] = m.to_dict()
+        if args.heatmap:
+            plot_heatmap(m, args.heatmap)
+    if args.triplets:
+        b, t = triplet_metrics(args.triplets, base, encode, args.cache_dir, progress=sys.stderr.isatty())
+        out["triplets"] = compare_metrics(b, t)
+    if args.sentinel:
+        out["guard"] = evaluate_sentinels([parse_sentinel(s) for s in args.sentinel], base, encode,
+                                          evaluator, args.cache_dir)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def _add_register(sub: Any) -> None:
+    p = sub.add_parser("register", help="upload an encoder directory to a running server")
+    p.add_argument("encoder", type=Path, help="encoder directory")
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://localhost:8000")
+    p.add_argument("--token", default=os.environ.get("QSWAP_TOKEN"), help="bearer token (or $QSWAP_TOKEN)")
+    p.add_argument("--force", action="store_true", help="register even if the guard failed")
+    p.set_defaults(func=_register)
+
+
+def _register(args: argparse.Namespace) -> int:
+    from qswap.tuning.register import register_encoder
+
+    print(json.dumps(register_encoder(args.encoder, args.url, args.token, force=args.force), indent=2))
+    return 0

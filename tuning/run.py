@@ -1,0 +1,336 @@
+"""One tuning run end to end: data -> frozen documents -> training -> evaluation -> encoder.
+
+:func:`run_tuning` is what ``qswap tune run`` calls. It writes an encoder directory (the
+format of :mod:`qswap.encoders.artifact`) whose manifest carries the training summary and
+the guard verdict, with ``report.json``, ``report.md`` and PNGs inside it; optionally it
+registers the encoder on a running server.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from qswap.encoders import EncoderPool, load_base, load_encoder, save_encoder
+from qswap.encoders.base import BaseModel
+from qswap.errors import IntegrityError, InvalidInputError
+from qswap.tuning.beir_eval import BeirEvaluator
+from qswap.tuning.data import BeirData, Sample, read_beir, read_triplets, split_samples
+from qswap.tuning.doc_cache import DocTable, StoredEmbeddings
+from qswap.tuning.evaluation import compare_metrics, evaluate_candidates
+from qswap.tuning.guard import evaluate_sentinels, guard_record, parse_sentinel
+from qswap.tuning.layers import changes_report
+from qswap.tuning.losses import build_loss
+from qswap.tuning.methods import MethodConfig, QueryTower
+from qswap.tuning.mining import mine_negatives
+from qswap.tuning.multilingual import language_matrix, plot_heatmap
+from qswap.tuning.report import HEATMAP, write_report
+from qswap.tuning.trainer import EncodedSet, TrainConfig, train
+
+
+MINE_CHOICES = ("auto", "corpus", "index", "none")
+
+
+@dataclass
+class LossConfig:
+    """Which loss and its options (see :func:`qswap.tuning.losses.build_loss`)."""
+
+    kind: str = "triplet"
+    metric: str = "cos"
+    margin: float = 0.1
+    temperature: float | None = None
+    in_batch: bool = True
+    bidirectional: bool = False
+    doc_side: bool = False
+    pair_alpha: float = 0.1
+    matryoshka_dims: list[int] = field(default_factory=list)
+
+    def build(self):
+        return build_loss(self.kind, metric=self.metric, margin=self.margin, temperature=self.temperature,
+                          in_batch=self.in_batch, bidirectional=self.bidirectional, doc_side=self.doc_side,
+                          pair_alpha=self.pair_alpha, matryoshka_dims=self.matryoshka_dims or None)
+
+
+@dataclass
+class RunConfig:
+    """Everything ``qswap tune run`` takes."""
+
+    out: Path
+    base: str = "multilingual-e5-small"
+    train_file: Path | None = None          # triplets JSONL
+    beir_dir: Path | None = None            # or a BEIR directory (queries -> relevant docs)
+    lang: str | None = None                 # BEIR training language ("en" when per-language files)
+    beir_title: bool = False
+    validation: float = 0.1                 # fraction (< 1) or count
+    test: float = 0.1
+    max_samples: int | None = None
+    index: Path | None = None               # a qswap index of the base's space: stored embeddings
+    mine: str = "auto"                      # auto | corpus | index | none (see _mining_source)
+    mine_k: int = 30
+    negatives: int = 1                      # negatives per query used in training
+    fn_cutoff: float = 0.95
+    method: MethodConfig = field(default_factory=MethodConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval_langs: list[str] = field(default_factory=list)
+    sentinels: list[str] = field(default_factory=list)
+    name: str | None = None
+    version: str = "1"
+    cache_dir: Path | None = None
+    device: str | None = None
+    progress: bool = True
+    register_url: str | None = None
+    token: str | None = None
+    force: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("token", None)   # never write a credential into a report
+        return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
+
+
+@dataclass
+class RunResult:
+    encoder_dir: Path
+    report: dict[str, Any]
+    registration: dict[str, Any] | None = None
+
+
+def _load_samples(cfg: RunConfig) -> tuple[list[Sample], BeirData | None, str]:
+    if (cfg.train_file is None) == (cfg.beir_dir is None):
+        raise InvalidInputError("give exactly one of --train FILE and --beir DIR", "see `qswap tune run --help`")
+    if cfg.mine not in MINE_CHOICES:
+        raise InvalidInputError(f"unknown --mine {cfg.mine!r}", f"use one of {', '.join(MINE_CHOICES)}")
+    if cfg.mine == "index" and cfg.index is None:
+        raise InvalidInputError("--mine index needs --index PATH", "give the qswap index to mine from")
+    if cfg.train_file is not None:
+        samples = read_triplets(cfg.train_file, require_negatives=cfg.mine == "none" and cfg.loss.kind == "triplet")
+        return samples, None, f"triplets {cfg.train_file}"
+    lang = cfg.lang
+    if lang is None and not (Path(cfg.beir_dir) / "queries.jsonl").exists() \
+            and (Path(cfg.beir_dir) / "queries-en.jsonl").exists():
+        lang = "en"
+    cfg.lang = lang
+    beir = read_beir(cfg.beir_dir, lang, with_title=cfg.beir_title)
+    return beir.samples(), beir, f"BEIR {cfg.beir_dir} [{lang or '-'}]"
+
+
+def _subsample(samples: list[Sample], n: int | None, seed: int) -> list[Sample]:
+    if n is None or n >= len(samples):
+        return samples
+    keep = np.sort(np.random.default_rng(seed + 1).permutation(len(samples))[:n])
+    return [samples[i] for i in keep]
+
+
+def _open_index(path: Path, base: BaseModel) -> Any:
+    from qswap.index import DocumentIndex
+    return DocumentIndex.open(Path(path), read_only=True, expected_space=base.space)
+
+
+def _mining_source(cfg: RunConfig, samples: list[Sample]) -> str:
+    """``auto``: mine only when the triplet loss lacks negatives, from the index if given,
+    else from the run's own documents (for BEIR: the corpus)."""
+    if cfg.mine != "auto":
+        return cfg.mine
+    if cfg.loss.kind == "triplet" and any(not s.negatives for s in samples):
+        return "index" if cfg.index is not None else "corpus"
+    return "none"
+
+
+def _rows(table: DocTable, s: Sample, by_id: bool) -> tuple[list[int], list[int]]:
+    if by_id:
+        pos = [table.row(i) for i in s.positive_ids or []]
+        neg = [table.row(i) for i in s.negative_ids or []]
+        return [r for r in pos if r is not None], [r for r in neg if r is not None]
+    return [table.add(t) for t in s.positives], [table.add(t) for t in s.negatives]
+
+
+def _encoded(samples: list[Sample], rows: list[tuple[list[int], list[int]]], docs: torch.Tensor,
+             n_neg: int) -> EncodedSet:
+    neg = np.full((len(samples), n_neg), -1, dtype=np.int64)
+    for i, (_, ns) in enumerate(rows):
+        take = ns[:n_neg]
+        neg[i, :len(take)] = take
+    pos = np.array([p[0] for p, _ in rows], dtype=np.int64)
+    return EncodedSet([s.query for s in samples], pos, neg, docs)
+
+
+def _artifact_check(base: BaseModel, tower: QueryTower, encoder_dir: Path, queries: list[str]) -> dict[str, Any]:
+    """Load the saved encoder the way the server does and compare it with the trained tower."""
+    art = load_encoder(encoder_dir, expected_space=base.space)
+    pool = EncoderPool(base)
+    pool.add(art)
+    served = pool.encode(queries, [art.key] * len(queries))
+    trained = tower.encode(queries)
+    diff = float(np.abs(served - trained).max()) if len(queries) else 0.0
+    if diff > 1e-4:
+        raise IntegrityError(f"the saved encoder does not reproduce the tuned tower (max difference {diff:.2e})",
+                             "this is a bug in the adapter export; report it with the run's options")
+    return {"queries": len(queries), "max_abs_difference": diff}
+
+
+@dataclass
+class _Prepared:
+    """Data of a run in index form: the document table and the three splits' rows."""
+
+    table: DocTable
+    sets: dict[str, tuple[list[Sample], list[tuple[list[int], list[int]]]]]
+    mining: dict[str, Any] | None
+    dropped: dict[str, int]
+
+
+def _prepare(cfg: RunConfig, base: BaseModel, samples: list[Sample], beir: BeirData | None,
+             splits: Any, index: Any, stored: StoredEmbeddings | None) -> _Prepared:
+    """Embed every document once, mine negatives, and turn the splits into document rows."""
+    by_id = beir is not None
+    # The frozen text tower, used once: every document of the run is embedded (or read
+    # from the cache) here; training and evaluation only index into these rows.
+    table = DocTable()
+    if beir is not None:
+        for did, text in zip(beir.corpus_ids, beir.corpus_texts):
+            table.add(text, did)
+    else:
+        for s in samples:
+            for t in s.positives + s.negatives:
+                table.add(t)
+    table.embed(base, cfg.cache_dir, progress=cfg.progress, stored=stored)
+    mining = None
+    source = _mining_source(cfg, samples)
+    if source != "none":
+        # Training negatives pass the false-negative cutoff. Validation and test negatives
+        # do not: filtered by the base model's own scores, the base would make no error on
+        # them by construction and the validation error count could never improve.
+        common = dict(index=index if source == "index" else None, k=cfg.mine_k,
+                      n_negatives=max(cfg.negatives, 1), cache_dir=cfg.cache_dir, by_id=by_id,
+                      progress=cfg.progress, stored=stored)
+        mining = {"source": source, "train": mine_negatives(splits.train, base, table, cutoff=cfg.fn_cutoff, **common).to_dict(),
+                  "held_out": mine_negatives(splits.validation + splits.test, base, table, cutoff=None,
+                                             **common).to_dict()}
+    sets, dropped = {}, {}
+    for split_name in ("train", "validation", "test"):
+        part = getattr(splits, split_name)
+        rows = [_rows(table, s, by_id) for s in part]
+        if cfg.loss.kind == "triplet" and split_name != "test":
+            # Mining leaves a query without a negative when every candidate scored too close
+            # to its positive (probable false negatives): such a query cannot form a triplet.
+            keep = [i for i, (_, n) in enumerate(rows) if n]
+            dropped[split_name] = len(part) - len(keep)
+            if not keep:
+                why = (f"; mining dropped {mining['train']['dropped_false_negative']} of "
+                       f"{mining['train']['candidates']} candidates "
+                       f"as scoring above {cfg.fn_cutoff} x the positive's score" if mining else "")
+                raise InvalidInputError(f"no {split_name} query has a negative{why}",
+                                        "the triplet loss needs one: mine negatives (--mine corpus / --mine index), "
+                                        "raise --fn-cutoff (e.g. 0.99), or use --loss infonce")
+            part, rows = [part[i] for i in keep], [rows[i] for i in keep]
+        sets[split_name] = (part, rows)
+    return _Prepared(table, sets, mining, dropped)
+
+
+def _evaluate(cfg: RunConfig, base: BaseModel, tower: QueryTower, prep: _Prepared, beir: BeirData | None,
+              splits: Any, sentinels: list[Any], report_dir: Path,
+              stored: StoredEmbeddings | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(evaluation, guard): base vs tuned on the test split, languages and sentinels."""
+    evaluation: dict[str, Any] = {}
+    test_samples, test_rows = prep.sets["test"]
+    if test_samples and beir is None:
+        # Triplet data: each test query against its own candidates.
+        q = [s.query for s in test_samples]
+        pos, neg = [r[0] for r in test_rows], [r[1] for r in test_rows]
+        evaluation["test"] = compare_metrics(evaluate_candidates(base.encode_queries(q), prep.table.emb, pos, neg),
+                                             evaluate_candidates(tower.encode(q), prep.table.emb, pos, neg))
+    evaluator = BeirEvaluator(base, tower.encode, cfg.cache_dir, cfg.progress, with_title=cfg.beir_title,
+                              stored=stored)
+    if beir is not None and test_samples:
+        # BEIR: test queries against the whole corpus, in every evaluation language.
+        langs = cfg.eval_langs or [cfg.lang or ""]
+        matrix = language_matrix(evaluator, cfg.beir_dir, [lg or None for lg in langs],
+                                 keep_qids={s.qid for s in test_samples})
+        main_cell = matrix.cells.get((cfg.lang, cfg.lang)) or matrix.cells.get((cfg.lang, None))
+        if main_cell is not None:
+            evaluation["retrieval"] = main_cell.comparison()
+        evaluation["multilingual"] = matrix.to_dict()
+        plot_heatmap(matrix, report_dir / HEATMAP)
+    if not sentinels:
+        return evaluation, guard_record([])
+    exclude = None
+    if beir is not None:
+        # A sentinel in the training directory must not score queries the tuning saw.
+        exclude = {Path(cfg.beir_dir).resolve(): {s.qid for s in splits.train + splits.validation}}
+    return evaluation, evaluate_sentinels(sentinels, base, tower.encode, evaluator, cfg.cache_dir,
+                                          exclude=exclude, progress=cfg.progress)
+
+
+def run_tuning(cfg: RunConfig) -> RunResult:
+    """Run one tuning end to end and write the encoder directory ``cfg.out``."""
+    t_start = time.perf_counter()
+    out = Path(cfg.out)
+    name = cfg.name or out.name
+    loss_fn = cfg.loss.build()
+    cfg.method.validate()
+    cfg.train.validate()
+    sentinels = [parse_sentinel(s) for s in cfg.sentinels]
+    samples, beir, source = _load_samples(cfg)     # bad data fails before the model loads
+    base = load_base(cfg.base, device=cfg.device)
+    samples = _subsample(samples, cfg.max_samples, cfg.train.seed)
+    splits = split_samples(samples, cfg.validation, cfg.test, cfg.train.seed)
+    index = _open_index(cfg.index, base) if cfg.index is not None else None
+    stored = StoredEmbeddings.from_index(index) if index is not None else None
+    prep = _prepare(cfg, base, samples, beir, splits, index, stored)
+    docs = torch.from_numpy(np.ascontiguousarray(prep.table.emb)).to(base.device)
+
+    tower = QueryTower(base, cfg.method)
+    result = train(tower, loss_fn, _encoded(*prep.sets["train"], docs, cfg.negatives),
+                   _encoded(*prep.sets["validation"], docs, cfg.negatives), cfg.train, progress=cfg.progress)
+
+    workdir = Path(tempfile.mkdtemp(prefix=".tune-", dir=out.parent if out.parent.exists() else None))
+    try:
+        report_dir = workdir / "report"
+        evaluation, guard = _evaluate(cfg, base, tower, prep, beir, splits, sentinels, report_dir, stored)
+        original = dict(base.model.named_parameters())
+        tuned = tower.tuned_tensors()
+        layers = changes_report({n: original[n] for n in tuned}, tuned)
+        # Nothing beat the untuned model on validation: the honest encoder is the base.
+        identity = result.best_epoch == 0
+        exported = None if identity else tower.export(workdir)
+        kind = "identity" if identity else exported.kind
+        data = {"source": source, "splits": splits.sizes(), "documents": len(prep.table)}
+        training = {"method": cfg.method.to_dict(), "loss": loss_fn.config(), "optim": cfg.train.to_dict(),
+                    "best_epoch": result.best_epoch, "epochs": len(result.history) - 1,
+                    "stopped": result.stopped, "steps": result.steps, "wall_seconds": result.wall_seconds,
+                    "data": data}
+        check = None
+        if not identity:
+            probe = workdir / "probe"
+            save_encoder(probe, name=name, version=cfg.version, kind=kind, space=base.space,
+                         tensors=exported.tensors, lora_dir=exported.lora_dir)
+            probe_queries = [s.query for s in (prep.sets["test"][0] or prep.sets["validation"][0])][:64]
+            check = _artifact_check(base, tower, probe, probe_queries)
+        report = {
+            "encoder": {"name": name, "version": cfg.version, "kind": kind, "path": str(out)},
+            "base": {"name": base.name, "fingerprint": base.space.fingerprint, "space": base.space.to_dict()},
+            "method": cfg.method.to_dict(), "loss": loss_fn.config(),
+            "data": {**data, "mining": prep.mining, "dropped_without_negative": prep.dropped},
+            "training": result.to_dict(), "evaluation": evaluation, "guard": guard, "layers": layers,
+            "artifact_check": check, "config": cfg.to_dict(),
+            "wall_seconds_total": time.perf_counter() - t_start,
+        }
+        files = write_report(report, report_dir)
+        save_encoder(out, name=name, version=cfg.version, kind=kind, space=base.space,
+                     tensors=None if identity else exported.tensors,
+                     lora_dir=None if identity else exported.lora_dir,
+                     training=training, guard=guard, extra_files=files)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    registration = None
+    if cfg.register_url:
+        from qswap.tuning.register import register_encoder
+        registration = register_encoder(out, cfg.register_url, cfg.token, force=cfg.force)
+    return RunResult(encoder_dir=out, report=report, registration=registration)
