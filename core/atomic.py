@@ -12,8 +12,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
 def fsync_dir(path: Path) -> None:
@@ -25,16 +27,40 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old or the new content, never a mix."""
-    path = Path(path)
+class HashingWriter:
+    """File wrapper that feeds every written block to a sha256."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self._fh = fh
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._fh.write(data)
+        self.sha.update(data)
+        self.size += len(data)
+
+
+def _tmp_in(path: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # mkstemp makes 0600 files; indexes and encoders are data for other users (a server) too.
+    os.fchmod(fd, 0o644)
+    os.close(fd)
+    return tmp
+
+
+@contextmanager
+def atomic_stream(path: Path) -> Iterator[HashingWriter]:
+    """Write ``path`` through a :class:`HashingWriter`; it appears only when the block exits cleanly."""
+    path = Path(path)
+    tmp = _tmp_in(path)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        with open(tmp, "wb") as fh:
+            w = HashingWriter(fh)
+            yield w
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -43,27 +69,48 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def atomic_write_via(path: Path, write: Callable[[str], None]) -> str:
+    """Let ``write(tmp_path)`` produce the file (e.g. a library that writes to a path), then
+    fsync and rename it into place; returns its sha256."""
+    path = Path(path)
+    tmp = _tmp_in(path)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        sha = sha256_file(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+    return sha
+
+
+def remove_stale_temps(folder: Path) -> None:
+    """Delete temporary files left by a write that was killed (``.<name>.<random>.tmp``)."""
+    if not folder.is_dir():
+        return
+    for p in folder.iterdir():
+        if p.is_file() and p.name.startswith(".") and p.name.endswith(".tmp"):
+            p.unlink(missing_ok=True)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old or the new content, never a mix."""
+    with atomic_stream(path) as w:
+        w.write(data)
+
+
 def atomic_write_json(path: Path, obj: Any) -> None:
     """Atomically write ``obj`` as indented, key-sorted JSON."""
     atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def atomic_copy(src: Path, dst: Path) -> None:
-    """Copy a file to ``dst`` atomically (temporary copy, fsync, rename)."""
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, dst)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(dst.parent)
+def atomic_copy(src: Path, dst: Path) -> str:
+    """Copy a file to ``dst`` atomically; returns its sha256."""
+    return atomic_write_via(Path(dst), lambda tmp: shutil.copyfile(src, tmp))
 
 
 def replace_dir(staging: Path, target: Path) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 
 from qswap.atomic import atomic_write_json, replace_dir, sha256_file
 from qswap.errors import ConflictError, InvalidInputError
-from qswap.index.atomic_files import atomic_stream, remove_stale_temps
+from qswap.atomic import atomic_stream, remove_stale_temps
 from qswap.index.config import IndexConfig
 from qswap.index.corpus import BadLine, Document, check_documents, corpus_file, iter_corpus
 from qswap.index.docstore import DOCS_FILE, DocStore, meta_json

@@ -21,7 +21,7 @@ import numpy as np
 
 from qswap.atomic import sha256_file
 from qswap.errors import IntegrityError, InvalidInputError
-from qswap.index.atomic_files import atomic_stream
+from qswap.atomic import atomic_stream
 
 DTYPE = np.float16
 EMB_DIR = "emb"

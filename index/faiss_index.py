@@ -19,7 +19,7 @@ import faiss
 import numpy as np
 
 from qswap.errors import IntegrityError, InvalidInputError
-from qswap.index.atomic_files import atomic_write_via
+from qswap.atomic import atomic_write_via
 from qswap.index.config import IndexConfig
 from qswap.index.embeddings import EmbeddingStore, truncate_rows
 

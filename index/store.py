@@ -34,7 +34,7 @@ import qswap
 from qswap.atomic import recover_dir
 from qswap.errors import ConflictError, IntegrityError, InvalidInputError, NotFoundError, QswapError
 from qswap.index import faiss_index
-from qswap.index.atomic_files import remove_stale_temps
+from qswap.atomic import remove_stale_temps
 from qswap.index.config import IndexConfig
 from qswap.index.corpus import Document, check_documents
 from qswap.index.docstore import DOCS_FILE, SCHEMA_VERSION, DocStore, digest_hex, meta_json, record_hash
