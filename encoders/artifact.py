@@ -26,7 +26,7 @@ import torch
 from pydantic import BaseModel as PydanticModel, ValidationError
 
 from qswap import __version__
-from qswap.atomic import atomic_write_json, replace_dir, sha256_file
+from qswap.atomic import atomic_copy, atomic_write_json, replace_dir, sha256_file
 from qswap.errors import IntegrityError, InvalidInputError, NotFoundError
 from qswap.space import EmbeddingSpace
 
@@ -96,6 +96,7 @@ def save_encoder(out_dir: Path, *, name: str, version: str, kind: Kind, space: E
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    staging.chmod(0o755)  # mkdtemp makes 0700; an encoder directory is data a server user reads
     try:
         if kind == "lora":
             if lora_dir is None:
@@ -103,14 +104,14 @@ def save_encoder(out_dir: Path, *, name: str, version: str, kind: Kind, space: E
             for f in LORA_FILES:
                 if not (Path(lora_dir) / f).exists():
                     raise NotFoundError(f"{lora_dir} lacks {f}", "save the adapter with peft's save_pretrained")
-                shutil.copyfile(Path(lora_dir) / f, staging / f)
+                atomic_copy(Path(lora_dir) / f, staging / f)
         elif kind in ("bias", "partial"):
             if not tensors:
                 raise InvalidInputError(f"a {kind} encoder needs tensors")
             save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
                       str(staging / TENSOR_FILE), metadata={"kind": kind})
         for f in extra_files or []:
-            shutil.copyfile(f, staging / Path(f).name)
+            atomic_copy(Path(f), staging / Path(f).name)
         files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file()}
         manifest = EncoderManifest(name=name, version=version, kind=kind, space=space.to_dict(),
                                    files=files, training=training, guard=guard,

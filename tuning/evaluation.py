@@ -195,8 +195,9 @@ def compare_metrics(base: RankingMetrics, tuned: RankingMetrics) -> dict[str, An
     if base.queries != tuned.queries or base.pairs != tuned.pairs:
         raise ValueError("base and tuned metrics come from different evaluation sets")
     out: dict[str, Any] = {"metrics": {}, "z_tests": {}}
-    for name, lower in METRICS:
-        b, t = getattr(base, name), getattr(tuned, name)
+    pairs = [(name, getattr(base, name), getattr(tuned, name), lower) for name, lower in METRICS]
+    pairs += [(f"recall_at_{k}", base.recall[k], tuned.recall.get(k, 0.0), False) for k in sorted(base.recall)]
+    for name, b, t, lower in pairs:
         imp = improvement(b, t, lower_is_better=lower)
         out["metrics"][name] = {"base": b, "tuned": t, "improvement": None if math.isinf(imp) else imp}
     if base.pairs:

@@ -301,7 +301,10 @@ def run_tuning(cfg: RunConfig) -> RunResult:
         identity = result.best_epoch == 0
         exported = None if identity else tower.export(workdir)
         kind = "identity" if identity else exported.kind
-        data = {"source": source, "splits": splits.sizes(), "documents": len(prep.table)}
+        # Sizes actually used: queries mining left without a negative are not trained on.
+        used = {name: len(part) for name, (part, _) in prep.sets.items()}
+        data = {"source": source, "splits": used, "split_before_mining": splits.sizes(),
+                "documents": len(prep.table)}
         training = {"method": cfg.method.to_dict(), "loss": loss_fn.config(), "optim": cfg.train.to_dict(),
                     "best_epoch": result.best_epoch, "epochs": len(result.history) - 1,
                     "stopped": result.stopped, "steps": result.steps, "wall_seconds": result.wall_seconds,

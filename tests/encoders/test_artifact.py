@@ -141,3 +141,10 @@ def test_length_sorted_batches_group_by_real_length(tiny_base):
     texts = [t for pair in zip(texts[:4], texts[4:]) for t in pair]  # interleave short/long
     batches = list(length_sorted_batches(tiny_base.tokenizer, texts, "", batch_size=4))
     assert [sorted(len(texts[i]) for i in b) for b in batches] == [[180] * 4, [1] * 4]
+
+
+def test_encoder_directory_is_readable_by_a_server_user(tiny_base, tmp_path):
+    d = make_lora(tiny_base, tmp_path / "l", "l", seed=0)
+    assert d.stat().st_mode & 0o005 == 0o005
+    for f in d.iterdir():
+        assert f.stat().st_mode & 0o004, f.name

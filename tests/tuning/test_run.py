@@ -66,7 +66,10 @@ def test_beir_run_with_languages(tiny_base, tiny_model_dir, tuning_data, tmp_pat
     report = json.loads((out / "report.json").read_text())
     ml = report["evaluation"]["multilingual"]
     assert ml["query_langs"] == ["en", "de"] and ml["counts"]["pairs"] == 2
-    assert report["data"]["splits"] == {"train": 120, "validation": 15, "test": 15}
+    assert report["data"]["split_before_mining"] == {"train": 120, "validation": 15, "test": 15}
+    dropped = report["data"]["dropped_without_negative"]
+    assert report["data"]["splits"] == {name: n - dropped.get(name, 0)
+                                        for name, n in report["data"]["split_before_mining"].items()}
     assert report["data"]["mining"]["held_out"]["mined"] == 30
     r = report["evaluation"]["retrieval"]
     assert r["z_tests"]["pnd_cos"]["total"] > 0 and "ndcg_at_10" in r["metrics"]
