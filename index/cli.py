@@ -40,15 +40,19 @@ class Embedder:
     queries: Callable[[list[str]], np.ndarray]
 
 
-def load_embedder(model: str) -> Embedder:
-    """The frozen text tower of ``model`` (bundled name or local model folder)."""
+def load_embedder(model: str, precision: str = "fp32") -> Embedder:
+    """The frozen text tower of ``model`` (bundled name or local model folder).
+
+    ``precision="bf16"`` embeds documents under bf16 autocast (measured: no significant
+    nDCG@10 change on the Debian benchmark, see README "Fast query path")."""
     from qswap.encoders import load_base  # torch is imported only by commands that embed
 
     base = load_base(model)
     return Embedder(
         name=model,
         space=base.space,
-        documents=lambda texts: base.encode_documents(texts, batch_size=max(len(texts), 1)),
+        documents=lambda texts: base.encode_documents(texts, batch_size=max(len(texts), 1),
+                                                     precision=precision),
         queries=lambda texts: base.encode_queries(texts),
     )
 
@@ -73,6 +77,9 @@ def register(subparsers: Any) -> None:
     b.add_argument("--out", "-o", type=Path, required=True, help="index folder to create or replace")
     b.add_argument("--model", type=_model_arg, default=DEFAULT_MODEL,
                    help=f"base model name or local folder (default {DEFAULT_MODEL})")
+    b.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="document-embedding precision; bf16 is ~2.4x faster on CPUs with AVX-512-BF16/AMX "
+                        "with no significant quality change measured (default fp32)")
     b.add_argument("--format", choices=["auto", "jsonl", "beir"], default="auto")
     b.add_argument("--on-bad-line", choices=["stop", "skip"], default="stop",
                    help="stop at the first bad corpus line (default) or skip and list bad lines")
@@ -187,7 +194,7 @@ def _embedder_for(index: DocumentIndex, given: str | None) -> Embedder:
 # ---------------------------------------------------------------------- handlers
 def cmd_build(args: argparse.Namespace) -> int:
     cfg = _config_from(args)
-    emb = load_embedder(args.model)
+    emb = load_embedder(args.model, precision=args.precision)
     idx = build_index(args.corpus, args.out, emb.documents, emb.space, cfg, on_bad_line=args.on_bad_line,
                       progress=not args.no_progress, format=args.format, model=args.model)
     with idx:
