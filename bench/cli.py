@@ -1,0 +1,50 @@
+"""``qswap bench``: benchmarks (each writes ``bench/results/<name>/``) and their data.
+
+Every benchmark has ``--quick`` (a smoke run of seconds, written under
+``bench/results/<name>/tmp/quick`` unless ``--out`` says otherwise) and a full mode (at most
+about ten minutes on a 2-core machine) that writes ``results.json``, ``README.md`` and PNG
+plots to ``bench/results/<name>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from qswap.bench import bf16_quality, forward, hotswap, index_bench, naive_baseline, serving, tuning_speed
+from qswap.bench.data import register as register_data
+
+# (subcommand, module, one-line help); each module has add_arguments(parser) and run(args).
+BENCHMARKS = (
+    ("serving", serving, "latency/QPS vs concurrency of /v1/search; one vs 8 encoders; time breakdown"),
+    ("baseline", naive_baseline, "qswap vs one full model per domain behind FastAPI + FAISS (side by side)"),
+    ("index", index_bench, "recall@10, bytes/doc, latency, build time per (dim, quant, kind, rescore)"),
+    ("tuning", tuning_speed, "steps/s of qswap tuning vs a sentence-transformers TripletLoss run"),
+    ("hotswap", hotswap, "registration-to-first-served time and failed requests during swaps under load"),
+)
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """Options every benchmark takes: ``--quick``, ``--out``."""
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run taking seconds (results under bench/results/%s/tmp/quick)" % name)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"result directory (default bench/results/{name}/)")
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``bench`` and its subcommands (benchmarks, ``data``, ``forward``) to ``subparsers``."""
+    p = subparsers.add_parser("bench", help="benchmarks and benchmark data", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    for name, module, help_text in BENCHMARKS:
+        b = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_common_arguments(b, name)
+        module.add_arguments(b)
+        b.set_defaults(func=module.run, bench_name=name)
+    register_data(sub)
+    forward.register(sub)
+    bf16_quality.register(sub)
+    return p

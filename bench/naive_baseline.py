@@ -1,0 +1,385 @@
+"""qswap side by side with the usual way: one full model per domain behind FastAPI + FAISS.
+
+``qswap bench baseline`` starts two servers as child processes on 127.0.0.1 and loads them
+alternately with the same mixed traffic (8 domains by default, round-robin), at several concurrency
+levels:
+
+- qswap: ``qswap serve`` with 8 LoRA encoders over one shared base (cross-domain batches);
+- naive: this module's FastAPI app (``python -m qswap.bench.naive_baseline``), which loads a
+  complete sentence-transformers model per domain (its own copy of every weight; no shared
+  base), encodes each request's query on its own in the request's thread (no batching
+  across requests or domains) and searches one ``faiss.IndexFlatIP``.
+
+Both serve the same functions: each naive domain model is the base with that domain's LoRA
+adapter merged in, both search the same vectors exactly (qswap: flat fp32 index; naive:
+IndexFlatIP over the same float16-rounded rows), and the benchmark checks that they return
+the same top 10. Reported: QPS and p99 ratios per level (median and spread over rounds) and
+resident memory (RSS) per domain.
+
+The naive app shares one document index between domains, which flatters it: a model
+fine-tuned per domain changes the document space too, so each domain would need its own
+re-embedded index (another ``n_docs * dim * 4`` bytes and a full re-embedding).
+
+Serve the naive app alone::
+
+    python -m qswap.bench.naive_baseline --port 8101 --embeddings docs.npy \\
+        --corpus docs.jsonl --domain legal=/models/legal --domain medical=/models/medical
+
+``POST /search`` takes ``{"domain", "query", "k"}`` and returns ``{"hits": [{"id", "score",
+"text"}], "timings_ms": {"encode", "search"}}``; ``GET /stats`` reports the process's RSS
+after loading each domain (``/proc/self/status``).
+"""
+
+# No ``from __future__ import annotations``: FastAPI must see the request model class itself.
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+QUERY_PREFIX = "query: "
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _load_docs(path: Path | None, n: int) -> tuple[list[str], list[str]]:
+    """(ids, texts) of the first ``n`` JSONL lines (row numbers as ids where a line has none)."""
+    ids: list[str] = []
+    texts: list[str] = []
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if len(texts) >= n:
+                    break
+                if line.strip():
+                    d = json.loads(line)
+                    ids.append(str(d.get("id", d.get("_id", len(ids)))))
+                    texts.append(d.get("text", ""))
+    ids += [str(i) for i in range(len(ids), n)]
+    texts += [""] * (n - len(texts))
+    return ids, texts
+
+
+def create_app(domains: dict[str, Path], embeddings: Path, corpus: Path | None = None,
+               query_prefix: str = QUERY_PREFIX) -> Any:
+    """The naive FastAPI app: ``domains`` maps a name to a full sentence-transformers model dir."""
+    import faiss
+    import numpy as np
+    from fastapi import FastAPI, HTTPException
+    from pydantic import BaseModel
+    from sentence_transformers import SentenceTransformer
+
+    vectors = np.ascontiguousarray(np.load(embeddings), dtype=np.float32)
+    index = faiss.IndexFlatIP(vectors.shape[1])
+    index.add(vectors)
+    del vectors
+    ids, texts = _load_docs(corpus, index.ntotal)
+    rss = {"after_index": _rss_bytes()}
+    models: dict[str, Any] = {}
+    load_seconds: dict[str, float] = {}
+    for name, path in domains.items():
+        t0 = time.perf_counter()
+        # Each domain gets its own full model: a fine-tuned copy per domain is the usual way.
+        models[name] = SentenceTransformer(str(path), device="cpu")
+        load_seconds[name] = time.perf_counter() - t0
+        gc.collect()
+        rss[f"after_{name}"] = _rss_bytes()
+
+    app = FastAPI(title="naive baseline")
+
+    class SearchBody(BaseModel):
+        domain: str
+        query: str
+        k: int = 10
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {"ok": True, "domains": sorted(models)}
+
+    @app.get("/stats")
+    def stats() -> dict[str, Any]:
+        return {"rss_bytes": _rss_bytes(), "rss_after": rss, "load_seconds": load_seconds,
+                "domains": list(models), "docs": int(index.ntotal)}
+
+    # A plain ``def`` endpoint: FastAPI runs it in its thread pool, as most such apps do.
+    @app.post("/search")
+    def search(body: SearchBody) -> dict[str, Any]:
+        model = models.get(body.domain)
+        if model is None:
+            raise HTTPException(404, f"unknown domain {body.domain!r}")
+        t0 = time.perf_counter()
+        q = model.encode([query_prefix + body.query], normalize_embeddings=True, convert_to_numpy=True,
+                         show_progress_bar=False)
+        t1 = time.perf_counter()
+        scores, rows = index.search(np.asarray(q, dtype=np.float32), body.k)
+        t2 = time.perf_counter()
+        hits = [{"id": ids[int(i)], "score": float(s), "text": texts[int(i)]}
+                for s, i in zip(scores[0], rows[0]) if i >= 0]
+        return {"hits": hits, "timings_ms": {"encode": (t1 - t0) * 1e3, "search": (t2 - t1) * 1e3}}
+
+    return app
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+NAME = "baseline"
+N_DOMAINS = 8
+
+
+def merged_models(base: Any, enc_root: Path, keys: list[tuple[str, str]]) -> dict[str, Path]:
+    """Full model directories, one per domain: the base with that domain's adapter merged (cached)."""
+    import shutil as _sh
+
+    import torch
+    from safetensors.torch import save_file
+
+    from qswap.bench.serving import cache_dir
+    from qswap.encoders import EncoderPool, load_encoder
+
+    root = cache_dir() / f"naive-models-{enc_root.name}"
+    out = {name: root / name for name, _ in keys}
+    todo = [(n, v) for n, v in keys if not (root / n / "done").is_file()]
+    if not todo:
+        return out
+    pool = EncoderPool(base)
+    for name, version in todo:
+        d = root / name
+        _sh.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        pool.add(load_encoder(enc_root / f"{name}-{version}", base.space))
+        state = {k: v.detach().to(torch.float32).contiguous().clone() for k, v in
+                 pool.merged_state_dict(f"{name}@{version}").items()}
+        save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+        del state
+        pool.remove(f"{name}@{version}")
+        for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (base.path / f).is_file():
+                _sh.copyfile(base.path / f, d / f)
+        (d / "done").write_text("merged from " + str(enc_root / f"{name}-{version}"))
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``qswap bench baseline``."""
+    p.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="comma-separated levels (default 1,8,32; quick 1,4)")
+    p.add_argument("--seconds", type=float, default=None, help="per run (default 8; quick 2)")
+    p.add_argument("--requests", type=int, default=None, help="at most per run (default 2000; quick 30)")
+    p.add_argument("--rounds", type=int, default=None, help="alternating rounds per level (default 3; quick 1)")
+    p.add_argument("--domains", type=int, default=None, help="domains (default 8; quick 2)")
+    p.add_argument("--model", default="multilingual-e5-small", help="base model (bundled name or directory)")
+
+
+def _agreement(qs_srv: Any, nv_srv: Any, queries: list[str], domains: list[str], n: int) -> dict[str, Any]:
+    """Mean overlap of the top 10 ids of both servers for the same (query, domain) pairs."""
+    from qswap.bench.harness import http_json
+    overlaps, top1 = [], []
+    for i in range(n):
+        q, d = queries[i % len(queries)], domains[i % len(domains)]
+        _, a = http_json("POST", qs_srv.url("/v1/search"), {"query": q, "encoder": f"{d}@1", "k": 10, "with_text": False})
+        _, b = http_json("POST", nv_srv.url("/search"), {"query": q, "domain": d, "k": 10})
+        ia = [h["id"] for h in a["results"][0]["hits"]]
+        ib = [h["id"] for h in b["hits"]]
+        overlaps.append(len(set(ia) & set(ib)) / 10)
+        top1.append(float(bool(ia) and bool(ib) and ia[0] == ib[0]))
+    return {"pairs": n, "mean_overlap_at_10": sum(overlaps) / n, "top1_same": sum(top1) / n}
+
+
+def run(args: argparse.Namespace) -> int:
+    """``qswap bench baseline``."""
+    import shutil as _sh
+
+    from qswap.bench.harness import (ResultWriter, ServerProcess, free_port, http_json, interleaved,
+                                     ratio_summary, results_dir_for, summarize)
+    from qswap.bench.loadgen import Request, run_load_sync
+    from qswap.bench.serving import (index_meta, load_space_base, load_workload, lora_encoders, qswap_server,
+                                     register, search_requests, stamped_index)
+    from qswap.index import IndexConfig
+
+    quick = bool(args.quick)
+    levels = args.concurrency or ([1, 4] if quick else [1, 8, 32])
+    seconds = args.seconds or (2.0 if quick else 8.0)
+    max_req = args.requests or (30 if quick else 2000)
+    rounds = args.rounds or (1 if quick else 3)
+    n_dom = args.domains or (2 if quick else N_DOMAINS)
+    out = results_dir_for(NAME, quick, args.out)
+    w = ResultWriter(NAME, out)
+    tmp = out / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+
+    work = load_workload(quick)
+    base = load_space_base(args.model)
+    # Exact search on both sides, so the comparison is about serving, not about the index.
+    idx_dir, vec_path, docs_path = stamped_index(work, base, tag="flat",
+                                                 config=IndexConfig(kind="flat", quant="fp32", rescore=False))
+    keys = [(f"d{i}", "1") for i in range(n_dom)]
+    domains = [n for n, _ in keys]
+    enc_root = lora_encoders(base, keys)
+    models = merged_models(base, enc_root, keys)
+    del base
+    qs = qswap_server(idx_dir, enc_root, tmp / "state", tmp / "qswap.log", model=args.model)
+    nv_port = free_port()
+    nv_cmd = [sys.executable, "-m", "qswap.bench.naive_baseline", "--port", str(nv_port), "--embeddings",
+              str(vec_path), "--corpus", str(docs_path)] + [a for d in domains for a in ("--domain", f"{d}={models[d]}")]
+    nv = ServerProcess(nv_cmd, nv_port, ready_path="/health", log_path=tmp / "naive.log")
+    res: dict[str, Any] = {"workload": work.source, "index": index_meta(idx_dir),
+                           "vectors": "synthetic clustered unit vectors stamped with the model's space",
+                           "domains": n_dom, "levels": levels, "seconds_per_run": seconds,
+                           "max_requests_per_run": max_req, "rounds": rounds}
+    with qs:
+        # Marginal memory of one more domain, measured alike on both sides: qswap's RSS with
+        # one encoder registered and used vs with all of them (naive: first vs last model).
+        qkeys = [f"{n}@{v}" for n, v in keys]
+        qreq = search_requests(work.queries, qkeys)
+        rss_q0 = qs.rss()
+        register(qs, f"{keys[0][0]}-{keys[0][1]}")
+        run_load_sync("127.0.0.1", qs.port, search_requests(work.queries, qkeys[:1]), concurrency=4,
+                      max_requests=64, duration_s=60)
+        rss_q1 = qs.rss()
+        for n, v in keys[1:]:
+            register(qs, f"{n}-{v}")
+        run_load_sync("127.0.0.1", qs.port, qreq, concurrency=4, max_requests=64, duration_s=60)
+        rss_q8 = qs.rss()
+        _, enc_list = http_json("GET", qs.url("/v1/encoders"))
+        adapter_bytes = [e.get("memory_bytes") for e in enc_list["encoders"] if e["key"] in qkeys]
+        with nv:
+            pre = [[json.dumps({"query": q, "domain": d, "k": 10}).encode() for d in domains] for q in work.queries]
+            hdr = (("Content-Type", "application/json"),)
+
+            def nreq(i: int) -> Request:
+                return Request("POST", "/search", pre[i % len(pre)][i % n_dom], hdr, domains[i % n_dom])
+            run_load_sync("127.0.0.1", nv.port, nreq, concurrency=4, max_requests=64, duration_s=60)
+            _, nstats = http_json("GET", nv.url("/stats"))
+            res["agreement"] = _agreement(qs, nv, work.queries, domains, 16 if quick else 64)
+            res["servers"] = {"qswap": {"command": qs.command, "start_s": qs.start_seconds},
+                              "naive": {"command": nv.command, "start_s": nv.start_seconds}}
+            per: dict[str, dict[int, list[Any]]] = {"qswap": {}, "naive": {}}
+            for c in levels:
+                arms = {"qswap": lambda c=c: run_load_sync("127.0.0.1", qs.port, qreq, concurrency=c,
+                                                           max_requests=max_req, duration_s=seconds),
+                        "naive": lambda c=c: run_load_sync("127.0.0.1", nv.port, nreq, concurrency=c,
+                                                           max_requests=max_req, duration_s=seconds)}
+                got = interleaved(arms, rounds=rounds, warmup=0)
+                for a, rs in got.items():
+                    per[a][c] = rs
+                print(f"c={c}: qswap {[round(r.qps, 1) for r in got['qswap']]} naive "
+                      f"{[round(r.qps, 1) for r in got['naive']]} qps", file=sys.stderr)
+            rss_q_end, rss_n_end = qs.rss(), nv.rss()
+            pss_q_end, pss_n_end = qs.pss(), nv.pss()
+    after = nstats["rss_after"]
+    res["memory"] = {
+        "qswap": {"rss_base_and_index": rss_q0, "rss_with_1_encoder": rss_q1, "rss_with_all_encoders": rss_q8,
+                  "rss_end": rss_q_end, "pss_end": pss_q_end,
+                  "per_domain_bytes": (rss_q8 - rss_q1) / max(n_dom - 1, 1),
+                  "adapter_bytes_reported": adapter_bytes},
+        "naive": {"rss_after_index": after["after_index"], "rss_after_domains": after,
+                  "rss_end": rss_n_end, "pss_end": pss_n_end,
+                  "per_domain_bytes": (after[f"after_{domains[-1]}"] - after[f"after_{domains[0]}"])
+                  / max(n_dom - 1, 1),
+                  "model_file_bytes": (models[domains[0]] / "model.safetensors").stat().st_size},
+    }
+    res["levels_detail"] = {}
+    for c in levels:
+        q, n = per["qswap"][c], per["naive"][c]
+        p99 = lambda r: summarize(r.latencies_ms())["p99"]  # noqa: E731
+        res["levels_detail"][str(c)] = {
+            "qswap": {"qps_rounds": [r.qps for r in q], "latency_ms": summarize([x for r in q for x in r.latencies_ms()]),
+                      "failed": sum(r.failed for r in q)},
+            "naive": {"qps_rounds": [r.qps for r in n], "latency_ms": summarize([x for r in n for x in r.latencies_ms()]),
+                      "failed": sum(r.failed for r in n)},
+            "qps_ratio_qswap_over_naive": ratio_summary([r.qps for r in q], [r.qps for r in n]).to_dict(),
+            "p99_ratio_naive_over_qswap": ratio_summary([p99(r) for r in n], [p99(r) for r in q]).to_dict(),
+        }
+    _write(w, res, levels)
+    if not quick:
+        _sh.rmtree(tmp, ignore_errors=True)
+    print(f"wrote {out}")
+    return 0
+
+
+def _write(w: Any, res: dict[str, Any], levels: list[int]) -> None:
+    from qswap.bench.harness import md_table, plot_bars, plot_lines
+    d = res["levels_detail"]
+    qps = {a: [sorted(d[str(c)][a]["qps_rounds"])[len(d[str(c)][a]["qps_rounds"]) // 2] for c in levels]
+           for a in ("qswap", "naive")}
+    bands = {a: ([min(d[str(c)][a]["qps_rounds"]) for c in levels], [max(d[str(c)][a]["qps_rounds"]) for c in levels])
+             for a in ("qswap", "naive")}
+    plot_lines(w.plot_path("qps.png"), levels, qps, xlabel="concurrent connections", ylabel="successful requests / s",
+               title=f"{res['domains']} domains, mixed traffic: qswap vs one model per domain", logx=True, bands=bands)
+    plot_lines(w.plot_path("p99.png"), levels, {a: [d[str(c)][a]["latency_ms"]["p99"] for c in levels]
+                                                for a in ("qswap", "naive")},
+               xlabel="concurrent connections", ylabel="p99 latency (ms)", title="p99 latency", logx=True, logy=True)
+    m = res["memory"]
+    mib = 2.0 ** 20
+    plot_bars(w.plot_path("memory.png"), ["per domain", "whole process"],
+              {"qswap": [m["qswap"]["per_domain_bytes"] / mib, m["qswap"]["rss_end"] / mib],
+               "naive": [m["naive"]["per_domain_bytes"] / mib, m["naive"]["rss_end"] / mib]},
+              ylabel="MiB (RSS)", title=f"Resident memory, {res['domains']} domains")
+    rows = []
+    for c in levels:
+        x = d[str(c)]
+        r, p = x["qps_ratio_qswap_over_naive"], x["p99_ratio_naive_over_qswap"]
+        rows.append([c, qps["qswap"][levels.index(c)], qps["naive"][levels.index(c)],
+                     f"**{r['median']:.2f}x** ({r['p25']:.2f}-{r['p75']:.2f}, range {r['min']:.2f}-{r['max']:.2f})",
+                     x["qswap"]["latency_ms"]["p99"], x["naive"]["latency_ms"]["p99"],
+                     f"**{p['median']:.2f}x** ({p['min']:.2f}-{p['max']:.2f})",
+                     x["qswap"]["failed"] + x["naive"]["failed"]])
+    table = md_table(["conc.", "qswap QPS", "naive QPS", "QPS ratio qswap/naive (IQR, range)", "qswap p99 ms",
+                      "naive p99 ms", "p99 ratio naive/qswap (range)", "failed"], rows)
+    ab = [b for b in m["qswap"]["adapter_bytes_reported"] if b]
+    mem = md_table(["", "qswap", "naive"], [
+        ["RSS added per extra domain (MiB)", m["qswap"]["per_domain_bytes"] / mib, m["naive"]["per_domain_bytes"] / mib],
+        ["weights per domain (MiB): adapter (server's count) / full model file",
+         (sum(ab) / len(ab) / mib) if ab else float("nan"), m["naive"]["model_file_bytes"] / mib],
+        [f"RSS of the process, {res['domains']} domains, end (MiB)", m["qswap"]["rss_end"] / mib, m["naive"]["rss_end"] / mib],
+        ["PSS at end (MiB)", (m["qswap"]["pss_end"] or 0) / mib, (m["naive"]["pss_end"] or 0) / mib],
+    ])
+    a = res["agreement"]
+    md = (f"Workload: {res['workload']}; {res['index']['documents']:,} documents, **{res['vectors']}**; "
+          f"both servers search them exactly (qswap flat fp32, naive faiss.IndexFlatIP). {res['domains']} domains, "
+          "requests round-robin over them. Same answers: mean top-10 overlap "
+          f"{a['mean_overlap_at_10']:.3f}, same top hit {a['top1_same']:.3f} over {a['pairs']} (query, domain) pairs.\n\n"
+          f"Each level: {res['rounds']} rounds per server, alternating (A B B A ...), each at most "
+          f"{res['max_requests_per_run']} requests or {res['seconds_per_run']:g} s, closed loop on 127.0.0.1. "
+          "Ratios are per round pair: median, quartiles and range.\n\n"
+          f"{table}\n### Memory\n\nPer extra domain: qswap = RSS growth from one registered and used encoder to "
+          "all of them, divided by the extra ones; naive = RSS growth from the first loaded model to the last, "
+          "likewise. RSS counts only resident pages: weights read lazily from a memory-mapped file are not all "
+          "counted, which is why a naive domain can cost less RSS than its model file. The naive app shares one document index "
+          "between domains (flattering it: per-domain fine-tuned models would each need their own re-embedded index).\n\n"
+          f"{mem}")
+    w.write(res, md)
+
+
+def _domain(value: str) -> tuple[str, Path]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=MODEL_DIR, got {value!r}")
+    return name, Path(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve the naive baseline (``python -m qswap.bench.naive_baseline ...``)."""
+    p = argparse.ArgumentParser(prog="python -m qswap.bench.naive_baseline",
+                                description="Serve the naive baseline: one full model per domain, FastAPI + FAISS.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8101)
+    p.add_argument("--embeddings", type=Path, required=True, help=".npy (n_docs, dim) float32 document vectors")
+    p.add_argument("--corpus", type=Path, default=None, help="JSONL whose line i is document i (for hit texts)")
+    p.add_argument("--domain", type=_domain, action="append", required=True, metavar="NAME=MODEL_DIR")
+    args = p.parse_args(argv)
+    import uvicorn
+    app = create_app(dict(args.domain), args.embeddings, args.corpus)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
