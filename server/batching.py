@@ -89,7 +89,7 @@ class MicroBatcher:
     def __init__(self, *, encode: EncodeFn, search: SearchFn,
                  truncated: Callable[[list[str]], list[bool]] | None = None,
                  window_s: float = 0.002, max_batch: int = 64, max_pending: int = 4096,
-                 metrics: Any = None, name: str = "qswap-batcher") -> None:
+                 metrics: Any = None, name: str = "qswap-batcher", adaptive: bool = True) -> None:
         self._encode = encode
         self._search = search
         self._truncated = truncated
@@ -100,6 +100,8 @@ class MicroBatcher:
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = False
+        self.adaptive = adaptive
+        self._last_requests = 1
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -167,7 +169,11 @@ class MicroBatcher:
                     self._do_call(item)
                     continue
                 batch, rows = [item], len(item.texts)
-                deadline = item.enqueued + self.window_s
+                # Adaptive window: after a batch of one (no concurrency), waiting only adds
+                # latency, so take what is already queued and go; under load batches hold
+                # several requests and the window lets more join.
+                window = self.window_s if (self._last_requests > 1 or not self.adaptive) else 0.0
+                deadline = item.enqueued + window
                 while rows < self.max_batch:
                     wait = deadline - time.perf_counter()
                     try:
@@ -179,6 +185,7 @@ class MicroBatcher:
                         break
                     batch.append(nxt)
                     rows += len(nxt.texts)
+                self._last_requests = len(batch)
                 self._process(batch)
             except Exception:   # never let the worker die: requests would hang
                 log.exception("batch worker error")

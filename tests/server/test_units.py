@@ -111,7 +111,7 @@ def _run(coro):
 def test_batcher_merges_concurrent_requests_into_one_pass():
     calls: list = []
     enc, srch = _fake(calls)
-    b = MicroBatcher(encode=enc, search=srch, window_s=0.2, max_batch=64)
+    b = MicroBatcher(encode=enc, search=srch, window_s=0.2, max_batch=64, adaptive=False)
     b.start()
     try:
         async def main():
@@ -133,11 +133,32 @@ def test_batcher_merges_concurrent_requests_into_one_pass():
         assert out.batch_requests == 10
 
 
+def test_batcher_adaptive_window_skips_the_wait_when_idle():
+    """A lone request is not held for the window; under load the window batches again."""
+    calls: list = []
+    enc, srch = _fake(calls)
+    b = MicroBatcher(encode=enc, search=srch, window_s=0.5, max_batch=64)
+    b.start()
+    try:
+        async def lone():
+            t0 = time.perf_counter()
+            await b.search(["x"], "k", k=1)
+            return time.perf_counter() - t0
+        assert _run(lone()) < 0.25                    # did not wait the 0.5 s window
+        b._last_requests = 2                          # as after a batch of several requests
+        async def burst():
+            return await asyncio.gather(*[b.search(["y"], "k", k=1) for _ in range(5)])
+        outs = _run(burst())
+    finally:
+        b.stop()
+    assert all(o.batch_requests == 5 for o in outs)   # the window collected the whole burst
+
+
 def test_batcher_isolates_failures():
     calls: list = []
     enc, srch = _fake(calls, fail_key="bad")
     done: list[str] = []
-    b = MicroBatcher(encode=enc, search=srch, window_s=0.2, max_batch=64)
+    b = MicroBatcher(encode=enc, search=srch, window_s=0.2, max_batch=64, adaptive=False)
     b.start()
     try:
         async def main():
@@ -158,7 +179,7 @@ def test_batcher_isolates_failures():
 def test_batcher_one_search_per_distinct_filter():
     calls: list = []
     enc, srch = _fake(calls)
-    b = MicroBatcher(encode=enc, search=srch, window_s=0.2, max_batch=64)
+    b = MicroBatcher(encode=enc, search=srch, window_s=0.2, max_batch=64, adaptive=False)
     b.start()
     try:
         async def main():
@@ -176,7 +197,7 @@ def test_batcher_one_search_per_distinct_filter():
 def test_batcher_respects_max_batch_and_runs_calls_on_worker():
     calls: list = []
     enc, srch = _fake(calls)
-    b = MicroBatcher(encode=enc, search=srch, window_s=0.2, max_batch=4)
+    b = MicroBatcher(encode=enc, search=srch, window_s=0.2, max_batch=4, adaptive=False)
     b.start()
     try:
         async def main():
