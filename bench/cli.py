@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from qswap.bench import bf16_quality, e2e_latency, forward, hotswap, index_bench, naive_baseline, serving, tuning_speed
+from qswap.bench import bf16_quality, e2e_latency, forward, quality, hotswap, index_bench, naive_baseline, serving, tuning_speed
 from qswap.bench.data import register as register_data
 
 # (subcommand, module, one-line help); each module has add_arguments(parser) and run(args).
@@ -48,4 +48,5 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     forward.register(sub)
     bf16_quality.register(sub)
     e2e_latency.register(sub)
+    quality.register(sub)
     return p
