@@ -31,10 +31,10 @@ import faiss
 import numpy as np
 
 import qswap
-from qswap.atomic import recover_dir
+from qswap.atomic import recover_dir, remove_stale_temps
 from qswap.errors import ConflictError, IntegrityError, InvalidInputError, NotFoundError, QswapError
 from qswap.index import faiss_index
-from qswap.atomic import remove_stale_temps
+from qswap.locks import try_lock_exclusive
 from qswap.index.config import IndexConfig
 from qswap.index.corpus import Document, check_documents
 from qswap.index.docstore import DOCS_FILE, SCHEMA_VERSION, DocStore, digest_hex, meta_json, record_hash
@@ -65,14 +65,8 @@ class Hit:
 
 def acquire_writer_lock(path: Path) -> int:
     """Take the folder's writer lock (flock, released by the kernel if the process dies)."""
-    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ConflictError(f"index {path} is open for writing by another process or handle",
-                            "stop that process (e.g. the server) or open this index read-only") from None
-    return fd
+    return try_lock_exclusive(path / LOCK_FILE, f"index {path} is open for writing by another process or handle",
+                              "stop that process (e.g. the server) or open this index read-only")
 
 
 def release_lock(fd: int | None) -> None:

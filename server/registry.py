@@ -17,7 +17,6 @@ serialises registrations, deletions and alias changes.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ from typing import Any
 from qswap.atomic import atomic_write_json
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
 from qswap.encoders.artifact import MANIFEST, EncoderManifest, read_manifest, validate_name
+from qswap.locks import try_lock_exclusive
 from qswap.errors import ConflictError, IntegrityError, InvalidInputError, NotFoundError, QswapError
 from qswap.space import EmbeddingSpace
 
@@ -210,14 +210,9 @@ class EncoderRegistry:
         # Two servers writing one registry file would lose each other's changes.
         if self._state_fd is not None:
             return
-        fd = os.open(self.state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ConflictError(f"state dir {self.state_dir} is in use by another server",
-                                "give each server its own --state-dir") from None
-        self._state_fd = fd
+        self._state_fd = try_lock_exclusive(self.state_dir / LOCK_FILE,
+                                            f"state dir {self.state_dir} is in use by another server",
+                                            "give each server its own --state-dir")
 
     def close(self) -> None:
         """Release the state-dir lock (the registry file is always up to date)."""

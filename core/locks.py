@@ -1,0 +1,24 @@
+"""Process-exclusive directory locks (flock: the kernel releases them when a process dies)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from qswap.errors import ConflictError
+
+
+def try_lock_exclusive(lock_file: Path, message: str, hint: str) -> int:
+    """Take an exclusive, non-blocking lock on ``lock_file`` (created if missing).
+
+    Returns the file descriptor that holds the lock (close it to release); raises
+    :class:`ConflictError` with ``message`` / ``hint`` when another process holds it.
+    """
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConflictError(message, hint) from None
+    return fd
