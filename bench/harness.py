@@ -254,9 +254,11 @@ def _busy_note(meta: Mapping[str, Any]) -> str:
     cores = meta.get("machine", {}).get("cores_logical") or 1
     loads = [x for key in ("loadavg",) for x in (meta.get("machine", {}).get(key) or [])[:1]]
     loads += (meta.get("loadavg_end") or [])[:1]
-    # The benchmark itself keeps about the cores busy; more than that means company.
+    # Load counts runnable threads: a benchmark's own servers can exceed the cores too, so the
+    # note says the CPU was oversubscribed without claiming by whom.
     if loads and max(loads) > cores + 1:
-        return f" (above {cores} cores + 1: other processes were competing for the CPU)"
+        return (f" (above {cores} cores + 1: the CPU was oversubscribed, by this benchmark's own "
+                "threads or by other processes)")
     return ""
 
 
