@@ -41,15 +41,21 @@ def embed_batch(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     return torch.nn.functional.normalize(x, dim=-1) if spec.normalize else x
 
 
-def length_sorted_batches(tokenizer: Tokenizer, texts: list[str], prefix: str,
-                          batch_size: int) -> Iterator[list[int]]:
-    """Yield index lists of ``texts`` grouped by token length, so a batch pads little."""
+def sorted_batches(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_size: int,
+                   device: torch.device | str = "cpu",
+                   ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """Tokenise once, then yield ``(indices, input_ids, attention_mask)`` batches grouped by token
+    length, longest first, so a batch pads little. Rows are cut to their batch's longest."""
+    encs = tokenizer.encode_batch([prefix + t for t in texts])
     # attention_mask, not ids: the tokenizer pads, so every row's ids have the same length.
-    lengths = [sum(e.attention_mask) for e in tokenizer.encode_batch([prefix + t for t in texts])] \
-        if len(texts) > batch_size else [0] * len(texts)
+    lengths = [sum(e.attention_mask) for e in encs]
     order = sorted(range(len(texts)), key=lambda i: -lengths[i])
     for s in range(0, len(order), batch_size):
-        yield order[s:s + batch_size]
+        idx = order[s:s + batch_size]
+        width = max(lengths[i] for i in idx)
+        ids = torch.tensor([encs[i].ids[:width] for i in idx], dtype=torch.long, device=device)
+        mask = torch.tensor([encs[i].attention_mask[:width] for i in idx], dtype=torch.long, device=device)
+        yield idx, ids, mask
 
 
 def encode_texts(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -66,8 +72,7 @@ def encode_texts(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         from tqdm import tqdm
         bar = tqdm(total=len(texts), desc=desc, unit="doc", smoothing=0.05)
     with torch.inference_mode():
-        for idx in length_sorted_batches(tokenizer, texts, prefix, batch_size):
-            ids, mask = tokenize_batch(tokenizer, [texts[i] for i in idx], prefix, device)
+        for idx, ids, mask in sorted_batches(tokenizer, texts, prefix, batch_size, device):
             out[idx] = forward(ids, mask).float().cpu().numpy()
             if bar is not None:
                 bar.update(len(idx))

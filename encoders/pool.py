@@ -22,7 +22,7 @@ import torch
 
 from qswap.encoders.artifact import EncoderArtifact
 from qswap.encoders.base import BaseModel
-from qswap.encoders.embedding import embed_batch, tokenize_batch
+from qswap.encoders.embedding import embed_batch, sorted_batches
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError
 
 BASE_KEY = "base"   # the identity encoder every pool has: the base model itself
@@ -199,12 +199,9 @@ class EncoderPool:
             for i, (k, e) in enumerate(zip(keys, entries)):
                 groups.setdefault(k if e.overrides else None, []).append(i)
             for gkey, rows in groups.items():
-                if len(rows) > batch_size:
-                    lens = [sum(e.attention_mask) for e in tok.encode_batch([spec.query_prefix + texts[i] for i in rows])]
-                    rows = [r for _, r in sorted(zip(lens, rows), key=lambda x: -x[0])]
-                for s in range(0, len(rows), batch_size):
-                    idx = rows[s:s + batch_size]
-                    ids, mask = tokenize_batch(tok, [texts[i] for i in idx], spec.query_prefix, dev)
+                for pos, ids, mask in sorted_batches(tok, [texts[i] for i in rows], spec.query_prefix,
+                                                     batch_size, dev):
+                    idx = [rows[p] for p in pos]
                     names = [entries[i].adapter or "__base__" for i in idx]
                     fwd = self._forward_fn(self._entries[gkey] if gkey else None, names)
                     out[idx] = embed_batch(fwd, ids, mask, spec).float().cpu().numpy()

@@ -136,11 +136,13 @@ def test_base_pooling_and_length_sorting_keep_order(tiny_base):
 
 def test_length_sorted_batches_group_by_real_length(tiny_base):
     """Batches group texts of similar token length (padding does not hide the length)."""
-    from qswap.encoders.embedding import length_sorted_batches
+    from qswap.encoders.embedding import sorted_batches
     texts = ["a"] * 4 + ["chess " * 30] * 4
     texts = [t for pair in zip(texts[:4], texts[4:]) for t in pair]  # interleave short/long
-    batches = list(length_sorted_batches(tiny_base.tokenizer, texts, "", batch_size=4))
-    assert [sorted(len(texts[i]) for i in b) for b in batches] == [[180] * 4, [1] * 4]
+    batches = list(sorted_batches(tiny_base.tokenizer, texts, "", batch_size=4))
+    assert [sorted(len(texts[i]) for i in b) for b, _, _ in batches] == [[180] * 4, [1] * 4]
+    # the short batch is cut to its own width (3 tokens: [CLS] a [SEP]), not the longest text's
+    assert batches[1][1].shape == (4, 3) and batches[1][2].sum().item() == 12
 
 
 def test_encoder_directory_is_readable_by_a_server_user(tiny_base, tmp_path):
