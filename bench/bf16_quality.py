@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from qswap.bench.data.beir import available_languages, load_beir
+from qswap.beir import available_languages, load_beir
 from qswap.bench.harness import ResultWriter, md_table
 
 

@@ -15,7 +15,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from qswap.bench.harness import ResultWriter, md_table
 
@@ -37,7 +36,7 @@ def register(sub: Any) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from qswap.bench.data.beir import load_beir
+    from qswap.beir import load_beir
     from qswap.encoders import BASE_KEY, EncoderPool, load_base, load_encoder, truncate
     from qswap.tuning.data import read_beir, split_samples
     from qswap.tuning.evaluation import evaluate_retrieval

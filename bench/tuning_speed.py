@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def make_triplets(path: Path, n: int, seed: int = 0, max_doc_chars: int = 2000) -> dict[str, Any]:
     """Write ``n`` Debian triplets ``{"query", "pos": [doc], "neg": [doc of the same section]}``."""
-    from qswap.bench.data.beir import load_beir
+    from qswap.beir import load_beir
     from qswap.bench.serving import debian_dir
 
     corpus, queries, qrels = load_beir(debian_dir(), "en", strict=False)

@@ -22,7 +22,8 @@ CONTRACTS = [
     ("qswap.index", "qswap.encoders", ("qswap.index.cli",)), ("qswap.index", "qswap.tuning", ()),
     ("qswap.index", "qswap.bench", ()), ("qswap.index", "qswap.cli", ()),
     ("qswap.tuning", "qswap.bench", ()), ("qswap.tuning", "qswap.cli", ()),
-    *[(core, sub, ()) for core in ("qswap.space", "qswap.errors", "qswap.atomic", "qswap.paths", "qswap.locks")
+    *[(core, sub, ()) for core in ("qswap.space", "qswap.errors", "qswap.atomic", "qswap.paths", "qswap.locks",
+                                   "qswap.beir")
       for sub in ("qswap.encoders", "qswap.index", "qswap.tuning", "qswap.bench", "qswap.server")],
 ]
 

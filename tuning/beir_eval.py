@@ -14,9 +14,9 @@ from typing import Any, Callable, Collection
 
 import numpy as np
 
+from qswap.beir import read_corpus, read_qrels, read_queries
 from qswap.encoders import BaseModel
 from qswap.errors import InvalidInputError
-from qswap.tuning.data import read_beir_corpus, read_beir_qrels, read_beir_queries
 from qswap.tuning.doc_cache import StoredEmbeddings, embed_documents
 from qswap.tuning.evaluation import RankingMetrics, compare_metrics, evaluate_retrieval
 
@@ -52,7 +52,8 @@ class BeirEvaluator:
         """(doc id -> row, embeddings) of ``corpus-<lang>.jsonl`` (or ``corpus.jsonl``)."""
         key = (str(Path(directory).resolve()), lang)
         if key not in self._corpora:
-            ids, texts = read_beir_corpus(directory, lang, self.with_title)
+            corpus = read_corpus(directory, lang, prepend_title=self.with_title)
+            ids, texts = list(corpus), [doc.text for doc in corpus.values()]
             emb = embed_documents(self.base, texts, self.cache_dir, progress=self.progress,
                                   ids=list(ids), stored=self.stored)
             self._corpora[key] = ({d: i for i, d in enumerate(ids)}, emb)
@@ -80,8 +81,8 @@ class BeirEvaluator:
         """
         directory = Path(directory)
         doc_rows, doc_emb = self.corpus(directory, doc_lang)
-        queries = read_beir_queries(directory, query_lang)
-        qrels = read_beir_qrels(directory, query_lang)
+        queries = read_queries(directory, query_lang)
+        qrels = read_qrels(directory, query_lang)
         keep = set(keep_qids) if keep_qids is not None else None
         excl = set(exclude_qids)
         qids, rel = [], []

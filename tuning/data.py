@@ -1,28 +1,22 @@
-"""Training and evaluation data: triplets JSONL, BEIR directories, seeded splits.
+"""Training and evaluation data: triplets JSONL, BEIR directories as samples, seeded splits.
 
 Triplets use the sentence-transformers embedding-training-data format, one JSON object a
 line: ``{"query": str, "pos": [str, ...], "neg": [str, ...]}`` (``neg`` may be absent when
-negatives are mined). BEIR directories hold ``corpus.jsonl`` (``_id``, ``title``,
-``text``), ``queries.jsonl`` (``_id``, ``text``) and ``qrels/<split>.tsv``; a
-multilingual directory has per-language files ``queries-<lang>.jsonl``,
-``corpus-<lang>.jsonl`` and ``qrels/<split>-<lang>.tsv`` (each falls back to the plain
-name). Every problem is reported as ``file:line: what`` in a named qswap error.
+negatives are mined). BEIR directories are read by :mod:`qswap.beir` (layouts, languages,
+gzip); :func:`read_beir` turns one into :class:`BeirData`. Every problem is reported as
+``file:line: what`` in a named qswap error.
 """
 
 from __future__ import annotations
 
-import gzip
-import io
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from qswap.errors import InvalidInputError, NotFoundError
-
-_MAX_REPORTED = 5
+from qswap.beir import LineErrors, iter_jsonl, load_beir
+from qswap.errors import InvalidInputError
 
 
 @dataclass
@@ -52,7 +46,7 @@ class Splits:
 
 @dataclass
 class BeirData:
-    """A BEIR corpus, queries and qrels for one language (or the plain files)."""
+    """A BEIR corpus (ids and the texts to embed), the queries with a judgement and their qrels."""
 
     corpus_ids: list[str]
     corpus_texts: list[str]
@@ -70,54 +64,6 @@ class BeirData:
                 out.append(Sample(query=query, positives=[text_of[d] for d in rel], qid=qid,
                                   positive_ids=rel, negative_ids=[], where=f"{self.source} query {qid}"))
         return out
-
-
-class _Problems:
-    """Collects bad lines so one error names several of them at once."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.items: list[str] = []
-        self.count = 0
-
-    def add(self, line: int, what: str) -> None:
-        self.count += 1
-        if len(self.items) < _MAX_REPORTED:
-            self.items.append(f"{self.path.name}:{line}: {what}")
-
-    def raise_if_any(self, hint: str) -> None:
-        if self.count:
-            more = f" (and {self.count - len(self.items)} more)" if self.count > len(self.items) else ""
-            raise InvalidInputError(f"{self.count} bad line(s) in {self.path}: " + "; ".join(self.items) + more, hint)
-
-
-def _open_text(path: Path) -> IO[str]:
-    if not path.exists():
-        raise NotFoundError(f"data file {path} does not exist", "check the path")
-    if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
-
-
-def _json_lines(path: Path, problems: _Problems) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for every non-blank line; bad JSON is recorded, not yielded."""
-    seen = False
-    with _open_text(path) as f:
-        for no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            seen = True
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                problems.add(no, f"not valid JSON ({e.msg} at column {e.colno})")
-                continue
-            if not isinstance(obj, dict):
-                problems.add(no, f"expected a JSON object, got {type(obj).__name__}")
-                continue
-            yield no, obj
-    if not seen:
-        raise InvalidInputError(f"{path} is empty", "give a JSONL file with one JSON object per line")
 
 
 def _text_list(obj: dict, key: str) -> list[str] | str:
@@ -139,9 +85,9 @@ def read_triplets(path: Path, require_negatives: bool = False) -> list[Sample]:
     ``require_negatives`` (no negatives will be mined).
     """
     path = Path(path)
-    problems = _Problems(path)
+    problems = LineErrors(path)
     out: list[Sample] = []
-    for no, obj in _json_lines(path, problems):
+    for no, obj in iter_jsonl(path, problems):
         q = obj.get("query")
         if not isinstance(q, str) or not q.strip():
             problems.add(no, "missing field 'query'" if q is None else "field 'query' must be a non-empty string")
@@ -171,87 +117,18 @@ def read_triplets(path: Path, require_negatives: bool = False) -> list[Sample]:
     return out
 
 
-def _lang_file(directory: Path, stem: str, suffix: str, lang: str | None) -> Path:
-    if lang:
-        p = directory / f"{stem}-{lang}{suffix}"
-        if p.exists():
-            return p
-    p = directory / f"{stem}{suffix}"
-    if not p.exists():
-        want = f"{stem}-{lang}{suffix} or {stem}{suffix}" if lang else f"{stem}{suffix}"
-        raise NotFoundError(f"BEIR directory {directory} has no {want}",
-                            "point at a BEIR directory (corpus.jsonl, queries.jsonl, qrels/)")
-    return p
-
-
-def read_beir_corpus(directory: Path, lang: str | None = None,
-                     with_title: bool = False) -> tuple[list[str], list[str]]:
-    """(ids, texts) of a BEIR corpus. The text alone by default (as ``qswap.bench`` embeds
-    it); ``with_title`` embeds ``title + " " + text`` (the BEIR convention)."""
-    path = _lang_file(Path(directory), "corpus", ".jsonl", lang)
-    problems = _Problems(path)
-    ids, texts = [], []
-    for no, obj in _json_lines(path, problems):
-        did, text, title = obj.get("_id"), obj.get("text"), obj.get("title") or ""
-        if did is None or not isinstance(text, str):
-            problems.add(no, "missing field '_id'" if did is None else "missing field 'text'")
-            continue
-        full = f"{title} {text}".strip() if with_title and isinstance(title, str) and title else text
-        if not full.strip():
-            problems.add(no, "empty document")
-            continue
-        ids.append(str(did))
-        texts.append(full)
-    problems.raise_if_any('corpus lines must be {"_id": str, "title": str, "text": str}')
-    return ids, texts
-
-
-def read_beir_queries(directory: Path, lang: str | None = None) -> dict[str, str]:
-    """Query id -> text of a BEIR queries file."""
-    path = _lang_file(Path(directory), "queries", ".jsonl", lang)
-    problems = _Problems(path)
-    out: dict[str, str] = {}
-    for no, obj in _json_lines(path, problems):
-        qid, text = obj.get("_id"), obj.get("text")
-        if qid is None or not isinstance(text, str) or not text.strip():
-            problems.add(no, "missing field '_id'" if qid is None else "missing or empty field 'text'")
-            continue
-        out[str(qid)] = text
-    problems.raise_if_any('query lines must be {"_id": str, "text": str}')
-    return out
-
-
-def read_beir_qrels(directory: Path, lang: str | None = None, split: str = "test") -> dict[str, dict[str, int]]:
-    """Query id -> {document id: grade} from ``qrels/<split>[-<lang>].tsv`` (header optional)."""
-    path = _lang_file(Path(directory) / "qrels", split, ".tsv", lang)
-    problems = _Problems(path)
-    out: dict[str, dict[str, int]] = {}
-    with _open_text(path) as f:
-        for no, line in enumerate(f, 1):
-            parts = line.rstrip("\n").split("\t")
-            if not line.strip() or (no == 1 and parts[0] in ("query-id", "qid", "query_id")):
-                continue
-            if len(parts) < 3:
-                problems.add(no, f"expected 3 tab-separated columns, got {len(parts)}")
-                continue
-            try:
-                grade = int(float(parts[2]))
-            except ValueError:
-                problems.add(no, f"score {parts[2]!r} is not a number")
-                continue
-            out.setdefault(parts[0], {})[parts[1]] = grade
-    problems.raise_if_any("qrels lines are 'query-id<TAB>corpus-id<TAB>score'")
-    if not out:
-        raise InvalidInputError(f"{path} has no judgements", "give at least one query-id/corpus-id/score line")
-    return out
-
-
 def read_beir(directory: Path, lang: str | None = None, split: str = "test",
               corpus_lang: str | None = None, with_title: bool = False) -> BeirData:
-    """Read a BEIR directory: queries and qrels in ``lang``, corpus in ``corpus_lang`` (default ``lang``)."""
+    """A BEIR directory as tuning data, read by :func:`qswap.beir.load_beir`.
+
+    Queries and qrels in ``lang``, corpus in ``corpus_lang`` (default ``lang``); the text
+    alone is embedded unless ``with_title``. Not strict: qrels rows naming an unknown query
+    or document are dropped (:meth:`BeirData.samples` could not use them anyway).
+    """
     directory = Path(directory)
-    ids, texts = read_beir_corpus(directory, corpus_lang or lang, with_title)
-    return BeirData(ids, texts, read_beir_queries(directory, lang), read_beir_qrels(directory, lang, split),
+    corpus, queries, qrels = load_beir(directory, lang, split=split, strict=False, corpus_lang=corpus_lang,
+                                       prepend_title=with_title)
+    return BeirData(list(corpus), [doc.text for doc in corpus.values()], queries, qrels,
                     source=f"{directory.name}[{lang or '-'}]")
 
 

@@ -49,6 +49,7 @@ from typing import Any
 from tqdm import tqdm
 
 from qswap.atomic import atomic_write_bytes, fsync_dir, replace_dir
+from qswap.beir import jsonl_line, write_jsonl, write_qrels
 from qswap.bench.data.aptlists import (
     APT_UPDATE_COMMAND,
     DEFAULT_LISTS_DIR,
@@ -60,7 +61,6 @@ from qswap.bench.data.aptlists import (
     read_release_info,
     split_description,
 )
-from qswap.bench.data.beir import jsonl_line, write_jsonl, write_qrels
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError
 
 FORMAT = "qswap-debian-beir/1"

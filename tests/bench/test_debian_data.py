@@ -1,4 +1,4 @@
-"""The Debian descriptions benchmark builder, the BEIR reader and the demo corpus.
+"""The Debian descriptions benchmark builder and the demo corpus (the BEIR reader: tests/core/test_beir.py).
 
 Unit tests build from tiny apt lists written in the real deb822 format; the slow test
 builds from the real lists in /var/lib/apt/lists.
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from qswap.beir import load_beir
 from qswap.bench.data import aptlists, debian
 from qswap.bench.data.aptlists import split_description
-from qswap.bench.data.beir import load_beir
 from qswap.bench.data.debian import build_debian_beir, write_demo_corpus
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError
 
@@ -366,56 +366,6 @@ def test_cli(lists, tmp_path, capsys):
     assert main(["debian", "--out", str(out), "--lists-dir", str(tmp_path / "missing"), "--no-progress"]) == 2
     assert "apt-get" in capsys.readouterr().err
     assert main(["debian", "--no-progress"]) == 2
-
-
-# --- the BEIR reader ----------------------------------------------------------------
-
-def test_load_beir_standard_layout(tmp_path):
-    d = tmp_path / "scifact"
-    (d / "qrels").mkdir(parents=True)
-    (d / "corpus.jsonl").write_text(
-        '{"_id": "1", "title": "Title one", "text": "Body one", "metadata": {}}\n'
-        '{"_id": 2, "title": "", "text": "Body two"}\n\n'
-    )
-    (d / "queries.jsonl").write_text('{"_id": "q1", "text": "first"}\n{"_id": "q2", "text": "no qrels"}\n')
-    (d / "qrels" / "test.tsv").write_text("q1\t1\t1\nq1\t2\t0\n")  # header is optional
-    corpus, queries, qrels = load_beir(d)
-    assert corpus == {"1": ("Body one", {"title": "Title one"}), "2": ("Body two", {})}
-    assert queries == {"q1": "first"}  # only queries with qrels, as BEIR's loader does
-    assert qrels == {"q1": {"1": 1, "2": 0}}
-    with pytest.raises(NotFoundError, match="queries-de.jsonl"):
-        load_beir(d, "de")
-
-
-def test_load_beir_bad_files(tmp_path):
-    d = tmp_path / "ds"
-    (d / "qrels").mkdir(parents=True)
-    (d / "corpus.jsonl").write_text('{"_id": "a", "text": "x"}\n{"_id": "b", "text": \n')
-    (d / "queries-en.jsonl").write_text('{"_id": "q", "text": "y"}\n')
-    (d / "qrels" / "test-en.tsv").write_text("query-id\tcorpus-id\tscore\nq\ta\t1\n")
-    with pytest.raises(InvalidInputError, match=r"corpus.jsonl:2: invalid JSON"):
-        load_beir(d, "en")
-    (d / "corpus.jsonl").write_text('{"_id": "a", "text": "x"}\n{"_id": "a", "text": "z"}\n')
-    with pytest.raises(InvalidInputError, match=r"corpus.jsonl:2: duplicate _id"):
-        load_beir(d, "en")
-    (d / "corpus.jsonl").write_text('{"_id": "a", "text": "x"}\n{"_id": "b"}\n')
-    with pytest.raises(InvalidInputError, match=r"corpus.jsonl:2: field 'text'"):
-        load_beir(d, "en")
-    (d / "corpus.jsonl").write_text('{"_id": "a", "text": "x"}\n')
-    (d / "qrels" / "test-en.tsv").write_text("query-id\tcorpus-id\tscore\nq\ta\t1\nq\tmissing\t1\n")
-    with pytest.raises(InvalidInputError, match="'missing'"):
-        load_beir(d, "en")
-    assert load_beir(d, "en", strict=False)[2] == {"q": {"a": 1}}
-    (d / "qrels" / "test-en.tsv").write_text("q a 1\n")
-    with pytest.raises(InvalidInputError, match=r"test-en.tsv:1: expected 3 tab-separated"):
-        load_beir(d, "en")
-    (d / "qrels" / "test-en.tsv").write_text("q\ta\thigh\n")
-    with pytest.raises(InvalidInputError, match=r"test-en.tsv:1: score 'high'"):
-        load_beir(d, "en")
-    with pytest.raises(NotFoundError, match="languages available: en"):
-        load_beir(d, "it")
-    with pytest.raises(NotFoundError, match="no corpus.jsonl"):
-        load_beir(tmp_path)
 
 
 # --- the demo corpus ----------------------------------------------------------------

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+from qswap.beir import read_corpus, read_qrels, read_queries
 from qswap.encoders import EncoderPool, load_base, load_encoder
-from qswap.tuning.data import read_beir, read_beir_corpus, read_beir_qrels, read_beir_queries, split_samples
+from qswap.tuning.data import read_beir, split_samples
 from qswap.tuning.doc_cache import embed_documents
 from qswap.tuning.evaluation import evaluate_retrieval
 from qswap.tuning.stats import compare_counts, improvement
@@ -76,13 +77,14 @@ def main() -> None:
     # Same split as run_tuning: no --max-samples, split_samples(samples, val, test, seed).
     samples = read_beir(args.beir, args.lang).samples()
     test_qids = {s.qid for s in split_samples(samples, args.val_size, args.test_size, args.seed).test}
-    ids, texts = read_beir_corpus(args.beir, None)
+    corpus = read_corpus(args.beir)
+    ids, texts = list(corpus), [doc.text for doc in corpus.values()]
     docs = embed_documents(base, texts, None, progress=False, ids=list(ids))
     row = {d: i for i, d in enumerate(ids)}
     rng = np.random.default_rng(0)
     out = {}
     for lang in args.langs.split(","):
-        queries, qrels = read_beir_queries(args.beir, lang), read_beir_qrels(args.beir, lang)
+        queries, qrels = read_queries(args.beir, lang), read_qrels(args.beir, lang)
         qids = [q for q in queries if q in test_qids and any(g > 0 and d in row for d, g in qrels.get(q, {}).items())]
         rel = [{row[d]: g for d, g in qrels[q].items() if g > 0 and d in row} for q in qids]
         qtexts = [queries[q] for q in qids]
