@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
 import sys
 import threading
 import time
 from typing import Any
 
-from qswap.bench.harness import ResultWriter, http_json, md_table, plot_lines, results_dir_for, summarize
+from qswap.bench.harness import (LOAD_HOST, ByMode, ResultWriter, RunDirs, add_model_argument, http_json, md_table,
+                                 plot_lines, summarize, warm_up)
 from qswap.bench.loadgen import Request, Sample, run_load_sync, throughput_over_time
 from qswap.bench.serving import (MODEL, index_meta, load_space_base, load_workload, lora_encoders, qswap_server,
                                  register, stamped_index)
@@ -33,14 +33,20 @@ from qswap.errors import InvalidInputError
 NAME = "hotswap"
 DOMAIN = "live"
 _KEY = re.compile(rb'"key":\s*"([^"]+)"')
+# Defaults for a full run and for --quick.
+SWAPS = ByMode(20, 3)
+CONCURRENCY = ByMode(8, 2)
+PAUSE = ByMode(1.0, 0.3)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``qswap bench hotswap``."""
-    p.add_argument("--swaps", type=int, default=None, help="versions swapped in (default 20; quick 3)")
-    p.add_argument("--concurrency", type=int, default=None, help="load connections (default 8; quick 2)")
-    p.add_argument("--pause", type=float, default=None, help="seconds of plain load between swaps (default 1; quick 0.3)")
-    p.add_argument("--model", default=MODEL, help="base model (bundled name or directory)")
+    p.add_argument("--swaps", type=int, default=None, help=f"versions swapped in ({SWAPS.describe()})")
+    # One level, not a sweep: the load runs for the whole swap sequence.
+    p.add_argument("--concurrency", type=int, default=None, help=f"load connections ({CONCURRENCY.describe()})")
+    p.add_argument("--pause", type=float, default=None,
+                   help=f"seconds of plain load between swaps ({PAUSE.describe()})")
+    add_model_argument(p, MODEL)
 
 
 class _Tracker:
@@ -79,15 +85,13 @@ class _Tracker:
 def run(args: argparse.Namespace) -> int:
     """``qswap bench hotswap``."""
     quick = bool(args.quick)
-    swaps = args.swaps or (3 if quick else 20)
-    conc = args.concurrency or (2 if quick else 8)
-    pause = args.pause if args.pause is not None else (0.3 if quick else 1.0)
+    swaps = args.swaps or SWAPS.pick(quick)
+    conc = args.concurrency or CONCURRENCY.pick(quick)
+    pause = args.pause if args.pause is not None else PAUSE.pick(quick)
     if swaps < 1:
         raise InvalidInputError(f"--swaps must be >= 1, got {swaps}", "e.g. --swaps 20")
-    out = results_dir_for(NAME, quick, args.out)
-    w = ResultWriter(NAME, out)
-    tmp = out / "tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
+    dirs = RunDirs.create(NAME, quick, args.out)
+    tmp = dirs.tmp
 
     work = load_workload(quick)
     base = load_space_base(args.model)
@@ -107,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         if st != 200:
             raise InvalidInputError(f"setting alias {DOMAIN} failed ({st}): {body}", "see the server log")
         reqs = [Request.post_json("/v1/search", {"query": q, "domain": DOMAIN, "k": 10}) for q in work.queries]
-        run_load_sync("127.0.0.1", srv.port, reqs, concurrency=conc, max_requests=4 * conc, duration_s=30)
+        warm_up(srv.port, reqs, concurrency=conc, requests=4 * conc, duration_s=30)
 
         stop = threading.Event()
         t0 = time.perf_counter()
@@ -116,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         budget_s = 60.0 + swaps * (pause + 30.0)
 
         def load() -> None:
-            holder["result"] = run_load_sync("127.0.0.1", srv.port, reqs, concurrency=conc, max_requests=10**7,
+            holder["result"] = run_load_sync(LOAD_HOST, srv.port, reqs, concurrency=conc, max_requests=10**7,
                                              duration_s=budget_s, keep_bodies=True, on_response=tracker,
                                              should_stop=stop.is_set)
         th = threading.Thread(target=load, name="load", daemon=True)
@@ -169,10 +173,9 @@ def run(args: argparse.Namespace) -> int:
               "delete_s"):
         vals = [r[f] * 1e3 for r in swaps_out if r.get(f) is not None]
         res[f[:-2] + "_ms"] = summarize(vals)
-    _write(w, res, load_res, swaps_out)
-    if not quick:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(f"wrote {out}: {res['failed_requests']} failed of {load_res.sent} requests during {swaps} swaps")
+    _write(dirs.writer, res, load_res, swaps_out)
+    dirs.clean_scratch()
+    print(f"wrote {dirs.out}: {res['failed_requests']} failed of {load_res.sent} requests during {swaps} swaps")
     return 0 if res["failed_requests"] == 0 and res["admin_failures"] == 0 else 1
 
 

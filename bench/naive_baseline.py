@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qswap.bench.harness import ByMode, LoadDefaults, add_load_arguments, add_model_argument
+
 QUERY_PREFIX = "query: "
 
 
@@ -131,6 +133,10 @@ def create_app(domains: dict[str, Path], embeddings: Path, corpus: Path | None =
 
 NAME = "baseline"
 N_DOMAINS = 8
+#: Load options of ``qswap bench baseline``: full run and ``--quick``.
+LOAD = LoadDefaults(levels=ByMode((1, 8, 32), (1, 4)), seconds=ByMode(8.0, 2.0), requests=ByMode(2000, 30),
+                    rounds=ByMode(3, 1), rounds_help="alternating rounds per level")
+DOMAINS = ByMode(N_DOMAINS, 2)
 
 
 def merged_models(base: Any, enc_root: Path, keys: list[tuple[str, str]]) -> dict[str, Path]:
@@ -168,13 +174,10 @@ def merged_models(base: Any, enc_root: Path, keys: list[tuple[str, str]]) -> dic
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``qswap bench baseline``."""
-    p.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=None,
-                   help="comma-separated levels (default 1,8,32; quick 1,4)")
-    p.add_argument("--seconds", type=float, default=None, help="per run (default 8; quick 2)")
-    p.add_argument("--requests", type=int, default=None, help="at most per run (default 2000; quick 30)")
-    p.add_argument("--rounds", type=int, default=None, help="alternating rounds per level (default 3; quick 1)")
-    p.add_argument("--domains", type=int, default=None, help="domains (default 8; quick 2)")
-    p.add_argument("--model", default="multilingual-e5-small", help="base model (bundled name or directory)")
+    from qswap.bench.serving import MODEL
+    add_load_arguments(p, LOAD)
+    p.add_argument("--domains", type=int, default=None, help=f"domains ({DOMAINS.describe()})")
+    add_model_argument(p, MODEL)
 
 
 def _agreement(qs_srv: Any, nv_srv: Any, queries: list[str], domains: list[str], n: int) -> dict[str, Any]:
@@ -194,25 +197,18 @@ def _agreement(qs_srv: Any, nv_srv: Any, queries: list[str], domains: list[str],
 
 def run(args: argparse.Namespace) -> int:
     """``qswap bench baseline``."""
-    import shutil as _sh
-
-    from qswap.bench.harness import (ResultWriter, ServerProcess, free_port, http_json, interleaved,
-                                     ratio_summary, results_dir_for, summarize)
-    from qswap.bench.loadgen import Request, run_load_sync
+    from qswap.bench.harness import (LoadOptions, RunDirs, ServerProcess, free_port, http_json, interleaved,
+                                     ratio_summary, summarize, warm_up)
+    from qswap.bench.loadgen import Request
     from qswap.bench.serving import (index_meta, load_space_base, load_workload, lora_encoders, qswap_server,
                                      register, search_requests, stamped_index)
     from qswap.index import IndexConfig
 
-    quick = bool(args.quick)
-    levels = args.concurrency or ([1, 4] if quick else [1, 8, 32])
-    seconds = args.seconds or (2.0 if quick else 8.0)
-    max_req = args.requests or (30 if quick else 2000)
-    rounds = args.rounds or (1 if quick else 3)
-    n_dom = args.domains or (2 if quick else N_DOMAINS)
-    out = results_dir_for(NAME, quick, args.out)
-    w = ResultWriter(NAME, out)
-    tmp = out / "tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
+    opts = LoadOptions.from_args(args, LOAD)
+    quick, levels = opts.quick, opts.levels
+    n_dom = args.domains or DOMAINS.pick(quick)
+    dirs = RunDirs.create(NAME, quick, args.out)
+    tmp = dirs.tmp
 
     work = load_workload(quick)
     base = load_space_base(args.model)
@@ -231,8 +227,8 @@ def run(args: argparse.Namespace) -> int:
     nv = ServerProcess(nv_cmd, nv_port, ready_path="/health", log_path=tmp / "naive.log")
     res: dict[str, Any] = {"workload": work.source, "index": index_meta(idx_dir),
                            "vectors": "synthetic clustered unit vectors stamped with the model's space",
-                           "domains": n_dom, "levels": levels, "seconds_per_run": seconds,
-                           "max_requests_per_run": max_req, "rounds": rounds}
+                           "domains": n_dom, "levels": levels, "seconds_per_run": opts.seconds,
+                           "max_requests_per_run": opts.requests, "rounds": opts.rounds}
     with qs:
         # Marginal memory of one more domain, measured alike on both sides: qswap's RSS with
         # one encoder registered and used vs with all of them (naive: first vs last model).
@@ -240,12 +236,11 @@ def run(args: argparse.Namespace) -> int:
         qreq = search_requests(work.queries, qkeys)
         rss_q0 = qs.rss()
         register(qs, f"{keys[0][0]}-{keys[0][1]}")
-        run_load_sync("127.0.0.1", qs.port, search_requests(work.queries, qkeys[:1]), concurrency=4,
-                      max_requests=64, duration_s=60)
+        warm_up(qs.port, search_requests(work.queries, qkeys[:1]), concurrency=4, requests=64, duration_s=60)
         rss_q1 = qs.rss()
         for n, v in keys[1:]:
             register(qs, f"{n}-{v}")
-        run_load_sync("127.0.0.1", qs.port, qreq, concurrency=4, max_requests=64, duration_s=60)
+        warm_up(qs.port, qreq, concurrency=4, requests=64, duration_s=60)
         rss_q8 = qs.rss()
         _, enc_list = http_json("GET", qs.url("/v1/encoders"))
         adapter_bytes = [e.get("memory_bytes") for e in enc_list["encoders"] if e["key"] in qkeys]
@@ -255,18 +250,16 @@ def run(args: argparse.Namespace) -> int:
 
             def nreq(i: int) -> Request:
                 return Request("POST", "/search", pre[i % len(pre)][i % n_dom], hdr, domains[i % n_dom])
-            run_load_sync("127.0.0.1", nv.port, nreq, concurrency=4, max_requests=64, duration_s=60)
+            warm_up(nv.port, nreq, concurrency=4, requests=64, duration_s=60)
             _, nstats = http_json("GET", nv.url("/stats"))
             res["agreement"] = _agreement(qs, nv, work.queries, domains, 16 if quick else 64)
             res["servers"] = {"qswap": {"command": qs.command, "start_s": qs.start_seconds},
                               "naive": {"command": nv.command, "start_s": nv.start_seconds}}
             per: dict[str, dict[int, list[Any]]] = {"qswap": {}, "naive": {}}
             for c in levels:
-                arms = {"qswap": lambda c=c: run_load_sync("127.0.0.1", qs.port, qreq, concurrency=c,
-                                                           max_requests=max_req, duration_s=seconds),
-                        "naive": lambda c=c: run_load_sync("127.0.0.1", nv.port, nreq, concurrency=c,
-                                                           max_requests=max_req, duration_s=seconds)}
-                got = interleaved(arms, rounds=rounds, warmup=0)
+                arms = {"qswap": lambda c=c: opts.run(qs.port, qreq, c),
+                        "naive": lambda c=c: opts.run(nv.port, nreq, c)}
+                got = interleaved(arms, rounds=opts.rounds, warmup=0)
                 for a, rs in got.items():
                     per[a][c] = rs
                 print(f"c={c}: qswap {[round(r.qps, 1) for r in got['qswap']]} naive "
@@ -297,10 +290,9 @@ def run(args: argparse.Namespace) -> int:
             "qps_ratio_qswap_over_naive": ratio_summary([r.qps for r in q], [r.qps for r in n]).to_dict(),
             "p99_ratio_naive_over_qswap": ratio_summary([p99(r) for r in n], [p99(r) for r in q]).to_dict(),
         }
-    _write(w, res, levels)
-    if not quick:
-        _sh.rmtree(tmp, ignore_errors=True)
-    print(f"wrote {out}")
+    _write(dirs.writer, res, levels)
+    dirs.clean_scratch()
+    print(f"wrote {dirs.out}")
     return 0
 
 

@@ -33,15 +33,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qswap.bench.harness import (ResultWriter, ServerProcess, free_port, http_json, interleaved, md_table,
-                                 plot_bars, plot_lines, ratio_summary, results_dir_for, summarize)
-from qswap.bench.loadgen import LoadResult, Request, run_load_sync
+from qswap.bench.harness import (ByMode, LoadDefaults, LoadOptions, ResultWriter, RunDirs, ServerProcess,
+                                 add_load_arguments, add_model_argument, free_port, http_json, interleaved, md_table,
+                                 plot_bars, plot_lines, ratio_summary, summarize, warm_up)
+from qswap.bench.loadgen import LoadResult, Request
 from qswap.errors import InvalidInputError, NotFoundError
 
 NAME = "serving"
 MODEL = "multilingual-e5-small"
 N_ENCODERS = 8
 QUERY_LANGS = ("en", "de", "fr", "it")
+#: Load options of ``qswap bench serving``: full run and ``--quick``.
+LOAD = LoadDefaults(levels=ByMode((1, 2, 4, 8, 16, 32, 64), (1, 4)), seconds=ByMode(8.0, 2.0),
+                    requests=ByMode(3000, 40), rounds=ByMode(2, 1), rounds_help="A/B rounds per level")
 
 
 # --------------------------------------------------------------------------- shared fixture
@@ -266,25 +270,16 @@ def breakdown(res: LoadResult) -> dict[str, float]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``qswap bench serving``."""
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                   help="comma-separated levels (default 1,2,4,8,16,32,64; quick 1,4)")
-    p.add_argument("--seconds", type=float, default=None, help="per run (default 8; quick 2)")
-    p.add_argument("--requests", type=int, default=None, help="at most per run (default 3000; quick 40)")
-    p.add_argument("--rounds", type=int, default=None, help="A/B rounds per level (default 2; quick 1)")
-    p.add_argument("--model", default=MODEL, help="base model (bundled name or directory)")
+    add_load_arguments(p, LOAD)
+    add_model_argument(p, MODEL)
 
 
 def run(args: argparse.Namespace) -> int:
     """``qswap bench serving``."""
-    quick = bool(args.quick)
-    levels = args.concurrency or ([1, 4] if quick else [1, 2, 4, 8, 16, 32, 64])
-    seconds = args.seconds or (2.0 if quick else 8.0)
-    max_req = args.requests or (40 if quick else 3000)
-    rounds = args.rounds or (1 if quick else 2)
-    out = results_dir_for(NAME, quick, args.out)
-    w = ResultWriter(NAME, out)
-    tmp = out / "tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
+    opts = LoadOptions.from_args(args, LOAD)
+    quick, levels = opts.quick, opts.levels
+    dirs = RunDirs.create(NAME, quick, args.out)
+    tmp = dirs.tmp
 
     work = load_workload(quick)
     base = load_space_base(args.model)
@@ -296,8 +291,8 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"workload": work.source, "index": index_meta(idx_dir),
                                "vectors": "synthetic clustered unit vectors stamped with the model's space",
                                "encoders": f"{N_ENCODERS} random LoRA adapters (rank 32, all dense layers)",
-                               "levels": levels, "seconds_per_run": seconds, "max_requests_per_run": max_req,
-                               "rounds": rounds, "arms": {}}
+                               "levels": levels, "seconds_per_run": opts.seconds,
+                               "max_requests_per_run": opts.requests, "rounds": opts.rounds, "arms": {}}
     with srv:
         results["server"] = {"command": srv.command, "start_s": srv.start_seconds}
         reg_s = [register(srv, f"{n}-{v}")[1] for n, v in names]
@@ -306,13 +301,12 @@ def run(args: argparse.Namespace) -> int:
         arms = {"1 encoder": search_requests(work.queries, keys[:1]),
                 "8 encoders": search_requests(work.queries, keys)}
         # Warm-up: every adapter loaded and its code paths run before anything is timed.
-        run_load_sync("127.0.0.1", srv.port, arms["8 encoders"], concurrency=4, max_requests=64, duration_s=30)
+        warm_up(srv.port, arms["8 encoders"], concurrency=4, requests=64, duration_s=30)
         per: dict[str, dict[int, list[LoadResult]]] = {a: {} for a in arms}
         for c in levels:
             def one(arm: str, c: int = c) -> LoadResult:
-                return run_load_sync("127.0.0.1", srv.port, arms[arm], concurrency=c, max_requests=max_req,
-                                     duration_s=seconds, keep_bodies=True)
-            got = interleaved({a: (lambda a=a: one(a)) for a in arms}, rounds=rounds, warmup=0)
+                return opts.run(srv.port, arms[arm], c, keep_bodies=True)
+            got = interleaved({a: (lambda a=a: one(a)) for a in arms}, rounds=opts.rounds, warmup=0)
             for a, rs in got.items():
                 per[a][c] = rs
             print(f"c={c}: " + ", ".join(f"{a} {sum(r.qps for r in rs) / len(rs):.1f} qps" for a, rs in got.items()),
@@ -320,9 +314,9 @@ def run(args: argparse.Namespace) -> int:
         results["server"]["rss_bytes_end"] = srv.rss()
     results["arms"] = _summaries(per)
     results["ratios_8_vs_1"] = _ratios(per, levels)
-    _write(w, results, levels)
-    shutil.rmtree(tmp, ignore_errors=True) if not quick else None
-    print(f"wrote {out}")
+    _write(dirs.writer, results, levels)
+    dirs.clean_scratch()
+    print(f"wrote {dirs.out}")
     return 0
 
 
