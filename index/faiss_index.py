@@ -190,7 +190,19 @@ def search(index: faiss.Index, queries: np.ndarray, k: int, config: IndexConfig,
         params = faiss.SearchParameters(**kw)
     else:
         params = None
-    d, i = index.search(np.ascontiguousarray(queries, dtype=np.float32), k, params=params)
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    if len(q) == 1 and faiss.omp_get_max_threads() > 1:
+        # FAISS parallelises flat, IVF and HNSW searches over queries: for one query a second
+        # OpenMP thread has nothing to do but still has to be woken (and, next to a spinning
+        # encoder thread pool, wait for a core). The setting is per calling thread.
+        threads = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(1)
+        try:
+            d, i = index.search(q, k, params=params)
+        finally:
+            faiss.omp_set_num_threads(threads)
+    else:
+        d, i = index.search(q, k, params=params)
     if inner.metric_type == faiss.METRIC_L2:
         # HNSW-PQ ignores the metric argument; on unit vectors |q-x|^2 = 2 - 2 q.x
         d = 1.0 - d / 2.0

@@ -37,7 +37,9 @@ def _given(creds: HTTPAuthorizationCredentials | None) -> str | None:
     return creds.credentials
 
 
-def require_admin(request: Request, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> None:
+# The dependencies are ``async`` on purpose: FastAPI runs a plain ``def`` dependency in its
+# thread pool, a thread hop on every request that costs more than the check itself.
+async def require_admin(request: Request, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> None:
     """Dependency of every admin route."""
     s = _settings(request)
     mode = s.admin_mode
@@ -59,7 +61,7 @@ def require_admin(request: Request, creds: HTTPAuthorizationCredentials | None =
                          "restart with --token / QSWAP_ADMIN_TOKEN (or --insecure for local use)")
 
 
-def require_search(request: Request, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> None:
+async def require_search(request: Request, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> None:
     """Dependency of search and read-only routes: open unless a search token is configured."""
     s = _settings(request)
     if s.search_token is None:

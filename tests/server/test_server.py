@@ -16,6 +16,8 @@ import httpx
 import numpy as np
 import pytest
 
+from qswap.server.models import SearchResponse
+
 from ..encoders.adapters import make_lora, make_overrides
 from .conftest import ADMIN, SEARCH, LiveServer, server_settings
 
@@ -90,6 +92,9 @@ def test_search_results_are_exact_for_every_encoder(anon, registered, reference_
     q = "chess puzzle game"
     r = anon.post("/v1/search", json={"query": q, "k": 5})
     assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/json"
+    # The route answers with hand-built JSON: it must be exactly the documented model.
+    assert SearchResponse.model_validate_json(r.content).model_dump() == r.json()
     res = r.json()["results"][0]
     assert res["encoder"]["key"] == "base" and res["truncated"] is False
     assert set(res["timings"]) == {"queue_ms", "encode_ms", "search_ms"}
