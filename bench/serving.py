@@ -272,6 +272,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``qswap bench serving``."""
     add_load_arguments(p, LOAD)
     add_model_argument(p, MODEL)
+    p.add_argument("--backend", choices=("torch", "onnx"), default="torch",
+                   help="the server's query-encoder backend (default: torch); with onnx, timing starts once "
+                        "every encoder's export is ready")
+
+
+def wait_for_runtime(srv: ServerProcess, keys: list[str], runtime: str, timeout_s: float = 900.0) -> float:
+    """Poll ``GET /v1/encoders/{key}`` until every key reports ``runtime``; returns the seconds waited."""
+    t0 = time.perf_counter()
+    while True:
+        pending = []
+        for k in keys:
+            status, body = http_json("GET", srv.url(f"/v1/encoders/{k}"))
+            if status != 200:
+                raise InvalidInputError(f"GET /v1/encoders/{k} answered {status}: {body}", "see the server log")
+            if body.get("runtime_error"):
+                raise InvalidInputError(f"the {runtime} export of {k} failed: {body['runtime_error']}",
+                                        "see the server log, or run with --backend torch")
+            if body.get("runtime") != runtime:
+                pending.append(k)
+        if not pending:
+            return time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout_s:
+            raise InvalidInputError(f"{len(pending)} encoders not on {runtime} after {timeout_s:.0f} s "
+                                    f"({', '.join(pending[:3])})", "see the server log")
+        time.sleep(1.0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -287,8 +312,9 @@ def run(args: argparse.Namespace) -> int:
     names = [(f"d{i}", "1") for i in range(N_ENCODERS)]
     enc_root = lora_encoders(base, names)
     del base
-    srv = qswap_server(idx_dir, enc_root, tmp / "state", tmp / "server.log", model=args.model)
-    results: dict[str, Any] = {"workload": work.source, "index": index_meta(idx_dir),
+    srv = qswap_server(idx_dir, enc_root, tmp / "state", tmp / "server.log", model=args.model,
+                       extra=["--backend", args.backend])
+    results: dict[str, Any] = {"backend": args.backend, "workload": work.source, "index": index_meta(idx_dir),
                                "vectors": "synthetic clustered unit vectors stamped with the model's space",
                                "encoders": f"{N_ENCODERS} random LoRA adapters (rank 32, all dense layers)",
                                "levels": levels, "seconds_per_run": opts.seconds,
@@ -298,6 +324,8 @@ def run(args: argparse.Namespace) -> int:
         reg_s = [register(srv, f"{n}-{v}")[1] for n, v in names]
         results["registration_s"] = summarize(reg_s)
         keys = [f"{n}@{v}" for n, v in names]
+        if args.backend != "torch":
+            results["runtime_wait_s"] = wait_for_runtime(srv, ["base", *keys], args.backend)
         arms = {"1 encoder": search_requests(work.queries, keys[:1]),
                 "8 encoders": search_requests(work.queries, keys)}
         # Warm-up: every adapter loaded and its code paths run before anything is timed.
@@ -385,7 +413,9 @@ def _write(w: ResultWriter, res: dict[str, Any], levels: list[int]) -> None:
           "~8 docs/s shared: 35 minutes to two hours), queries: real "
           f"text encoded by the real model per request. Encoders: {res['encoders']}.\n\n"
           f"Each level: {res['rounds']} round(s) per arm, alternating, each at most {res['max_requests_per_run']} "
-          f"requests or {res['seconds_per_run']:g} s; closed loop on 127.0.0.1, client and server share the "
+          f"requests or {res['seconds_per_run']:g} s; server backend: {res.get('backend', 'torch')}"
+          + (f" (every encoder on it after {res['runtime_wait_s']:.0f} s)" if "runtime_wait_s" in res else "")
+          + "; closed loop on 127.0.0.1, client and server share the "
           f"machine's cores. QPS = median over rounds; latency percentiles pool the rounds.\n\n"
           f"{table}\n### Time breakdown, 8 encoders (mean ms per request)\n\n"
           "HTTP+client = client-measured latency minus the server's `took_ms`; queue/encode/search from "

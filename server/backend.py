@@ -20,6 +20,16 @@ class Backend(Protocol):
     def encode(self, texts: list[str], keys: list[str]) -> np.ndarray: ...
     def prepare(self, key: str) -> None: ...
     def discard(self, key: str) -> None: ...
+    def ready(self, key: str) -> bool: ...
+    def error(self, key: str) -> str | None: ...
+
+
+def runtime_of(backend: Backend, key: str) -> dict[str, str | None]:
+    """What runs ``key``'s forward passes now: ``onnx`` once its export is ready, else ``torch``
+    (and why the export failed, if it did). Operators read it in ``GET /v1/encoders``."""
+    if isinstance(backend, TorchBackend):
+        return {"runtime": "torch", "runtime_error": None}
+    return {"runtime": "onnx" if backend.ready(key) else "torch", "runtime_error": backend.error(key)}
 
 
 class TorchBackend:
@@ -38,6 +48,13 @@ class TorchBackend:
 
     def discard(self, key: str) -> None:
         """Nothing to free beyond what the pool frees."""
+
+    def ready(self, key: str) -> bool:
+        """The pool serves every loaded encoder directly."""
+        return key in self.pool
+
+    def error(self, key: str) -> str | None:
+        return None
 
 
 def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | None = None) -> Backend:

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from qswap.encoders import BASE_KEY
 from qswap.errors import InvalidInputError
 from qswap.server.auth import require_admin, require_search
+from qswap.server.backend import runtime_of
 from qswap.server.models import (Alias, AliasList, AliasSet, Deleted, EncoderInfo, EncoderList, RegisterByPath,
                                  RegisterResponse)
 from qswap.server.registry import resolve_under_root
@@ -46,7 +47,10 @@ _REGISTER_BODY = {
 
 
 def _info(state: ServerState, key: str) -> EncoderInfo:
-    return EncoderInfo(**state.registry.info(key, state.base_version))
+    info = state.registry.info(key, state.base_version)
+    if state.backend is not None:
+        info.update(runtime_of(state.backend, key))
+    return EncoderInfo(**info)
 
 
 def _form_bool(value: object, field: str) -> bool:

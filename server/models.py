@@ -6,7 +6,7 @@ so the schema stays the same whatever the settings are.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -102,6 +102,10 @@ class EncoderInfo(BaseModel):
     aliases: list[str] = Field(default_factory=list)
     training: dict[str, Any] | None = None
     guard: dict[str, Any] | None = None
+    runtime: Literal["torch", "onnx"] | None = Field(
+        None, description="what runs its forward passes now: 'onnx' once the background export is ready "
+                          "(with --backend onnx), else 'torch'")
+    runtime_error: str | None = Field(None, description="why the ONNX export failed (torch keeps serving)")
 
 
 class RegisterResponse(BaseModel):

@@ -62,6 +62,13 @@ def test_matches_torch_on_every_adapter_kind(backend, pool, key):
         assert cosine(got, base).min() < 0.999, KINDS[key]
 
 
+def test_sessions_stop_spinning_after_each_forward(backend):
+    # Spinning pools of idle sessions would steal the cores of the one that runs next.
+    opts = backend._sessions[BASE_KEY].session.get_session_options()
+    assert opts.get_session_config_entry("session.force_spinning_stop") == "1"
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+
+
 def test_mixed_keys_keep_input_order_and_fall_back(backend, pool, tiny_base, tmp_path):
     # "late" is in the pool but never prepared: its rows must go through torch.
     pool.add(load_encoder(make_overrides(tiny_base, tmp_path / "late", "late", "bias", seed=9),

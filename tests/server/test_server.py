@@ -127,6 +127,7 @@ def test_filter_and_with_text(anon, corpus_docs):
 
 
 def test_listing_and_idempotent_registration(anon, admin, registered):
+    assert {e["runtime"] for e in anon.get("/v1/encoders").json()["encoders"]} == {"torch"}
     listing = anon.get("/v1/encoders").json()
     assert listing["default"] == "base"
     assert [e["key"] for e in listing["encoders"]][:1] == ["base"]
@@ -538,5 +539,7 @@ def test_onnx_backend_serves_the_same_results(tmp_path, tiny_model_dir, index_di
             res = c.post("/v1/search", json={"query": q, "k": 5, "encoder": key}).json()["results"][0]
             assert res["encoder"]["key"] == key
             _assert_served_by(res["hits"], reference_pool, doc_embeddings, ids, key, q, 5)
+            info = c.get(f"/v1/encoders/{key}").json()
+            assert info["runtime"] == "onnx" and info["runtime_error"] is None
         assert c.delete("/v1/encoders/bias@1").status_code == 200
         assert not backend.ready("bias@1") and backend.ready("ft@1")
