@@ -121,6 +121,8 @@ class OnnxBackend:
         # The base matrix every encoder gathers from: a view of the torch parameter on CPU,
         # one host copy when the base lives on a GPU.
         self._table = self.base.model.get_input_embeddings().weight.detach().float().cpu().numpy()
+        # An exported graph holds every base weight but the word embeddings, in fp32.
+        self._session_bytes = sum(p.numel() * 4 for p in self.base.model.parameters()) - self._table.nbytes
         self._sessions: dict[str, _Session] = {}
         self._futures: dict[str, Future[None]] = {}
         self._errors: dict[str, str] = {}
@@ -164,6 +166,11 @@ class OnnxBackend:
             except Exception:   # a timeout or a failed export: both answer "not ready"
                 pass
         return self.ready(key)
+
+    def memory_bytes(self, key: str) -> int:
+        """Bytes ``key``'s session holds once ready (its graph's weights), counted from the start
+        so that a memory budget covers what the export is about to load."""
+        return self._session_bytes
 
     def error(self, key: str) -> str | None:
         """Why ``key``'s last export failed (``None`` if it did not)."""

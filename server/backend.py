@@ -22,6 +22,7 @@ class Backend(Protocol):
     def discard(self, key: str) -> None: ...
     def ready(self, key: str) -> bool: ...
     def error(self, key: str) -> str | None: ...
+    def memory_bytes(self, key: str) -> int: ...
 
 
 def runtime_of(backend: Backend, key: str) -> dict[str, str | None]:
@@ -55,6 +56,10 @@ class TorchBackend:
 
     def error(self, key: str) -> str | None:
         return None
+
+    def memory_bytes(self, key: str) -> int:
+        """Nothing beyond the pool's own bytes for the encoder."""
+        return 0
 
 
 def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | None = None) -> Backend:

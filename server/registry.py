@@ -308,13 +308,18 @@ class EncoderRegistry:
             art = load_encoder(self.store / key, self.space)   # re-verifies checksums of the stored copy
             self.pool.add(art)
             with self._lock:
-                self._loaded[key] = self.pool.memory_bytes(key)
+                self._loaded[key] = self._footprint(key)
             if self.metrics is not None:
                 self.metrics.loads.inc()
             log.info("encoder loaded", extra={"encoder": key, "bytes": self._loaded.get(key)})
             self._evict(keep=key)
         self._prepare(key)
         self._gauges()
+
+    def _footprint(self, key: str) -> int:
+        """What a loaded encoder costs the budget: its pool bytes plus the backend's copy (an
+        ONNX session holds the whole transformer, ~8x a LoRA adapter for e5-small)."""
+        return self.pool.memory_bytes(key) + self.backend.memory_bytes(key)
 
     def _evict(self, keep: str) -> None:
         """Detach least recently used, unpinned, idle encoders until under budget (holds _load_lock)."""
@@ -411,7 +416,7 @@ class EncoderRegistry:
                         raise
                     with self._lock:
                         self._records = records
-                        self._loaded[key] = self.pool.memory_bytes(key)
+                        self._loaded[key] = self._footprint(key)
                     if self.metrics is not None:
                         self.metrics.loads.inc()
                     self._evict(keep=key)

@@ -218,12 +218,13 @@ def test_batcher_respects_max_batch_and_runs_calls_on_worker():
 @pytest.fixture()
 def registry(tmp_path, tiny_base):
     from qswap.encoders import EncoderPool
-    from qswap.server.backend import TorchBackend
+    from qswap.server.backend import TorchBackend, make_backend
     from qswap.server.registry import EncoderRegistry
-    def make(budget: int = 1 << 30, default: str = "base") -> EncoderRegistry:
+    def make(budget: int = 1 << 30, default: str = "base", backend: str = "torch") -> EncoderRegistry:
         pool = EncoderPool(tiny_base)   # a new registry is a restart: a new pool
+        be = TorchBackend(pool) if backend == "torch" else make_backend(backend, pool, tmp_path / "onnx", 1)
         r = EncoderRegistry(state_dir=tmp_path / "state", pool=pool, space=tiny_base.space,
-                            backend=TorchBackend(pool), default_encoder=default, memory_budget=budget)
+                            backend=be, default_encoder=default, memory_budget=budget)
         r.load_state()
         made.append(r)
         return r
@@ -250,6 +251,21 @@ def test_registry_lru_budget_pins_and_reloads(registry, encoders_root):
     reg.register(encoders_root / "bias1")            # identical again: nothing evicts the in-use ft@2
     assert reg.is_loaded("ft@2")
     reg.release(key)
+
+
+def test_registry_budget_counts_the_onnx_session(registry, encoders_root):
+    reg = registry(backend="onnx")
+    reg.register(encoders_root / "ft1")
+    pool_bytes = reg.pool.memory_bytes("ft@1")
+    session_bytes = reg.backend.memory_bytes("ft@1")
+    assert session_bytes > pool_bytes > 0   # a whole transformer copy vs a LoRA adapter
+    assert reg.info("ft@1", "v")["memory_bytes"] == pool_bytes + session_bytes
+    # A budget that fits the adapters but not their sessions keeps only the newest loaded.
+    reg.close()
+    reg2 = registry(budget=2 * pool_bytes + session_bytes, backend="onnx")
+    for d in ("ft2", "bias1"):
+        reg2.register(encoders_root / d)
+    assert [k for k in reg2.keys() if reg2.is_loaded(k)] == ["bias@1"]
 
 
 def test_registry_survives_deleting_the_only_lora(registry, encoders_root):
