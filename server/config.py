@@ -57,6 +57,9 @@ class ServerSettings(BaseSettings):
     # -- throughput
     backend: Literal["torch", "onnx"] = "torch"
     onnx_threads: int | None = Field(None, ge=1)
+    query_precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="torch backend: bf16 runs batches of 16+ queries under bf16 autocast "
+                            "(1.1-1.35x faster forwards where the CPU has AMX; see README)")
     batch_window_ms: float = Field(2.0, ge=0, le=1000, description="how long a batch waits for more requests")
     max_batch: int = Field(64, ge=1, le=4096, description="queries encoded in one forward pass at most")
     encoder_memory_bytes: int = Field(1 << 30, ge=0, description="budget for loaded adapters (LRU beyond it)")
@@ -100,6 +103,10 @@ class ServerSettings(BaseSettings):
         if self.encoders_root is not None and not Path(self.encoders_root).is_dir():
             raise InvalidInputError(f"encoders root {self.encoders_root} is not a directory",
                                     "create it or point --encoders-root to an existing directory")
+        if self.query_precision != "fp32" and self.backend != "torch":
+            raise InvalidInputError(f"--query-precision {self.query_precision} needs the torch backend "
+                                    f"(the {self.backend} graphs are fp32)",
+                                    "drop --query-precision, or use --backend torch")
         if self.index is not None and not Path(self.index).exists():
             raise InvalidInputError(f"index {self.index} does not exist",
                                     "build one with `qswap index build`, or omit --index to serve the demo")

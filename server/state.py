@@ -84,7 +84,8 @@ class ServerState:
         self.metrics.index_documents.set(index.count)
         pool = EncoderPool(base)
         self.pool = pool
-        self.backend = make_backend(s.backend, pool, s.state_dir / "onnx", s.onnx_threads)
+        self.backend = make_backend(s.backend, pool, s.state_dir / "onnx", s.onnx_threads,
+                                    s.query_precision)
         registry = EncoderRegistry(state_dir=s.state_dir, pool=pool, space=index.space, backend=self.backend,
                                    default_encoder=s.default_encoder, memory_budget=s.encoder_memory_bytes,
                                    metrics=self.metrics)

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from qswap.server.models import SearchResponse
 
@@ -543,3 +544,31 @@ def test_onnx_backend_serves_the_same_results(tmp_path, tiny_model_dir, index_di
             assert info["runtime"] == "onnx" and info["runtime_error"] is None
         assert c.delete("/v1/encoders/bias@1").status_code == 200
         assert not backend.ready("bias@1") and backend.ready("ft@1")
+
+
+def test_bf16_query_precision_runs_large_batches_in_bf16(tmp_path, tiny_model_dir, index_dir, encoders_root,
+                                                         reference_pool, doc_embeddings, ids):
+    s = server_settings(tmp_path, tiny_model_dir, index_dir, encoders_root=encoders_root, admin_token=ADMIN,
+                        read_only_index=True, query_precision="bf16")
+    with LiveServer(s) as srv, srv.client(ADMIN) as c:
+        backend = srv.app.state.qs.backend
+        assert backend.precision == "bf16" and backend.precision_for(16) == "bf16"
+        assert c.post("/v1/encoders", json={"path": "ft1"}).status_code == 201
+        # Spy on the pool: is autocast on when the batch worker encodes?
+        seen: list[tuple[int, bool]] = []
+        encode = backend.pool.encode
+
+        def spy(texts, keys, *a, **kw):
+            seen.append((len(texts), torch.is_autocast_enabled("cpu")))
+            return encode(texts, keys, *a, **kw)
+        backend.pool.encode = spy
+        qs = [f"chess puzzle game number {i}" for i in range(16)]
+        # One request of 16 queries is one batch: bf16, scores still within bf16 rounding of fp32.
+        res = c.post("/v1/search", json={"queries": qs, "k": 5, "encoder": "ft@1"}).json()["results"]
+        for q, r in zip(qs, res):
+            exact = _exact_scores(reference_pool, doc_embeddings, ids, "ft@1", q)
+            assert max(abs(h["score"] - exact[h["id"]]) for h in r["hits"]) < 0.02
+        # A lone query stays fp32: the exact answer.
+        one = c.post("/v1/search", json={"query": qs[0], "k": 5, "encoder": "ft@1"}).json()["results"][0]
+        _assert_served_by(one["hits"], reference_pool, doc_embeddings, ids, "ft@1", qs[0], 5)
+        assert seen == [(16, True), (1, False)]

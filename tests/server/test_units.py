@@ -363,6 +363,28 @@ def test_registry_delete_refusals(registry, encoders_root):
     reg.delete("bias@1")
 
 
+def test_torch_backend_runs_large_batches_in_bf16(tiny_base, encoders_root):
+    from qswap.encoders import EncoderPool, load_encoder
+    from qswap.server.backend import TorchBackend, make_backend
+    pool = EncoderPool(tiny_base)
+    pool.add(load_encoder(encoders_root / "ft1", tiny_base.space))
+    texts = [f"query number {i} about chess" for i in range(8)]
+    keys = ["ft@1", "base"] * 4
+    fp32 = TorchBackend(pool).encode(texts, keys)
+    bf16 = TorchBackend(pool, "bf16", bf16_min_batch=8)
+    assert [bf16.precision_for(n) for n in (1, 7, 8, 64)] == ["fp32", "fp32", "bf16", "bf16"]
+    # Below the threshold: exactly the fp32 answer; at it: bf16 rounding, still the same direction.
+    assert np.array_equal(bf16.encode(texts[:7], keys[:7]), fp32[:7])
+    got = bf16.encode(texts, keys)
+    assert not np.array_equal(got, fp32)
+    assert np.sum(got * fp32, axis=1).min() > 0.99
+    assert TorchBackend(pool, "bf16", bf16_min_batch=8).precision_for(8) == "bf16"
+    with pytest.raises(InvalidInputError, match="torch backend"):
+        make_backend("onnx", pool, Path("/nonexistent"), precision="bf16")
+    with pytest.raises(InvalidInputError, match="unknown precision"):
+        TorchBackend(pool, "fp16")
+
+
 # ----------------------------------------------------------------------------- settings and errors
 
 
@@ -375,6 +397,9 @@ def test_settings_refuse_unsafe(tmp_path):
         ServerSettings(admin_token="short").check()
     assert ServerSettings(admin_token="x" * 20).admin_mode == "token"
     assert ServerSettings().admin_mode == "disabled"
+    with pytest.raises(InvalidInputError, match="needs the torch backend"):
+        ServerSettings(backend="onnx", query_precision="bf16").check()
+    ServerSettings(backend="torch", query_precision="bf16").check()
     assert is_loopback("localhost") and not is_loopback("10.0.0.1")
 
 
