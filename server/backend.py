@@ -37,9 +37,11 @@ def runtime_of(backend: Backend, key: str) -> dict[str, str | None]:
 class TorchBackend:
     """Forward passes in the shared-base pool (mixed LoRA rows in one pass).
 
-    ``precision="bf16"`` runs batches of at least ``bf16_min_batch`` queries under bf16
-    autocast (smaller ones stay fp32, where bf16 is slower); the rows' vectors then differ from
-    fp32 by a cosine of ~1e-5 (``qswap bench bf16-quality``).
+    ``precision="bf16"`` runs batches of at least ``bf16_min_batch`` queries for one encoder
+    under bf16 autocast; smaller batches and batches mixing encoders stay fp32, where bf16 was
+    measured slower (``qswap bench serving --query-precision``: 8 mixed LoRA encoders at
+    concurrency 32 lost a quarter of their throughput). The rows' vectors then differ from fp32
+    by a cosine of ~1e-5 (``qswap bench bf16-quality``).
     """
 
     name = "torch"
@@ -51,13 +53,15 @@ class TorchBackend:
         self.bf16_min_batch = bf16_min_batch
         autocast_context(pool.base.device, precision)   # refuses a device without autocast, warns if emulated, now
 
-    def precision_for(self, rows: int) -> str:
-        """The precision a batch of ``rows`` queries runs at."""
-        return "bf16" if self.precision == "bf16" and rows >= self.bf16_min_batch else "fp32"
+    def precision_for(self, rows: int, encoders: int = 1) -> str:
+        """The precision a batch of ``rows`` queries over ``encoders`` distinct encoders runs at."""
+        bf16 = self.precision == "bf16" and rows >= self.bf16_min_batch and encoders == 1
+        return "bf16" if bf16 else "fp32"
 
     def encode(self, texts: list[str], keys: list[str]) -> np.ndarray:
         # Autocast is thread-local: entered here, on the batch worker's thread, around the pass.
-        with autocast_context(self.pool.base.device, self.precision_for(len(texts))):
+        precision = self.precision_for(len(texts), len(set(keys)))
+        with autocast_context(self.pool.base.device, precision):
             return self.pool.encode(texts, keys)
 
     def prepare(self, key: str) -> None:
