@@ -428,9 +428,9 @@ def summary(r: dict[str, Any], meta: dict[str, Any]) -> str:
         lines += [f"## Query batches: ms per batch of {r['texts']['query_tokens'][0]}-token queries", "",
                   md_table(["queries", *(f"{k} ms" for k in arms),
                             *(["bf16 speed-up (p10-p90)"] if "torch-bf16" in arms else [])], rows),
-                  "What `qswap serve --query-precision bf16` decides on: batches from "
-                  f"{r.get('bf16_min_batch', '?')} queries run in bf16 "
-                  "(`qswap.encoders.precision.BF16_MIN_QUERY_BATCH`), smaller ones in fp32.", ""]
+                  "What `qswap serve --query-precision bf16` decides on: batches of "
+                  f"{r.get('bf16_min_batch', '?')} or more queries for one encoder run in bf16 "
+                  "(`qswap.encoders.precision.BF16_MIN_QUERY_BATCH`), smaller or mixed ones in fp32.", ""]
     lines += ["## Goals (this run)", ""]
     lines += [f"- {k}: {'yes' if v else '**no**'}" for k, v in r["goals"].items()]
     lines += [f"- {k}: not measured ({why})" for k, why in r.get("skipped", {}).items()]
