@@ -34,7 +34,7 @@ PRECISIONS = ("fp32", "bf16")
 #: Smallest batch of queries that ``qswap serve --query-precision bf16`` runs in bf16. Autocast
 #: re-casts weights and activations on every call, a cost only larger batches repay: with
 #: e5-small on 2 AMX cores (``qswap bench forward --batch-reps 15``, "Query batches"), 16-token
-#: queries in bf16 ran at 0.69x the fp32 speed alone, 0.88x in 8s, 1.14x in 16s, 1.35x in 32s.
+#: queries in bf16 ran at 0.67x the fp32 speed alone, 0.91x in 8s, 1.16x in 16s, 1.32x in 32s.
 BF16_MIN_QUERY_BATCH = 16
 
 # /proc/cpuinfo flags of CPUs with native bf16 dot products (AMX tiles or AVX-512 BF16).

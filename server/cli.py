@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="admin routes without a token, for local use (loopback host only)")
     p.add_argument("--backend", choices=("torch", "onnx"), help="query forward passes (default torch)")
     p.add_argument("--query-precision", choices=("fp32", "bf16"),
-                   help="torch backend: run batches of 16+ queries in bf16 (default fp32; pays only where the "
+                   help="torch backend: run batches of 16+ queries for one encoder in bf16 (default fp32; pays only where the "
                         "hardware has native bf16: AMX, AVX-512-BF16, tensor cores)")
     p.add_argument("--batch-window-ms", type=float, help="micro-batch window (default 2)")
     p.add_argument("--max-batch", type=int, help="queries per forward pass at most (default 64)")

@@ -58,8 +58,8 @@ class ServerSettings(BaseSettings):
     backend: Literal["torch", "onnx"] = "torch"
     onnx_threads: int | None = Field(None, ge=1)
     query_precision: Literal["fp32", "bf16"] = Field(
-        "fp32", description="torch backend: bf16 runs batches of 16+ queries under bf16 autocast "
-                            "(1.1-1.35x faster forwards where the CPU has AMX; see README)")
+        "fp32", description="torch backend: bf16 runs batches of 16+ queries for one "
+                            "encoder under bf16 autocast (1.16-1.33x faster forwards with AMX; see README)")
     batch_window_ms: float = Field(2.0, ge=0, le=1000, description="how long a batch waits for more requests")
     max_batch: int = Field(64, ge=1, le=4096, description="queries encoded in one forward pass at most")
     encoder_memory_bytes: int = Field(1 << 30, ge=0, description="budget for loaded adapters (LRU beyond it)")
