@@ -207,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
     if args.quick:
         args.reps, args.batch_reps, args.batch = min(args.reps, 10), 1, min(args.batch, 4)
         qbatches, args.query_batch_reps = [b for b in qbatches if b <= 8][:2], 1
-    if qbatches and min(qbatches) < 1 or args.query_batch_reps < 1:
+    if (qbatches and min(qbatches) < 1) or args.query_batch_reps < 1:
         raise InvalidInputError("--query-batches sizes and --query-batch-reps must be >= 1", "give positive numbers")
     if min(args.threads, args.reps, args.batch_reps, args.batch, args.query_tokens, args.passage_tokens) < 1:
         raise InvalidInputError("--threads, --reps, --batch-reps, --batch and token counts must be >= 1",
