@@ -8,7 +8,8 @@ Layout of an encoder directory::
     adapter.safetensors           # kinds "bias" / "partial": base parameter name -> tensor
     report.*, *.png               # optional tuning report (checksummed like the rest)
 
-Kind ``identity`` has no adapter file: it is the base model itself.
+Kind ``identity`` has no adapter file: it is the base model itself. Which files a kind needs and
+how they are read is the kind's plugin's business (:mod:`qswap.encoders.kinds`).
 """
 
 from __future__ import annotations
@@ -20,22 +21,44 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel as PydanticModel, ValidationError
+from pydantic import BaseModel as PydanticModel, ValidationError, field_validator
 
 from qswap import __version__
 from qswap.atomic import atomic_copy, atomic_write_json, replace_dir, sha256_file
+from qswap.encoders.kinds import KINDS, get_kind
+from qswap.encoders.kinds.lora import CONFIG_FILE, WEIGHTS_FILE
+from qswap.encoders.kinds.partial import TENSOR_FILE  # noqa: F401  (re-exported: the bias/partial file name)
 from qswap.errors import IntegrityError, InvalidInputError, NotFoundError
 from qswap.space import EmbeddingSpace
 
-KINDS = ("identity", "lora", "bias", "partial")
-Kind = Literal["identity", "lora", "bias", "partial"]
+Kind = str   # a key of qswap.encoders.kinds.KINDS
 MANIFEST = "manifest.json"
-LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")
-TENSOR_FILE = "adapter.safetensors"
+LORA_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_MAX_FILE_NAME = 255   # bytes, as most file systems allow
+
+
+def bad_file_name(name: str) -> str | None:
+    """Why ``name`` cannot be a file of an encoder directory (``None`` if it can)."""
+    if not isinstance(name, str) or not name:
+        return "an empty name"
+    if name == MANIFEST:
+        return "the manifest itself"
+    if "\x00" in name:
+        return "a NUL byte"
+    if "/" in name or "\\" in name or name.startswith("."):
+        return "a path or hidden name"
+    try:
+        if len(name.encode("utf-8")) > _MAX_FILE_NAME:
+            return f"over {_MAX_FILE_NAME} bytes"
+    except UnicodeEncodeError:
+        return "characters that are not valid Unicode"
+    if any(ord(c) < 32 for c in name):
+        return "a control character"
+    return None
 
 
 class EncoderManifest(PydanticModel):
@@ -50,6 +73,23 @@ class EncoderManifest(PydanticModel):
     guard: dict[str, Any] | None = None
     created_at: float
     qswap_version: str
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, v: str) -> str:
+        if v not in KINDS:
+            raise ValueError(f"unknown encoder kind {v!r} (known: {', '.join(KINDS)})")
+        return v
+
+    @field_validator("files")
+    @classmethod
+    def _plain_file_names(cls, v: dict[str, str]) -> dict[str, str]:
+        # Refused here, so every reader (copying, verifying, serving) sees only plain names.
+        for name in v:
+            why = bad_file_name(name)
+            if why is not None:
+                raise ValueError(f"file name {name!r} is {why}")
+        return v
 
     @property
     def key(self) -> str:
@@ -87,29 +127,15 @@ def save_encoder(out_dir: Path, *, name: str, version: str, kind: Kind, space: E
                  training: dict[str, Any] | None = None, guard: dict[str, Any] | None = None,
                  extra_files: list[Path] | None = None) -> EncoderManifest:
     """Write an encoder directory atomically (staging directory, manifest last, rename)."""
-    from safetensors.torch import save_file
-
     validate_name(name)
     validate_name(version, "encoder version")
-    if kind not in KINDS:
-        raise InvalidInputError(f"unknown encoder kind {kind!r}", f"use one of {KINDS}")
+    plugin = get_kind(kind)
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     staging.chmod(0o755)  # mkdtemp makes 0700; an encoder directory is data a server user reads
     try:
-        if kind == "lora":
-            if lora_dir is None:
-                raise InvalidInputError("a lora encoder needs lora_dir (peft save_pretrained output)")
-            for f in LORA_FILES:
-                if not (Path(lora_dir) / f).exists():
-                    raise NotFoundError(f"{lora_dir} lacks {f}", "save the adapter with peft's save_pretrained")
-                atomic_copy(Path(lora_dir) / f, staging / f)
-        elif kind in ("bias", "partial"):
-            if not tensors:
-                raise InvalidInputError(f"a {kind} encoder needs tensors")
-            save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
-                      str(staging / TENSOR_FILE), metadata={"kind": kind})
+        plugin.save(staging, tensors=tensors, lora_dir=lora_dir)
         for f in extra_files or []:
             atomic_copy(Path(f), staging / Path(f).name)
         files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file()}
@@ -133,7 +159,12 @@ def read_manifest(path: Path) -> EncoderManifest:
                             "point to a directory written by `qswap tune run` or save_encoder")
     try:
         return EncoderManifest.model_validate(json.loads(mf.read_text()))
-    except (json.JSONDecodeError, ValidationError, UnicodeDecodeError) as e:
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ())) or "manifest"
+        raise IntegrityError(f"{mf} is not a valid encoder manifest: {where}: {err.get('msg', '')}",
+                             "restore the encoder directory from its source") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         first = str(e).splitlines()[0]
         raise IntegrityError(f"{mf} is not a valid encoder manifest: {first}",
                              "restore the encoder directory from its source") from None
@@ -141,14 +172,14 @@ def read_manifest(path: Path) -> EncoderManifest:
 
 def verify_files(path: Path, manifest: EncoderManifest) -> None:
     """Check that every file the manifest lists exists with its recorded sha256."""
-    required = {"lora": LORA_FILES, "bias": (TENSOR_FILE,), "partial": (TENSOR_FILE,)}.get(manifest.kind, ())
-    for f in required:
+    for f in get_kind(manifest.kind).files:
         if f not in manifest.files:
             raise IntegrityError(f"{path}: manifest of a {manifest.kind} encoder does not list {f}",
                                  "the directory was not written by qswap; re-export it")
     for fname, sha in manifest.files.items():
-        if "/" in fname or fname.startswith("."):
-            raise IntegrityError(f"{path}: manifest lists a bad file name {fname!r}", "re-export the encoder")
+        why = bad_file_name(fname)
+        if why is not None:
+            raise IntegrityError(f"{path}: manifest lists a bad file name {fname!r} ({why})", "re-export the encoder")
         f = path / fname
         if not f.exists():
             raise IntegrityError(f"{path}: {fname} is missing", "copy the whole encoder directory again")
@@ -158,23 +189,16 @@ def verify_files(path: Path, manifest: EncoderManifest) -> None:
 
 
 def load_encoder(path: Path, expected_space: EmbeddingSpace | None = None) -> EncoderArtifact:
-    """Load and verify an encoder directory: manifest, checksums, space, adapter tensors."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    """Load and verify an encoder directory: manifest, checksums, space, adapter tensors.
 
+    The kind's plugin checks what needs no base (config, declared shapes and ranks, finite
+    values) before reading tensors; :meth:`EncoderPool.add` checks the rest against the base.
+    """
     path = Path(path)
     manifest = read_manifest(path)
     verify_files(path, manifest)
     if expected_space is not None:
         expected_space.require_same(manifest.embedding_space(), f"encoder {manifest.key}")
     art = EncoderArtifact(manifest=manifest, path=path)
-    try:
-        if manifest.kind in ("bias", "partial"):
-            art.overrides = load_file(str(path / TENSOR_FILE))
-        elif manifest.kind == "lora":
-            art.lora_config = json.loads((path / "adapter_config.json").read_text())
-            art.lora_state = load_file(str(path / "adapter_model.safetensors"))
-    except (SafetensorError, json.JSONDecodeError, OSError) as e:
-        raise IntegrityError(f"{path}: cannot read adapter of {manifest.key}: {e}",
-                             "the adapter file is corrupt; re-export the encoder") from None
+    get_kind(manifest.kind).load(art)
     return art

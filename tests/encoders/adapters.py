@@ -39,3 +39,65 @@ def make_overrides(base: BaseModel, out: Path, name: str, kind: str, seed: int,
             tensors[n] = p.detach() + 0.1 * torch.randn(p.shape, generator=g)
     save_encoder(out, name=name, version=version, kind=kind, space=base.space, tensors=tensors)
     return out
+
+
+def lora_parts(base: BaseModel, seed: int = 0, r: int = 4,
+               targets: tuple[str, ...] = ("query", "value")) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config, state) of a real peft LoRA with non-zero B, as peft's save_pretrained writes them."""
+    import json
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(base.model),
+                           LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets)))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        return (json.loads((Path(tmp) / "adapter_config.json").read_text()),
+                load_file(str(Path(tmp) / "adapter_model.safetensors")))
+
+
+def write_raw_encoder(base: BaseModel, out: Path, name: str, kind: str, files: dict[str, bytes],
+                      manifest_files: dict[str, str] | None = None) -> Path:
+    """An encoder directory written byte by byte, with a manifest whose checksums match: for
+    adapters that qswap's own writer would refuse (what an attacker or another tool uploads).
+    ``manifest_files`` replaces the manifest's file list (checksums of hostile names)."""
+    import hashlib
+    import json
+    import time
+
+    out.mkdir(parents=True)
+    for fname, data in files.items():
+        (out / fname).write_bytes(data)
+    listed = manifest_files if manifest_files is not None else \
+        {f: hashlib.sha256(d).hexdigest() for f, d in files.items()}
+    (out / "manifest.json").write_text(json.dumps({
+        "name": name, "version": "1", "kind": kind, "space": base.space.to_dict(), "files": listed,
+        "training": None, "guard": None, "created_at": time.time(), "qswap_version": "0"}))
+    return out
+
+
+def write_lora(base: BaseModel, out: Path, name: str, config: object,
+               state: dict[str, torch.Tensor]) -> Path:
+    """A LoRA encoder directory from any config object and state (valid checksums, any content)."""
+    import json
+
+    from safetensors.torch import save
+
+    return write_raw_encoder(base, out, name, "lora", {
+        "adapter_config.json": json.dumps(config).encode(),
+        "adapter_model.safetensors": save({k: v.contiguous() for k, v in state.items()})})
+
+
+def write_tensors(base: BaseModel, out: Path, name: str, kind: str, tensors: dict[str, torch.Tensor]) -> Path:
+    """A bias/partial encoder directory holding exactly ``tensors`` (no checks)."""
+    from safetensors.torch import save
+
+    return write_raw_encoder(base, out, name, kind,
+                             {"adapter.safetensors": save({k: v.contiguous() for k, v in tensors.items()})})

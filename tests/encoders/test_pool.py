@@ -77,9 +77,11 @@ def test_memory_per_encoder_is_its_own_tensors_only(pool_with_encoders, tiny_bas
     assert pool_with_encoders.memory_bytes("p1@1") < 0.6 * base_bytes
     # the pool shares the base's parameter storage (no copy)
     ptrs = {p.data_ptr() for p in tiny_base.model.parameters()}
-    module = pool_with_encoders._peft or pool_with_encoders._module
-    shared = [p for n, p in module.named_parameters() if "lora_" not in n]
+    shared = list(pool_with_encoders._module.parameters())
     assert shared and all(p.data_ptr() in ptrs for p in shared)
+    # and no encoder tensor lives in base storage
+    for key in ("l1@1", "l2@1", "b1@1", "p1@1"):
+        assert all(t.data_ptr() not in ptrs for t in pool_with_encoders.attached(key).tensors()), key
 
 
 def test_remove_and_duplicates(pool_with_encoders, tiny_base, tmp_path):

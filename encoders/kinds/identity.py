@@ -1,0 +1,35 @@
+"""Kind ``identity``: the base model itself, no adapter file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from qswap.encoders.kinds.base import AdapterKind, Attached
+
+if TYPE_CHECKING:
+    from qswap.encoders.artifact import EncoderArtifact
+    from qswap.encoders.base import BaseModel
+
+
+class IdentityKind(AdapterKind):
+    """No tensors: rows of an identity encoder run the base weights (and share forwards with LoRA rows)."""
+
+    name = "identity"
+    files = ()
+
+    def save(self, staging: Path, *, tensors: dict[str, torch.Tensor] | None,
+             lora_dir: Path | None) -> None:
+        return None
+
+    def load(self, art: EncoderArtifact) -> None:
+        return None
+
+    def attach(self, art: EncoderArtifact, base: BaseModel) -> Attached:
+        return Attached(kind=self.name)
+
+    def runtime_tensors(self, att: Attached) -> dict[str, torch.Tensor]:
+        """Nothing: the runtime's base weights."""
+        return {}
