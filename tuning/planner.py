@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from qswap.errors import InvalidInputError
-from qswap.tuning.methods import (MethodConfig, block_of, default_lora_targets, is_embedding,
-                                  trainable_names)
+from qswap.tuning.methods import MethodConfig, is_embedding, lora_parameters  # noqa: F401 (re-exported)
 
 FULL_TO_LORA_BUDGET = 9.06e16
 LORA_RANK = 128
@@ -55,29 +54,10 @@ def _non_embedding(model: torch.nn.Module) -> dict[str, int]:
             if not is_embedding(n) and not n.startswith("pooler.")}
 
 
-def lora_parameters(model: torch.nn.Module, rank: int, targets: list[str] | None = None) -> int:
-    """Parameters LoRA of ``rank`` adds on ``targets`` (default: every dense layer in the blocks)."""
-    names = set(targets or default_lora_targets(model))
-    return sum(rank * (m.in_features + m.out_features) for n, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and n in names)
-
-
 def method_cost(model: torch.nn.Module, cfg: MethodConfig) -> MethodCost:
     """N_F, N_B, N_U of a tuning method on ``model``."""
-    params = _non_embedding(model)
-    n = sum(params.values())
-    if cfg.kind == "full":
-        return MethodCost("full", n, n, n)
-    if cfg.kind == "lora":
-        extra = lora_parameters(model, cfg.lora_rank, cfg.lora_targets)
-        return MethodCost("lora", n + extra, n + extra, extra)
-    if cfg.kind == "bias":
-        # Gradients must reach the first block's biases: back-propagation runs through all.
-        return MethodCost("bias", n, n, sum(v for k, v in params.items() if k.endswith(".bias")))
-    # Back-propagation runs through every block from the first trainable one up.
-    active = sum(v for k, v in params.items() if (block_of(k) or 0) >= cfg.freeze_blocks)
-    updated = sum(params[k] for k in trainable_names(model, cfg))
-    return MethodCost("partial", n, active, updated)
+    cfg.validate()
+    return MethodCost(cfg.kind, *cfg.method.counts(model, cfg, _non_embedding(model)))
 
 
 def choose_method(budget: float) -> str:
