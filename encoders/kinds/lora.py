@@ -82,6 +82,11 @@ def _refuse(key: str, what: str, hint: str = "save the adapter with peft's LoraC
     return InvalidInputError(f"encoder {key}: LoRA config {what}", hint)
 
 
+def _short(v: Any, limit: int = 80) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
 def _empty(v: Any) -> bool:
     return v is None or v is False or v == {} or v == [] or v == ""
 
@@ -95,12 +100,12 @@ def _check_regex(key: str, pattern: str) -> None:
     if len(pattern) > _MAX_PATTERN:
         raise _refuse(key, f"target_modules pattern is over {_MAX_PATTERN} characters", "list the module names")
     if re.search(r"\)\s*[*+{]", pattern) or len(re.findall(r"(?<!\\)[*+]|(?<!\\)\{\d*,\}", pattern)) > 3:
-        raise _refuse(key, f"target_modules pattern {pattern!r} is too complex to match safely "
+        raise _refuse(key, f"target_modules pattern {_short(pattern)} is too complex to match safely "
                            "(a repeated group, or more than 3 unbounded repeats)", "list the module names")
     try:
         re.compile(pattern)
     except re.error as e:
-        raise _refuse(key, f"target_modules {pattern!r} is not a valid regular expression: {e}",
+        raise _refuse(key, f"target_modules {_short(pattern)} is not a valid regular expression: {e}",
                       "list the module names") from None
 
 
@@ -111,7 +116,7 @@ def parse_config(key: str, cfg: Any) -> LoraSpec:
                                 "save the adapter with peft's save_pretrained")
     peft_type = cfg.get("peft_type", "LORA")
     if peft_type != "LORA":
-        raise _refuse(key, f"peft_type {peft_type!r} is not LoRA", "only LoRA adapters are supported for kind 'lora'")
+        raise _refuse(key, f"peft_type {_short(peft_type)} is not LoRA", "only LoRA adapters are supported for kind 'lora'")
     for field_name, value in cfg.items():
         if not isinstance(field_name, str):
             raise _refuse(key, "has a non-string field name")
@@ -119,32 +124,32 @@ def parse_config(key: str, cfg: Any) -> LoraSpec:
             continue
         if field_name in _NEUTRAL:
             if value not in _NEUTRAL[field_name] or isinstance(value, (int, float)) and not isinstance(value, bool):
-                raise _refuse(key, f"{field_name}={value!r} is not supported (only {_NEUTRAL[field_name][0]!r})")
+                raise _refuse(key, f"{field_name}={_short(value)} is not supported (only {_NEUTRAL[field_name][0]!r})")
             continue
         if not _empty(value):
             if field_name == "modules_to_save":
-                raise _refuse(key, f"modules_to_save={value!r} is not supported: it would replace whole base "
+                raise _refuse(key, f"modules_to_save={_short(value)} is not supported: it would replace whole base "
                                    "modules", "train without modules_to_save (only LoRA factors are served)")
-            raise _refuse(key, f"field {field_name}={str(value)[:80]!r} is not supported",
+            raise _refuse(key, f"field {field_name}={_short(value)} is not supported",
                           "train a plain LoRA (r, lora_alpha, target_modules, optionally use_rslora)")
     init = cfg.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INIT):
-        raise _refuse(key, f"init_lora_weights={init!r} rewrites the base weights, so the adapter alone does "
+        raise _refuse(key, f"init_lora_weights={_short(init, 40)} rewrites the base weights, so the adapter alone does "
                            "not reproduce the tuned model", "convert it to a plain LoRA first "
                                                             "(peft's path_initial_model_for_weight_conversion)")
     if init not in _INIT_OK or (isinstance(init, (int, float)) and not isinstance(init, bool)):
-        raise _refuse(key, f"init_lora_weights={str(init)[:40]!r} is unknown", "use peft's default initialisation")
+        raise _refuse(key, f"init_lora_weights={_short(init, 40)} is unknown", "use peft's default initialisation")
     r = cfg.get("r", 8)
     if not isinstance(r, int) or isinstance(r, bool):
-        raise _refuse(key, f"r={r!r} is not an integer", "r is the LoRA rank, e.g. 8, 32 or 128")
+        raise _refuse(key, f"r={_short(r)} is not an integer", "r is the LoRA rank, e.g. 8, 32 or 128")
     if not 1 <= r <= MAX_RANK:
         raise _refuse(key, f"r={r} is outside 1..{MAX_RANK}", f"use a rank up to {MAX_RANK} (32 or 128 are good)")
     alpha = cfg.get("lora_alpha", 8)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise _refuse(key, f"lora_alpha={alpha!r} is not a finite number", "lora_alpha is usually equal to r")
+        raise _refuse(key, f"lora_alpha={_short(alpha)} is not a finite number", "lora_alpha is usually equal to r")
     rslora = cfg.get("use_rslora", False)
     if not isinstance(rslora, bool):
-        raise _refuse(key, f"use_rslora={rslora!r} is not true/false")
+        raise _refuse(key, f"use_rslora={_short(rslora)} is not true/false")
     targets = cfg.get("target_modules")
     if isinstance(targets, str):
         if targets != "all-linear":
@@ -154,7 +159,7 @@ def parse_config(key: str, cfg: Any) -> LoraSpec:
             and all(isinstance(t, str) and t and "\x00" not in t for t in targets):
         spec_targets = tuple(targets)
     else:
-        raise _refuse(key, f"target_modules={str(targets)[:80]!r} is not a non-empty list of module names",
+        raise _refuse(key, f"target_modules={_short(targets)} is not a non-empty list of module names",
                       "name the nn.Linear modules to adapt, e.g. [\"query\", \"value\"]")
     return LoraSpec(r=r, alpha=float(alpha), rslora=rslora, targets=spec_targets)
 
@@ -166,7 +171,7 @@ def _split_keys(key: str, names: list[str]) -> dict[str, set[str]]:
         m = _KEY.match(n)
         if m is None:
             raise InvalidInputError(
-                f"encoder {key}: LoRA file holds tensor {n!r}, which is not a LoRA factor "
+                f"encoder {key}: LoRA file holds tensor {_short(n, 160)}, which is not a LoRA factor "
                 "(expected base_model.model.<module>.lora_A.weight / .lora_B.weight)",
                 "a LoRA adapter may hold only its lora_A/lora_B factors; base weights are never replaced by one")
         out.setdefault(m["module"], set()).add(m["ab"])
@@ -212,13 +217,13 @@ class LoraKind(AdapterKind):
         modules = _split_keys(key, list(shapes))
         for module, ab in modules.items():
             if ab != {"A", "B"}:
-                raise InvalidInputError(f"encoder {key}: LoRA module {module!r} lacks lora_{({'A', 'B'} - ab).pop()}",
+                raise InvalidInputError(f"encoder {key}: LoRA module {_short(module, 160)} lacks lora_{({'A', 'B'} - ab).pop()}",
                                         "re-export the adapter: every target module needs both factors")
             a = shapes[f"base_model.model.{module}.lora_A.weight"]
             b = shapes[f"base_model.model.{module}.lora_B.weight"]
             if len(a) != 2 or len(b) != 2 or a[0] != spec.r or b[1] != spec.r:
                 raise InvalidInputError(
-                    f"encoder {key}: LoRA factors of {module!r} have shapes {a} and {b}, "
+                    f"encoder {key}: LoRA factors of {_short(module, 160)} have shapes {a} and {b}, "
                     f"config says rank {spec.r} (expected (r, in) and (out, r))",
                     "the weights and adapter_config.json do not belong together; re-export the adapter")
 
@@ -243,7 +248,7 @@ class LoraKind(AdapterKind):
         extra = sorted(set(modules) - targeted)
         if extra:
             raise InvalidInputError(f"encoder {key}: LoRA adapter does not fit base {base.name}: "
-                                    f"it holds factors for {extra[0]!r}, which its target_modules do not name "
+                                    f"it holds factors for {_short(extra[0], 160)}, which its target_modules do not name "
                                     "or the base does not have", FOREIGN_HINT)
         missing = sorted(targeted - set(modules))
         if missing:

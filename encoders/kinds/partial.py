@@ -53,7 +53,7 @@ class PartialKind(AdapterKind):
             raise InvalidInputError(f"encoder {key} ({self.name}) has no tensors", "re-export the encoder")
         bad = [n for n in tensors if not self.allowed(n)]
         if bad:
-            raise InvalidInputError(f"encoder {key}: a {self.name} encoder cannot hold tensor {bad[0]!r}",
+            raise InvalidInputError(f"encoder {key}: a {self.name} encoder cannot hold tensor {bad[0][:160]!r}",
                                     f"a {self.name} encoder holds only bias vectors; save it as kind 'partial'")
         require_finite(key, tensors)
         art.overrides = tensors
@@ -66,7 +66,7 @@ class PartialKind(AdapterKind):
         for name, t in art.overrides.items():
             ref = params.get(name)
             if ref is None:
-                raise InvalidInputError(f"encoder {key}: tensor {name!r} does not exist in base {base.name}",
+                raise InvalidInputError(f"encoder {key}: tensor {name[:160]!r} does not exist in base {base.name}",
                                         FOREIGN_HINT)
             if not self.allowed(name):
                 raise InvalidInputError(f"encoder {key}: a {self.name} encoder cannot hold tensor {name!r}",
