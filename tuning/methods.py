@@ -186,6 +186,7 @@ class TuningMethod:
     exports: ClassVar[str] = "partial"      # the encoder kind written (qswap.encoders.kinds.KINDS)
     freezes: ClassVar[bool] = False         # accepts --freeze-blocks / --freeze-output-dense
     adds_parameters: ClassVar[bool] = False  # trains new tensors instead of base ones
+    ranked: ClassVar[bool] = False          # has a rank (the planner chooses one)
 
     def validate(self, cfg: MethodConfig) -> None:
         """Refuse options this method cannot use."""
@@ -263,6 +264,7 @@ class LoraMethod(TuningMethod):
     name = "lora"
     exports = "lora"
     adds_parameters = True
+    ranked = True
 
     def validate(self, cfg: MethodConfig) -> None:
         from qswap.encoders.kinds import MAX_RANK

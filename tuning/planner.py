@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from qswap.errors import InvalidInputError
-from qswap.tuning.methods import MethodConfig, is_embedding, lora_parameters  # noqa: F401 (re-exported)
+from qswap.tuning.methods import METHODS, MethodConfig, is_embedding, lora_parameters  # noqa: F401 (re-exported)
 
 FULL_TO_LORA_BUDGET = 9.06e16
 LORA_RANK = 128
@@ -113,7 +113,7 @@ def make_plan(budget: float, base: Any, *, tokens_per_query: int = 16, batch_siz
         raise InvalidInputError("tokens per query and batch size must be >= 1", "give positive numbers")
     model = base.model
     method = choose_method(budget)
-    rank = choose_rank(model) if method == "lora" else None
+    rank = choose_rank(model) if METHODS[method].ranked else None
     mc = method_cost(model, MethodConfig(kind=method, lora_rank=rank or 1))
     n = sum(_non_embedding(model).values())
     doc_flops = 2.0 * n * doc_tokens

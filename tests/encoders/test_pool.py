@@ -137,3 +137,47 @@ def test_removing_the_last_lora_leaves_a_working_pool(tiny_base, tmp_path):
     # and LoRA can be added again afterwards
     pool.add(load_encoder(make_lora(tiny_base, tmp_path / "l2", "l2", seed=3), tiny_base.space))
     assert pool.encode(["x"], ["l2@1"]).shape == (1, tiny_base.dim)
+
+
+def test_runtime_tensors_reproduce_each_encoder(pool_with_encoders, tiny_base):
+    """What a fast runtime binds per encoder is enough to compute the encoder's own answers."""
+    import copy
+    from qswap.encoders import embed_batch, tokenize_batch
+    pool = pool_with_encoders
+    ids, mask = tokenize_batch(tiny_base.tokenizer, TEXTS, tiny_base.spec.query_prefix)
+    assert pool.runtime_tensors(BASE_KEY) == {}
+    for key in ("l1@1", "l2@1", "b1@1", "p1@1"):
+        rt = pool.runtime_tensors(key)
+        state = {n: p.detach().clone() for n, p in tiny_base.model.named_parameters()}
+        if pool.attached(key).kind == "lora":
+            modules = {n.rsplit(".", 1)[0] for n in rt}
+            assert rt and all(f"{m}.lora_A" in rt and f"{m}.lora_B" in rt for m in modules)
+            for m in modules:   # B carries the scaling: W + B @ A is the merged weight
+                state[f"{m}.weight"] = state[f"{m}.weight"] + rt[f"{m}.lora_B"] @ rt[f"{m}.lora_A"]
+        else:
+            assert rt and set(rt) <= set(state)
+            state.update(rt)
+        m = copy.deepcopy(tiny_base.model)
+        m.load_state_dict(state, strict=False)
+        with torch.no_grad():
+            ref = embed_batch(m, ids, mask, tiny_base.spec).numpy()
+        assert np.abs(ref - pool.encode(TEXTS, [key] * len(TEXTS))).max() <= 1e-5, key
+        # the bytes an encoder costs are those of the tensors it binds
+        assert pool.memory_bytes(key) == sum(t.numel() * t.element_size() for t in rt.values()), key
+
+
+def test_detach_unbinds_only_that_encoder(pool_with_encoders, tiny_base):
+    pool = pool_with_encoders
+
+    def hooks() -> int:
+        return sum(len(m._forward_hooks) for m in pool._module.modules())
+    # per block, l1 adapts query, value; l2 query, key and the three dense layers: 6 layers hooked
+    assert hooks() == 2 * 6
+    l2 = pool.encode(TEXTS, ["l2@1"] * len(TEXTS))
+    pool.remove("l1@1")
+    assert hooks() == 2 * 5   # value is no longer adapted by anyone
+    np.testing.assert_array_equal(pool.encode(TEXTS, ["l2@1"] * len(TEXTS)), l2)
+    pool.remove("l2@1")
+    assert hooks() == 0 and sorted(pool.keys()) == sorted([BASE_KEY, "b1@1", "p1@1"])
+    np.testing.assert_allclose(pool.encode(TEXTS, [BASE_KEY] * len(TEXTS)), tiny_base.encode_queries(TEXTS),
+                               atol=1e-6)
