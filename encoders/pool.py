@@ -33,6 +33,9 @@ from qswap.encoders.lowrank import LowRankDeltas
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError
 
 BASE_KEY = "base"   # the identity encoder every pool has: the base model itself
+# Queries every new encoder must embed to finite vectors before it is accepted: finite adapter
+# values can still overflow a forward (a LoRA factor of 1e30, a bias of 3e38).
+_PROBES = ("a", "search the index for a python library about chess and music")
 
 
 @dataclass
@@ -102,15 +105,29 @@ class EncoderPool:
                 raise ConflictError(f"encoder {key} is already loaded", "remove it first or use a new version")
             self._deltas.add(key, attached.low_rank)   # checks every layer before binding any
             self._entries[key] = _Entry(kind, attached, kind.nbytes(attached))
+            try:
+                finite = bool(np.isfinite(self.encode(list(_PROBES), [key] * len(_PROBES))).all())
+            except BaseException:
+                self._unbind(key)
+                raise
+            if not finite:
+                self._unbind(key)
+                raise InvalidInputError(f"encoder {key} embeds queries to NaN/Inf: its adapter's values overflow "
+                                        "the forward pass", "the tuning diverged; retrain (e.g. with a lower "
+                                                            "learning rate)")
 
     def remove(self, key: str) -> None:
         """Detach an encoder and free its tensors."""
         if key == BASE_KEY:
             raise ConflictError("the base encoder cannot be removed", "remove a tuned encoder instead")
         with self._lock:
-            if self._entries.pop(key, None) is None:
+            if key not in self._entries:
                 raise NotFoundError(f"encoder {key} is not loaded", "list loaded encoders first")
-            self._deltas.remove(key)
+            self._unbind(key)
+
+    def _unbind(self, key: str) -> None:
+        self._entries.pop(key, None)
+        self._deltas.remove(key)
 
     def _entry(self, key: str) -> _Entry:
         try:

@@ -83,7 +83,10 @@ def _refuse(key: str, what: str, hint: str = "save the adapter with peft's LoraC
 
 
 def _short(v: Any, limit: int = 80) -> str:
-    r = repr(v)
+    try:
+        r = repr(v)
+    except RecursionError:
+        return "<deeply nested value>"
     return r if len(r) <= limit else r[:limit - 3] + "..."
 
 
@@ -123,7 +126,8 @@ def parse_config(key: str, cfg: Any) -> LoraSpec:
         if field_name in _METADATA or field_name in _SUPPORTED:
             continue
         if field_name in _NEUTRAL:
-            if value not in _NEUTRAL[field_name] or isinstance(value, (int, float)) and not isinstance(value, bool):
+            # 0 == False in Python: a number is never a neutral value here.
+            if value not in _NEUTRAL[field_name] or (isinstance(value, (int, float)) and not isinstance(value, bool)):
                 raise _refuse(key, f"{field_name}={_short(value)} is not supported (only {_NEUTRAL[field_name][0]!r})")
             continue
         if not _empty(value):
@@ -198,8 +202,8 @@ class LoraKind(AdapterKind):
         key = art.key
         try:
             cfg = json.loads((art.path / CONFIG_FILE).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
-            raise IntegrityError(f"{art.path}: cannot read {CONFIG_FILE} of {key}: {e}",
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError, RecursionError) as e:
+            raise IntegrityError(f"{art.path}: cannot read {CONFIG_FILE} of {key}: {_short(e, 200)}",
                                  "the adapter file is corrupt; re-export the encoder") from None
         spec = parse_config(key, cfg)
         header = read_safetensors_header(art.path / WEIGHTS_FILE, key)
@@ -269,6 +273,7 @@ class LoraKind(AdapterKind):
             require_finite(key, {module: a, f"{module}.B": b})
             w = lin.weight
             b_scaled = b.detach().to(device=w.device, dtype=w.dtype) * spec.scaling   # a new tensor
+            require_finite(key, {f"{module} lora_B x scaling {spec.scaling:g}": b_scaled})
             out[module] = LowRank(a=fresh_like(a, w, storage), b=fresh_like(b_scaled, w, storage))
         return Attached(kind=self.name, low_rank=out,
                         info={"r": spec.r, "scaling": spec.scaling, "modules": len(out)})

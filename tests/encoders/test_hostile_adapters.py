@@ -120,6 +120,12 @@ HOSTILE: dict[str, tuple[Builder, type[Exception], str]] = {
     "lora-int-dtype": (_lora(mutate_state=lambda s: s.update(
         {f"{Q0}.lora_A.weight": torch.zeros(4, 32, dtype=torch.int32)})), InvalidInputError, "not floating"),
     "bias-inf": (_tensors("bias", _with_inf), InvalidInputError, "NaN or Inf"),
+    # finite values that overflow: caught from the scaled factors, or by the probe forward
+    "alpha-overflows-scaling": (_lora(mutate_cfg=_set(lora_alpha=1e308, r=2), r=2), InvalidInputError, "NaN or Inf"),
+    "lora-huge-values": (_lora(mutate_state=lambda s: s.update({f"{Q0}.lora_B.weight": torch.full((32, 4), 1.6e38)})),
+                         InvalidInputError, "embeds queries to NaN/Inf"),
+    "bias-huge-values": (_tensors("bias", lambda p: {"encoder.layer.0.output.dense.bias": torch.full((32,), 3e38)}),
+                         InvalidInputError, "embeds queries to NaN/Inf"),
     "partial-nan": (_tensors("partial", lambda p: {"encoder.layer.1.output.dense.weight":
                                                    p["encoder.layer.1.output.dense.weight"] * float("nan")}),
                     InvalidInputError, "NaN or Inf"),
@@ -142,6 +148,9 @@ HOSTILE: dict[str, tuple[Builder, type[Exception], str]] = {
                         IntegrityError, "corrupt"),
     "config-not-json": (lambda base, out: write_raw_encoder(base, out, "hostile", "lora", {
         "adapter_config.json": b"{", "adapter_model.safetensors": b""}), IntegrityError, "corrupt"),
+    "config-deeply-nested": (lambda base, out: write_raw_encoder(base, out, "hostile", "lora", {
+        "adapter_config.json": b"[" * 100_000 + b"]" * 100_000, "adapter_model.safetensors": b""}),
+        IntegrityError, "corrupt"),
 }
 
 
