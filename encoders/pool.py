@@ -12,7 +12,7 @@ base. The pool binds them through two mechanisms, whatever the kind:
   ``torch.func.functional_call``; rows are grouped per encoder.
 
 Nothing is ever written into a base tensor, and attaching is all-or-nothing: a refused encoder
-leaves the pool exactly as it was.
+(including one whose probe queries embed to NaN/Inf) leaves the pool exactly as it was.
 """
 
 from __future__ import annotations
