@@ -34,7 +34,6 @@ from qswap.encoders.kinds.partial import TENSOR_FILE  # noqa: F401  (re-exported
 from qswap.errors import IntegrityError, InvalidInputError, NotFoundError
 from qswap.space import EmbeddingSpace
 
-Kind = str   # a key of qswap.encoders.kinds.KINDS
 MANIFEST = "manifest.json"
 LORA_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -66,7 +65,7 @@ class EncoderManifest(PydanticModel):
 
     name: str
     version: str
-    kind: Kind
+    kind: str   # a key of qswap.encoders.kinds.KINDS
     space: dict[str, Any]
     files: dict[str, str]
     training: dict[str, Any] | None = None
@@ -122,7 +121,7 @@ def validate_name(name: str, what: str = "encoder name") -> str:
     return name
 
 
-def save_encoder(out_dir: Path, *, name: str, version: str, kind: Kind, space: EmbeddingSpace,
+def save_encoder(out_dir: Path, *, name: str, version: str, kind: str, space: EmbeddingSpace,
                  tensors: dict[str, torch.Tensor] | None = None, lora_dir: Path | None = None,
                  training: dict[str, Any] | None = None, guard: dict[str, Any] | None = None,
                  extra_files: list[Path] | None = None) -> EncoderManifest:
