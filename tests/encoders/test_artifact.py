@@ -150,3 +150,20 @@ def test_encoder_directory_is_readable_by_a_server_user(tiny_base, tmp_path):
     assert d.stat().st_mode & 0o005 == 0o005
     for f in d.iterdir():
         assert f.stat().st_mode & 0o004, f.name
+
+
+def test_kind_plugins_registry_and_their_save_checks(tiny_base, tmp_path):
+    from qswap.encoders.kinds import KINDS, AdapterKind, get_kind
+    assert set(KINDS) == {"identity", "lora", "bias", "partial"}
+    assert all(isinstance(k, AdapterKind) and k.name == name for name, k in KINDS.items())
+    with pytest.raises(InvalidInputError, match="unknown encoder kind"):
+        get_kind("magic")
+    w = {"encoder.layer.0.output.dense.weight": torch.zeros(32, 64)}
+    with pytest.raises(InvalidInputError, match="cannot hold"):
+        save_encoder(tmp_path / "b", name="b", version="1", kind="bias", space=tiny_base.space, tensors=w)
+    with pytest.raises(InvalidInputError, match="lora_dir"):
+        save_encoder(tmp_path / "l", name="l", version="1", kind="lora", space=tiny_base.space)
+    assert not (tmp_path / "b").exists() and not (tmp_path / "l").exists()
+    # the same tensor is a valid partial encoder
+    save_encoder(tmp_path / "p", name="p", version="1", kind="partial", space=tiny_base.space, tensors=w)
+    assert load_encoder(tmp_path / "p", tiny_base.space).overrides.keys() == w.keys()
