@@ -4,7 +4,6 @@ with the base and with already-loaded LoRA / bias encoders, bit for bit)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
