@@ -17,7 +17,6 @@ is one batched FAISS call.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -32,8 +31,9 @@ import numpy as np
 
 import qswap
 from qswap.atomic import recover_dir, remove_stale_temps
-from qswap.errors import ConflictError, IntegrityError, InvalidInputError, NotFoundError, QswapError
-from qswap.index import faiss_index
+from qswap.index.errors import IndexCorruptError
+from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapError
+import qswap.index.faiss_index as faiss_index
 from qswap.locks import try_lock_exclusive
 from qswap.index.config import IndexConfig
 from qswap.index.corpus import Document, check_documents
@@ -63,18 +63,34 @@ class Hit:
     metadata: dict[str, Any]
 
 
+def lock_holder(path: Path) -> str:
+    """Who holds the writer lock of ``path`` as recorded in its lock file ("process 123" or "unknown")."""
+    try:
+        pid = (path / LOCK_FILE).read_text().split()[0]
+        return f"process {int(pid)}"
+    except (OSError, IndexError, ValueError):
+        return "another process or handle"
+
+
 def acquire_writer_lock(path: Path) -> int:
-    """Take the folder's writer lock (flock, released by the kernel if the process dies)."""
-    return try_lock_exclusive(path / LOCK_FILE, f"index {path} is open for writing by another process or handle",
-                              "stop that process (e.g. the server) or open this index read-only")
+    """Take the folder's writer lock (flock, released by the kernel if the process dies).
+
+    The holder writes its pid into the lock file so that a refused writer can name it."""
+    lock_file = path / LOCK_FILE
+    try:
+        fd = try_lock_exclusive(lock_file, "", "")
+    except ConflictError:
+        raise ConflictError(f"index {path} is open for writing by {lock_holder(path)}",
+                            "stop that process (e.g. the server) or open this index read-only") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def release_lock(fd: int | None) -> None:
+    """Release a writer lock (closing the descriptor drops the flock)."""
     if fd is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
+        os.close(fd)
 
 
 def make_manifest(*, generation: int, space: EmbeddingSpace, config: IndexConfig, faiss_rec: dict[str, Any],
@@ -96,7 +112,7 @@ def make_manifest(*, generation: int, space: EmbeddingSpace, config: IndexConfig
         "normalized": True,
         "full_dim": space.dim,
         "dim": config.dim,
-        "config": config.to_dict(),
+        "config": config.index_dict(),
         "faiss": faiss_rec,
         "embeddings": {"dtype": "float16", "rows": sum(c.rows for c in chunks),
                        "chunks": [c.to_dict() for c in chunks]},
@@ -178,7 +194,7 @@ class DocumentIndex:
             gen_before = _peek_generation(path)
             try:
                 return cls._open_once(path, read_only, expected_space, verify)
-            except IntegrityError as e:
+            except IndexCorruptError as e:
                 # A writer in another process may have committed (and removed old files)
                 # while we read: try again on the new generation.
                 last = e
@@ -202,20 +218,20 @@ class DocumentIndex:
             try:
                 space = EmbeddingSpace.from_dict(m["space"])
             except InvalidInputError as e:
-                raise IntegrityError(f"{path / MANIFEST}: {e.message}", e.hint) from None
+                raise IndexCorruptError(f"{path / MANIFEST}: {e.message}", e.hint) from None
             if expected_space is not None:
                 expected_space.require_same(space, f"index {path}")
             config = IndexConfig.from_dict(m["config"])
             gen = int(m["generation"])
             full_dim = int(m["full_dim"])
             if full_dim != space.dim or int(m["dim"]) != config.dim:
-                raise IntegrityError(f"{path / MANIFEST}: dimensions disagree (full_dim {full_dim}, space "
+                raise IndexCorruptError(f"{path / MANIFEST}: dimensions disagree (full_dim {full_dim}, space "
                                      f"{space.dim}, dim {m['dim']}, config {config.dim})",
                                      "restore the index folder or rebuild it")
             chunks = [Chunk.from_dict(c) for c in m["embeddings"]["chunks"]]
             for c in chunks:
                 if m["files"].get(c.file) != c.sha256:
-                    raise IntegrityError(f"{path / MANIFEST}: chunk {c.file} is not listed with its checksum",
+                    raise IndexCorruptError(f"{path / MANIFEST}: chunk {c.file} is not listed with its checksum",
                                          "restore the index folder or rebuild it")
             if verify:
                 verify_files(path, m["files"])
@@ -229,19 +245,19 @@ class DocumentIndex:
             live = docs.live_rows(gen)
             want = int(m["counts"]["documents"])
             if len(live) != want:
-                raise IntegrityError(f"document store holds {len(live)} live documents, manifest says {want}",
+                raise IndexCorruptError(f"document store holds {len(live)} live documents, manifest says {want}",
                                      "restore the index folder or rebuild it")
             if len(live) and int(live[-1]) >= store.rows_total:
-                raise IntegrityError("document store refers to embedding rows that do not exist",
+                raise IndexCorruptError("document store refers to embedding rows that do not exist",
                                      "restore the index folder or rebuild it")
             digest = docs.digest(gen) if verify else m["docstore"]["digest"]
             if digest != m["docstore"]["digest"]:
-                raise IntegrityError(f"document store content differs from the manifest (digest {digest[:12]}... "
+                raise IndexCorruptError(f"document store content differs from the manifest (digest {digest[:12]}... "
                                      f"!= {m['docstore']['digest'][:12]}...)",
                                      "docs.sqlite was edited or damaged; restore it or rebuild the index")
             index = faiss_index.read(path / m["faiss"]["file"])
             if index.d != config.dim:
-                raise IntegrityError(f"FAISS file has dimension {index.d}, manifest says {config.dim}",
+                raise IndexCorruptError(f"FAISS file has dimension {index.d}, manifest says {config.dim}",
                                      "restore the index folder or rebuild it")
             tombstones = _reconcile(index, live, store, config.dim)
         except (KeyError, TypeError, ValueError) as e:
@@ -249,7 +265,7 @@ class DocumentIndex:
                 docs.close()
             release_lock(self._lock_fd)
             self._lock_fd = None
-            raise IntegrityError(f"{path / MANIFEST} is malformed ({type(e).__name__}: {e})",
+            raise IndexCorruptError(f"{path / MANIFEST} is malformed ({type(e).__name__}: {e})",
                                  "restore the index folder or rebuild it") from None
         except BaseException:
             if docs is not None:
@@ -325,7 +341,7 @@ class DocumentIndex:
                 raise InvalidInputError("the index is closed", "open it again")
             node = node._parent
         if self._broken:
-            raise IntegrityError(f"the index is in an unknown state after a failed change ({self._broken})",
+            raise IndexCorruptError(f"the index is in an unknown state after a failed change ({self._broken})",
                                  "reopen the index")
 
     def _check_writable(self) -> None:
@@ -607,13 +623,8 @@ class DocumentIndex:
         return self._gen, index, plan.to_dict()
 
     def _merge_config(self, config: IndexConfig) -> IndexConfig:
-        """Options set in ``config`` (not ``None``, not the class default) override the current ones."""
-        defaults = IndexConfig().to_dict()
-        given = {k: v for k, v in config.to_dict().items() if v is not None and v != defaults[k]}
-        merged = {**self._config.to_dict(), **given}
-        if "dim" in given and "pq_m" not in given:
-            merged["pq_m"] = None  # PQ sub-quantisers follow dim unless given
-        return IndexConfig(**merged).resolve(self._count, self.full_dim)
+        """Options set in ``config`` (not ``None``) override the current ones."""
+        return config.merged_into(self._config).resolve(self._count, self.full_dim)
 
     def with_config(self, config: IndexConfig, progress: bool = False) -> "DocumentIndex":
         """An in-memory, read-only variant with other options over the same stored vectors.
@@ -637,7 +648,7 @@ class DocumentIndex:
             v._ephemeral = True
             v._owns_docs = False
             v._parent = self
-            m = {**self._m, "config": new.to_dict(), "dim": new.dim, "faiss": faiss_rec}
+            m = {**self._m, "config": new.index_dict(), "dim": new.dim, "faiss": faiss_rec}
             v._set_state(m=m, space=self._space, config=new, docs=self._docs, store=self._store, index=index,
                          tombstones=tomb, count=self._count, digest=self._digest)
             return v
@@ -776,7 +787,7 @@ class DocumentIndex:
                 "metric": m["metric"],
                 "dim": self.dim,
                 "full_dim": self.full_dim,
-                "config": self._config.to_dict(),
+                "config": self._config.index_dict(),
                 "faiss": {k: m["faiss"].get(k) for k in ("factory", "nlist", "pq_nbits", "file")},
                 "rescoring": self._rescoring,
                 "gpu": self._gpu is not None,
