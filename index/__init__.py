@@ -18,7 +18,7 @@ from qswap.index.build import build_index, create_index
 from qswap.index.config import IndexConfig
 from qswap.index.corpus import BadLine, Document
 from qswap.index.evaluate import evaluate, synthetic_embeddings
-from qswap.index.store import DocumentIndex, Hit
+from qswap.index.backends.faiss import DocumentIndex, Hit
 
 __all__ = ["BadLine", "Document", "DocumentIndex", "Hit", "IndexConfig", "build_index", "create_index",
            "evaluate", "synthetic_embeddings"]

@@ -178,7 +178,8 @@ STEP_CHILD = textwrap.dedent('''
     import hashlib, os, sys
     import numpy as np
     from qswap.index import Document, DocumentIndex
-    from qswap.index import store, faiss_index
+    from qswap.index import faiss_index
+    from qswap.index.backends import faiss as store
     from qswap.index.docstore import DocStore
     from qswap.index.embeddings import EmbeddingStore
 

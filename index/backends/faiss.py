@@ -1,4 +1,4 @@
-"""DocumentIndex: the document index on disk and in memory.
+"""The FAISS backend: DocumentIndex, the embedded document index on disk and in memory.
 
 State on disk is described by the manifest (see :mod:`qswap.index.manifest`); every change
 is one *commit* that writes new immutable files (an embedding chunk, maybe a FAISS snapshot
@@ -22,7 +22,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from qswap.locks import try_lock_exclusive
 from qswap.index.config import IndexConfig
 from qswap.index.corpus import Document, check_documents
 from qswap.index.docstore import DOCS_FILE, SCHEMA_VERSION, DocStore, digest_hex, meta_json, record_hash
+from qswap.index.hit import FilterValue, Hit
 from qswap.index.embeddings import DTYPE, EMB_DIR, Chunk, EmbeddingStore, normalize_rows, truncate_rows
 from qswap.index.manifest import (FAISS_DIR, FORMAT, FORMAT_VERSION, MANIFEST, faiss_name, now_iso,
                                   read_manifest, verify_files, write_manifest)
@@ -49,19 +49,6 @@ log = logging.getLogger("qswap.index")
 LOCK_FILE = ".lock"
 # Options that change what FAISS stores (a change re-indexes); the others are search-time.
 _SHAPE_FIELDS = ("dim", "quant", "kind", "nlist", "hnsw_m", "ef_construction", "pq_m")
-
-FilterValue = str | int | float | bool
-
-
-@dataclass
-class Hit:
-    """One search result: external id, cosine score, text (unless not asked for), metadata."""
-
-    id: str
-    score: float
-    text: str | None
-    metadata: dict[str, Any]
-
 
 def lock_holder(path: Path) -> str:
     """Who holds the writer lock of ``path`` as recorded in its lock file ("process 123" or "unknown")."""
