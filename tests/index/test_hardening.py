@@ -94,6 +94,7 @@ HOLDER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # two processes each load a (tiny) model and the demo corpus is embedded once
 def test_second_server_never_rebuilds_a_held_demo_index(tmp_path, tiny_model_dir, other_tiny_model_dir):
     from qswap.encoders.base import load_base
     from qswap.server.demo import open_demo_index

@@ -95,7 +95,7 @@ def test_sigkill_during_saves_leaves_a_loadable_consistent_index(tmp_path, space
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     rng = np.random.default_rng(1)
-    deadline = time.monotonic() + 25
+    deadline = time.monotonic() + 90  # 12 kills take ~12 s on an idle machine
     kills, commits_seen, in_flight = 0, 0, 0
     while kills < 12 and time.monotonic() < deadline:
         p = subprocess.Popen([sys.executable, str(script), str(path), str(kills)], stdout=subprocess.PIPE,
@@ -119,7 +119,7 @@ def test_sigkill_during_saves_leaves_a_loadable_consistent_index(tmp_path, space
             in_flight += idx.generation == last + 1
             check_consistent(idx)
     print(f"{kills} kills, {commits_seen} commits, {in_flight} kills landed after a manifest was written")
-    assert kills >= 8 and commits_seen >= 20, (kills, commits_seen)
+    assert kills == 12 and commits_seen >= 20, (kills, commits_seen)
 
 
 BUILD_CHILD = textwrap.dedent('''
