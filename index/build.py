@@ -38,8 +38,9 @@ from qswap.index.corpus import BadLine, Document, check_documents, corpus_file, 
 from qswap.index.docstore import DOCS_FILE, DocStore, meta_json
 from qswap.index.embeddings import DTYPE, Chunk, EmbeddingStore, chunk_name, normalize_rows
 from qswap.index.manifest import MANIFEST, read_manifest
-from qswap.index.backends.faiss import (LOCK_FILE, DocumentIndex, acquire_writer_lock, release_lock,
-                               write_first_generation)
+from qswap.index.backends.faiss import DocumentIndex
+from qswap.index.generation import write_first_generation
+from qswap.index.recovery import LOCK_FILE, acquire_writer_lock, release_lock
 from qswap.space import EmbeddingSpace
 
 log = logging.getLogger("qswap.index")

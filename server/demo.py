@@ -17,7 +17,7 @@ from qswap.atomic import sha256_file
 from qswap.encoders import BaseModel
 from qswap.errors import ConflictError, QswapError, SpaceMismatchError
 from qswap.index import DocumentIndex, IndexConfig, build_index
-from qswap.index.backends.faiss import lock_holder
+from qswap.index.recovery import lock_holder
 from qswap.paths import data_dir
 
 log = logging.getLogger("qswap.server")

@@ -179,7 +179,7 @@ STEP_CHILD = textwrap.dedent('''
     import numpy as np
     from qswap.index import Document, DocumentIndex
     from qswap.index import faiss_index
-    from qswap.index.backends import faiss as store
+    from qswap.index import commit
     from qswap.index.docstore import DocStore
     from qswap.index.embeddings import EmbeddingStore
 
@@ -201,7 +201,7 @@ STEP_CHILD = textwrap.dedent('''
     idx = DocumentIndex.open(sys.argv[1])
     target = {"write_chunk": (EmbeddingStore, "write_chunk"), "apply": (DocStore, "apply"),
               "faiss_write": (faiss_index, "write"), "merge": (EmbeddingStore, "merge"),
-              "write_manifest": (store, "write_manifest")}[step]
+              "write_manifest": (commit, "write_manifest")}[step]
     die_after(*target)
     docs = [Document("d5", "d5 new", {}), Document("fresh", "fresh v0", {})]
     idx.upsert(docs, np.stack([vec(d.text) for d in docs]))
