@@ -435,10 +435,17 @@ def run_backends(args: argparse.Namespace, backends: list[str]) -> int:
     data = [("synthetic", clustered_embeddings(n, args.dim, clusters, args.seed),
              clustered_embeddings(nq, args.dim, clusters, args.seed, stream="queries"),
              f"synthetic clustered unit vectors, {clusters} clusters, seed {args.seed}")]
+    real_kind = f"real embeddings {args.real}"
+    if args.real is None and args.real_debian:
+        args.real = real_debian_embeddings(args.real_debian, args.model)
+        real_kind = (f"real {args.model} embeddings of {args.real_debian:,} distinct Debian one-line descriptions "
+                     f"(English, document prefix); queries: the last {args.real_queries}, held out")
     if args.real is not None:
         real = np.load(args.real, mmap_mode="r")
+        if real.ndim != 2 or len(real) <= args.real_queries + K:
+            raise InvalidInputError(f"{args.real} has shape {real.shape}", f"need more than {args.real_queries + K} rows")
         data.append(("real", np.ascontiguousarray(real[:-args.real_queries], dtype=np.float32),
-                     np.ascontiguousarray(real[-args.real_queries:], dtype=np.float32), f"real embeddings {args.real}"))
+                     np.ascontiguousarray(real[-args.real_queries:], dtype=np.float32), real_kind))
     for name, base, queries, kind in data:
         _, truth = exact_ground_truth(base, queries, K)
         dim = base.shape[1]
