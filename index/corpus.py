@@ -150,6 +150,7 @@ def iter_corpus(
                 continue
             try:
                 fmt_used, doc, embed_text = _parse(raw, lineno, fmt)
+                _require_encodable(doc, embed_text)
                 first = seen.get(doc.id)
                 if first is not None:
                     raise ValueError(f"duplicate id {doc.id!r} (first on line {first})")
@@ -207,6 +208,15 @@ def check_documents(docs: list[Document]) -> None:
         require_utf8(d.id, f"document {i}: id")
         require_utf8(d.text, f"document {d.id!r}: text")
         require_utf8(json.dumps(d.metadata, ensure_ascii=False), f"document {d.id!r}: metadata")
+
+
+def _require_encodable(doc: Document, embed_text: str) -> None:
+    """A corpus line whose JSON escapes decode to a lone surrogate is a bad line (ValueError)."""
+    try:
+        for v in (doc.id, doc.text, embed_text, json.dumps(doc.metadata, ensure_ascii=False)):
+            v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("holds an escaped lone surrogate (e.g. \\udc00), which is not valid Unicode") from None
 
 
 def require_utf8(value: str, what: str) -> None:

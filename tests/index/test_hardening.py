@@ -122,3 +122,13 @@ def test_second_server_never_rebuilds_a_held_demo_index(tmp_path, tiny_model_dir
     finally:
         p.stdin.close()
         p.wait(timeout=30)
+
+
+def test_corpus_line_with_an_escaped_lone_surrogate_is_a_bad_line(tmp_path, space, embed, jsonl):
+    from qswap.index import build_index
+    corpus = jsonl(tmp_path / "c.jsonl", [{"id": "a", "text": "fine"}, b'{"id": "b", "text": "bad \\udc00"}\n',
+                                          {"id": "c", "text": "also fine"}])
+    with pytest.raises(InvalidInputError, match="line 2"):
+        build_index(corpus, tmp_path / "idx", embed, space, progress=False)
+    with build_index(corpus, tmp_path / "idx", embed, space, on_bad_line="skip", progress=False) as idx:
+        assert idx.count == 2 and idx.info()["build"]["n_bad_lines"] == 1
