@@ -300,6 +300,7 @@ class DocumentIndex(SearchMixin, CommitMixin, ReindexMixin):
             emb_bytes = sum(c.rows for c in self._store.chunks) * self.full_dim * np.dtype(DTYPE).itemsize
             docs_bytes = self._docs.path.stat().st_size if self._docs.path.exists() else 0
             return {
+                "backend": "faiss",
                 "path": str(self.path),
                 "generation": self._gen,
                 "documents": self._count,
