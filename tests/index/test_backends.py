@@ -32,6 +32,8 @@ def corpus_docs(n: int = 90) -> list[Document]:
         meta["rank"] = i
         if i % 10 == 0:
             meta["quote"] = 'say "hi" \\ bye'
+        if i % 4 == 0:
+            meta["maybe"] = None
         if i == 7:
             meta["section"] = INJECTION  # a literal value that looks like an expression
         docs.append(Document(r["id"], r["text"], meta))
@@ -152,6 +154,8 @@ FILTERS = [
     ({"section": 'x" or id > "" or "'}, lambda m: False),
     ({"section": "games\" || meta[\"hot\"] == true || \"\\"}, lambda m: False),
     ({"missing": "x"}, lambda m: False),
+    ({"maybe": None}, lambda m: "maybe" in m and m["maybe"] is None),
+    ({"missing": None}, lambda m: False),
 ]
 
 
