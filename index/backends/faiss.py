@@ -40,15 +40,11 @@ from qswap.index.docstore import DOCS_FILE, DocStore
 from qswap.index.embeddings import DTYPE, Chunk, EmbeddingStore
 from qswap.index.errors import IndexCorruptError
 from qswap.index.manifest import MANIFEST, read_manifest, verify_files
-from qswap.index.recovery import (LOCK_FILE, acquire_writer_lock, lock_holder, peek_generation, reconcile,
-                                  release_lock, remove_orphans)
+from qswap.index.recovery import acquire_writer_lock, peek_generation, reconcile, release_lock, remove_orphans
 from qswap.index.reindex import ReindexMixin
 from qswap.index.rwlock import RWLock
 from qswap.index.search import SearchMixin
 from qswap.space import EmbeddingSpace
-
-# Re-exported for the build and the server's demo index.
-__all__ = ["LOCK_FILE", "DocumentIndex", "acquire_writer_lock", "lock_holder", "release_lock"]
 
 log = logging.getLogger("qswap.index")
 
