@@ -73,6 +73,13 @@ def _location(value: str) -> str | Path:
     return value if is_milvus(value) else Path(value)
 
 
+def _faiss_only(value: str) -> Path:
+    if is_milvus(value):
+        raise argparse.ArgumentTypeError("eval and reindex work on FAISS index folders; for a Milvus collection "
+                                         "rebuild it with `index build --backend milvus --replace` and other options")
+    return Path(value)
+
+
 # ---------------------------------------------------------------------- parser
 def register(subparsers: Any) -> None:
     """Add the ``index`` command and its subcommands to a top-level argparse CLI."""
@@ -139,7 +146,7 @@ def register(subparsers: Any) -> None:
     e = sub.add_parser("eval", help="recall@k vs exact search, bytes per document, latency",
                        description="Evaluate the index as configured, or (with index options) an in-memory "
                                    "variant built from the stored embeddings.")
-    e.add_argument("index", type=Path)
+    e.add_argument("index", type=_faiss_only)
     e.add_argument("-k", "--k", type=int, default=10)
     e.add_argument("--n-queries", type=int, default=1000,
                    help="perturbed-document queries when --queries is not given")
@@ -154,7 +161,7 @@ def register(subparsers: Any) -> None:
     e.set_defaults(func=cmd_eval)
 
     r = sub.add_parser("reindex", help="rebuild FAISS with other options from the stored embeddings")
-    r.add_argument("index", type=Path)
+    r.add_argument("index", type=_faiss_only)
     _add_config_args(r)
     r.set_defaults(func=cmd_reindex)
 
