@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 
 from qswap.index.backends.milvus import build_collection
 
@@ -21,7 +20,6 @@ def brute_force(q: np.ndarray, x: np.ndarray, ids: list[str], k: int) -> list[st
     return [ids[n] for n in sorted(range(len(ids)), key=lambda n: (-s[n], ids[n]))[:k]]
 
 
-@pytest.mark.slow  # a real server: model load, milvus-lite start
 def test_serve_from_a_milvus_collection(tmp_path, tiny_model_dir, tiny_base):
     docs = make_docs(40)
     corpus = tmp_path / "corpus.jsonl"
