@@ -238,6 +238,7 @@ def test_reopen_read_only_and_space_mismatch(backend):
     docs = corpus_docs(25)
     backend.create(docs).close()
     with backend.reopen(read_only=True, expected_space=make_space()) as idx:
+        assert isinstance(idx, IndexBackend) and idx.info()["backend"] == backend.kind
         assert idx.count == 25 and idx.space == make_space()
         assert idx.search(hash_embed([docs[9].text]), 1)[0][0].id == "d9"
         with pytest.raises(InvalidInputError, match="read-only"):
