@@ -43,6 +43,7 @@ from qswap.index.embeddings import normalize_rows, truncate_rows
 from qswap.index.errors import IndexCorruptError
 from qswap.index.hit import FilterValue, Hit
 from qswap.index.manifest import now_iso
+from qswap.index.search import as_queries
 from qswap.space import EmbeddingSpace
 
 log = logging.getLogger("qswap.index")
@@ -288,7 +289,7 @@ class MilvusIndex:
     def search(self, queries: np.ndarray, k: int, filter: dict[str, FilterValue] | None = None,
                with_text: bool = True) -> list[list[Hit]]:
         """Top-``k`` documents per query row (full-dimension, L2-normalised), filtered by metadata."""
-        q = _as_queries(queries, self.full_dim)
+        q = as_queries(queries, self.full_dim)
         k = _check_k(k)
         expr = filter_expr(filter)
         self._check_usable()
@@ -323,7 +324,7 @@ class MilvusIndex:
     def search_exact(self, queries: np.ndarray, k: int, filter: dict[str, FilterValue] | None = None,
                      with_text: bool = False) -> list[list[Hit]]:
         """Brute-force top-``k`` by exact cosine over every (filtered) document's full vector."""
-        q = _as_queries(queries, self.full_dim)
+        q = as_queries(queries, self.full_dim)
         k = _check_k(k)
         expr = filter_expr(filter)
         self._check_usable()
@@ -541,7 +542,7 @@ def create_collection(uri: str, collection: str, docs: list[Document], embedding
     if len(x) != len(docs):
         raise InvalidInputError(f"{len(docs)} documents but {len(x)} embeddings", "pass one embedding per document")
 
-    def batches(embed_unused: Any = None) -> Iterable[tuple[list[Document], np.ndarray]]:
+    def batches() -> Iterable[tuple[list[Document], np.ndarray]]:
         for i in range(0, len(docs), _INSERT_BATCH):
             yield docs[i:i + _INSERT_BATCH], x[i:i + _INSERT_BATCH]
 
@@ -669,16 +670,6 @@ def _check_sizes(docs: list[Document]) -> None:
         if len(d.text.encode("utf-8")) > MAX_TEXT_CHARS:
             raise InvalidInputError(f"document {d.id!r}: text is over {MAX_TEXT_CHARS} bytes",
                                     "Milvus VARCHAR holds at most 65,535 bytes; split the document")
-
-
-def _as_queries(queries: Any, full_dim: int) -> np.ndarray:
-    q = np.asarray(queries, dtype=np.float32)
-    if q.ndim == 1:
-        q = q[None, :]
-    if q.ndim != 2 or q.shape[1] != full_dim:
-        raise InvalidInputError(f"queries have shape {q.shape}, expected (n, {full_dim})",
-                                "encode queries with an encoder of the index's embedding space")
-    return normalize_rows(q, full_dim, "queries") if len(q) else q
 
 
 def _check_k(k: Any) -> int:
