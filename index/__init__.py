@@ -10,6 +10,9 @@ manifest.
     idx = DocumentIndex.open(path)
     hits = idx.search(query_embeddings, k=10, filter={"section": "games"})
 
+Backends (:mod:`qswap.index.backends`): the FAISS folder above (default) or a Milvus
+collection, both behind :class:`IndexBackend`; ``open_index(location)`` opens either.
+
 This package never imports qswap.encoders (only ``qswap.index.cli`` does, lazily):
 building takes an ``embed(texts) -> array`` function and the :class:`EmbeddingSpace`.
 """
@@ -18,7 +21,9 @@ from qswap.index.build import build_index, create_index
 from qswap.index.config import IndexConfig
 from qswap.index.corpus import BadLine, Document
 from qswap.index.evaluate import evaluate, synthetic_embeddings
-from qswap.index.store import DocumentIndex, Hit
+from qswap.index.backends import IndexBackend, open_index
+from qswap.index.backends.faiss import DocumentIndex
+from qswap.index.hit import Hit
 
-__all__ = ["BadLine", "Document", "DocumentIndex", "Hit", "IndexConfig", "build_index", "create_index",
-           "evaluate", "synthetic_embeddings"]
+__all__ = ["BadLine", "Document", "DocumentIndex", "Hit", "IndexBackend", "IndexConfig", "build_index", "create_index",
+           "evaluate", "open_index", "synthetic_embeddings"]

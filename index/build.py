@@ -5,8 +5,9 @@ The build works in ``<out>.building/`` next to the target:
 1. *ingest*: the corpus is streamed into SQLite (bad lines stop the build or are skipped
    and listed), then documents are numbered by text length so that embedding batches hold
    texts of similar length (less padding) and written to ``docs.sqlite``;
-2. *embed*: rows are embedded in chunks of ``chunk_rows``; each chunk file is written
-   atomically, so a build killed at any point resumes at the first missing chunk;
+2. *embed*: rows are embedded in chunks of ``chunk_rows``; a chunk grows batch by batch
+   (each batch synced) and is renamed when complete, so a build killed at any point resumes
+   at the last whole batch;
 3. *index*: the chunks become one float16 file, FAISS is trained and filled, the manifest is
    written, and the folder replaces ``<out>`` (the old index stays loadable until then).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import sqlite3
 import sys
@@ -30,14 +32,15 @@ import numpy as np
 
 from qswap.atomic import atomic_write_json, replace_dir, sha256_file
 from qswap.errors import ConflictError, InvalidInputError
-from qswap.atomic import atomic_stream, remove_stale_temps
+from qswap.atomic import atomic_stream, fsync_dir, remove_stale_temps
 from qswap.index.config import IndexConfig
 from qswap.index.corpus import BadLine, Document, check_documents, corpus_file, iter_corpus
 from qswap.index.docstore import DOCS_FILE, DocStore, meta_json
 from qswap.index.embeddings import DTYPE, Chunk, EmbeddingStore, chunk_name, normalize_rows
 from qswap.index.manifest import MANIFEST, read_manifest
-from qswap.index.store import (LOCK_FILE, DocumentIndex, acquire_writer_lock, release_lock,
-                               write_first_generation)
+from qswap.index.backends.faiss import DocumentIndex
+from qswap.index.generation import write_first_generation
+from qswap.index.recovery import LOCK_FILE, acquire_writer_lock, release_lock
 from qswap.space import EmbeddingSpace
 
 log = logging.getLogger("qswap.index")
@@ -106,6 +109,7 @@ def build_index(corpus_path: Path, out_dir: Path, embed: Embed, space: Embedding
             build = {"corpus": want["corpus"], "corpus_sha256": corpus_sha, "format": format, "model": model,
                      "on_bad_line": on_bad_line, "documents": n, "bad_lines": state["bad_lines"],
                      "n_bad_lines": state["n_bad_lines"], "runs": state["runs"],
+                     "batch_size": cfg.batch_size, "chunk_rows": int(state["chunk_rows"]),
                      "started_at": float(state["started_at"])}
             write_first_generation(staging, space=space, config=cfg, chunks=chunks, build=build, progress=progress)
         for leftover in (STATE, INGEST):
@@ -256,20 +260,29 @@ def _chunk_path(staging: Path, k: int) -> Path:
 
 def _embed_chunks(staging: Path, n: int, embed: Embed, full_dim: int, batch_size: int, chunk_rows: int,
                   progress: bool) -> None:
-    """Embed every missing chunk; finished chunks (from an earlier run) are kept."""
+    """Embed every missing chunk; finished chunks (from an earlier run) are kept.
+
+    A chunk in progress grows batch by batch in ``<k>.part`` (each batch flushed and synced),
+    so a killed build resumes at the last whole batch, not at the start of its chunk.
+    """
     (staging / CHUNKS).mkdir(exist_ok=True)
     remove_stale_temps(staging / CHUNKS)
     row_bytes = full_dim * np.dtype(DTYPE).itemsize
     n_chunks = (n + chunk_rows - 1) // chunk_rows
-    todo = []
+    todo: list[tuple[int, int]] = []  # (chunk, rows already in its .part file)
     done_rows = 0
     for k in range(n_chunks):
         rows = min(n, (k + 1) * chunk_rows) - k * chunk_rows
         p = _chunk_path(staging, k)
+        part = p.with_suffix(".part")
         if p.is_file() and p.stat().st_size == rows * row_bytes:
             done_rows += rows
+        elif part.is_file():
+            have = min(part.stat().st_size // row_bytes, rows)  # a torn last row is embedded again
+            done_rows += have
+            todo.append((k, have))
         else:
-            todo.append(k)
+            todo.append((k, 0))
     if not todo:
         return
     if done_rows:
@@ -279,22 +292,27 @@ def _embed_chunks(staging: Path, n: int, embed: Embed, full_dim: int, batch_size
                dynamic_ncols=True, smoothing=0.1)
     con = sqlite3.connect(staging / INGEST)
     try:
-        for k in todo:
-            a, b = k * chunk_rows, min(n, (k + 1) * chunk_rows)
+        for k, have in todo:
+            a, b = k * chunk_rows + have, min(n, (k + 1) * chunk_rows)
             texts = [r[0] for r in con.execute(
                 "SELECT COALESCE(c.etext, c.text) FROM sorted s JOIN corpus c ON c.pos = s.pos "
                 "WHERE s.row >= ? AND s.row < ? ORDER BY s.row", (a, b))]
-            out = np.empty((b - a, full_dim), dtype=DTYPE)
-            for i in range(0, len(texts), batch_size):
-                batch = texts[i:i + batch_size]
-                e = normalize_rows(embed(batch), full_dim, "embed() output")
-                if len(e) != len(batch):
-                    raise InvalidInputError(f"embed() returned {len(e)} rows for {len(batch)} texts",
-                                            "the embed function must return one row per text")
-                out[i:i + len(batch)] = e.astype(DTYPE)
-                bar.update(len(batch))
-            with atomic_stream(_chunk_path(staging, k)) as w:
-                w.write(memoryview(out).cast("B"))
+            part = _chunk_path(staging, k).with_suffix(".part")
+            with open(part, "r+b" if part.exists() else "wb") as f:
+                f.truncate(have * row_bytes)
+                f.seek(have * row_bytes)
+                for i in range(0, len(texts), batch_size):
+                    batch = texts[i:i + batch_size]
+                    e = normalize_rows(embed(batch), full_dim, "embed() output")
+                    if len(e) != len(batch):
+                        raise InvalidInputError(f"embed() returned {len(e)} rows for {len(batch)} texts",
+                                                "the embed function must return one row per text")
+                    f.write(memoryview(np.ascontiguousarray(e.astype(DTYPE))).cast("B"))
+                    f.flush()
+                    os.fsync(f.fileno())
+                    bar.update(len(batch))
+            os.replace(part, _chunk_path(staging, k))
+            fsync_dir(staging / CHUNKS)
     finally:
         con.close()
         bar.close()

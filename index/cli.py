@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,12 @@ from typing import Any
 import numpy as np
 
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapError
+from qswap.index.backends import BACKENDS, IndexBackend, is_milvus, open_index
 from qswap.index.build import build_index
 from qswap.index.config import KINDS, QUANTS, IndexConfig
 from qswap.index.corpus import BadLine, iter_corpus
 from qswap.index.evaluate import evaluate
-from qswap.index.store import DocumentIndex
+from qswap.index.backends.faiss import DocumentIndex
 from qswap.space import EmbeddingSpace
 
 DEFAULT_MODEL = "multilingual-e5-small"
@@ -63,6 +65,21 @@ def _model_arg(value: str) -> str:
     return str(p.resolve()) if p.is_dir() else value
 
 
+_LOCATION_HELP = "index folder, or milvus://PATH.db?collection=NAME / milvus://HOST:PORT?collection=NAME"
+
+
+def _location(value: str) -> str | Path:
+    """An index folder (Path) or a milvus:// location (kept as given)."""
+    return value if is_milvus(value) else Path(value)
+
+
+def _faiss_only(value: str) -> Path:
+    if is_milvus(value):
+        raise argparse.ArgumentTypeError("eval and reindex work on FAISS index folders; for a Milvus collection "
+                                         "rebuild it with `index build --backend milvus --replace` and other options")
+    return Path(value)
+
+
 # ---------------------------------------------------------------------- parser
 def register(subparsers: Any) -> None:
     """Add the ``index`` command and its subcommands to a top-level argparse CLI."""
@@ -74,7 +91,12 @@ def register(subparsers: Any) -> None:
                        description="Embed a JSONL ({id, text, ...metadata}) or BEIR corpus with the frozen text "
                                    "tower and build an index. Rerunning after an interruption resumes.")
     b.add_argument("corpus", type=Path, help="JSONL file, or BEIR folder with corpus.jsonl")
-    b.add_argument("--out", "-o", type=Path, required=True, help="index folder to create or replace")
+    b.add_argument("--out", "-o", type=Path, help="index folder to create or replace (faiss backend)")
+    b.add_argument("--backend", choices=BACKENDS, default="faiss",
+                   help="faiss: an index folder (default); milvus: a Milvus collection (--uri, --collection)")
+    b.add_argument("--uri", help="Milvus URI: PATH.db for milvus-lite, http://HOST:19530 for a server")
+    b.add_argument("--collection", help="Milvus collection name")
+    b.add_argument("--replace", action="store_true", help="milvus: replace an existing collection")
     b.add_argument("--model", type=_model_arg, default=DEFAULT_MODEL,
                    help=f"base model name or local folder (default {DEFAULT_MODEL})")
     b.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
@@ -90,13 +112,13 @@ def register(subparsers: Any) -> None:
     b.set_defaults(func=cmd_build)
 
     i = sub.add_parser("info", help="show an index's manifest facts")
-    i.add_argument("index", type=Path)
+    i.add_argument("index", type=_location, help=_LOCATION_HELP)
     i.add_argument("--json", action="store_true")
     i.add_argument("--no-verify", action="store_true", help="skip checksum verification")
     i.set_defaults(func=cmd_info)
 
     a = sub.add_parser("add", help="embed and add documents from a JSONL file")
-    a.add_argument("index", type=Path)
+    a.add_argument("index", type=_location, help=_LOCATION_HELP)
     a.add_argument("corpus", type=Path)
     a.add_argument("--upsert", action="store_true", help="replace documents whose id exists")
     a.add_argument("--model", type=_model_arg, default=None, help="default: the model the index was built with")
@@ -105,13 +127,13 @@ def register(subparsers: Any) -> None:
     a.set_defaults(func=cmd_add)
 
     d = sub.add_parser("delete", help="delete documents by id")
-    d.add_argument("index", type=Path)
+    d.add_argument("index", type=_location, help=_LOCATION_HELP)
     d.add_argument("ids", nargs="*", help="external ids")
     d.add_argument("--ids-file", type=Path, help="file with one id per line")
     d.set_defaults(func=cmd_delete)
 
     s = sub.add_parser("search", help="search with the base model's query tower")
-    s.add_argument("index", type=Path)
+    s.add_argument("index", type=_location, help=_LOCATION_HELP)
     s.add_argument("query", nargs="+", help="query text (several: one search each)")
     s.add_argument("-k", "--k", type=int, default=10)
     s.add_argument("--filter", action="append", default=[], metavar="FIELD=VALUE",
@@ -124,7 +146,7 @@ def register(subparsers: Any) -> None:
     e = sub.add_parser("eval", help="recall@k vs exact search, bytes per document, latency",
                        description="Evaluate the index as configured, or (with index options) an in-memory "
                                    "variant built from the stored embeddings.")
-    e.add_argument("index", type=Path)
+    e.add_argument("index", type=_faiss_only)
     e.add_argument("-k", "--k", type=int, default=10)
     e.add_argument("--n-queries", type=int, default=1000,
                    help="perturbed-document queries when --queries is not given")
@@ -139,7 +161,7 @@ def register(subparsers: Any) -> None:
     e.set_defaults(func=cmd_eval)
 
     r = sub.add_parser("reindex", help="rebuild FAISS with other options from the stored embeddings")
-    r.add_argument("index", type=Path)
+    r.add_argument("index", type=_faiss_only)
     _add_config_args(r)
     r.set_defaults(func=cmd_reindex)
 
@@ -181,11 +203,20 @@ def _config_given(args: argparse.Namespace) -> bool:
         "oversample", "rescore", "gpu"))
 
 
-def _model_for(index: DocumentIndex, given: str | None) -> str:
+@contextmanager
+def _opened(location: str | Path, read_only: bool = False) -> Iterator[Any]:
+    idx = open_index(location, read_only=read_only)
+    try:
+        yield idx
+    finally:
+        idx.close()
+
+
+def _model_for(index: Any, given: str | None) -> str:
     return given or index.manifest.get("build", {}).get("model") or DEFAULT_MODEL
 
 
-def _embedder_for(index: DocumentIndex, given: str | None) -> Embedder:
+def _embedder_for(index: Any, given: str | None) -> Embedder:
     emb = load_embedder(_model_for(index, given))
     index.space.require_same(emb.space, f"model {emb.name}")
     return emb
@@ -194,22 +225,42 @@ def _embedder_for(index: DocumentIndex, given: str | None) -> Embedder:
 # ---------------------------------------------------------------------- handlers
 def cmd_build(args: argparse.Namespace) -> int:
     cfg = _config_from(args)
+    if args.backend == "milvus":
+        if not args.uri or not args.collection or args.out:
+            raise InvalidInputError("--backend milvus needs --uri and --collection (and no --out)",
+                                    "e.g. --backend milvus --uri ./docs.db --collection docs")
+    elif not args.out or args.uri or args.collection:
+        raise InvalidInputError("the faiss backend needs --out (--uri/--collection are for --backend milvus)",
+                                "e.g. --out ./index")
     emb = load_embedder(args.model, precision=args.precision)
-    idx = build_index(args.corpus, args.out, emb.documents, emb.space, cfg, on_bad_line=args.on_bad_line,
-                      progress=not args.no_progress, format=args.format, model=args.model)
-    with idx:
+    if args.backend == "milvus":
+        from qswap.index.backends.milvus import build_collection
+        idx: IndexBackend = build_collection(args.corpus, args.uri, args.collection, emb.documents, emb.space, cfg,
+                                             on_bad_line=args.on_bad_line, progress=not args.no_progress,
+                                             format=args.format, model=args.model, replace=args.replace)
+        where = f"milvus collection {args.collection!r} at {args.uri}"
+    else:
+        idx = build_index(args.corpus, args.out, emb.documents, emb.space, cfg, on_bad_line=args.on_bad_line,
+                          progress=not args.no_progress, format=args.format, model=args.model)
+        where = str(args.out)
+    try:
         info = idx.info()
         c = info["config"]
         bad = info["build"].get("n_bad_lines", 0)
-        print(f"built {args.out}: {info['documents']} documents, {c['kind']}/{c['quant']}/dim {c['dim']}"
+        print(f"built {where}: {info['documents']} documents, {c['kind']}/{c['quant']}/dim {c['dim']}"
               f"{f', {bad} bad lines skipped' if bad else ''} in {info['build'].get('seconds', 0):.1f}s")
+    finally:
+        idx.close()
     return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    with DocumentIndex.open(args.index, read_only=True, verify=not args.no_verify) as idx:
+    idx = open_index(args.index, read_only=True, verify=not args.no_verify)
+    try:
         info = idx.info()
-    if args.json:
+    finally:
+        idx.close()
+    if args.json or info.get("backend") == "milvus":
         print(json.dumps(info, indent=2, sort_keys=True, default=str))
         return 0
     c = info["config"]
@@ -232,7 +283,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_add(args: argparse.Namespace) -> int:
-    with DocumentIndex.open(args.index) as idx:
+    with _opened(args.index) as idx:
         bad: list[BadLine] = []
         records = list(iter_corpus(args.corpus, format=args.format, on_bad_line=args.on_bad_line, bad_lines=bad))
         if not records:
@@ -264,7 +315,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
         ids += [ln.strip() for ln in args.ids_file.read_text(encoding="utf-8").splitlines() if ln.strip()]
     if not ids:
         raise InvalidInputError("no ids to delete", "pass ids as arguments or with --ids-file")
-    with DocumentIndex.open(args.index) as idx:
+    with _opened(args.index) as idx:
         n = idx.delete(ids)
         print(f"deleted {n} of {len(set(ids))} ids; index holds {idx.count}")
     return 0
@@ -289,7 +340,7 @@ def parse_filter(items: list[str]) -> dict[str, Any] | None:
 
 def cmd_search(args: argparse.Namespace) -> int:
     flt = parse_filter(args.filter)
-    with DocumentIndex.open(args.index, read_only=True) as idx:
+    with _opened(args.index, read_only=True) as idx:
         emb = _embedder_for(idx, args.model)
         results = idx.search(emb.queries(list(args.query)), args.k, filter=flt, with_text=not args.no_text)
     if args.json:

@@ -18,6 +18,9 @@ from qswap.errors import InvalidInputError
 QUANTS = ("fp32", "fp16", "sq8", "sq4", "pq")
 KINDS = ("flat", "hnsw", "ivf")
 
+# Options of a build run, not of the index it makes (never merged into an index's config).
+BUILD_ONLY = ("batch_size", "chunk_rows")
+
 # Corpus sizes at which the defaults change: exact search is cheap up to SMALL documents,
 # HNSW + SQ8 serves up to LARGE, beyond that IVF keeps memory and build time in check.
 SMALL = 50_000
@@ -42,7 +45,9 @@ class IndexConfig:
     pq_m: int | None = None             # PQ sub-quantisers (must divide dim)
     rescore: bool | None = None         # re-rank candidates with the stored fp16 full-dim vectors
     oversample: int | None = None       # candidates fetched = k * oversample when rescoring
-    use_gpu: bool = True                # search flat/IVF on a GPU when faiss sees one
+    use_gpu: bool | None = None         # search flat/IVF on a GPU when faiss sees one (default on)
+    # Build-only options: they shape how a build runs, not the index it makes, so they are
+    # recorded with the build (manifest "build"), never in the index's config.
     batch_size: int = 64                # texts per embed call during a build
     chunk_rows: int = 4096              # rows per resumable embedding chunk during a build
 
@@ -79,6 +84,7 @@ class IndexConfig:
             ef_search=c.ef_search or 64,
             rescore=True if c.rescore is None else c.rescore,
             oversample=c.oversample or (8 if n > LARGE else 4),
+            use_gpu=True if c.use_gpu is None else c.use_gpu,
         )
         resolved.validate(full_dim)
         return resolved
@@ -114,6 +120,22 @@ class IndexConfig:
     # ------------------------------------------------------------------ records
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def index_dict(self) -> dict[str, Any]:
+        """The options that describe the index (what a manifest records): no build-only ones."""
+        return {k: v for k, v in asdict(self).items() if k not in BUILD_ONLY}
+
+    def merged_into(self, current: "IndexConfig") -> "IndexConfig":
+        """``current`` with every index option set here (not ``None``) replacing its value.
+
+        Any given value counts, the class default included (``use_gpu=True`` switches the GPU
+        back on); build-only options never carry over into an existing index.
+        """
+        given = {k: v for k, v in self.index_dict().items() if v is not None}
+        merged = {**current.index_dict(), **given}
+        if "dim" in given and "pq_m" not in given:
+            merged["pq_m"] = None  # PQ sub-quantisers follow dim unless given
+        return IndexConfig(**merged)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "IndexConfig":

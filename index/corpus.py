@@ -150,6 +150,7 @@ def iter_corpus(
                 continue
             try:
                 fmt_used, doc, embed_text = _parse(raw, lineno, fmt)
+                _require_encodable(doc, embed_text)
                 first = seen.get(doc.id)
                 if first is not None:
                     raise ValueError(f"duplicate id {doc.id!r} (first on line {first})")
@@ -204,3 +205,26 @@ def check_documents(docs: list[Document]) -> None:
         except (TypeError, ValueError) as e:
             raise InvalidInputError(f"document {d.id!r}: metadata is not JSON-serialisable ({e})",
                                     "use only strings, numbers, booleans, null, lists and objects") from None
+        require_utf8(d.id, f"document {i}: id")
+        require_utf8(d.text, f"document {d.id!r}: text")
+        require_utf8(json.dumps(d.metadata, ensure_ascii=False), f"document {d.id!r}: metadata")
+
+
+def _require_encodable(doc: Document, embed_text: str) -> None:
+    """A corpus line whose JSON escapes decode to a lone surrogate is a bad line (ValueError)."""
+    try:
+        for v in (doc.id, doc.text, embed_text, json.dumps(doc.metadata, ensure_ascii=False)):
+            v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("holds an escaped lone surrogate (e.g. \\udc00), which is not valid Unicode") from None
+
+
+def require_utf8(value: str, what: str) -> None:
+    """Refuse a string UTF-8 cannot encode (a lone surrogate such as ``\\udc00``): the
+    document store, the hashes and every client speak UTF-8."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(f"{what} holds a character that is not valid Unicode "
+                                f"({value[e.start:e.end]!a} at position {e.start})",
+                                "send valid UTF-8 text (lone surrogates cannot be stored)") from None

@@ -25,7 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from qswap.errors import IntegrityError, InvalidInputError
+from qswap.index.errors import IndexCorruptError
+from qswap.errors import InvalidInputError
+from qswap.index.corpus import require_utf8
 
 DOCS_FILE = "docs.sqlite"
 SCHEMA_VERSION = 1
@@ -46,6 +48,11 @@ CREATE UNIQUE INDEX IF NOT EXISTS docs_live_id ON docs(id) WHERE deleted_gen IS 
 CREATE INDEX IF NOT EXISTS docs_id ON docs(id);
 CREATE TABLE IF NOT EXISTS info (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+
+# Metadata fields one filter may compare (each is a SQL condition; SQLite caps expression depth).
+MAX_FILTER_FIELDS = 64
+# SQLite integers are signed 64-bit.
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1
 
 _LIVE = "added_gen <= ? AND (deleted_gen IS NULL OR deleted_gen > ?)"
 
@@ -76,7 +83,37 @@ def _json_path(field: str) -> str:
     if not isinstance(field, str) or not field or '"' in field or "\\" in field:
         raise InvalidInputError(f"bad filter field {field!r}",
                                 "filter on a top-level metadata field name without quotes or backslashes")
+    require_utf8(field, "filter field")
     return f'$."{field}"'
+
+
+def check_filter(flt: Any) -> None:
+    """Refuse filters no backend can evaluate: not an object, too many fields, values out of range."""
+    if not isinstance(flt, dict):
+        raise InvalidInputError("filter must be an object of field: value", 'e.g. {"section": "games"}')
+    if len(flt) > MAX_FILTER_FIELDS:
+        raise InvalidInputError(f"filter compares {len(flt)} fields; at most {MAX_FILTER_FIELDS} are allowed",
+                                "filter on fewer metadata fields")
+    for field, value in flt.items():
+        _json_path(field)
+        if isinstance(value, str):
+            require_utf8(value, f"filter {field!r} value")
+        elif isinstance(value, int) and not isinstance(value, bool) and not _INT_MIN <= value <= _INT_MAX:
+            raise InvalidInputError(f"filter {field}: {value} is outside the signed 64-bit integer range",
+                                    "filter on integers between -2**63 and 2**63-1")
+        elif isinstance(value, float) and not np.isfinite(value):
+            raise InvalidInputError(f"filter {field}: {value} is not a finite number", "use a finite number")
+        elif value is not None and not isinstance(value, (str, int, float, bool)):
+            raise InvalidInputError(f"filter {field}: unsupported value type {type(value).__name__}",
+                                    "filters compare a field with one string, number, boolean or null")
+
+
+def check_ids(ids: list[Any]) -> None:
+    """External ids given to look up or delete: strings UTF-8 can encode."""
+    for i in ids:
+        if not isinstance(i, str):
+            raise InvalidInputError(f"ids must be strings, got {type(i).__name__}", "pass external ids as str")
+        require_utf8(i, "document id")
 
 
 def filter_sql(flt: dict[str, Scalar]) -> tuple[str, list[Any]]:
@@ -85,9 +122,7 @@ def filter_sql(flt: dict[str, Scalar]) -> tuple[str, list[Any]]:
     Types are compared strictly: ``True`` matches JSON ``true`` only, ``1`` matches the
     numbers 1 and 1.0, ``"1"`` matches the string "1".
     """
-    if not isinstance(flt, dict):
-        raise InvalidInputError("filter must be an object of field: value",
-                                'e.g. {"section": "games"}')
+    check_filter(flt)
     parts: list[str] = []
     params: list[Any] = []
     for field, value in flt.items():
@@ -124,7 +159,7 @@ class DocStore:
         self.path = Path(path)
         self.read_only = read_only
         if not create and not self.path.is_file():
-            raise IntegrityError(f"document store {self.path.name} is missing",
+            raise IndexCorruptError(f"document store {self.path.name} is missing",
                                  "restore the index folder or rebuild it")
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
@@ -150,7 +185,7 @@ class DocStore:
                 con = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=30,
                                       check_same_thread=False)
         except sqlite3.Error as e:
-            raise IntegrityError(f"cannot open document store {self.path.name}: {e}",
+            raise IndexCorruptError(f"cannot open document store {self.path.name}: {e}",
                                  "restore the index folder or rebuild it") from None
         with self._all_lock:
             self._all.append(con)
@@ -167,7 +202,7 @@ class DocStore:
         try:
             return self._r().execute(sql, tuple(params)).fetchall()
         except sqlite3.DatabaseError as e:
-            raise IntegrityError(f"document store {self.path.name} cannot be read: {e}",
+            raise IndexCorruptError(f"document store {self.path.name} cannot be read: {e}",
                                  "restore the index folder or rebuild it") from None
 
     def close(self) -> None:
@@ -190,6 +225,7 @@ class DocStore:
         return np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
 
     def rows_for_ids(self, ids: list[str], gen: int) -> dict[str, int]:
+        check_ids(ids)
         out: dict[str, int] = {}
         for part in _chunks(list(ids)):
             q = f"SELECT id, row FROM docs WHERE id IN ({','.join('?' * len(part))}) AND {_LIVE}"
@@ -230,7 +266,7 @@ class DocStore:
             for row, doc_id, text, meta in cur:
                 total += record_hash(row, doc_id, text, meta)
         except sqlite3.DatabaseError as e:
-            raise IntegrityError(f"document store {self.path.name} cannot be read: {e}",
+            raise IndexCorruptError(f"document store {self.path.name} cannot be read: {e}",
                                  "restore the index folder or rebuild it") from None
         return digest_hex(total)
 

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from qswap.atomic import sha256_file
-from qswap.errors import IntegrityError, InvalidInputError
+from qswap.index.errors import IndexCorruptError
+from qswap.errors import InvalidInputError
 from qswap.atomic import atomic_stream
 
 DTYPE = np.float16
@@ -92,7 +93,7 @@ class EmbeddingStore:
         expected = 0
         for c in self.chunks:
             if c.start != expected:
-                raise IntegrityError(f"embedding chunks are not contiguous at row {expected} ({c.file})",
+                raise IndexCorruptError(f"embedding chunks are not contiguous at row {expected} ({c.file})",
                                      "the manifest is damaged; rebuild the index")
             expected = c.end
         self.rows_total = expected
@@ -107,11 +108,11 @@ class EmbeddingStore:
     def _open(self, c: Chunk) -> np.ndarray:
         p = self.root / c.file
         if not p.is_file():
-            raise IntegrityError(f"embedding file {c.file} is missing", "restore the index folder or rebuild it")
+            raise IndexCorruptError(f"embedding file {c.file} is missing", "restore the index folder or rebuild it")
         want = c.rows * self.full_dim * np.dtype(DTYPE).itemsize
         got = p.stat().st_size
         if got != want:
-            raise IntegrityError(f"embedding file {c.file} has {got} bytes, expected {want}",
+            raise IndexCorruptError(f"embedding file {c.file} has {got} bytes, expected {want}",
                                  "the file is truncated or replaced; restore it or rebuild the index")
         if c.rows == 0:
             return np.zeros((0, self.full_dim), dtype=DTYPE)
@@ -122,11 +123,11 @@ class EmbeddingStore:
         return EmbeddingStore(self.root, self.full_dim, chunks, _maps=self._maps)
 
     def verify(self) -> None:
-        """Compare every chunk's sha256 with the manifest; :class:`IntegrityError` on a mismatch."""
+        """Compare every chunk's sha256 with the manifest; :class:`IndexCorruptError` on a mismatch."""
         for c in self.chunks:
             got = sha256_file(self.root / c.file)
             if got != c.sha256:
-                raise IntegrityError(f"embedding file {c.file}: sha256 {got[:12]}... != manifest {c.sha256[:12]}...",
+                raise IndexCorruptError(f"embedding file {c.file}: sha256 {got[:12]}... != manifest {c.sha256[:12]}...",
                                      "the file was modified or damaged; restore it or rebuild the index")
 
     def gather16(self, rows: np.ndarray) -> np.ndarray:
@@ -136,7 +137,7 @@ class EmbeddingStore:
         if len(rows) == 0:
             return out
         if rows.min() < 0 or rows.max() >= self.rows_total:
-            raise IntegrityError(f"embedding row out of range (have {self.rows_total} rows)",
+            raise IndexCorruptError(f"embedding row out of range (have {self.rows_total} rows)",
                                  "the document store and the embeddings disagree; rebuild the index")
         which = np.searchsorted(self._starts, rows, side="right") - 1
         for ci in np.unique(which):

@@ -18,7 +18,8 @@ from typing import Any
 import faiss
 import numpy as np
 
-from qswap.errors import IntegrityError, InvalidInputError
+from qswap.index.errors import IndexCorruptError
+from qswap.errors import InvalidInputError
 from qswap.atomic import atomic_write_via
 from qswap.index.config import IndexConfig
 from qswap.index.embeddings import EmbeddingStore, truncate_rows
@@ -219,7 +220,7 @@ def read(path: Path) -> faiss.Index:
     try:
         return faiss.read_index(str(path))
     except RuntimeError as e:
-        raise IntegrityError(f"FAISS file {Path(path).name} cannot be read ({str(e).splitlines()[0][:120]})",
+        raise IndexCorruptError(f"FAISS file {Path(path).name} cannot be read ({str(e).splitlines()[0][:120]})",
                              "restore the index folder or rebuild it") from None
 
 

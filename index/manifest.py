@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from qswap.atomic import atomic_write_json, sha256_file
-from qswap.errors import IntegrityError, InvalidInputError, NotFoundError
+from qswap.index.errors import IndexCorruptError
+from qswap.errors import InvalidInputError, NotFoundError
 
 MANIFEST = "manifest.json"
 FORMAT = "qswap-index"
@@ -52,18 +53,18 @@ def read_manifest(root: Path) -> dict[str, Any]:
     try:
         m = json.loads(p.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise IntegrityError(f"{p} is not valid JSON ({e})", "restore the index folder or rebuild it") from None
+        raise IndexCorruptError(f"{p} is not valid JSON ({e})", "restore the index folder or rebuild it") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise IntegrityError(f"{p} is not a qswap index manifest", "point at an index folder built by qswap")
+        raise IndexCorruptError(f"{p} is not a qswap index manifest", "point at an index folder built by qswap")
     missing = [k for k in _REQUIRED if k not in m]
     if missing:
-        raise IntegrityError(f"{p} lacks {', '.join(missing)}", "restore the index folder or rebuild it")
+        raise IndexCorruptError(f"{p} lacks {', '.join(missing)}", "restore the index folder or rebuild it")
     if int(m["format_version"]) > FORMAT_VERSION:
         raise InvalidInputError(
             f"index format version {m['format_version']} is newer than this qswap reads ({FORMAT_VERSION})",
             "upgrade qswap")
     if m["metric"] != "inner_product":
-        raise IntegrityError(f"unsupported metric {m['metric']!r} in {p}", "rebuild the index with qswap")
+        raise IndexCorruptError(f"unsupported metric {m['metric']!r} in {p}", "rebuild the index with qswap")
     return m
 
 
@@ -77,8 +78,8 @@ def verify_files(root: Path, files: dict[str, str]) -> None:
     for name, want in sorted(files.items()):
         p = Path(root) / name
         if not p.is_file():
-            raise IntegrityError(f"index file {name} is missing", "restore the index folder or rebuild it")
+            raise IndexCorruptError(f"index file {name} is missing", "restore the index folder or rebuild it")
         got = sha256_file(p)
         if got != want:
-            raise IntegrityError(f"index file {name}: sha256 {got[:12]}... differs from the manifest's {want[:12]}...",
+            raise IndexCorruptError(f"index file {name}: sha256 {got[:12]}... differs from the manifest's {want[:12]}...",
                                  "the file was modified or damaged; restore it or rebuild the index")

@@ -37,7 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "(e.g. QSWAP_ADMIN_TOKEN).")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
-    p.add_argument("--index", type=Path, metavar="DIR", help="index directory (default: the demo index)")
+    p.add_argument("--index", metavar="DIR|milvus://...",
+                   help="index directory, or milvus://PATH.db?collection=NAME / milvus://HOST:PORT?collection=NAME "
+                        "(default: the demo index)")
     p.add_argument("--read-only-index", action="store_true", default=None,
                    help="open the index read-only (document routes refused)")
     p.add_argument("--model", metavar="NAME|DIR", help="base model: bundled name or model directory")

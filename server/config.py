@@ -39,7 +39,8 @@ class ServerSettings(BaseSettings):
     # -- what is served
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    index: Path | None = Field(None, description="index directory; none = the demo index (built on first start)")
+    index: Path | str | None = Field(None, description="index directory or milvus://URI?collection=NAME; none = "
+                                                       "the demo index (built on first start)")
     read_only_index: bool = Field(False, description="open the index read-only (no document changes; "
                                                      "other processes may write it)")
     model: str = Field(DEFAULT_MODEL, description="base model: bundled name or local model directory")
@@ -107,6 +108,6 @@ class ServerSettings(BaseSettings):
             raise InvalidInputError(f"--query-precision {self.query_precision} needs the torch backend "
                                     f"(the {self.backend} graphs are fp32)",
                                     "drop --query-precision, or use --backend torch")
-        if self.index is not None and not Path(self.index).exists():
+        if self.index is not None and not str(self.index).startswith("milvus://") and not Path(self.index).exists():
             raise InvalidInputError(f"index {self.index} does not exist",
                                     "build one with `qswap index build`, or omit --index to serve the demo")

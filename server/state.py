@@ -73,8 +73,8 @@ class ServerState:
         base = load_base(s.model, device=s.device)
         self.base = base
         if s.index is not None:
-            from qswap.index import DocumentIndex
-            index = DocumentIndex.open(s.index, read_only=s.read_only_index)
+            from qswap.index.backends import open_index  # a folder (FAISS) or milvus://...
+            index = open_index(s.index, read_only=s.read_only_index)
         else:
             from qswap.server.demo import open_demo_index
             index = open_demo_index(base)

@@ -109,3 +109,33 @@ def test_parse_filter_types():
     assert cli.parse_filter(["a=games", "b=2020", "c=true", 'd="2020"', "e=1.5", "f=[1]", "g=x=y"]) == \
         {"a": "games", "b": 2020, "c": True, "d": "2020", "e": 1.5, "f": "[1]", "g": "x=y"}
     assert cli.parse_filter([]) is None
+
+
+def test_milvus_build_search_add_delete(tmp_path, corpus, jsonl, capsys, fake_model):
+    db = tmp_path / "docs.db"
+    code, stdout, err = run(capsys, "build", corpus, "--backend", "milvus", "--uri", db, "--collection", "docs",
+                            "--no-progress", "--dim", "16")
+    assert code == 0, err
+    assert "milvus collection 'docs'" in stdout and "150 documents, flat/fp32/dim 16" in stdout
+    # a second build into the same collection needs --replace
+    code, _, err = run(capsys, "build", corpus, "--backend", "milvus", "--uri", db, "--collection", "docs",
+                       "--no-progress")
+    assert code == 2 and "--replace" in err
+    loc = f"milvus://{db}?collection=docs"
+    code, stdout, _ = run(capsys, "info", loc)
+    info = json.loads(stdout)
+    assert info["documents"] == 150 and info["milvus"]["full_vectors"] and info["dim"] == 16
+    code, stdout, _ = run(capsys, "search", loc, "document number 4 " + "word " * 4, "-k", "2", "--json",
+                          "--filter", "section=news")
+    hits = json.loads(stdout)[0]["hits"]
+    assert hits[0]["id"] == "d4" and all(h["metadata"]["section"] == "news" for h in hits)
+    more = jsonl(tmp_path / "more.jsonl", [{"id": "x1", "text": "extra"}])
+    code, stdout, _ = run(capsys, "add", loc, more)
+    assert code == 0 and "index holds 151" in stdout
+    code, stdout, _ = run(capsys, "delete", loc, "x1", "d1", "nope")
+    assert code == 0 and "deleted 2 of 3" in stdout
+    # the wrong flags for a backend are a one-line error
+    code, _, err = run(capsys, "build", corpus, "--backend", "milvus", "--out", tmp_path / "o")
+    assert code == 2 and "--uri and --collection" in err
+    code, _, err = run(capsys, "info", f"milvus://{db}?collection=absent")
+    assert code == 2 and "no collection 'absent'" in err

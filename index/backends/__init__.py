@@ -1,0 +1,78 @@
+"""Index backends: one interface over the embedded FAISS index and a Milvus collection.
+
+Both keep an immutable *generation* of the index's options and embedding space: the
+manifest (FAISS: ``manifest.json`` in the folder; Milvus: a collection property) is checked on
+open, and a query must come from the same embedding space.
+
+    idx = open_index("/data/index")                              # FAISS folder
+    idx = open_index("milvus://./docs.db?collection=docs")       # milvus-lite file
+    idx = open_index("milvus://milvus.internal:19530?collection=docs")  # Milvus server
+
+:class:`IndexBackend` is what the server and the tools use: search with metadata filters,
+add / upsert / delete by external id, reads by id, ``info()`` (stats) and ``close()``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from qswap.index.corpus import Document
+from qswap.index.hit import FilterValue, Hit
+from qswap.space import EmbeddingSpace
+
+BACKENDS = ("faiss", "milvus")
+MILVUS_SCHEME = "milvus://"
+
+
+@runtime_checkable
+class IndexBackend(Protocol):
+    """A document index of one embedding space (FAISS folder or Milvus collection)."""
+
+    @property
+    def space(self) -> EmbeddingSpace: ...
+
+    @property
+    def count(self) -> int: ...
+
+    @property
+    def full_dim(self) -> int: ...
+
+    def search(self, queries: np.ndarray, k: int, filter: dict[str, FilterValue] | None = None,
+               with_text: bool = True) -> list[list[Hit]]: ...
+
+    def search_exact(self, queries: np.ndarray, k: int, filter: dict[str, FilterValue] | None = None,
+                     with_text: bool = False) -> list[list[Hit]]: ...
+
+    def add(self, docs: list[Document], embeddings: np.ndarray) -> int: ...
+
+    def upsert(self, docs: list[Document], embeddings: np.ndarray) -> int: ...
+
+    def delete(self, ids: list[str]) -> int: ...
+
+    def get(self, ids: list[str]) -> list[Document | None]: ...
+
+    def get_embeddings(self, ids: list[str]) -> np.ndarray: ...
+
+    def export_embeddings(self) -> tuple[list[str], np.ndarray]: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+def is_milvus(location: str | Path) -> bool:
+    """True for a ``milvus://`` index location."""
+    return str(location).startswith(MILVUS_SCHEME)
+
+
+def open_index(location: str | Path, *, read_only: bool = False, expected_space: EmbeddingSpace | None = None,
+               verify: bool = True) -> IndexBackend:
+    """Open an index by location: a folder (FAISS) or ``milvus://URI?collection=NAME``."""
+    if is_milvus(location):
+        from qswap.index.backends.milvus import MilvusIndex
+        return MilvusIndex.open_location(str(location), read_only=read_only, expected_space=expected_space)
+    from qswap.index.backends.faiss import DocumentIndex
+    return DocumentIndex.open(Path(location), read_only=read_only, expected_space=expected_space, verify=verify)

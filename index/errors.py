@@ -1,0 +1,15 @@
+"""The index's own named error: stored index data that cannot be trusted.
+
+:class:`IndexCorruptError` is an :class:`~qswap.errors.IntegrityError` raised for damage on
+the serving side (a checksum mismatch, a missing or unreadable file, a document store that
+cannot be read, a collection whose qswap manifest is gone). It is not the caller's fault, so
+the server answers it as a server-side error, unlike an IntegrityError in an uploaded file.
+"""
+
+from __future__ import annotations
+
+from qswap.errors import IntegrityError
+
+
+class IndexCorruptError(IntegrityError):
+    """The index on the serving side is damaged or inconsistent (restore or rebuild it)."""
