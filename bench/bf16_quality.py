@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from qswap.beir import available_languages, load_beir
-from qswap.bench.harness import ResultWriter, md_table
+from qswap.bench.results import ResultWriter, md_table
 
 
 def register(sub: Any) -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ import statistics
 from typing import Any
 from urllib.parse import urlparse
 
-from qswap.bench.harness import ResultWriter, md_table
+from qswap.bench.results import ResultWriter, md_table
 from qswap.bench.loadgen import Request, check_loopback, run_load_sync
 
 QUERIES = ["chess engine with a graphical board", "audio editor for podcasts", "molecular dynamics simulation",

@@ -141,7 +141,7 @@ def _spread(xs: list[float]) -> dict[str, float]:
 
 def timed_arms(fns: dict[str, Callable[[list[str]], object]], texts: list[list[str]],
                settle: float) -> dict[str, Callable[[], float]]:
-    """Arms for :func:`qswap.bench.harness.interleaved`: each returns the seconds of one call.
+    """Arms for :func:`qswap.bench.stats.interleaved`: each returns the seconds of one call.
 
     Arm ``k``'s ``j``-th call encodes ``texts[j % len(texts)]``; every arm runs once per round,
     so all see the same text in a round. ``settle`` seconds of sleep (not timed) before each
@@ -180,7 +180,8 @@ def main(args: argparse.Namespace) -> int:
     """Run the benchmark; write results.json, README.md/summary.md and forward.png."""
     import torch
 
-    from qswap.bench.harness import ResultWriter, interleaved, ratio_summary, results_dir_for
+    from qswap.bench.results import ResultWriter, results_dir_for
+    from qswap.bench.stats import interleaved, ratio_summary
     from qswap.encoders import BASE_KEY, EncoderPool, load_base
     from qswap.encoders.onnx import OnnxBackend
     from qswap.encoders.precision import BF16_MIN_QUERY_BATCH, autocast_context, cpu_bf16_flags, has_fast_bf16
@@ -347,7 +348,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _ratio(rs: Any) -> dict[str, float]:
-    from qswap.bench.harness import percentile
+    from qswap.bench.stats import percentile
 
     return {"median": rs.median, "p10": percentile(rs.ratios, 10), "p90": percentile(rs.ratios, 90), "n": rs.n}
 
@@ -370,8 +371,8 @@ def goals(r: dict[str, Any]) -> dict[str, bool]:
 
 
 def summary(r: dict[str, Any], meta: dict[str, Any]) -> str:
-    """Markdown body (the harness adds the provenance header above it)."""
-    from qswap.bench.harness import md_table
+    """Markdown body (the result writer adds the provenance header above it)."""
+    from qswap.bench.results import md_table
 
     m = meta["machine"]
     policy = r["env"].get("OMP_WAIT_POLICY")
@@ -442,9 +443,8 @@ COLORS = {"torch-fp32": "#777777", "ort-fp32": "#1f77b4", "torch-bf16": "#ff7f0e
 
 def plot(r: dict[str, Any], cpu: str) -> bytes:
     """PNG bar plot: single-query latency and batch throughput, p10-p90 whiskers."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from qswap.plotting import pyplot
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, title, unit in ((axes[0], "single_query_ms", "one query (lower is better)", "ms"),

@@ -23,11 +23,13 @@ import threading
 import time
 from typing import Any
 
-from qswap.bench.harness import (LOAD_HOST, ByMode, ResultWriter, RunDirs, add_model_argument, http_json, md_table,
-                                 plot_lines, summarize, warm_up)
+from qswap.bench.load_options import LOAD_HOST, ByMode, RunDirs, add_model_argument, warm_up
+from qswap.bench.results import ResultWriter, md_table
+from qswap.bench.processes import http_json
+from qswap.bench.plots import plot_lines
+from qswap.bench.stats import summarize
 from qswap.bench.loadgen import Request, Sample, run_load_sync, throughput_over_time
-from qswap.bench.serving import (MODEL, index_meta, load_space_base, load_workload, lora_encoders, qswap_server,
-                                 register, stamped_index)
+from qswap.bench.fixtures import MODEL, index_meta, load_space_base, load_workload, lora_encoders, qswap_server, register, stamped_index
 from qswap.errors import InvalidInputError
 
 NAME = "hotswap"

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qswap.bench.harness import (ResultWriter, md_table, pareto_front, plot_lines, plot_pareto, results_dir_for,
-                                 summarize)
+from qswap.bench.results import ResultWriter, md_table, results_dir_for
+from qswap.bench.plots import pareto_front, plot_lines, plot_pareto
+from qswap.bench.stats import summarize
 from qswap.errors import InvalidInputError
 
 NAME = "index"
@@ -205,7 +206,7 @@ def real_debian_embeddings(n: int, model: str) -> Path:
 
     import numpy as np
 
-    from qswap.bench.serving import cache_dir, debian_dir
+    from qswap.bench.fixtures import cache_dir, debian_dir
     from qswap.encoders import load_base
 
     base = load_base(model, device="cpu")

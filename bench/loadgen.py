@@ -94,7 +94,7 @@ class LoadResult:
 
     def summary(self) -> dict[str, Any]:
         """Counts, QPS and latency percentiles (ms) of the successful requests."""
-        from qswap.bench.harness import summarize
+        from qswap.bench.stats import summarize
         lat = summarize(self.latencies_ms())
         return {"concurrency": self.concurrency, "sent": self.sent, "ok": len(self.ok), "failed": self.failed,
                 "statuses": {str(k): v for k, v in sorted(self.statuses().items())}, "errors": self.errors(),

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qswap.bench.harness import ByMode, LoadDefaults, add_load_arguments, add_model_argument
+from qswap.bench.load_options import ByMode, LoadDefaults, add_load_arguments, add_model_argument
 
 QUERY_PREFIX = "query: "
 
@@ -146,7 +146,7 @@ def merged_models(base: Any, enc_root: Path, keys: list[tuple[str, str]]) -> dic
     import torch
     from safetensors.torch import save_file
 
-    from qswap.bench.serving import cache_dir
+    from qswap.bench.fixtures import cache_dir
     from qswap.encoders import EncoderPool, load_encoder
 
     root = cache_dir() / f"naive-models-{enc_root.name}"
@@ -174,7 +174,7 @@ def merged_models(base: Any, enc_root: Path, keys: list[tuple[str, str]]) -> dic
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``qswap bench baseline``."""
-    from qswap.bench.serving import MODEL
+    from qswap.bench.fixtures import MODEL
     add_load_arguments(p, LOAD)
     p.add_argument("--domains", type=int, default=None, help=f"domains ({DOMAINS.describe()})")
     add_model_argument(p, MODEL)
@@ -182,7 +182,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _agreement(qs_srv: Any, nv_srv: Any, queries: list[str], domains: list[str], n: int) -> dict[str, Any]:
     """Mean overlap of the top 10 ids of both servers for the same (query, domain) pairs."""
-    from qswap.bench.harness import http_json
+    from qswap.bench.processes import http_json
     overlaps, top1 = [], []
     for i in range(n):
         q, d = queries[i % len(queries)], domains[i % len(domains)]
@@ -197,11 +197,11 @@ def _agreement(qs_srv: Any, nv_srv: Any, queries: list[str], domains: list[str],
 
 def run(args: argparse.Namespace) -> int:
     """``qswap bench baseline``."""
-    from qswap.bench.harness import (LoadOptions, RunDirs, ServerProcess, free_port, http_json, interleaved,
-                                     ratio_summary, summarize, warm_up)
+    from qswap.bench.load_options import LoadOptions, RunDirs, warm_up
+    from qswap.bench.processes import ServerProcess, free_port, http_json
+    from qswap.bench.stats import interleaved, ratio_summary, summarize
     from qswap.bench.loadgen import Request
-    from qswap.bench.serving import (index_meta, load_space_base, load_workload, lora_encoders, qswap_server,
-                                     register, search_requests, stamped_index)
+    from qswap.bench.fixtures import index_meta, load_space_base, load_workload, lora_encoders, qswap_server, register, search_requests, stamped_index
     from qswap.index import IndexConfig
 
     opts = LoadOptions.from_args(args, LOAD)
@@ -297,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write(w: Any, res: dict[str, Any], levels: list[int]) -> None:
-    from qswap.bench.harness import md_table, plot_bars, plot_lines
+    from qswap.bench.results import md_table
+    from qswap.bench.plots import plot_bars, plot_lines
     d = res["levels_detail"]
     qps = {a: [sorted(d[str(c)][a]["qps_rounds"])[len(d[str(c)][a]["qps_rounds"]) // 2] for c in levels]
            for a in ("qswap", "naive")}

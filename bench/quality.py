@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 
-from qswap.bench.harness import ResultWriter, md_table
+from qswap.bench.results import ResultWriter, md_table
 
 
 def register(sub: Any) -> argparse.ArgumentParser:

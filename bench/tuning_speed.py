@@ -38,7 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qswap.bench.harness import ResultWriter, interleaved, md_table, plot_bars, ratio_summary, results_dir_for, summarize
+from qswap.bench.results import ResultWriter, md_table, results_dir_for
+from qswap.bench.stats import interleaved, ratio_summary, summarize
+from qswap.bench.plots import plot_bars
 from qswap.errors import InvalidInputError
 
 NAME = "tuning"
@@ -66,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def make_triplets(path: Path, n: int, seed: int = 0, max_doc_chars: int = 2000) -> dict[str, Any]:
     """Write ``n`` Debian triplets ``{"query", "pos": [doc], "neg": [doc of the same section]}``."""
     from qswap.beir import load_beir
-    from qswap.bench.serving import debian_dir
+    from qswap.bench.fixtures import debian_dir
 
     corpus, queries, qrels = load_beir(debian_dir(), "en", strict=False)
     by_section: dict[str, list[str]] = {}
@@ -182,7 +184,7 @@ def _timed(cmd: list[str], log: Path) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """``qswap bench tuning``."""
-    from qswap.bench.serving import qswap_command
+    from qswap.bench.fixtures import qswap_command
     from qswap.encoders.bundled import BUNDLED, resolve_bundled
 
     quick = bool(args.quick)

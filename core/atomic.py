@@ -147,3 +147,19 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+_sha_memo: dict[tuple[str, int, int], str] = {}
+
+
+def sha256_file_cached(path: Path) -> str:
+    """:func:`sha256_file`, remembered per (resolved path, size, mtime) for this process.
+
+    Model weights are hundreds of MB and are fingerprinted at every load; a changed file
+    (new size or mtime) is hashed again.
+    """
+    st = Path(path).stat()
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _sha_memo:
+        _sha_memo[key] = sha256_file(path)
+    return _sha_memo[key]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from qswap.errors import ConflictError
@@ -22,3 +24,15 @@ def try_lock_exclusive(lock_file: Path, message: str, hint: str) -> int:
         os.close(fd)
         raise ConflictError(message, hint) from None
     return fd
+
+
+@contextmanager
+def exclusive_lock(lock_file: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_file`` (created if missing), waiting for it if need be:
+    for one-off work that two processes must not do at once (e.g. converting a model)."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)   # closing releases the lock

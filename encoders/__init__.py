@@ -9,7 +9,7 @@ from qswap.encoders.artifact import (EncoderArtifact, EncoderManifest, load_enco
                                      read_manifest, save_encoder)
 from qswap.encoders.base import BaseModel, load_base
 from qswap.encoders.embedding import BaseSpec, embed_batch, tokenize_batch
-from qswap.encoders.matryoshka import truncate
+from qswap.matryoshka import truncate
 from qswap.encoders.pool import BASE_KEY, EncoderPool
 
 __all__ = ["BASE_KEY", "BaseModel", "BaseSpec", "EncoderArtifact", "EncoderManifest", "EncoderPool",

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from qswap.atomic import sha256_file
+from qswap.atomic import sha256_file_cached
 from qswap.encoders.bundled import DEFAULT_BASE, resolve_bundled
 from qswap.encoders.embedding import BaseSpec, embed_batch, encode_texts
 from qswap.encoders.pooling import POOLINGS
@@ -23,7 +23,6 @@ log = logging.getLogger(__name__)
 SPEC_FILE = "qswap_base.json"
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _SUPPORTED = ("bert", "xlm-roberta", "roberta", "distilbert", "electra", "mpnet")
-_sha_cache: dict[tuple[str, int, int], str] = {}
 
 
 def default_device() -> torch.device:
@@ -77,11 +76,7 @@ def _weights_sha(path: Path) -> str:
                             "expected model.safetensors or pytorch_model.bin in the model directory")
     h = hashlib.sha256()
     for f in files:
-        st = f.stat()
-        key = (str(f.resolve()), st.st_size, st.st_mtime_ns)
-        if key not in _sha_cache:
-            _sha_cache[key] = sha256_file(f)
-        h.update(_sha_cache[key].encode())
+        h.update(sha256_file_cached(f).encode())
     return h.hexdigest()
 
 

@@ -74,14 +74,6 @@ def normalize_rows(x: Any, full_dim: int, what: str = "embeddings") -> np.ndarra
     return a / norms
 
 
-def truncate_rows(x: np.ndarray, dim: int) -> np.ndarray:
-    """Matryoshka prefix of ``dim`` dimensions, renormalised, float32, C-contiguous."""
-    a = np.ascontiguousarray(x[:, :dim], dtype=np.float32)
-    norms = np.linalg.norm(a, axis=1, keepdims=True)
-    norms[norms == 0] = 1.0
-    return np.ascontiguousarray(a / norms)
-
-
 class EmbeddingStore:
     """Read side of the log: chunk memmaps and row gathering."""
 

@@ -22,7 +22,8 @@ from qswap.index.errors import IndexCorruptError
 from qswap.errors import InvalidInputError
 from qswap.atomic import atomic_write_via
 from qswap.index.config import IndexConfig
-from qswap.index.embeddings import EmbeddingStore, truncate_rows
+from qswap.index.embeddings import EmbeddingStore
+from qswap.matryoshka import truncate
 
 log = logging.getLogger("qswap.index")
 
@@ -97,14 +98,14 @@ def build(config: IndexConfig, store: EmbeddingStore, rows: np.ndarray,
         cap = max(_SQ_TRAIN, _PQ_TRAIN, 256 * (p.nlist or 1))
         rng = np.random.default_rng(seed)
         sample = pool if len(pool) <= cap else np.sort(rng.choice(pool, cap, replace=False))
-        index.train(truncate_rows(store.gather(sample), dim))
+        index.train(truncate(store.gather(sample), dim))
     bar = None
     if progress and len(rows) > 0:
         from tqdm import tqdm
         import sys
         bar = tqdm(total=len(rows), unit="doc", desc="indexing", file=sys.stderr, dynamic_ncols=True)
     for r, x in store.iter_rows(rows):
-        index.add_with_ids(truncate_rows(x, dim), r)
+        index.add_with_ids(truncate(x, dim), r)
         if bar is not None:
             bar.update(len(r))
     if bar is not None:
@@ -154,7 +155,7 @@ def remove(index: faiss.Index, rows: np.ndarray) -> int:
 
 def add(index: faiss.Index, rows: np.ndarray, vectors: np.ndarray, dim: int) -> None:
     if len(rows):
-        index.add_with_ids(truncate_rows(vectors, dim), np.asarray(rows, dtype=np.int64))
+        index.add_with_ids(truncate(vectors, dim), np.asarray(rows, dtype=np.int64))
 
 
 @dataclass

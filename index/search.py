@@ -13,7 +13,8 @@ import numpy as np
 
 import qswap.index.faiss_index as faiss_index
 from qswap.errors import InvalidInputError
-from qswap.index.embeddings import normalize_rows, truncate_rows
+from qswap.index.embeddings import normalize_rows
+from qswap.matryoshka import truncate
 from qswap.index.hit import FilterValue, Hit
 
 
@@ -91,7 +92,7 @@ class SearchMixin:
         elif len(tomb):
             fetch += len(tomb)
         fetch = max(1, min(fetch, int(self._faiss.ntotal)))
-        d, i = self._faiss_search(truncate_rows(q, self.dim), fetch, sel)
+        d, i = self._faiss_search(truncate(q, self.dim), fetch, sel)
         cands = []
         for row in i:
             c = row[row >= 0]
@@ -121,7 +122,7 @@ class SearchMixin:
             return self._exact(q, kk, rows)
         sel = faiss_index.bitmap_selector(rows, self._store.rows_total)
         fetch = min(kk * int(self._config.oversample or 1) if self._rescoring else kk, len(rows))
-        d, i = faiss_index.search(self._faiss, truncate_rows(q, self.dim), fetch, self._config, sel)
+        d, i = faiss_index.search(self._faiss, truncate(q, self.dim), fetch, self._config, sel)
         cands = [row[row >= 0] for row in i]
         short = [j for j, c in enumerate(cands) if len(c) < kk]
         if self._rescoring:

@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from pathlib import Path
 
-# torch and faiss each bundle their own OpenMP runtime; with the default (active) wait policy
-# the idle threads of one spin while the other computes, and on a small machine a query's
-# forward pass and index search alternate: measured on 2 cores, multilingual-e5-small query
-# encode 140-1400 ms -> 19 ms, flat search 12 ms -> 0.6 ms with PASSIVE. The variable is read
-# when a runtime loads, so it must be set before torch/faiss are imported: qswap.cli imports
-# this module first. An explicit OMP_WAIT_POLICY in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OMP_WAIT_POLICY=PASSIVE is set by the qswap entry point (qswap.cli) before torch/faiss load.
 
 # flag destination -> settings field (only flags given on the command line override the environment)
 _FLAG_FIELDS = {

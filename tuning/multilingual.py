@@ -69,9 +69,8 @@ def language_matrix(evaluator: BeirEvaluator, directory: Path, query_langs: Sequ
 
 def plot_heatmap(m: LanguageMatrix, path: Path, title: str = "") -> Path:
     """PNG heatmap of the improvement (%) per pair; significant cells bold, others faded."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from qswap.plotting import pyplot
+    plt = pyplot()
     import numpy as np
 
     vals = np.array([[m.improvement(ql, dl) * 100 for dl in m.doc_langs] for ql in m.query_langs])

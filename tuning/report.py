@@ -15,9 +15,8 @@ HEATMAP = "language_matrix.png"
 
 def plot_learning_curves(history: list[dict[str, Any]], best_epoch: int, path: Path) -> Path:
     """Train and validation loss (left axis) and validation errors (right axis) per epoch."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from qswap.plotting import pyplot
+    plt = pyplot()
 
     epochs = [h["epoch"] for h in history]
     fig, ax = plt.subplots(figsize=(6.4, 3.6))

@@ -26,7 +26,6 @@ are row-major ``[out, in]`` with the blocks running along ``in``.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import mmap
 import os
@@ -35,14 +34,13 @@ import struct
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
-from qswap.atomic import atomic_write_json, fsync_dir, recover_dir, replace_dir, sha256_file
+from qswap.atomic import atomic_write_json, fsync_dir, recover_dir, replace_dir, sha256_file, sha256_file_cached
+from qswap.locks import exclusive_lock
 from qswap.errors import IntegrityError, NotFoundError
 from qswap.paths import models_dir
 
@@ -548,17 +546,6 @@ def convert(src_bin: Path, out_dir: Path, *, source_sha256: str | None = None,
     fsync_dir(out_dir)
 
 
-_sha_memo: dict[tuple[str, int, int], str] = {}
-
-
-def _source_sha(p: Path) -> str:
-    st = p.stat()
-    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _sha_memo:
-        _sha_memo[key] = sha256_file(p)
-    return _sha_memo[key]
-
-
 def _is_current(target: Path, sha: str) -> bool:
     try:
         spec = json.loads((target / "qswap_base.json").read_text())
@@ -566,17 +553,6 @@ def _is_current(target: Path, sha: str) -> bool:
         return False
     return (spec.get("source_sha256") == sha and spec.get("converter_version") == CONVERTER_VERSION
             and all((target / n).exists() for n in ("config.json", "tokenizer.json", "model.safetensors")))
-
-
-@contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock, so two processes never convert into the same place at once."""
-    with open(path, "a+") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 def ensure_converted(cache_dir: Path | None = None, *, src: Path | None = None) -> Path:
@@ -590,11 +566,11 @@ def ensure_converted(cache_dir: Path | None = None, *, src: Path | None = None) 
     parent = Path(cache_dir) if cache_dir is not None else models_dir()
     src = Path(src) if src is not None else bundled_source()
     target = parent / NAME
-    sha = _source_sha(src)
+    sha = sha256_file_cached(src)
     if _is_current(target, sha):
         return target
     parent.mkdir(parents=True, exist_ok=True)
-    with _lock(parent / f".{NAME}.lock"):
+    with exclusive_lock(parent / f".{NAME}.lock"):
         recover_dir(target)  # only under the lock: another process may be between its renames
         if _is_current(target, sha):  # another process converted while we waited
             return target

@@ -39,7 +39,8 @@ from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapE
 from qswap.index.config import IndexConfig
 from qswap.index.corpus import BadLine, Document, check_documents, iter_corpus
 from qswap.index.docstore import check_filter, check_ids
-from qswap.index.embeddings import normalize_rows, truncate_rows
+from qswap.index.embeddings import normalize_rows
+from qswap.matryoshka import truncate
 from qswap.index.errors import IndexCorruptError
 from qswap.index.hit import FilterValue, Hit
 from qswap.index.manifest import now_iso
@@ -303,7 +304,7 @@ class MilvusIndex:
             sp = {"ef": max(sp["ef"], fetch)}
         fields = ["meta"] + (["text"] if with_text else []) + ([self._full_field] if rescore else [])
         try:
-            res = self._c.search(self.collection, truncate_rows(q, self.dim).tolist(), anns_field="vec",
+            res = self._c.search(self.collection, truncate(q, self.dim).tolist(), anns_field="vec",
                                  limit=fetch, filter=expr, output_fields=fields, search_params={"params": sp})
         except Exception as e:  # noqa: BLE001
             raise _milvus_error(e, "a search") from None
@@ -652,7 +653,7 @@ def _build(uri: str, collection: str, n: int, batches: Iterable[tuple[list[Docum
 
 
 def _rows(docs: list[Document], x: np.ndarray, dim: int, full_dim: int, full: bool) -> list[dict[str, Any]]:
-    pre = truncate_rows(x, dim) if dim < full_dim else np.asarray(x, dtype=np.float32)
+    pre = truncate(x, dim) if dim < full_dim else np.asarray(x, dtype=np.float32)
     rows = []
     for n, d in enumerate(docs):
         r = {"id": d.id, "vec": pre[n].tolist(), "text": d.text, "meta": d.metadata, "tags": _tags(d.metadata)}

@@ -8,9 +8,11 @@ import random
 
 import pytest
 
-from qswap.bench import harness
-from qswap.bench.harness import (ResultWriter, command_line, interleaved, md_table, pareto_front, percentile,
-                                 ratio_summary, summarize)
+from qswap.bench import plots, processes
+from qswap.bench.results import ResultWriter, md_table
+from qswap.bench.provenance import command_line
+from qswap.bench.stats import interleaved, percentile, ratio_summary, summarize
+from qswap.bench.plots import pareto_front
 from qswap.errors import InvalidInputError
 
 
@@ -28,7 +30,7 @@ def test_percentile_matches_hand_computed_values():
 
 
 def test_percentile_agrees_with_numpy():
-    np = pytest.importorskip("numpy")
+    import numpy as np
     rng = random.Random(3)
     for n in (2, 3, 10, 101, 1000):
         xs = [rng.expovariate(1.0) for _ in range(n)]
@@ -82,12 +84,12 @@ def test_pareto_front():
 def test_result_writer_contents(tmp_path):
     w = ResultWriter("demo", tmp_path / "demo", argv=["qswap", "bench", "demo", "--quick"])
     png = w.plot_path("lat.png")
-    harness.plot_lines(png, [1, 2, 4], {"p50": [1.0, 2.0, 3.0]}, xlabel="c", ylabel="ms", title="t", logx=True,
+    plots.plot_lines(png, [1, 2, 4], {"p50": [1.0, 2.0, 3.0]}, xlabel="c", ylabel="ms", title="t", logx=True,
                        vlines=[2.0], vlabel="event",
                        bands={"p50": ([0.5, 1.5, 2.5], [1.5, 2.5, 3.5])})
-    harness.plot_bars(w.plot_path("bars.png"), ["x", "y"], {"s1": [1, 2], "s2": [3, 4]}, ylabel="v", title="t",
+    plots.plot_bars(w.plot_path("bars.png"), ["x", "y"], {"s1": [1, 2], "s2": [3, 4]}, ylabel="v", title="t",
                       stacked=True)
-    harness.plot_pareto(w.plot_path("pareto.png"), [(1, 0.5), (2, 0.9)], ["a", "b"], xlabel="ms", ylabel="r",
+    plots.plot_pareto(w.plot_path("pareto.png"), [(1, 0.5), (2, 0.9)], ["a", "b"], xlabel="ms", ylabel="r",
                         title="t")
     import numpy as np
     out = w.write({"qps": np.float32(12.5), "lat": np.array([1, 2]), "nan": float("nan")}, "## Body\n\ntext")
@@ -112,4 +114,4 @@ def test_result_writer_contents(tmp_path):
 
 def test_rss_of_this_process():
     import os
-    assert harness.rss_bytes(os.getpid()) > 1 << 20
+    assert processes.rss_bytes(os.getpid()) > 1 << 20

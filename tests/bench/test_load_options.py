@@ -9,9 +9,9 @@ from types import ModuleType
 
 import pytest
 
-from qswap.bench import harness, hotswap, naive_baseline, serving
+from qswap.bench import hotswap, load_options, naive_baseline, results, serving
 from qswap.bench.cli import add_common_arguments
-from qswap.bench.harness import LOAD_HOST, ByMode, LoadOptions, RunDirs, parse_levels
+from qswap.bench.load_options import LOAD_HOST, ByMode, LoadOptions, RunDirs, parse_levels
 
 COMMANDS = {"serving": serving, "baseline": naive_baseline, "hotswap": hotswap}
 
@@ -135,13 +135,13 @@ def test_run_and_warm_up_are_bounded_by_the_options(ok_server):
     res = opts.run(ok_server, req, 2, keep_bodies=True)
     assert res.concurrency == 2 and res.sent == 5 and len(res.ok) == 5 and res.stopped_by == "count"
     assert all(s.body == b'{"ok": true}' for s in res.samples)
-    w = harness.warm_up(ok_server, req, concurrency=1, requests=3)
+    w = load_options.warm_up(ok_server, req, concurrency=1, requests=3)
     assert w.sent == 3 and w.failed == 0
 
 
 @pytest.mark.parametrize("quick", [False, True])
 def test_run_dirs(tmp_path, monkeypatch, quick):
-    monkeypatch.setattr(harness, "default_results_dir", lambda name: tmp_path / "results" / name)
+    monkeypatch.setattr(results, "default_results_dir", lambda name: tmp_path / "results" / name)
     d = RunDirs.create("demo", quick, None)
     expected = tmp_path / "results" / "demo" / ("tmp/quick" if quick else "")
     assert d.out == expected and d.writer.out_dir == expected and d.tmp == expected / "tmp"

@@ -65,9 +65,19 @@ def test_has_fast_bf16_follows_the_flags(monkeypatch):
     assert has_fast_bf16("cpu") is True
     monkeypatch.setattr(precision, "cpu_bf16_flags", lambda: ())
     assert has_fast_bf16("cpu") is False
-    if not torch.cuda.is_available():
-        assert has_fast_bf16("cuda") is False
     assert has_fast_bf16("meta") is False
+
+
+def test_has_fast_bf16_on_cuda_follows_the_capability(monkeypatch):
+    """CUDA: no GPU -> False; otherwise compute capability >= 8.0 (asserted on any host)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert has_fast_bf16("cuda") is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for major, fast in ((7, False), (8, True), (9, True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i, m=major: (m, 0))
+        assert has_fast_bf16("cuda") is fast
+        assert has_fast_bf16("cuda:0") is fast
 
 
 def test_encode_documents_bf16_close_to_fp32(tiny_base):

@@ -6,7 +6,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from qswap.encoders.matryoshka import truncate
+from qswap.matryoshka import truncate
 from qswap.tuning.losses.batch import LossInput
 
 

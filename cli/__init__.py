@@ -1,8 +1,10 @@
 """The ``qswap`` command line: one entry point, a subcommand per package.
 
 Each package contributes its subcommands through ``register(subparsers)`` in its own
-``cli`` module; this module only assembles them and turns qswap errors into one line on
-stderr and exit status 2 (1 for other failures, never a traceback for bad input).
+``cli`` module; this package only assembles them and turns qswap errors into one line on
+stderr and exit status 2 (1 for other failures, never a traceback for bad input). It sits
+above every package (its own root folder, ``cli/``): the shared core (``core/``) imports
+none of them, and tests/test_layout.py keeps it that way.
 """
 
 from __future__ import annotations
@@ -60,7 +62,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("qswap: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

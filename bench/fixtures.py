@@ -1,0 +1,256 @@
+"""What the load benchmarks share: the Debian workload, stamped indexes, random LoRA encoders, a
+``qswap serve`` child process and its requests. Benchmarks import these, not each other."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qswap.bench.processes import ServerProcess, free_port, http_json
+from qswap.bench.stats import summarize
+from qswap.bench.loadgen import LoadResult, Request
+from qswap.errors import InvalidInputError, NotFoundError
+
+MODEL = "multilingual-e5-small"
+QUERY_LANGS = ("en", "de", "fr", "it")
+
+
+def cache_dir() -> Path:
+    """Reusable benchmark inputs (indexes, encoders, full models): ``<data dir>/bench/cache``."""
+    from qswap.paths import data_dir
+    d = data_dir() / "bench" / "cache"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@dataclass
+class Workload:
+    """Documents to index and query texts to send, with a sentence saying where they come from."""
+
+    docs: list[Any]          # qswap.index.Document
+    queries: list[str]
+    source: str
+
+
+def debian_dir() -> Path:
+    """The Debian benchmark (built from apt's lists on first use)."""
+    from qswap.paths import data_dir
+    d = data_dir() / "bench" / "debian"
+    if not (d / "corpus.jsonl").is_file():
+        from qswap.bench.data.debian import build_debian_beir
+        print(f"building the Debian benchmark in {d} (once)", file=sys.stderr)
+        build_debian_beir(d, progress=True)
+    return d
+
+
+def load_workload(quick: bool, max_queries: int = 4000, seed: int = 0) -> Workload:
+    """Quick: the 400-document demo corpus, queries = its titles. Full: the Debian corpus with
+    real short descriptions in en/de/fr/it as queries (shuffled, at most ``max_queries``)."""
+    from qswap.index import Document
+
+    rng = random.Random(seed)
+    if quick:
+        import qswap
+        path = Path(qswap.__file__).parent / "data" / "demo_corpus.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        docs = [Document(r["id"], r["text"], {"section": r.get("section", "")}) for r in rows]
+        queries = [r.get("title") or r["text"][:80] for r in rows]
+        rng.shuffle(queries)
+        return Workload(docs, queries[:max_queries], f"demo corpus ({len(docs)} Debian descriptions, {path.name})")
+    d = debian_dir()
+    docs = []
+    with open(d / "corpus.jsonl", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                docs.append(Document(r["_id"], r["text"], {"section": (r.get("metadata") or {}).get("section", "")}))
+    queries = []
+    for lang in QUERY_LANGS:
+        p = d / f"queries-{lang}.jsonl"
+        if p.is_file():
+            with open(p, encoding="utf-8") as f:
+                queries += [json.loads(line)["text"] for line in f if line.strip()]
+    if not queries:
+        raise NotFoundError(f"no queries in {d}", "rebuild it: qswap bench data debian --out " + str(d))
+    rng.shuffle(queries)
+    return Workload(docs, queries[:max_queries],
+                    f"Debian package descriptions ({len(docs):,} documents, queries in {'/'.join(QUERY_LANGS)})")
+
+
+def load_space_base(model: str = MODEL) -> Any:
+    """The base model, on CPU (its space stamps the index; adapters are made against it)."""
+    from qswap.encoders import load_base
+    return load_base(model, device="cpu")
+
+
+def stamped_index(work: Workload, base: Any, *, config: Any = None, tag: str = "default",
+                  seed: int = 0) -> tuple[Path, Path, Path]:
+    """An index of ``work.docs`` with synthetic vectors in ``base``'s space (cached).
+
+    Returns ``(index_dir, vectors_npy, ids_jsonl)``: the vectors exactly as stored (float16
+    rounded back to float32) and the documents in row order, for the naive baseline.
+    """
+    import numpy as np
+
+    from qswap.bench.data.synthetic import clustered_embeddings
+    from qswap.index import DocumentIndex, IndexConfig, create_index
+
+    n = len(work.docs)
+    key = f"stamped-{n}-{seed}-{tag}-{base.space.fingerprint[:10]}"
+    root = cache_dir() / key
+    idx_dir, vec_path, ids_path = root / "index", root / "vectors.npy", root / "docs.jsonl"
+    if (root / "done").is_file():
+        return idx_dir, vec_path, ids_path
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    x = clustered_embeddings(n, base.dim, n_clusters=max(8, min(1024, n // 50)), seed=seed)
+    cfg = config if config is not None else IndexConfig()
+    t0 = time.perf_counter()
+    idx = create_index(idx_dir, work.docs, x, base.space, cfg,
+                       build={"vectors": "synthetic clustered (qswap bench), not model embeddings"}, progress=True)
+    idx.close()
+    build_s = time.perf_counter() - t0
+    np.save(vec_path, x.astype(np.float16).astype(np.float32))
+    with open(ids_path, "w", encoding="utf-8") as f:
+        for d in work.docs:
+            f.write(json.dumps({"id": d.id, "text": d.text}, ensure_ascii=False) + "\n")
+    info = DocumentIndex.open(idx_dir, read_only=True)
+    meta = {"documents": n, "config": info.config.to_dict(), "build_s": build_s}
+    info.close()
+    (root / "done").write_text(json.dumps(meta, indent=2))
+    return idx_dir, vec_path, ids_path
+
+
+def index_meta(idx_dir: Path) -> dict[str, Any]:
+    """What :func:`stamped_index` recorded about an index (config, build time)."""
+    return json.loads((Path(idx_dir).parent / "done").read_text())
+
+
+def lora_encoders(base: Any, names: list[tuple[str, str]], *, rank: int = 32, seed: int = 0,
+                  scale: float = 0.02, tag: str = "") -> Path:
+    """Encoder directories ``<root>/<name>-<version>`` of random LoRA adapters (cached); returns root.
+
+    ``lora_B`` is drawn from N(0, ``scale``) instead of peft's zeros, so every adapter really
+    changes the forward pass (and outputs differ per encoder).
+    """
+    import copy
+    import tempfile
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from qswap.encoders import save_encoder
+
+    root = cache_dir() / f"lora-r{rank}-s{seed}-{tag or len(names)}-{base.space.fingerprint[:10]}"
+    missing = [(n, v) for n, v in names if not (root / f"{n}-{v}" / "manifest.json").is_file()]
+    if not missing:
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    model = get_peft_model(copy.deepcopy(base.model), LoraConfig(r=rank, lora_alpha=rank,
+                                                                 target_modules=["query", "key", "value", "dense"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, version) in enumerate(names):
+            if (name, version) not in missing:
+                continue
+            g = torch.Generator().manual_seed(seed * 1000 + i)
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if "lora_A" in pname:
+                        p.copy_(torch.empty_like(p).uniform_(-1, 1, generator=g) / p.shape[1] ** 0.5)
+                    elif "lora_B" in pname:
+                        p.copy_(torch.randn(p.shape, generator=g) * scale)
+            peft_dir = Path(tmp) / f"{name}-{version}"
+            model.save_pretrained(str(peft_dir))
+            save_encoder(root / f"{name}-{version}", name=name, version=version, kind="lora", space=base.space,
+                         lora_dir=peft_dir, training={"note": "random LoRA adapter for benchmarks"})
+    del model
+    return root
+
+
+def qswap_command() -> list[str]:
+    """``qswap`` of this environment (the script next to the interpreter, else ``python -m qswap.cli``)."""
+    script = Path(sys.executable).parent / "qswap"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "qswap.cli"]
+
+
+def qswap_server(index: Path, encoders_root: Path, state_dir: Path, log_path: Path, *, model: str = MODEL,
+                 extra: list[str] | None = None, port: int | None = None) -> ServerProcess:
+    """A ``qswap serve`` child process on 127.0.0.1 (not started yet)."""
+    port = port or free_port()
+    shutil.rmtree(state_dir, ignore_errors=True)
+    state_dir.mkdir(parents=True)
+    cmd = qswap_command() + ["serve", "--host", "127.0.0.1", "--port", str(port), "--index", str(index),
+                             "--read-only-index", "--model", model, "--device", "cpu", "--encoders-root",
+                             str(encoders_root), "--state-dir", str(state_dir), "--insecure",
+                             "--log-format", "text", *(extra or [])]
+    return ServerProcess(cmd, port, ready_path="/readyz", log_path=log_path)
+
+
+def register(srv: ServerProcess, rel_path: str) -> tuple[dict[str, Any], float]:
+    """``POST /v1/encoders`` by path; returns (response, seconds)."""
+    t0 = time.perf_counter()
+    status, body = http_json("POST", srv.url("/v1/encoders"), {"path": rel_path})
+    dt = time.perf_counter() - t0
+    if status not in (200, 201):
+        raise InvalidInputError(f"registering {rel_path} failed with {status}: {body}", "see the server log")
+    return body, dt
+
+
+def search_requests(queries: list[str], keys: list[str], k: int = 10, offset: int = 0) -> Any:
+    """Request ``i``: query ``queries[(i + offset) % n]`` with encoder ``keys[i % len(keys)]``."""
+    pre = [[json.dumps({"query": q, "encoder": key, "k": k}).encode() for key in keys] for q in queries]
+    hdr = (("Content-Type", "application/json"),)
+    n, m = len(queries), len(keys)
+
+    def make(i: int) -> Request:
+        return Request("POST", "/v1/search", pre[(i + offset) % n][i % m], hdr, keys[i % m])
+    return make
+
+
+def breakdown(res: LoadResult) -> dict[str, float]:
+    """Mean and p50 ms of HTTP+client, queue, encode, search, other, from kept response bodies."""
+    parts: dict[str, list[float]] = {"http_client": [], "queue": [], "encode": [], "search": [], "other": []}
+    for s in res.ok:
+        if s.body is None:
+            continue
+        d = json.loads(s.body)
+        t = d["results"][0]["timings"]
+        took = float(d["took_ms"])
+        parts["http_client"].append(s.latency_s * 1e3 - took)
+        parts["queue"].append(t["queue_ms"])
+        parts["encode"].append(t["encode_ms"])
+        parts["search"].append(t["search_ms"])
+        parts["other"].append(took - t["queue_ms"] - t["encode_ms"] - t["search_ms"])
+    out: dict[str, float] = {}
+    for k, v in parts.items():
+        st = summarize(v, (50,))
+        out[f"{k}_mean"] = st["mean"]
+        out[f"{k}_p50"] = st["p50"]
+    return out
+
+def wait_for_runtime(srv: ServerProcess, keys: list[str], runtime: str, timeout_s: float = 900.0) -> float:
+    """Poll ``GET /v1/encoders/{key}`` until every key reports ``runtime``; returns the seconds waited."""
+    t0 = time.perf_counter()
+    while True:
+        pending = []
+        for k in keys:
+            status, body = http_json("GET", srv.url(f"/v1/encoders/{k}"))
+            if status != 200:
+                raise InvalidInputError(f"GET /v1/encoders/{k} answered {status}: {body}", "see the server log")
+            if body.get("runtime_error"):
+                raise InvalidInputError(f"the {runtime} export of {k} failed: {body['runtime_error']}",
+                                        "see the server log, or run with --backend torch")
+            if body.get("runtime") != runtime:
+                pending.append(k)
+        if not pending:
+            return time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout_s:
+            raise InvalidInputError(f"{len(pending)} encoders not on {runtime} after {timeout_s:.0f} s "
+                                    f"({', '.join(pending[:3])})", "see the server log")
+        time.sleep(1.0)
