@@ -88,7 +88,11 @@ def replica_stats(app_name: str = "qswap", want: int = 2, tries: int = 60) -> di
     h = serve.get_deployment_handle("QswapReplica", app_name=app_name)
     seen: dict[str, dict[str, Any]] = {}
     for _ in range(tries):
-        s = h.replica_stats.remote().result()
+        try:
+            s = h.replica_stats.remote().result(timeout_s=10)
+        except Exception:  # noqa: BLE001 - a replica that just died; ask again
+            time.sleep(0.1)
+            continue
         seen[s["replica"]] = s
         if len(seen) >= want:
             break
