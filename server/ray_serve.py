@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from qswap.encoders import BASE_KEY
 from qswap.errors import InvalidInputError, QswapError
+from qswap.index.ray_build import init_ray
 from qswap.server.batching import MicroBatcher, SearchOutcome
 from qswap.server.config import ServerSettings
 from qswap.server.errors import NotReadyError
@@ -273,18 +274,6 @@ def prepare_index(settings: ServerSettings) -> ServerSettings:
         writer = get_or_create_writer(index)
         ray.get(writer.generation.remote())   # fails here, not on the first upsert
     return settings
-
-
-def init_ray(address: str | None, num_cpus: int | None = None) -> None:
-    """Connect to the cluster at ``address`` (``auto``: the local one), or start a local one."""
-    import ray
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
 
 
 def deploy(settings: ServerSettings, *, replicas: int | str = 1, max_encoders: int = 8,
