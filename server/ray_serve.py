@@ -276,6 +276,17 @@ def prepare_index(settings: ServerSettings) -> ServerSettings:
     return settings
 
 
+def app_from_env(args: dict[str, Any] | None = None) -> Any:
+    """A Ray Serve application builder for config files (``import_path:
+    qswap.server.ray_serve:app_from_env``, e.g. in a KubeRay ``RayService``): settings from
+    ``QSWAP_*`` environment variables, ``QSWAP_RAY_MAX_ENCODERS`` encoders per replica (default 8).
+    Replica count and autoscaling come from the config's deployment options."""
+    settings = prepare_index(ServerSettings())
+    settings.check()
+    max_encoders = int((args or {}).get("max_encoders_per_replica") or os.environ.get("QSWAP_RAY_MAX_ENCODERS", 8))
+    return build_app(settings, max_encoders=max_encoders)
+
+
 def deploy(settings: ServerSettings, *, replicas: int | str = 1, max_encoders: int = 8,
            autoscaling: dict[str, Any] | None = None, replica_cpus: float = 1.0,
            app_name: str = APP_NAME, route_prefix: str = "/") -> str:
@@ -296,7 +307,9 @@ def serve_forever(settings: ServerSettings, *, address: str | None, replicas: in
     init_ray(address)
     url = deploy(settings, replicas=replicas, max_encoders=max_encoders, autoscaling=autoscaling,
                  replica_cpus=replica_cpus)
-    log.info("serving on Ray", extra={"url": url, "replicas": replicas, "max_encoders_per_replica": max_encoders})
+    import ray
+    log.info("serving on Ray", extra={"url": url, "replicas": replicas, "max_encoders_per_replica": max_encoders,
+                                      "ray_address": ray.get_runtime_context().gcs_address})
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
