@@ -76,6 +76,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="encoders each replica keeps loaded (Ray Serve multiplexing LRU, default 8)")
     r.add_argument("--replica-cpus", type=float, default=1.0, metavar="C", help="CPUs reserved per replica "
                    "(Ray resource accounting, default 1)")
+    r.add_argument("--replica-threads", type=int, default=None, metavar="T", help="torch/FAISS threads per "
+                   "replica (default: Ray's, = --replica-cpus)")
     p.add_argument("--write-openapi", type=Path, metavar="PATH",
                    help="write the OpenAPI schema to PATH and exit (the committed copy: server/openapi.json)")
     p.set_defaults(func=_serve)
@@ -163,6 +165,9 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
     if args.max_encoders_per_replica < 1:
         raise InvalidInputError(f"--max-encoders-per-replica must be at least 1, got {args.max_encoders_per_replica}",
                                 "e.g. --max-encoders-per-replica 8")
+    if args.replica_threads is not None and args.replica_threads < 1:
+        raise InvalidInputError(f"--replica-threads must be at least 1, got {args.replica_threads}",
+                                "e.g. --replica-threads 2")
     return serve_forever(settings, address=args.address, replicas=replicas,
                          max_encoders=args.max_encoders_per_replica, autoscaling=autoscaling,
-                         replica_cpus=args.replica_cpus)
+                         replica_cpus=args.replica_cpus, replica_threads=args.replica_threads)

@@ -40,6 +40,8 @@ from qswap.server.state import ServerState
 log = logging.getLogger("qswap.server")
 
 APP_NAME = "qswap"
+REPLICA_STATS_DIR = "replicas"
+STATS_EVERY_S = 0.5
 DEPLOYMENT = "QswapReplica"
 
 
@@ -148,8 +150,15 @@ def _unwrap(e: BaseException) -> BaseException:
 class ReplicaCore:
     """Everything one replica does besides HTTP (kept apart from Ray Serve's class decorators)."""
 
-    def __init__(self, settings: ServerSettings, max_encoders: int, app_name: str, deployment: str) -> None:
+    def __init__(self, settings: ServerSettings, max_encoders: int, app_name: str, deployment: str,
+                 threads: int | None = None) -> None:
         from ray import serve
+        if threads:
+            # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1 by default): say otherwise here.
+            import faiss
+            import torch
+            torch.set_num_threads(threads)
+            faiss.omp_set_num_threads(threads)
         self.settings = settings
         self.app_name = app_name
         self.deployment = deployment
@@ -167,6 +176,21 @@ class ReplicaCore:
 
         self.get_encoder = serve.multiplexed(max_num_models_per_replica=max_encoders)(load_encoder)
         self.state.load()
+        self._stop = threading.Event()
+        threading.Thread(target=self._write_stats_loop, name="qswap-replica-stats", daemon=True).start()
+
+    def _write_stats_loop(self, every_s: float = STATS_EVERY_S) -> None:
+        """Each replica's counters as ``<state dir>/replicas/<replica id>.json`` (atomic), so that
+        operators and benchmarks can read every replica without going through the router."""
+        from qswap.atomic import atomic_write_json
+        folder = Path(self.settings.state_dir) / REPLICA_STATS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        while not self._stop.wait(every_s):
+            try:
+                st = self.replica_stats()
+                atomic_write_json(folder / f"{st['replica']}.json", {**st, "written_at": time.time()})
+            except Exception:  # noqa: BLE001 - observability must not take the replica down
+                log.exception("writing replica stats failed")
 
     @property
     def handle(self) -> Any:
@@ -226,8 +250,9 @@ def _deployment_class() -> Any:
     @serve.deployment(name=DEPLOYMENT)
     @serve.ingress()
     class QswapReplica:
-        def __init__(self, settings: ServerSettings, max_encoders: int, app_name: str) -> None:
-            self.core = ReplicaCore(settings, max_encoders, app_name, DEPLOYMENT)
+        def __init__(self, settings: ServerSettings, max_encoders: int, app_name: str,
+                     threads: int | None = None) -> None:
+            self.core = ReplicaCore(settings, max_encoders, app_name, DEPLOYMENT, threads)
 
         def __serve_build_asgi_app__(self) -> Any:
             return create_app(self.core.settings, state=self.core.state)
@@ -244,7 +269,7 @@ def _deployment_class() -> Any:
 
 def build_app(settings: ServerSettings, *, replicas: int | str = 1, max_encoders: int = 8,
               autoscaling: dict[str, Any] | None = None, replica_cpus: float = 1.0,
-              app_name: str = APP_NAME) -> Any:
+              replica_threads: int | None = None, app_name: str = APP_NAME) -> Any:
     """The Ray Serve application (``serve.run`` it). ``replicas`` may be ``"auto"``; an
     ``autoscaling`` dict is Ray Serve's ``autoscaling_config``, passed through."""
     if max_encoders < 1:
@@ -255,7 +280,7 @@ def build_app(settings: ServerSettings, *, replicas: int | str = 1, max_encoders
         options["autoscaling_config"] = autoscaling
     else:
         options["num_replicas"] = replicas
-    return _deployment_class().options(**options).bind(settings, max_encoders, app_name)
+    return _deployment_class().options(**options).bind(settings, max_encoders, app_name, replica_threads)
 
 
 def prepare_index(settings: ServerSettings) -> ServerSettings:
@@ -289,24 +314,25 @@ def app_from_env(args: dict[str, Any] | None = None) -> Any:
 
 def deploy(settings: ServerSettings, *, replicas: int | str = 1, max_encoders: int = 8,
            autoscaling: dict[str, Any] | None = None, replica_cpus: float = 1.0,
-           app_name: str = APP_NAME, route_prefix: str = "/") -> str:
+           replica_threads: int | None = None, app_name: str = APP_NAME, route_prefix: str = "/") -> str:
     """Deploy on the connected Ray cluster; returns the HTTP URL once every replica is ready."""
     from ray import serve
     settings = prepare_index(settings)
     serve.start(http_options={"host": settings.host, "port": settings.port})
     app = build_app(settings, replicas=replicas, max_encoders=max_encoders, autoscaling=autoscaling,
-                    replica_cpus=replica_cpus, app_name=app_name)
+                    replica_cpus=replica_cpus, replica_threads=replica_threads, app_name=app_name)
     serve.run(app, name=app_name, route_prefix=route_prefix, blocking=False)
     return f"http://{settings.host}:{settings.port}{route_prefix.rstrip('/')}"
 
 
 def serve_forever(settings: ServerSettings, *, address: str | None, replicas: int | str, max_encoders: int,
-                  autoscaling: dict[str, Any] | None = None, replica_cpus: float = 1.0) -> int:
+                  autoscaling: dict[str, Any] | None = None, replica_cpus: float = 1.0,
+                  replica_threads: int | None = None) -> int:
     """``qswap serve --ray``: deploy, then wait until interrupted; then delete the app."""
     from ray import serve
     init_ray(address)
     url = deploy(settings, replicas=replicas, max_encoders=max_encoders, autoscaling=autoscaling,
-                 replica_cpus=replica_cpus)
+                 replica_cpus=replica_cpus, replica_threads=replica_threads)
     import ray
     log.info("serving on Ray", extra={"url": url, "replicas": replicas, "max_encoders_per_replica": max_encoders,
                                       "ray_address": ray.get_runtime_context().gcs_address})
