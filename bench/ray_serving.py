@@ -148,7 +148,15 @@ def run(args: argparse.Namespace) -> int:
                     per[c] = got
                     print(f"replicas={n} c={c}: " + ", ".join(f"{a} {_lat(rs)['qps']:.1f} qps p50 {_lat(rs)['p50']:.1f} ms"
                                                             for a, rs in got.items()), file=sys.stderr)
+                # What the Ray path adds to a request without model work: GET /healthz at c=1.
+                ping = [Request("GET", "/healthz")]
+                hz = interleaved({"single": lambda: opts.run(single.port, ping, 1),
+                                  f"ray x{n}": lambda: opts.run(srv.port, ping, 1)}, rounds=max(2, opts.rounds),
+                                 warmup=1)
+                print(f"replicas={n} /healthz: " + ", ".join(f"{a} p50 {_lat(rs)['p50']:.2f} ms"
+                                                           for a, rs in hz.items()), file=sys.stderr)
                 res["overhead"][str(n)] = {
+                    "healthz_c1": {a: _lat(rs) for a, rs in hz.items()},
                     "start_s": srv.start_seconds,
                     "levels": {str(c): {a: _lat(rs) for a, rs in got.items()} for c, got in per.items()}}
         if not args.no_mux:
@@ -202,7 +210,15 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
             labels.append(f"x{n} c{c}")
             series_single.append(s["qps"])
             series_ray.append(r["qps"])
-    text = ["Requests on the `base` encoder; single process and Ray deployment measured alternately.", "",
+    hz_rows = [[n, f"{o['healthz_c1']['single']['p50']:.2f}", f"{o['healthz_c1'][f'ray x{n}']['p50']:.2f}",
+                f"{o['healthz_c1'][f'ray x{n}']['p50'] - o['healthz_c1']['single']['p50']:+.2f}",
+                f"{o['healthz_c1']['single']['p99']:.2f}", f"{o['healthz_c1'][f'ray x{n}']['p99']:.2f}"]
+               for n, o in res["overhead"].items()]
+    text = ["What Ray Serve adds per request (its HTTP proxy and the hop to a replica), without model work: "
+            "`GET /healthz`, one client, alternating runs.", "",
+            md_table(["replicas", "single p50 ms", "Ray p50 ms", "added p50 ms", "single p99 ms", "Ray p99 ms"],
+                     hz_rows), "",
+            "Requests on the `base` encoder; single process and Ray deployment measured alternately.", "",
             md_table(["replicas", "concurrency", "single QPS", "Ray QPS", "single p50 ms", "Ray p50 ms",
                       "Ray - single p50 ms", "single p99 ms", "Ray p99 ms", "Ray failed"], rows)]
     m = res.get("mux")

@@ -57,6 +57,7 @@ class SharedRegistry(EncoderRegistry):
         self._poller: threading.Thread | None = None
         self._stop = threading.Event()
         self.reloads = 0
+        self.detach_after_register = True
 
     # -- the cross-process admin lock ---------------------------------------------------------
 
@@ -189,7 +190,12 @@ class SharedRegistry(EncoderRegistry):
     def register(self, src: Path, *, force: bool = False, source: str = "") -> tuple[EncoderRecord, bool]:
         with self.admin_lock():
             self.reload_if_changed()
-            return super().register(src, force=force, source=source)
+            rec, created = super().register(src, force=force, source=source)
+        if created and self.detach_after_register:
+            # Registration attached it to check that it fits the base; which replicas hold it
+            # is Ray Serve's multiplexing decision (its per-replica LRU), not this replica's.
+            self.unload(rec.key)
+        return rec, created
 
     def delete(self, key: str, timeout_s: float = 30.0) -> None:
         with self.admin_lock():
