@@ -90,7 +90,12 @@ class RoutingBatcher:
         r = self.replica
         if key == BASE_KEY or r.state.registry.is_loaded(key):
             if key != BASE_KEY:
-                await r.touch(key)
+                try:
+                    await r.touch(key)
+                except BaseException:
+                    if on_done is not None:
+                        on_done()   # the batcher never saw it: release the reference here
+                    raise
             r.stats["local"] += 1
             return await self.local.search(texts, key, k, filter, with_text, on_done)
         r.stats["forwarded"] += 1
