@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
                 single_runs = [opts.run(single.port, mux_req, c) for _ in range(opts.rounds)]
                 got = {"single": single_runs, "ray x2": ray_runs}
                 delta = {rid: {k: after[rid][k] - before[rid].get(k, 0)
-                               for k in ("local", "forwarded", "served_for_others", "encoder_requests", "loads")}
+                               for k in ("local", "forwarded", "overflow_local", "served_for_others", "encoder_requests", "loads")}
                          for rid in after if rid in before}
                 enc_req = sum(d["encoder_requests"] for d in delta.values())
                 loads = sum(d["loads"] for d in delta.values())
@@ -189,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
                               "encoder_requests": enc_req, "loads": loads,
                               "load_fraction": loads / enc_req if enc_req else None,
                               "forwarded_fraction": (sum(d["forwarded"] for d in delta.values())
-                                                     / max(1, sum(d["local"] + d["forwarded"] for d in delta.values()))),
+                                                     / max(1, sum(d["local"] + d["forwarded"] + d["overflow_local"]
+                                                                for d in delta.values()))),
                               "arms": {a: _lat(rs) for a, rs in got.items()}}
                 print(f"mux: {loads} loads / {enc_req} encoder requests", file=sys.stderr)
     _write(dirs, res)

@@ -78,6 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(Ray resource accounting, default 1)")
     r.add_argument("--replica-threads", type=int, default=None, metavar="T", help="torch/FAISS threads per "
                    "replica (default: Ray's, = --replica-cpus)")
+    r.add_argument("--max-ongoing-requests", type=int, default=None, metavar="R", help="Ray Serve "
+                   "max_ongoing_requests per replica (default: --max-batch, so a micro-batch can fill)")
     p.add_argument("--write-openapi", type=Path, metavar="PATH",
                    help="write the OpenAPI schema to PATH and exit (the committed copy: server/openapi.json)")
     p.set_defaults(func=_serve)
@@ -168,6 +170,10 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
     if args.replica_threads is not None and args.replica_threads < 1:
         raise InvalidInputError(f"--replica-threads must be at least 1, got {args.replica_threads}",
                                 "e.g. --replica-threads 2")
+    if args.max_ongoing_requests is not None and args.max_ongoing_requests < 1:
+        raise InvalidInputError(f"--max-ongoing-requests must be at least 1, got {args.max_ongoing_requests}",
+                                "e.g. --max-ongoing-requests 64")
     return serve_forever(settings, address=args.address, replicas=replicas,
                          max_encoders=args.max_encoders_per_replica, autoscaling=autoscaling,
-                         replica_cpus=args.replica_cpus, replica_threads=args.replica_threads)
+                         replica_cpus=args.replica_cpus, replica_threads=args.replica_threads,
+                         max_ongoing_requests=args.max_ongoing_requests)

@@ -88,20 +88,27 @@ class RoutingBatcher:
     async def search(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None = None,
                      with_text: bool = True, on_done: Callable[[], None] | None = None) -> SearchOutcome:
         r = self.replica
-        if key == BASE_KEY or r.state.registry.is_loaded(key):
+        resident = key == BASE_KEY or r.state.registry.is_loaded(key)
+        if resident or r.forwarding >= r.max_forwarding:
+            # Here: the encoder is loaded here, or too many of this replica's requests already
+            # wait on other replicas. The cap keeps a share of every replica's request slots
+            # for work that waits on nobody, so replicas forwarding to each other cannot all
+            # end up waiting for a slot on the other (a deadlock).
             if key != BASE_KEY:
                 try:
-                    await r.touch(key)
+                    await r.touch(key)   # loads it here if it is not resident
                 except BaseException:
                     if on_done is not None:
                         on_done()   # the batcher never saw it: release the reference here
                     raise
-            r.stats["local"] += 1
+            r.stats["local" if resident else "overflow_local"] += 1
             return await self.local.search(texts, key, k, filter, with_text, on_done)
         r.stats["forwarded"] += 1
+        r.forwarding += 1
         try:
             return await r.forward(texts, key, k, filter, with_text)
         finally:
+            r.forwarding -= 1
             if on_done is not None:
                 on_done()
 
@@ -156,7 +163,7 @@ class ReplicaCore:
     """Everything one replica does besides HTTP (kept apart from Ray Serve's class decorators)."""
 
     def __init__(self, settings: ServerSettings, max_encoders: int, app_name: str, deployment: str,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, max_ongoing: int = 64) -> None:
         from ray import serve
         if threads:
             # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1 by default): say otherwise here.
@@ -167,7 +174,10 @@ class ReplicaCore:
         self.settings = settings
         self.app_name = app_name
         self.deployment = deployment
-        self.stats = {"local": 0, "forwarded": 0, "served_for_others": 0, "encoder_requests": 0, "loads": 0}
+        self.stats = {"local": 0, "forwarded": 0, "overflow_local": 0, "served_for_others": 0,
+                      "encoder_requests": 0, "loads": 0}
+        self.forwarding = 0   # this replica's requests now waiting on another replica (event loop only)
+        self.max_forwarding = max(1, max_ongoing // 2)
         self._handle: Any = None
         self.state = RayServerState(settings, self)
 
@@ -256,8 +266,8 @@ def _deployment_class() -> Any:
     @serve.ingress()
     class QswapReplica:
         def __init__(self, settings: ServerSettings, max_encoders: int, app_name: str,
-                     threads: int | None = None) -> None:
-            self.core = ReplicaCore(settings, max_encoders, app_name, DEPLOYMENT, threads)
+                     threads: int | None = None, max_ongoing: int = 64) -> None:
+            self.core = ReplicaCore(settings, max_encoders, app_name, DEPLOYMENT, threads, max_ongoing)
 
         def __serve_build_asgi_app__(self) -> Any:
             return create_app(self.core.settings, state=self.core.state)
@@ -274,18 +284,26 @@ def _deployment_class() -> Any:
 
 def build_app(settings: ServerSettings, *, replicas: int | str = 1, max_encoders: int = 8,
               autoscaling: dict[str, Any] | None = None, replica_cpus: float = 1.0,
-              replica_threads: int | None = None, app_name: str = APP_NAME) -> Any:
+              replica_threads: int | None = None, max_ongoing_requests: int | None = None,
+              app_name: str = APP_NAME) -> Any:
     """The Ray Serve application (``serve.run`` it). ``replicas`` may be ``"auto"``; an
     ``autoscaling`` dict is Ray Serve's ``autoscaling_config``, passed through."""
     if max_encoders < 1:
         raise InvalidInputError(f"--max-encoders-per-replica must be at least 1, got {max_encoders}",
                                 "give a positive number")
-    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": replica_cpus}}
+    # Ray Serve's default of 5 ongoing requests per replica would cap each micro-batch at 5:
+    # by default let a replica take as many as one batch holds.
+    max_ongoing = max_ongoing_requests or settings.max_batch
+    if max_ongoing < 2:
+        raise InvalidInputError(f"--max-ongoing-requests must be at least 2, got {max_ongoing}",
+                                "a replica needs a slot for its own requests and one for routed ones")
+    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": replica_cpus}, "max_ongoing_requests": max_ongoing}
     if autoscaling is not None:
         options["autoscaling_config"] = autoscaling
     else:
         options["num_replicas"] = replicas
-    return _deployment_class().options(**options).bind(settings, max_encoders, app_name, replica_threads)
+    return _deployment_class().options(**options).bind(settings, max_encoders, app_name, replica_threads,
+                                                                 max_ongoing)
 
 
 def prepare_index(settings: ServerSettings) -> ServerSettings:
@@ -319,25 +337,28 @@ def app_from_env(args: dict[str, Any] | None = None) -> Any:
 
 def deploy(settings: ServerSettings, *, replicas: int | str = 1, max_encoders: int = 8,
            autoscaling: dict[str, Any] | None = None, replica_cpus: float = 1.0,
-           replica_threads: int | None = None, app_name: str = APP_NAME, route_prefix: str = "/") -> str:
+           replica_threads: int | None = None, max_ongoing_requests: int | None = None,
+           app_name: str = APP_NAME, route_prefix: str = "/") -> str:
     """Deploy on the connected Ray cluster; returns the HTTP URL once every replica is ready."""
     from ray import serve
     settings = prepare_index(settings)
     serve.start(http_options={"host": settings.host, "port": settings.port})
     app = build_app(settings, replicas=replicas, max_encoders=max_encoders, autoscaling=autoscaling,
-                    replica_cpus=replica_cpus, replica_threads=replica_threads, app_name=app_name)
+                    replica_cpus=replica_cpus, replica_threads=replica_threads,
+                    max_ongoing_requests=max_ongoing_requests, app_name=app_name)
     serve.run(app, name=app_name, route_prefix=route_prefix, blocking=False)
     return f"http://{settings.host}:{settings.port}{route_prefix.rstrip('/')}"
 
 
 def serve_forever(settings: ServerSettings, *, address: str | None, replicas: int | str, max_encoders: int,
                   autoscaling: dict[str, Any] | None = None, replica_cpus: float = 1.0,
-                  replica_threads: int | None = None) -> int:
+                  replica_threads: int | None = None, max_ongoing_requests: int | None = None) -> int:
     """``qswap serve --ray``: deploy, then wait until interrupted; then delete the app."""
     from ray import serve
     init_ray(address)
     url = deploy(settings, replicas=replicas, max_encoders=max_encoders, autoscaling=autoscaling,
-                 replica_cpus=replica_cpus, replica_threads=replica_threads)
+                 replica_cpus=replica_cpus, replica_threads=replica_threads,
+                 max_ongoing_requests=max_ongoing_requests)
     import ray
     log.info("serving on Ray", extra={"url": url, "replicas": replicas, "max_encoders_per_replica": max_encoders,
                                       "ray_address": ray.get_runtime_context().gcs_address})
