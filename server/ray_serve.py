@@ -297,7 +297,8 @@ def build_app(settings: ServerSettings, *, replicas: int | str = 1, max_encoders
     if max_ongoing < 2:
         raise InvalidInputError(f"--max-ongoing-requests must be at least 2, got {max_ongoing}",
                                 "a replica needs a slot for its own requests and one for routed ones")
-    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": replica_cpus}, "max_ongoing_requests": max_ongoing}
+    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": replica_cpus}, "max_ongoing_requests": max_ongoing,
+                               "logging_config": {"enable_access_log": False, "log_level": "WARNING"}}
     if autoscaling is not None:
         options["autoscaling_config"] = autoscaling
     else:
@@ -342,7 +343,10 @@ def deploy(settings: ServerSettings, *, replicas: int | str = 1, max_encoders: i
     """Deploy on the connected Ray cluster; returns the HTTP URL once every replica is ready."""
     from ray import serve
     settings = prepare_index(settings)
-    serve.start(http_options={"host": settings.host, "port": settings.port})
+    # No per-request access log lines from Serve's proxy and replicas (qswap logs its own
+    # errors): on a small machine writing and shipping them cost more than the request.
+    serve.start(http_options={"host": settings.host, "port": settings.port},
+                logging_config={"enable_access_log": False, "log_level": "WARNING"})
     app = build_app(settings, replicas=replicas, max_encoders=max_encoders, autoscaling=autoscaling,
                     replica_cpus=replica_cpus, replica_threads=replica_threads,
                     max_ongoing_requests=max_ongoing_requests, app_name=app_name)
