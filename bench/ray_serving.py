@@ -90,6 +90,8 @@ def replica_counters(state_dir: Path, fresh_after: float, replicas: int,
 
 
 def random_requests(queries: list[str], keys: list[str], seed: int = 0) -> Any:
+    """Request ``i``: a query with an encoder drawn at random (its own draw per seed: the warm-up
+    and each measured run use different seeds, so a run does not replay what the warm-up placed)."""
     rng = random.Random(seed)
     order = [rng.randrange(len(keys)) for _ in range(100_000)]
     hdr = (("Content-Type", "application/json"),)
@@ -113,6 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "results in bench/results/ray-serving/")
     p.add_argument("--replicas", type=parse_replicas, default=[1, 2], help="with --ray: replica counts (default 1,2)")
     p.add_argument("--no-mux", action="store_true", help="with --ray: skip the 20-encoder multiplexing part")
+    p.add_argument("--mux-only", action="store_true", help="with --ray: only the 20-encoder multiplexing part")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     with single:
         res["single_start_s"] = single.start_seconds
         warm_up(single.port, base_req, concurrency=2, requests=32)
-        for n in args.replicas:
+        for n in ([] if args.mux_only else args.replicas):
             srv = ray_server(idx_dir, enc_root, tmp / f"ray{n}-state", tmp / f"ray{n}.log", model=args.model,
                              replicas=n, max_encoders=MUX_PER_REPLICA)
             with srv:
@@ -161,7 +164,6 @@ def run(args: argparse.Namespace) -> int:
                     "levels": {str(c): {a: _lat(rs) for a, rs in got.items()} for c, got in per.items()}}
         if not args.no_mux:
             keys = [f"{a}@{v}" for a, v in names]
-            mux_req = random_requests(work.queries, keys)
             for a, v in names:
                 register(single, f"{a}-{v}")
             srv = ray_server(idx_dir, enc_root, tmp / "mux-state", tmp / "mux.log", model=args.model, replicas=2,
@@ -171,12 +173,15 @@ def run(args: argparse.Namespace) -> int:
                     register(srv, f"{a}-{v}")
                 state = tmp / "mux-state"
                 c = max(opts.levels)
-                warm = warm_up(srv.port, mux_req, concurrency=c, requests=4 * N_MUX)
+                warm = warm_up(srv.port, random_requests(work.queries, keys, seed=0), concurrency=c,
+                               requests=4 * N_MUX)
                 before = replica_counters(state, time.time(), 2)
                 # Only the Ray arm is timed against the counters: measure it alone, then the single one.
-                ray_runs = [opts.run(srv.port, mux_req, c) for _ in range(opts.rounds)]
+                ray_runs = [opts.run(srv.port, random_requests(work.queries, keys, seed=1 + r), c)
+                            for r in range(opts.rounds)]
                 after = replica_counters(state, time.time(), 2)
-                single_runs = [opts.run(single.port, mux_req, c) for _ in range(opts.rounds)]
+                single_runs = [opts.run(single.port, random_requests(work.queries, keys, seed=1 + r), c)
+                               for r in range(opts.rounds)]
                 got = {"single": single_runs, "ray x2": ray_runs}
                 delta = {rid: {k: after[rid][k] - before[rid].get(k, 0)
                                for k in ("local", "forwarded", "overflow_local", "served_for_others", "encoder_requests", "loads")}

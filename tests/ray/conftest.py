@@ -24,6 +24,9 @@ def ray_cluster() -> Iterator[None]:
     """A local Ray cluster for this module (small, no dashboard)."""
     import ray
     from ray import serve
+    # What `qswap serve --ray` sets for a cluster it starts (qswap.index.ray_build.init_ray).
+    os.environ.setdefault("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "0")
+    os.environ.setdefault("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "0")
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         yield
