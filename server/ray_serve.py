@@ -253,7 +253,8 @@ class ReplicaCore:
         reg = self.state.registry
         return {"replica": ctx.replica_id.unique_id, "pid": os.getpid(), **self.stats,
                 "resident": sorted(k for k in (reg.keys() if reg else []) if reg.is_loaded(k)),
-                "aliases": reg.aliases() if reg else {}, "registry_reloads": getattr(reg, "reloads", 0),
+                "aliases": reg.aliases() if reg else {}, "registered": reg.keys() if reg else None,
+                "registry_reloads": getattr(reg, "reloads", 0),
                 "index_generation": self.state.index.generation if self.state.index is not None else None}
 
 

@@ -79,6 +79,21 @@ def test_registration_on_one_replica_is_served_by_the_other(ray_url):
     # Both replicas admitted requests for the encoder registered through one of them.
     assert all(n > 0 for n in admitted.values()), admitted
 
+    # A deletion through one replica: within 1 s no replica knows the encoder any more.
+    import time
+    with admin(ray_url) as c:
+        assert c.delete("/v1/encoders/enc2@1").status_code == 200
+        t0 = time.monotonic()
+        while True:
+            tables = replica_stats()
+            if len(tables) == 2 and all(t["registered"] is not None and "enc2@1" not in t["registered"]
+                                        for t in tables.values()):
+                break
+            assert time.monotonic() - t0 < 1.0, "deletion not seen by every replica within 1 s"
+        for _ in range(6):
+            r = _search(c, encoder="enc2@1")
+            assert r.status_code == 404 and r.json()["error"] == "not_found"
+
 
 def test_alias_switch_seen_everywhere_and_fails_nothing_under_load(ray_url):
     import threading
@@ -211,5 +226,5 @@ def test_killed_replica_loses_no_registration_and_fails_only_its_in_flight(ray_u
     with admin(ray_url) as c:
         for _ in range(10):
             keys = {e["key"] for e in c.get("/v1/encoders").json()["encoders"]}
-            assert {"enc0@1", "enc0@2", "enc1@1", "enc2@1", "enc3@1"} <= keys
+            assert {"enc0@1", "enc0@2", "enc1@1", "enc3@1"} <= keys and "enc2@1" not in keys
             assert _search(c, encoder="enc0@2").status_code == 200
