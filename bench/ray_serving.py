@@ -111,8 +111,9 @@ def _lat(rs: list[LoadResult]) -> dict[str, Any]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``qswap bench serving --ray`` (added to ``qswap bench serving``)."""
-    p.add_argument("--ray", action="store_true", help="compare with qswap serve --ray (Ray Serve); "
-                   "results in bench/results/ray-serving/")
+    p.add_argument("--ray", action="store_true", help="compare with qswap serve --ray (Ray Serve); results in "
+                   "bench/results/ray-serving/; load defaults then: concurrency 1,8 (quick 1,4), 6 s (quick 2), "
+                   "2000 requests (quick 60), 2 rounds (quick 1)")
     p.add_argument("--replicas", type=parse_replicas, default=[1, 2], help="with --ray: replica counts (default 1,2)")
     p.add_argument("--no-mux", action="store_true", help="with --ray: skip the 20-encoder multiplexing part")
     p.add_argument("--mux-only", action="store_true", help="with --ray: only the 20-encoder multiplexing part")
