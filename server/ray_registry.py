@@ -218,10 +218,6 @@ class SharedRegistry(EncoderRegistry):
 
     # -- the Ray Serve LRU ---------------------------------------------------------------------
 
-    def is_resident(self, key: str) -> bool:
-        """Loaded in this process (``is_loaded``)."""
-        return self.is_loaded(key)
-
     def unload(self, key: str) -> bool:
         """Detach ``key`` unless it is pinned (base, default, aliased) or in use; True if detached.
 

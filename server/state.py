@@ -83,8 +83,8 @@ class ServerState:
         self.backend = make_backend(s.backend, pool, s.state_dir / "onnx", s.onnx_threads,
                                     s.query_precision)
         registry = self.make_registry(state_dir=s.state_dir, pool=pool, space=index.space, backend=self.backend,
-                                   default_encoder=s.default_encoder, memory_budget=s.encoder_memory_bytes,
-                                   metrics=self.metrics)
+                                      default_encoder=s.default_encoder, memory_budget=s.encoder_memory_bytes,
+                                      metrics=self.metrics)
         registry.load_state()
         self.registry = registry
         self.backend.prepare(BASE_KEY)
@@ -96,7 +96,7 @@ class ServerState:
                 log.error("aliased encoder failed to load", extra={"domain": domain, "encoder": key,
                                                                    "error": str(e)})
         batcher = self.make_batcher(encode=self.backend.encode, search=index.search, truncated=self.truncated,
-                               window_s=s.batch_window_ms / 1000.0, max_batch=s.max_batch, metrics=self.metrics)
+                                    window_s=s.batch_window_ms / 1000.0, max_batch=s.max_batch, metrics=self.metrics)
         with self._close_lock:
             if self._closed:
                 index.close()
