@@ -10,6 +10,7 @@ import pytest
 from ..server.conftest import ADMIN, LiveServer, server_settings
 from .conftest import ray_settings, replica_stats, wait_ready
 
+STATE_DIRS: dict = {}
 QUERIES = ["chess game", "linux server network", "music audio video", "physics chemistry science",
            "python library tool", "search index query"]
 
@@ -23,8 +24,19 @@ def ray_url(ray_cluster, tmp_path_factory, tiny_model_dir, ray_index, ray_encode
     s = ray_settings(tmp, tiny_model_dir, ray_index, encoders_root=ray_encoders)
     url = deploy(s, replicas=2, max_encoders=2, replica_cpus=0.5)
     wait_ready(url, 2)
+    STATE_DIRS["ray"] = s.state_dir
     yield url
     serve.delete("qswap")
+
+
+def test_single_process_server_refused_on_the_replicas_state_dir(ray_url, tmp_path, tiny_model_dir, ray_index):
+    s = server_settings(tmp_path, tiny_model_dir, ray_index, read_only_index=True, state_dir=STATE_DIRS["ray"])
+    srv = LiveServer(s)
+    try:
+        with pytest.raises(RuntimeError, match="in use by another server"):
+            srv.start()
+    finally:
+        srv.stop()
 
 
 def admin(url: str) -> httpx.Client:
