@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from qswap.bench import bf16_quality, e2e_latency, forward, quality, hotswap, index_bench, naive_baseline, serving, tuning_speed
+from qswap.bench import ray_embed
 from qswap.bench.data import register as register_data
 
 # (subcommand, module, one-line help); each module has add_arguments(parser) and run(args).
@@ -22,6 +23,7 @@ BENCHMARKS = (
     ("index", index_bench, "recall@10, bytes/doc, latency, build time per (dim, quant, kind, rescore)"),
     ("tuning", tuning_speed, "steps/s of qswap tuning vs a sentence-transformers TripletLoss run"),
     ("hotswap", hotswap, "registration-to-first-served time and failed requests during swaps under load"),
+    ("embed", ray_embed, "documents/s of index build: in process vs --ray (Ray Data, --workers 1,2)"),
 )
 
 

@@ -54,12 +54,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "every encoder's export is ready")
     p.add_argument("--query-precision", choices=("fp32", "bf16"), default="fp32",
                    help="the server's --query-precision (torch backend; default: fp32)")
+    from qswap.bench import ray_serving
+    ray_serving.add_arguments(p)
 
 
 
 
 def run(args: argparse.Namespace) -> int:
     """``qswap bench serving``."""
+    if getattr(args, "ray", False):
+        from qswap.bench import ray_serving
+        return ray_serving.run(args)
     opts = LoadOptions.from_args(args, LOAD)
     quick, levels = opts.quick, opts.levels
     dirs = RunDirs.create(NAME, quick, args.out)

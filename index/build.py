@@ -46,6 +46,8 @@ from qswap.space import EmbeddingSpace
 log = logging.getLogger("qswap.index")
 
 Embed = Callable[[list[str]], np.ndarray]
+# (staging, n_docs, embed, full_dim, batch_size, chunk_rows, progress): write every missing chunk
+EmbedChunks = Callable[[Path, int, Embed, int, int, int, bool], None]
 STATE = "build.json"
 INGEST = "ingest.sqlite"
 CHUNKS = "chunks"
@@ -60,13 +62,16 @@ def staging_dir(out_dir: Path) -> Path:
 
 def build_index(corpus_path: Path, out_dir: Path, embed: Embed, space: EmbeddingSpace,
                 config: IndexConfig | None = None, on_bad_line: str = "stop", progress: bool = True, *,
-                format: str = "auto", model: str | None = None) -> DocumentIndex:
+                format: str = "auto", model: str | None = None,
+                embed_chunks: "EmbedChunks | None" = None) -> DocumentIndex:
     """Build (or resume building) the index of a JSONL/BEIR corpus into ``out_dir``.
 
     ``embed(texts)`` returns full-dimension L2-normalised float32 rows in the space
     ``space`` (the base model with its document prefix). Options left ``None`` in
     ``config`` are chosen by corpus size. An existing index at ``out_dir`` is replaced only
     when the new one is complete. Returns the new index, open for writing.
+    ``embed_chunks`` replaces the in-process embedding step (same arguments as
+    ``_embed_chunks``; :mod:`qswap.index.ray_build` passes one that runs on a Ray cluster).
     """
     if on_bad_line not in ("stop", "skip"):
         raise InvalidInputError(f"unknown on_bad_line {on_bad_line!r}", "use 'stop' or 'skip'")
@@ -104,7 +109,8 @@ def build_index(corpus_path: Path, out_dir: Path, embed: Embed, space: Embedding
                 _write_state(staging, state)
             n = int(state["n_docs"])
             cfg = config.resolve(n, space.dim)
-            _embed_chunks(staging, n, embed, space.dim, cfg.batch_size, int(state["chunk_rows"]), progress)
+            (embed_chunks or _embed_chunks)(staging, n, embed, space.dim, cfg.batch_size,
+                                            int(state["chunk_rows"]), progress)
             chunks = [_concat_chunks(staging, n, space.dim, int(state["chunk_rows"]))]
             build = {"corpus": want["corpus"], "corpus_sha256": corpus_sha, "format": format, "model": model,
                      "on_bad_line": on_bad_line, "documents": n, "bad_lines": state["bad_lines"],

@@ -9,6 +9,7 @@ so that ``import qswap.index`` stays free of torch.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -108,6 +109,12 @@ def register(subparsers: Any) -> None:
     b.add_argument("--batch-size", type=int, default=None, help="texts per embedding batch (default 64)")
     b.add_argument("--chunk-rows", type=int, default=None, help="documents per resumable chunk (default 4096)")
     b.add_argument("--no-progress", action="store_true")
+    r = b.add_argument_group("embedding on Ray (pip install 'qswap[ray]'; see docs/ray.md)")
+    r.add_argument("--ray", action="store_true", help="embed with Ray Data over a pool of embedder actors")
+    r.add_argument("--address", metavar="ADDR", help="Ray cluster to join (e.g. auto; default: start a local one)")
+    r.add_argument("--workers", type=int, default=1, help="embedder actors (default 1)")
+    r.add_argument("--gpus-per-worker", type=float, default=0.0, metavar="G", help="GPUs per actor (default 0)")
+    r.add_argument("--cpus-per-worker", type=float, default=1.0, metavar="C", help="CPUs per actor (default 1)")
     _add_config_args(b)
     b.set_defaults(func=cmd_build)
 
@@ -223,22 +230,48 @@ def _embedder_for(index: Any, given: str | None) -> Embedder:
 
 
 # ---------------------------------------------------------------------- handlers
+def document_embedder(model: str, precision: str = "fp32") -> Callable[[list[str]], Any]:
+    """``embed(texts)`` of ``model``'s document tower (what each Ray embedder actor builds)."""
+    return load_embedder(model, precision=precision).documents
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     cfg = _config_from(args)
     if args.backend == "milvus":
         if not args.uri or not args.collection or args.out:
             raise InvalidInputError("--backend milvus needs --uri and --collection (and no --out)",
                                     "e.g. --backend milvus --uri ./docs.db --collection docs")
+        if getattr(args, "ray", False):
+            raise InvalidInputError("--ray builds the faiss backend only", "drop --ray, or use --out")
     elif not args.out or args.uri or args.collection:
         raise InvalidInputError("the faiss backend needs --out (--uri/--collection are for --backend milvus)",
                                 "e.g. --out ./index")
+    if getattr(args, "ray", False) and (args.workers < 1 or args.gpus_per_worker < 0 or args.cpus_per_worker < 0):
+        raise InvalidInputError("--workers must be >= 1, --gpus-per-worker and --cpus-per-worker >= 0",
+                                "e.g. --workers 2 --gpus-per-worker 1")
     emb = load_embedder(args.model, precision=args.precision)
+    idx: IndexBackend
     if args.backend == "milvus":
         from qswap.index.backends.milvus import build_collection
-        idx: IndexBackend = build_collection(args.corpus, args.uri, args.collection, emb.documents, emb.space, cfg,
-                                             on_bad_line=args.on_bad_line, progress=not args.no_progress,
-                                             format=args.format, model=args.model, replace=args.replace)
+        idx = build_collection(args.corpus, args.uri, args.collection, emb.documents, emb.space, cfg,
+                               on_bad_line=args.on_bad_line, progress=not args.no_progress,
+                               format=args.format, model=args.model, replace=args.replace)
         where = f"milvus collection {args.collection!r} at {args.uri}"
+    elif getattr(args, "ray", False):
+        try:
+            from qswap.index.ray_build import build_index_on_ray, init_ray
+            import ray.data  # noqa: F401
+        except ModuleNotFoundError as e:
+            if e.name and e.name.split(".")[0] == "ray":
+                raise InvalidInputError("--ray needs Ray Data", "pip install 'qswap[ray]'") from None
+            raise
+        init_ray(args.address)
+        idx = build_index_on_ray(args.corpus, args.out, functools.partial(document_embedder, args.model,
+                                                                          args.precision),
+                                 emb.space, cfg, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
+                                 cpus_per_worker=args.cpus_per_worker, on_bad_line=args.on_bad_line,
+                                 progress=not args.no_progress, format=args.format, model=args.model)
+        where = str(args.out)
     else:
         idx = build_index(args.corpus, args.out, emb.documents, emb.space, cfg, on_bad_line=args.on_bad_line,
                           progress=not args.no_progress, format=args.format, model=args.model)

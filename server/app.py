@@ -48,12 +48,16 @@ def _limit_for(settings: ServerSettings):
     return limit
 
 
-def create_app(settings: ServerSettings | None = None, *, check: bool = True) -> FastAPI:
-    """Build the app; ``check=False`` skips the safety checks (only for schema generation)."""
-    settings = settings if settings is not None else ServerSettings()
+def create_app(settings: ServerSettings | None = None, *, check: bool = True,
+               state: ServerState | None = None) -> FastAPI:
+    """Build the app; ``check=False`` skips the safety checks (only for schema generation).
+
+    ``state`` replaces the default :class:`ServerState` (a Ray Serve replica passes its own,
+    which shares the registry and the index with the other replicas)."""
+    settings = settings if settings is not None else (state.settings if state is not None else ServerSettings())
     if check:
         settings.check()
-    state = ServerState(settings)
+    state = state if state is not None else ServerState(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -59,6 +59,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queries", type=int, help="queries per request at most (default 64)")
     p.add_argument("--encoder-memory-mb", type=int, help="memory budget of loaded adapters (default 1024)")
     p.add_argument("--log-format", choices=("json", "text"), default=None, help="log lines (default json)")
+    r = p.add_argument_group("scale-out on Ray (pip install 'qswap[ray]'; see docs/ray.md)")
+    r.add_argument("--ray", action="store_true", help="serve with Ray Serve: replicas share the registry "
+                   "(--state-dir) and the index (--index), encoders are multiplexed models")
+    r.add_argument("--address", metavar="ADDR", help="Ray cluster to join (e.g. auto, ray://head:10001; "
+                   "default: start a local one)")
+    r.add_argument("--replicas", default="1", metavar="N|auto", help="Ray Serve num_replicas (default 1)")
+    r.add_argument("--autoscaling", metavar="JSON", help="Ray Serve autoscaling_config, passed through "
+                   "(e.g. '{\"min_replicas\": 1, \"max_replicas\": 4}'); overrides --replicas")
+    r.add_argument("--max-encoders-per-replica", type=int, default=8, metavar="M",
+                   help="encoders each replica keeps loaded (Ray Serve multiplexing LRU, default 8)")
+    r.add_argument("--replica-cpus", type=float, default=1.0, metavar="C", help="CPUs reserved per replica "
+                   "(Ray resource accounting, default 1)")
+    r.add_argument("--replica-threads", type=int, default=None, metavar="T", help="torch/FAISS threads per "
+                   "replica (default: Ray's, = --replica-cpus)")
+    r.add_argument("--max-ongoing-requests", type=int, default=None, metavar="R", help="Ray Serve "
+                   "max_ongoing_requests per replica (default: --max-batch, so a micro-batch can fill)")
     p.add_argument("--write-openapi", type=Path, metavar="PATH",
                    help="write the OpenAPI schema to PATH and exit (the committed copy: server/openapi.json)")
     p.set_defaults(func=_serve)
@@ -103,6 +119,8 @@ def _serve(args: argparse.Namespace) -> int:
                     "set QSWAP_ADMIN_TOKEN (or --insecure for local use) to enable them")
     elif settings.admin_mode == "insecure":
         log.warning("--insecure: admin routes are open to loopback clients without a token")
+    if getattr(args, "ray", False):
+        return _serve_ray(args, settings)
     app = create_app(settings)
     log.info("starting", extra={"url": f"http://{settings.host}:{settings.port}", "admin": settings.admin_mode,
                                 "index": str(settings.index or "demo"), "model": settings.model})
@@ -111,3 +129,46 @@ def _serve(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=settings.host, port=settings.port, workers=1, loop="auto", http="auto",
                 access_log=False, log_config=None, server_header=False)
     return 0
+
+
+def _serve_ray(args: argparse.Namespace, settings) -> int:
+    import json
+
+    from qswap.errors import InvalidInputError
+    try:
+        from qswap.server.ray_serve import serve_forever
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] == "ray":
+            raise InvalidInputError("--ray needs Ray Serve", "pip install 'qswap[ray]'") from None
+        raise
+    replicas: int | str = args.replicas
+    if replicas != "auto":
+        try:
+            replicas = int(replicas)
+        except ValueError:
+            raise InvalidInputError(f"--replicas must be a number or 'auto', got {args.replicas!r}",
+                                    "e.g. --replicas 2") from None
+        if replicas < 1:
+            raise InvalidInputError(f"--replicas must be at least 1, got {replicas}", "e.g. --replicas 2")
+    autoscaling = None
+    if args.autoscaling:
+        try:
+            autoscaling = json.loads(args.autoscaling)
+        except json.JSONDecodeError as e:
+            raise InvalidInputError(f"--autoscaling is not JSON: {e}",
+                                    "e.g. --autoscaling '{\"min_replicas\": 1, \"max_replicas\": 4}'") from None
+        if not isinstance(autoscaling, dict):
+            raise InvalidInputError("--autoscaling must be a JSON object", "see Ray Serve's autoscaling_config")
+    if args.max_encoders_per_replica < 1:
+        raise InvalidInputError(f"--max-encoders-per-replica must be at least 1, got {args.max_encoders_per_replica}",
+                                "e.g. --max-encoders-per-replica 8")
+    if args.replica_threads is not None and args.replica_threads < 1:
+        raise InvalidInputError(f"--replica-threads must be at least 1, got {args.replica_threads}",
+                                "e.g. --replica-threads 2")
+    if args.max_ongoing_requests is not None and args.max_ongoing_requests < 1:
+        raise InvalidInputError(f"--max-ongoing-requests must be at least 1, got {args.max_ongoing_requests}",
+                                "e.g. --max-ongoing-requests 64")
+    return serve_forever(settings, address=args.address, replicas=replicas,
+                         max_encoders=args.max_encoders_per_replica, autoscaling=autoscaling,
+                         replica_cpus=args.replica_cpus, replica_threads=args.replica_threads,
+                         max_ongoing_requests=args.max_ongoing_requests)

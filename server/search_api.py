@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
@@ -44,8 +43,7 @@ async def search(body: SearchRequest, request: Request) -> Response:
     request.state.encoder = key
     submitted = False
     try:
-        if not reg.is_loaded(key):
-            await asyncio.to_thread(reg.ensure_loaded, key)   # first use after start or eviction
+        await state.prepare_encoder(key)   # first use after start or eviction
         submitted = True   # from here the batcher releases the reference, exactly once
         out = await state.batcher.search(texts, key, k, body.filter, body.with_text,
                                          on_done=lambda: reg.release(key))

@@ -7,6 +7,7 @@ once and ``/readyz`` turns 200 when everything is in place.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import tempfile
 import threading
@@ -72,12 +73,7 @@ class ServerState:
         s = self.settings
         base = load_base(s.model, device=s.device)
         self.base = base
-        if s.index is not None:
-            from qswap.index.backends import open_index  # a folder (FAISS) or milvus://...
-            index = open_index(s.index, read_only=s.read_only_index)
-        else:
-            from qswap.server.demo import open_demo_index
-            index = open_demo_index(base)
+        index = self.open_index(base)
         self.index = index
         # Queries from this base must be comparable with the index's documents.
         index.space.require_same(base.space, f"base model {base.name} against index")
@@ -86,9 +82,9 @@ class ServerState:
         self.pool = pool
         self.backend = make_backend(s.backend, pool, s.state_dir / "onnx", s.onnx_threads,
                                     s.query_precision)
-        registry = EncoderRegistry(state_dir=s.state_dir, pool=pool, space=index.space, backend=self.backend,
-                                   default_encoder=s.default_encoder, memory_budget=s.encoder_memory_bytes,
-                                   metrics=self.metrics)
+        registry = self.make_registry(state_dir=s.state_dir, pool=pool, space=index.space, backend=self.backend,
+                                      default_encoder=s.default_encoder, memory_budget=s.encoder_memory_bytes,
+                                      metrics=self.metrics)
         registry.load_state()
         self.registry = registry
         self.backend.prepare(BASE_KEY)
@@ -99,8 +95,8 @@ class ServerState:
             except QswapError as e:   # the alias still resolves; its requests will get this error
                 log.error("aliased encoder failed to load", extra={"domain": domain, "encoder": key,
                                                                    "error": str(e)})
-        batcher = MicroBatcher(encode=self.backend.encode, search=index.search, truncated=self.truncated,
-                               window_s=s.batch_window_ms / 1000.0, max_batch=s.max_batch, metrics=self.metrics)
+        batcher = self.make_batcher(encode=self.backend.encode, search=index.search, truncated=self.truncated,
+                                    window_s=s.batch_window_ms / 1000.0, max_batch=s.max_batch, metrics=self.metrics)
         with self._close_lock:
             if self._closed:
                 index.close()
@@ -109,6 +105,30 @@ class ServerState:
             self.batcher = batcher
             self.ready = True
             self.metrics.ready.set(1)
+
+    def make_registry(self, **kw: Any) -> EncoderRegistry:
+        """The encoder registry (a Ray replica makes one shared with the other replicas)."""
+        return EncoderRegistry(**kw)
+
+    def make_batcher(self, **kw: Any) -> MicroBatcher:
+        """The batch worker (a Ray replica wraps it to route requests to other replicas)."""
+        return MicroBatcher(**kw)
+
+    def open_index(self, base: BaseModel) -> Any:
+        """The document index this server searches (a Ray replica opens a shared view instead)."""
+        s = self.settings
+        if s.index is not None:
+            from qswap.index.backends import open_index  # a folder (FAISS) or milvus://...
+            return open_index(s.index, read_only=s.read_only_index)
+        from qswap.server.demo import open_demo_index
+        return open_demo_index(base)
+
+    async def prepare_encoder(self, key: str) -> None:
+        """Make ``key`` ready to encode before a search is queued (first use after start or
+        eviction). A Ray replica leaves this to the replica its request is routed to."""
+        assert self.registry is not None
+        if not self.registry.is_loaded(key):
+            await asyncio.to_thread(self.registry.ensure_loaded, key)
 
     def close(self) -> None:
         """Stop the worker (in-flight batch finishes) and release the index."""

@@ -1,0 +1,102 @@
+"""A real local Ray cluster (one per test module) serving a real index with tiny models."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from ..encoders.adapters import make_lora
+from ..server.conftest import ADMIN, make_docs
+
+pytest.importorskip("ray.serve", reason="qswap[ray] is not installed")
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """A local Ray cluster for this module (small, no dashboard)."""
+    import ray
+    from ray import serve
+    # What `qswap serve --ray` sets for a cluster it starts (qswap.index.ray_build.init_ray).
+    os.environ.setdefault("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "0")
+    os.environ.setdefault("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "0")
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        yield
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("raycorpus")
+    p = d / "corpus.jsonl"
+    p.write_text("".join(json.dumps(doc) + "\n" for doc in make_docs(60, seed=3)))
+    return p
+
+
+@pytest.fixture(scope="module")
+def ray_index(tmp_path_factory: pytest.TempPathFactory, tiny_base, ray_corpus) -> Path:
+    from qswap.index import build_index
+    out = tmp_path_factory.mktemp("rayidx") / "idx"
+    build_index(ray_corpus, out, tiny_base.encode_documents, tiny_base.space, progress=False).close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ray_encoders(tmp_path_factory: pytest.TempPathFactory, tiny_base) -> Path:
+    root = tmp_path_factory.mktemp("rayenc")
+    for i in range(4):
+        make_lora(tiny_base, root / f"e{i}", f"enc{i}", seed=20 + i, version="1")
+    make_lora(tiny_base, root / "e0v2", "enc0", seed=40, version="2")
+    return root
+
+
+def ray_settings(tmp: Path, model_dir: Path, index: Path, **kw: Any):
+    from qswap.bench.processes import free_port
+    from qswap.server.config import ServerSettings
+    base = dict(host="127.0.0.1", port=free_port(), model=str(model_dir), index=index, device="cpu",
+                state_dir=tmp / "state", batch_window_ms=2.0, log_json=True, admin_token=ADMIN)
+    base.update(kw)
+    return ServerSettings(**base)
+
+
+def wait_ready(url: str, replicas: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=url, timeout=10) as c:
+        while True:
+            try:
+                if c.get("/readyz").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} not ready")
+            time.sleep(0.1)
+
+
+def replica_stats(app_name: str = "qswap", want: int = 2, tries: int = 60) -> dict[str, dict[str, Any]]:
+    """Stats of every replica (the handle picks replicas at random: ask until all answered)."""
+    from ray import serve
+    h = serve.get_deployment_handle("QswapReplica", app_name=app_name)
+    seen: dict[str, dict[str, Any]] = {}
+    for _ in range(tries):
+        try:
+            s = h.replica_stats.remote().result(timeout_s=10)
+        except Exception:  # noqa: BLE001 - a replica that just died; ask again
+            time.sleep(0.1)
+            continue
+        seen[s["replica"]] = s
+        if len(seen) >= want:
+            break
+    return seen

@@ -1,0 +1,241 @@
+"""qswap serve --ray: two replicas on a local Ray cluster against the single-process server."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import httpx
+import pytest
+
+from ..server.conftest import ADMIN, LiveServer, server_settings
+from .conftest import ray_settings, replica_stats, wait_ready
+
+STATE_DIRS: dict = {}
+QUERIES = ["chess game", "linux server network", "music audio video", "physics chemistry science",
+           "python library tool", "search index query"]
+
+
+@pytest.fixture(scope="module")
+def ray_url(ray_cluster, tmp_path_factory, tiny_model_dir, ray_index, ray_encoders) -> Iterator[str]:
+    from ray import serve
+
+    from qswap.server.ray_serve import deploy
+    tmp = tmp_path_factory.mktemp("rayserve")
+    s = ray_settings(tmp, tiny_model_dir, ray_index, encoders_root=ray_encoders)
+    url = deploy(s, replicas=2, max_encoders=2, replica_cpus=0.5)
+    wait_ready(url, 2)
+    STATE_DIRS["ray"] = s.state_dir
+    yield url
+    serve.delete("qswap")
+
+
+def test_single_process_server_refused_on_the_replicas_state_dir(ray_url, tmp_path, tiny_model_dir, ray_index):
+    s = server_settings(tmp_path, tiny_model_dir, ray_index, read_only_index=True, state_dir=STATE_DIRS["ray"])
+    srv = LiveServer(s)
+    try:
+        with pytest.raises(RuntimeError, match="in use by another server"):
+            srv.start()
+    finally:
+        srv.stop()
+
+
+def admin(url: str) -> httpx.Client:
+    return httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {ADMIN}"})
+
+
+def test_same_hits_as_single_process(ray_url, tmp_path, tiny_model_dir, ray_index, ray_encoders):
+    # the single-process server over a copy-free read-only open of the same index
+    s = server_settings(tmp_path, tiny_model_dir, ray_index, read_only_index=True, encoders_root=ray_encoders,
+                        admin_token=ADMIN)
+    with LiveServer(s) as single, admin(ray_url) as rc, single.client(ADMIN) as sc:
+        for c in (rc, sc):
+            r = c.post("/v1/encoders", json={"path": "e1"})
+            assert r.status_code in (200, 201), r.text
+        for enc in (None, "enc1@1"):
+            for q in QUERIES:
+                body = {"query": q, "k": 5, **({"encoder": enc} if enc else {})}
+                a = rc.post("/v1/search", json=body)
+                b = sc.post("/v1/search", json=body)
+                assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
+                ha = [(h["id"], round(h["score"], 5)) for h in a.json()["results"][0]["hits"]]
+                hb = [(h["id"], round(h["score"], 5)) for h in b.json()["results"][0]["hits"]]
+                assert ha == hb and len(ha) == 5
+                assert a.json()["results"][0]["encoder"]["key"] == (enc or "base")
+
+
+def _search(c: httpx.Client, **body) -> httpx.Response:
+    return c.post("/v1/search", json={"query": "chess game", "k": 3, **body})
+
+
+def test_registration_on_one_replica_is_served_by_the_other(ray_url):
+    before = replica_stats()
+    assert len(before) == 2
+    with admin(ray_url) as c:
+        r = c.post("/v1/encoders", json={"path": "e2"})
+        assert r.status_code == 201, r.text
+        # Every request right after the acknowledgement: whichever replica admits it knows enc2.
+        for _ in range(30):
+            r = _search(c, encoder="enc2")
+            assert r.status_code == 200, r.text
+            assert r.json()["results"][0]["encoder"]["key"] == "enc2@1"
+        # Same 4xx as one process for an unknown encoder and a reserved name.
+        r = _search(c, encoder="nope")
+        assert r.status_code == 404 and r.json()["error"] == "not_found"
+        r = c.post("/v1/encoders", json={"path": "../x"})
+        assert r.status_code == 400 and set(r.json()) >= {"error", "detail", "hint"}
+    after = replica_stats()
+    def admitted_by(st: dict) -> int:
+        return st["local"] + st["forwarded"] + st["overflow_local"]
+    admitted = {rid: admitted_by(after[rid]) - admitted_by(before[rid]) for rid in after}
+    # Both replicas admitted requests for the encoder registered through one of them.
+    assert all(n > 0 for n in admitted.values()), admitted
+
+    # A deletion through one replica: within 1 s no replica knows the encoder any more.
+    import time
+    with admin(ray_url) as c:
+        assert c.delete("/v1/encoders/enc2@1").status_code == 200
+        t0 = time.monotonic()
+        while True:
+            tables = replica_stats()
+            if len(tables) == 2 and all(t["registered"] is not None and "enc2@1" not in t["registered"]
+                                        for t in tables.values()):
+                break
+            assert time.monotonic() - t0 < 1.0, "deletion not seen by every replica within 1 s"
+        for _ in range(6):
+            r = _search(c, encoder="enc2@1")
+            assert r.status_code == 404 and r.json()["error"] == "not_found"
+
+
+def test_alias_switch_seen_everywhere_and_fails_nothing_under_load(ray_url):
+    import threading
+    import time
+    with admin(ray_url) as c:
+        for p in ("e1", "e3"):
+            assert c.post("/v1/encoders", json={"path": p}).status_code in (200, 201)
+        assert c.put("/v1/aliases/legal", json={"encoder": "enc1@1"}).status_code == 200
+    stop = threading.Event()
+    results: list[tuple[int, str | None]] = []
+
+    def load() -> None:
+        with httpx.Client(base_url=ray_url, timeout=30) as cl:
+            while not stop.is_set():
+                r = _search(cl, domain="legal")
+                results.append((r.status_code, r.json()["results"][0]["encoder"]["key"] if r.status_code == 200 else r.text))
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    lags = []
+    try:
+        with admin(ray_url) as c:
+            for target in ("enc3@1", "enc1@1", "enc3@1", "enc1@1"):
+                r = c.put("/v1/aliases/legal", json={"encoder": target})
+                assert r.status_code == 200, r.text
+                t0 = time.monotonic()
+                # every replica's alias table has the new target within 1 s
+                while True:
+                    ts = time.monotonic()
+                    tables = replica_stats()
+                    if len(tables) == 2 and all(t["aliases"].get("legal") == target for t in tables.values()):
+                        break
+                    assert ts - t0 < 1.0, f"alias switch to {target} not seen by every replica within 1 s"
+                lags.append(ts - t0)
+                assert {_search(c, domain="legal").json()["results"][0]["encoder"]["key"] for _ in range(4)} == {target}
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    failed = [r for r in results if r[0] != 200]
+    assert len(results) > 20 and not failed, failed[:3]
+    assert {k for _, k in results} <= {"enc1@1", "enc3@1"}
+
+
+def test_upsert_through_one_replica_is_visible_on_all(ray_url):
+    import time
+    with admin(ray_url) as c:
+        doc = {"id": "new-doc", "text": "puzzle puzzle puzzle chess chess", "metadata": {"section": "games"}}
+        r = c.post("/v1/documents", json={"documents": [doc]})
+        assert r.status_code == 200, r.text
+        count = r.json()["count"]
+        t0 = time.monotonic()
+        while True:
+            gens = {s["index_generation"] for s in replica_stats().values()}
+            if len(gens) == 1:
+                break
+            assert time.monotonic() - t0 < 1.0, gens
+            time.sleep(0.05)
+        for _ in range(10):   # both replicas answer it
+            hits = _search(c, query="puzzle puzzle puzzle chess chess", k=1).json()["results"][0]["hits"]
+            assert hits[0]["id"] == "new-doc"
+            assert c.get("/readyz").json()["index_documents"] == count
+        r = c.request("DELETE", "/v1/documents", json={"ids": ["new-doc"]})
+        assert r.status_code == 200 and r.json()["deleted"] == 1
+
+
+def test_killed_replica_loses_no_registration_and_fails_only_its_in_flight(ray_url):
+    import os
+    import signal
+    import threading
+    import time
+    stats = replica_stats()
+    victim = sorted(stats.values(), key=lambda s: s["pid"])[0]
+    stop = threading.Event()
+    spans: list[tuple[float, float, int]] = []
+    acked: list[str] = []
+
+    def load() -> None:
+        with httpx.Client(base_url=ray_url, timeout=30) as cl:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    code = _search(cl, encoder="enc1@1").status_code
+                except httpx.HTTPError:
+                    code = -1
+                spans.append((t0, time.monotonic(), code))
+
+    def register() -> None:
+        with admin(ray_url) as cl:
+            for p in ("e0", "e0v2"):
+                for _ in range(50):
+                    try:
+                        r = cl.post("/v1/encoders", json={"path": p})
+                    except httpx.HTTPError:
+                        continue
+                    if r.status_code in (200, 201):
+                        acked.append(r.json()["encoder"]["key"])
+                        break
+                    time.sleep(0.1)
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    reg = threading.Thread(target=register)
+    reg.start()
+    t_kill = time.monotonic()
+    os.kill(victim["pid"], signal.SIGKILL)
+    reg.join()
+    time.sleep(2.0)
+    stop.set()
+    for t in threads:
+        t.join()
+    in_flight = [s for s in spans if s[0] <= t_kill <= s[1]]
+    failed = [s for s in spans if s[2] != 200]
+    assert len(spans) > 20
+    # every failure was a request in flight when the replica died, and no more than those
+    assert all(s[0] <= t_kill <= s[1] for s in failed), failed
+    assert len(failed) <= len(in_flight), (len(failed), len(in_flight))
+    assert sorted(acked) == ["enc0@1", "enc0@2"]
+    # the replacement replica comes up and every replica lists every acknowledged encoder
+    deadline = time.monotonic() + 60
+    while True:
+        now = replica_stats()
+        if len(now) == 2 and victim["replica"] not in now:
+            break
+        assert time.monotonic() < deadline, "no replacement replica"
+        time.sleep(0.5)
+    with admin(ray_url) as c:
+        for _ in range(10):
+            keys = {e["key"] for e in c.get("/v1/encoders").json()["encoders"]}
+            assert {"enc0@1", "enc0@2", "enc1@1", "enc3@1"} <= keys and "enc2@1" not in keys
+            assert _search(c, encoder="enc0@2").status_code == 200
