@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from qswap import DEFAULT_MODEL
 from qswap.beir import available_languages, load_beir
 from qswap.bench.results import ResultWriter, md_table
 
@@ -27,7 +28,7 @@ def register(sub: Any) -> argparse.ArgumentParser:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--beir", type=Path, required=True, help="BEIR directory (e.g. from `qswap bench data debian`)")
     p.add_argument("--langs", default=None, help="query languages (default: all in the directory)")
-    p.add_argument("--model", default="multilingual-e5-small")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--out", type=Path, default=None, help="results directory (default bench/results/bf16_quality)")
     p.set_defaults(func=main)
     return p

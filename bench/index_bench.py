@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qswap import DEFAULT_MODEL
 from qswap.bench.results import ResultWriter, md_table, results_dir_for
 from qswap.bench.plots import pareto_front, plot_lines, plot_pareto
 from qswap.bench.stats import summarize
@@ -103,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--real-debian", type=int, default=None, metavar="N",
                    help="also measure real embeddings: N Debian one-line descriptions embedded by --model "
                         "(cached; default 30000 in full mode, 0 = skip; quick 0)")
-    p.add_argument("--model", default="multilingual-e5-small", help="model of --real-debian")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model of --real-debian")
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop building new index shapes after this many seconds (default 360 for the "
                         "synthetic set, 40 %% of it for the real one; the rest is listed as skipped)")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 
+from qswap import DEFAULT_MODEL
 from qswap.bench.results import ResultWriter, md_table
 
 
@@ -44,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
 
     writer = ResultWriter("quality", args.out)
     art = load_encoder(args.encoder)
-    base = load_base(art.manifest.space.get("name", "multilingual-e5-small"))
+    base = load_base(art.manifest.space.get("name", DEFAULT_MODEL))
     pool = EncoderPool(base)
     pool.add(load_encoder(args.encoder, base.space))
     seen_split = split_samples(read_beir(args.beir, args.train_lang).samples(), args.val_size, args.test_size, args.seed)

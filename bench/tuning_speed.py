@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qswap import DEFAULT_MODEL
 from qswap.bench.results import ResultWriter, md_table, results_dir_for
 from qswap.bench.stats import interleaved, ratio_summary, summarize
 from qswap.bench.plots import plot_bars
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     from qswap.encoders.bundled import BUNDLED, resolve_bundled
 
     quick = bool(args.quick)
-    model = args.model or ("all-minilm-l6-v2" if quick else "multilingual-e5-small")
+    model = args.model or ("all-minilm-l6-v2" if quick else DEFAULT_MODEL)
     n = args.samples or (60 if quick else 300)
     epoch_batches = args.epoch_batches or (2 if quick else 20)
     max_epochs = args.max_epochs or (2 if quick else 8)

@@ -3,13 +3,19 @@
 Package map (dependency arrows point one way):
 
 - ``qswap.space``, ``qswap.errors``, ``qswap.atomic``, ``qswap.paths``, ``qswap.locks``,
-  ``qswap.beir``: shared types and helpers every package may import (the embedding-space
-  fingerprint, named errors, atomic file writes, the BEIR dataset reader).
+  ``qswap.beir``, ``qswap.plotting``, ``qswap.matryoshka``: shared types and helpers every package may import (the
+  embedding-space fingerprint, named errors, atomic file writes, file locks, the BEIR dataset
+  reader, matplotlib set-up, Matryoshka truncation); they import no package.
 - ``qswap.encoders``: base models and query-encoder adapters.
 - ``qswap.index``: the FAISS document index on disk.
 - ``qswap.tuning``: adiabatic query-tower tuning -> ``qswap.encoders``, ``qswap.index``.
 - ``qswap.server``: the HTTP search service -> ``qswap.index``, ``qswap.encoders``.
-  Nothing imports it but the CLI.
+  Nothing imports it but the CLI. It may use ``qswap.tuning.guard`` (registration guard).
+- ``qswap.bench``: benchmarks -> every package but the server's code (servers run as processes).
+- ``qswap.cli`` (folder ``cli/``): the ``qswap`` command, above all packages; nothing imports it.
 """
 
 __version__ = "0.1.0"
+
+#: The base model (a frozen text tower) used when none is named: one spelling for every command.
+DEFAULT_MODEL = "multilingual-e5-small"

@@ -6,12 +6,12 @@ in memory and encodes rows of different encoders together.
 """
 
 from qswap.encoders.artifact import (EncoderArtifact, EncoderManifest, load_encoder,
-                                     read_manifest, save_encoder)
-from qswap.encoders.base import BaseModel, load_base
+                                     read_encoder_manifest, save_encoder)
+from qswap.encoders.base import BaseEncoder, load_base
 from qswap.encoders.embedding import BaseSpec, embed_batch, tokenize_batch
 from qswap.matryoshka import truncate
 from qswap.encoders.pool import BASE_KEY, EncoderPool
 
-__all__ = ["BASE_KEY", "BaseModel", "BaseSpec", "EncoderArtifact", "EncoderManifest", "EncoderPool",
-           "embed_batch", "load_base", "load_encoder", "read_manifest", "save_encoder",
+__all__ = ["BASE_KEY", "BaseEncoder", "BaseSpec", "EncoderArtifact", "EncoderManifest", "EncoderPool",
+           "embed_batch", "load_base", "load_encoder", "read_encoder_manifest", "save_encoder",
            "tokenize_batch", "truncate"]

@@ -34,7 +34,7 @@ from qswap.encoders.kinds.partial import TENSOR_FILE  # noqa: F401  (re-exported
 from qswap.errors import IntegrityError, InvalidInputError, NotFoundError
 from qswap.space import EmbeddingSpace
 
-MANIFEST = "manifest.json"
+ENCODER_MANIFEST = "manifest.json"
 LORA_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _MAX_FILE_NAME = 255   # bytes, as most file systems allow
@@ -44,7 +44,7 @@ def bad_file_name(name: str) -> str | None:
     """Why ``name`` cannot be a file of an encoder directory (``None`` if it can)."""
     if not isinstance(name, str) or not name:
         return "an empty name"
-    if name == MANIFEST:
+    if name == ENCODER_MANIFEST:
         return "the manifest itself"
     if "\x00" in name:
         return "a NUL byte"
@@ -141,7 +141,7 @@ def save_encoder(out_dir: Path, *, name: str, version: str, kind: str, space: Em
         manifest = EncoderManifest(name=name, version=version, kind=kind, space=space.to_dict(),
                                    files=files, training=training, guard=guard,
                                    created_at=time.time(), qswap_version=__version__)
-        atomic_write_json(staging / MANIFEST, manifest.model_dump())
+        atomic_write_json(staging / ENCODER_MANIFEST, manifest.model_dump())
         replace_dir(staging, out_dir)
     finally:
         if staging.exists():
@@ -149,12 +149,12 @@ def save_encoder(out_dir: Path, *, name: str, version: str, kind: str, space: Em
     return manifest
 
 
-def read_manifest(path: Path) -> EncoderManifest:
+def read_encoder_manifest(path: Path) -> EncoderManifest:
     """Parse ``manifest.json`` of an encoder directory (no checksum verification)."""
     path = Path(path)
-    mf = path / MANIFEST
+    mf = path / ENCODER_MANIFEST
     if not mf.exists():
-        raise NotFoundError(f"{path} is not an encoder directory (no {MANIFEST})",
+        raise NotFoundError(f"{path} is not an encoder directory (no {ENCODER_MANIFEST})",
                             "point to a directory written by `qswap tune run` or save_encoder")
     try:
         return EncoderManifest.model_validate(json.loads(mf.read_text()))
@@ -194,7 +194,7 @@ def load_encoder(path: Path, expected_space: EmbeddingSpace | None = None) -> En
     values) before reading tensors; :meth:`EncoderPool.add` checks the rest against the base.
     """
     path = Path(path)
-    manifest = read_manifest(path)
+    manifest = read_encoder_manifest(path)
     verify_files(path, manifest)
     if expected_space is not None:
         expected_space.require_same(manifest.embedding_space(), f"encoder {manifest.key}")

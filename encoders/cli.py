@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from qswap import DEFAULT_MODEL
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("encoders", help="base models and query-encoder directories",
@@ -25,12 +27,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=_info)
 
     c = s.add_parser("base", help="show a base model's embedding space fingerprint")
-    c.add_argument("source", nargs="?", default="multilingual-e5-small",
+    c.add_argument("source", nargs="?", default=DEFAULT_MODEL,
                    help="bundled name (multilingual-e5-small, all-minilm-l6-v2) or a model directory")
     c.set_defaults(func=_base)
 
     c = s.add_parser("memory", help="memory each extra encoder costs, by kind, over one shared base")
-    c.add_argument("--base", default="multilingual-e5-small")
+    c.add_argument("--base", default=DEFAULT_MODEL)
     c.add_argument("--lora-rank", type=int, default=32)
     c.set_defaults(func=_memory)
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 
 from qswap.encoders.artifact import load_encoder, save_encoder
-from qswap.encoders.base import BaseModel
+from qswap.encoders.base import BaseEncoder
 from qswap.encoders.pool import EncoderPool
 
 
-def _lora_dir(base: BaseModel, out: Path, rank: int) -> Path:
+def _lora_dir(base: BaseEncoder, out: Path, rank: int) -> Path:
     from peft import LoraConfig, get_peft_model
     targets = ["query", "key", "value", "dense"]
     m = get_peft_model(copy.deepcopy(base.model), LoraConfig(r=rank, lora_alpha=rank, target_modules=targets))
@@ -21,7 +21,7 @@ def _lora_dir(base: BaseModel, out: Path, rank: int) -> Path:
     return out
 
 
-def memory_by_kind(base: BaseModel, lora_rank: int = 32) -> list[dict[str, object]]:
+def memory_by_kind(base: BaseEncoder, lora_rank: int = 32) -> list[dict[str, object]]:
     """Bytes each encoder kind adds to a pool over ``base`` (the base itself is counted once).
 
     Kinds as tuning writes them: ``bias`` (every bias), ``partial`` (every transformer block,

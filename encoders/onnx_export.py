@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qswap.encoders.base import BaseModel
+from qswap.encoders.base import BaseEncoder
 from qswap.encoders.embedding import tokenize_batch
 from qswap.encoders.pooling import pool
 from qswap.errors import IntegrityError
@@ -81,7 +81,7 @@ def word_embedding_name(model: torch.nn.Module) -> str:
                          "use a standard Hugging Face encoder as base")
 
 
-def own_tensors(base: BaseModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def own_tensors(base: BaseEncoder, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors of ``state`` that are not the base's own storage (the adapter's effect)."""
     ref = base.model.state_dict()
     out = {}
@@ -92,7 +92,7 @@ def own_tensors(base: BaseModel, state: dict[str, torch.Tensor]) -> dict[str, to
     return out
 
 
-def encoder_digest(base: BaseModel, own: dict[str, torch.Tensor], variant: str) -> str:
+def encoder_digest(base: BaseEncoder, own: dict[str, torch.Tensor], variant: str) -> str:
     """Content hash of an encoder export: base space, the adapter's tensors, export format."""
     h = hashlib.sha256(f"{EXPORT_FORMAT}|{OPSET}|{variant}|{base.space.fingerprint}".encode())
     for name in sorted(own):
@@ -113,7 +113,7 @@ def _set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
         raise IntegrityError(f"tensor {name!r} is not in the base model", "the adapter does not fit this base")
 
 
-def build_module(base: BaseModel, own: dict[str, torch.Tensor]) -> PooledEncoder:
+def build_module(base: BaseEncoder, own: dict[str, torch.Tensor]) -> PooledEncoder:
     """A :class:`PooledEncoder` over a storage-sharing copy of the base with ``own`` substituted.
 
     The copy shares every base tensor (no weight memory), its word embeddings are replaced by
@@ -134,13 +134,13 @@ def build_module(base: BaseModel, own: dict[str, torch.Tensor]) -> PooledEncoder
     return PooledEncoder(model, base.spec.pooling, base.spec.normalize).eval()
 
 
-def probe_inputs(base: BaseModel, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def probe_inputs(base: BaseEncoder, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Padded probe batch (embeddings gathered from ``table``, mask) from fixed query texts."""
     ids, mask = tokenize_batch(base.tokenizer, list(_PROBES), base.spec.query_prefix)
     return np.ascontiguousarray(table[ids.numpy()], dtype=np.float32), mask.numpy()
 
 
-def export_onnx(base: BaseModel, own: dict[str, torch.Tensor], out_dir: Path, *,
+def export_onnx(base: BaseEncoder, own: dict[str, torch.Tensor], out_dir: Path, *,
                 optimize_for: str | None = "cpu") -> dict[str, Any]:
     """Write ``model.onnx`` (and ``word_embeddings.npy`` if the adapter owns one) to ``out_dir``.
 
@@ -183,7 +183,7 @@ def export_onnx(base: BaseModel, own: dict[str, torch.Tensor], out_dir: Path, *,
             "own_word_embeddings": wname in own, "own_tensors": len(own)}
 
 
-def _fuse(path: Path, base: BaseModel, use_gpu: bool) -> dict[str, int]:
+def _fuse(path: Path, base: BaseEncoder, use_gpu: bool) -> dict[str, int]:
     """Apply ONNX Runtime's BERT fusions in place; keep the plain graph if they fail."""
     cfg = base.model.config
     try:

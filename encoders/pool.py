@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from qswap.encoders.artifact import EncoderArtifact
-from qswap.encoders.base import BaseModel
+from qswap.encoders.base import BaseEncoder
 from qswap.encoders.embedding import embed_batch, sorted_batches
 from qswap.encoders.kinds import AdapterKind, Attached, get_kind
 from qswap.encoders.lowrank import LowRankDeltas
@@ -56,9 +56,9 @@ def _sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class EncoderPool:
-    """Query encoders sharing one frozen :class:`BaseModel`; thread-safe."""
+    """Query encoders sharing one frozen :class:`BaseEncoder`; thread-safe."""
 
-    def __init__(self, base: BaseModel) -> None:
+    def __init__(self, base: BaseEncoder) -> None:
         self.base = base
         self._module: torch.nn.Module = _sharing_copy(base.model)
         self._deltas = LowRankDeltas(self._module)

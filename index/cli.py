@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from qswap import DEFAULT_MODEL
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapError
 from qswap.index.backends import BACKENDS, IndexBackend, is_milvus, open_index
 from qswap.index.build import build_index
@@ -29,7 +30,6 @@ from qswap.index.evaluate import evaluate
 from qswap.index.backends.faiss import DocumentIndex
 from qswap.space import EmbeddingSpace
 
-DEFAULT_MODEL = "multilingual-e5-small"
 _ADD_BATCH = 1000
 
 

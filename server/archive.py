@@ -12,7 +12,7 @@ import zlib
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from qswap.encoders.artifact import MANIFEST
+from qswap.encoders.artifact import ENCODER_MANIFEST
 from qswap.errors import InvalidInputError
 
 _CHUNK = 1 << 20
@@ -89,10 +89,10 @@ def extract_encoder_archive(fileobj: BinaryIO, dest: Path, *, max_bytes: int, ma
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
         raise InvalidInputError(f"not a readable .tar.gz archive: {e}",
                                 "upload a gzip-compressed tar of one encoder directory") from None
-    if (dest / MANIFEST).is_file():
+    if (dest / ENCODER_MANIFEST).is_file():
         return dest
     subdirs = [p for p in dest.iterdir() if p.is_dir()]
-    if len(subdirs) == 1 and (subdirs[0] / MANIFEST).is_file():
+    if len(subdirs) == 1 and (subdirs[0] / ENCODER_MANIFEST).is_file():
         return subdirs[0]
-    raise InvalidInputError(f"the archive holds no encoder directory ({MANIFEST} not found)",
+    raise InvalidInputError(f"the archive holds no encoder directory ({ENCODER_MANIFEST} not found)",
                             "archive the encoder directory itself: tar czf enc.tar.gz -C PARENT ENCODER_DIR")

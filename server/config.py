@@ -13,10 +13,10 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from qswap import DEFAULT_MODEL
 from qswap.errors import InvalidInputError
 from qswap.paths import data_dir
 
-DEFAULT_MODEL = "multilingual-e5-small"
 MIN_TOKEN_CHARS = 16
 _LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
 

@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 from qswap.atomic import sha256_file
-from qswap.encoders import BaseModel
+from qswap.encoders import BaseEncoder
 from qswap.errors import ConflictError, QswapError, SpaceMismatchError
 from qswap.index import DocumentIndex, IndexConfig, build_index
 from qswap.index.recovery import lock_holder
@@ -32,7 +32,7 @@ def demo_index_dir() -> Path:
     return data_dir() / "demo" / "index"
 
 
-def open_demo_index(base: BaseModel, out: Path | None = None) -> DocumentIndex:
+def open_demo_index(base: BaseEncoder, out: Path | None = None) -> DocumentIndex:
     """Open the cached demo index, or build it from the bundled corpus with ``base``."""
     out = Path(out) if out is not None else demo_index_dir()
     corpus = demo_corpus()
@@ -61,7 +61,7 @@ def open_demo_index(base: BaseModel, out: Path | None = None) -> DocumentIndex:
                        IndexConfig(), progress=True, model=base.name)
 
 
-def _open_held(out: Path, base: BaseModel, sha: str) -> DocumentIndex:
+def _open_held(out: Path, base: BaseEncoder, sha: str) -> DocumentIndex:
     """The demo index another process holds for writing, opened read-only if it is usable as is."""
     holder = lock_holder(out)
     hint = ("stop the other server, or give this one its own data dir (QSWAP_DATA_DIR) or an index "

@@ -32,7 +32,7 @@ from typing import Any
 
 from qswap.atomic import atomic_write_json
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
-from qswap.encoders.artifact import MANIFEST, EncoderManifest, read_manifest, validate_name
+from qswap.encoders.artifact import ENCODER_MANIFEST, EncoderManifest, read_encoder_manifest, validate_name
 from qswap.locks import try_lock_exclusive
 from qswap.errors import ConflictError, IntegrityError, InvalidInputError, NotFoundError, QswapError
 from qswap.space import EmbeddingSpace
@@ -40,7 +40,7 @@ from qswap.space import EmbeddingSpace
 log = logging.getLogger("qswap.server")
 
 REGISTRY_FILE = "registry.json"
-LOCK_FILE = ".lock"
+STATE_LOCK_FILE = ".lock"
 FORMAT = 1
 DEFAULT_ALIAS = "default"   # an alias with this name overrides the configured default encoder
 _INCOMING = ".incoming-"
@@ -111,8 +111,8 @@ def _open_nofollow(path: Path) -> int:
 
 def copy_encoder_dir(src: Path, dst: Path) -> EncoderManifest:
     """Copy the manifest and the files it lists (regular files only, no links) into ``dst``."""
-    manifest = read_manifest(src)
-    for name in [MANIFEST, *manifest.files]:
+    manifest = read_encoder_manifest(src)
+    for name in [ENCODER_MANIFEST, *manifest.files]:
         if "/" in name or "\\" in name or name in ("", ".", ".."):
             raise IntegrityError(f"{src}: manifest lists a bad file name {name!r}", "re-export the encoder")
         fd = _open_nofollow(src / name)
@@ -188,7 +188,7 @@ class EncoderRegistry:
             records, aliases = {}, {}
         changed = False
         for key in list(records):
-            if not (self.store / key / MANIFEST).is_file():
+            if not (self.store / key / ENCODER_MANIFEST).is_file():
                 log.error("registered encoder has no stored copy; dropping it", extra={"encoder": key})
                 del records[key]
                 changed = True
@@ -210,7 +210,7 @@ class EncoderRegistry:
         # Two servers writing one registry file would lose each other's changes.
         if self._state_fd is not None:
             return
-        self._state_fd = try_lock_exclusive(self.state_dir / LOCK_FILE,
+        self._state_fd = try_lock_exclusive(self.state_dir / STATE_LOCK_FILE,
                                             f"state dir {self.state_dir} is in use by another server",
                                             "give each server its own --state-dir")
 

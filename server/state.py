@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from qswap.encoders import BASE_KEY, BaseModel, EncoderPool, load_base
+from qswap.encoders import BASE_KEY, BaseEncoder, EncoderPool, load_base
 from qswap.errors import QswapError
 from qswap.server.archive import extract_encoder_archive
 from qswap.server.backend import Backend, make_backend
@@ -38,7 +38,7 @@ class ServerState:
         self.metrics = Metrics()
         self.ready = False
         self.load_error: str | None = None
-        self.base: BaseModel | None = None
+        self.base: BaseEncoder | None = None
         self.index: Any = None
         self.pool: EncoderPool | None = None
         self.backend: Backend | None = None
@@ -114,7 +114,7 @@ class ServerState:
         """The batch worker (a Ray replica wraps it to route requests to other replicas)."""
         return MicroBatcher(**kw)
 
-    def open_index(self, base: BaseModel) -> Any:
+    def open_index(self, base: BaseEncoder) -> Any:
         """The document index this server searches (a Ray replica opens a shared view instead)."""
         s = self.settings
         if s.index is not None:

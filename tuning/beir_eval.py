@@ -15,7 +15,7 @@ from typing import Any, Callable, Collection
 import numpy as np
 
 from qswap.beir import read_corpus, read_qrels, read_queries
-from qswap.encoders import BaseModel
+from qswap.encoders import BaseEncoder
 from qswap.errors import InvalidInputError
 from qswap.tuning.doc_cache import StoredEmbeddings, embed_documents
 from qswap.tuning.evaluation import RankingMetrics, compare_metrics, evaluate_retrieval
@@ -39,7 +39,7 @@ class PairResult:
 class BeirEvaluator:
     """Evaluates ``encode_tuned`` against ``base.encode_queries`` on BEIR pairs."""
 
-    def __init__(self, base: BaseModel, encode_tuned: Encode, cache_dir: Path | None = None,
+    def __init__(self, base: BaseEncoder, encode_tuned: Encode, cache_dir: Path | None = None,
                  progress: bool = True, with_title: bool = False,
                  stored: StoredEmbeddings | None = None) -> None:
         self.base, self.encode_tuned = base, encode_tuned

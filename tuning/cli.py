@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DEFAULT_BASE = "multilingual-e5-small"
+from qswap import DEFAULT_MODEL
 
 
 def _ints(s: str) -> list[int]:
@@ -59,7 +59,7 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--fn-cutoff", type=float, default=0.95,
                    help="drop a negative scoring above this fraction of the positive's score")
     g = p.add_argument_group("method")
-    g.add_argument("--base", default=DEFAULT_BASE, help="bundled base name or local model directory")
+    g.add_argument("--base", default=DEFAULT_MODEL, help="bundled base name or local model directory")
     g.add_argument("--method", default="partial", choices=("partial", "bias", "lora", "full"))
     g.add_argument("--freeze-output-dense", action="store_true", help="partial: also freeze output.dense.weight")
     g.add_argument("--freeze-blocks", type=int, default=0, help="partial: also freeze the first k blocks")
@@ -171,7 +171,7 @@ def _add_plan(sub: Any) -> None:
                        description="Algorithm 1 of the compute-optimal embedding paper on our base model, "
                                    "with the expected wall time from a step measured here.")
     p.add_argument("--budget", type=float, required=True, help="compute budget in FLOP, e.g. 1e16")
-    p.add_argument("--base", default=DEFAULT_BASE)
+    p.add_argument("--base", default=DEFAULT_MODEL)
     p.add_argument("--tokens-per-query", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=14)
     p.add_argument("--epoch-batches", type=int, default=1000)
@@ -218,7 +218,7 @@ def _add_eval(sub: Any) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from qswap.encoders import EncoderPool, load_base, load_encoder, read_manifest
+    from qswap.encoders import EncoderPool, load_base, load_encoder, read_encoder_manifest
     from qswap.errors import InvalidInputError
     from qswap.tuning.beir_eval import BeirEvaluator
     from qswap.tuning.guard import evaluate_sentinels, parse_sentinel, triplet_metrics
@@ -227,7 +227,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     if not (args.beir or args.triplets or args.sentinel):
         raise InvalidInputError("nothing to evaluate on", "give --beir, --triplets or --sentinel")
-    manifest = read_manifest(args.encoder)
+    manifest = read_encoder_manifest(args.encoder)
     base = load_base(args.base or manifest.space["name"], device=args.device)
     art = load_encoder(args.encoder, expected_space=base.space)
     pool = EncoderPool(base)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from qswap.atomic import atomic_write_bytes, atomic_write_json
-from qswap.encoders import BaseModel
+from qswap.encoders import BaseEncoder
 from qswap.errors import IntegrityError
 from qswap.paths import data_dir
 from qswap.space import EmbeddingSpace
@@ -60,7 +60,7 @@ class StoredEmbeddings:
         return cls({d: i for i, d in enumerate(ids)}, vectors, index.space)
 
 
-def embed_documents(base: BaseModel, texts: list[str], cache_dir: Path | None = None,
+def embed_documents(base: BaseEncoder, texts: list[str], cache_dir: Path | None = None,
                     batch_size: int = 32, progress: bool = True, ids: list[str | None] | None = None,
                     stored: StoredEmbeddings | None = None) -> np.ndarray:
     """(n, dim) float32 document embeddings of ``texts``, from the cache when present.
@@ -83,7 +83,7 @@ def embed_documents(base: BaseModel, texts: list[str], cache_dir: Path | None = 
     return _embed_cached(base, texts, cache_dir, batch_size, progress)
 
 
-def _embed_cached(base: BaseModel, texts: list[str], cache_dir: Path | None, batch_size: int,
+def _embed_cached(base: BaseEncoder, texts: list[str], cache_dir: Path | None, batch_size: int,
                   progress: bool) -> np.ndarray:
     if not texts:
         return np.zeros((0, base.dim), dtype=np.float32)
@@ -143,7 +143,7 @@ class DocTable:
     def __len__(self) -> int:
         return len(self.texts)
 
-    def embed(self, base: BaseModel, cache_dir: Path | None = None, batch_size: int = 32,
+    def embed(self, base: BaseEncoder, cache_dir: Path | None = None, batch_size: int = 32,
               progress: bool = True, stored: StoredEmbeddings | None = None) -> np.ndarray:
         """Embed the rows added since the last call (each increment cached on its own;
         rows an index holds take its ``stored`` embeddings)."""

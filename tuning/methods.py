@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from qswap.encoders import BaseModel, embed_batch, tokenize_batch
+from qswap.encoders import BaseEncoder, embed_batch, tokenize_batch
 from qswap.encoders.embedding import encode_texts
 from qswap.errors import InvalidInputError
 
@@ -111,7 +111,7 @@ class ExportedAdapter:
 class QueryTower:
     """A trainable copy of the base model used as the query encoder."""
 
-    def __init__(self, base: BaseModel, cfg: MethodConfig) -> None:
+    def __init__(self, base: BaseEncoder, cfg: MethodConfig) -> None:
         self.base = base
         self.cfg = cfg.validate()
         names = set(trainable_names(base.model, cfg))
@@ -195,7 +195,7 @@ class TuningMethod:
         """Whether base parameter ``name`` trains."""
         raise NotImplementedError
 
-    def wrap(self, model: torch.nn.Module, base: BaseModel, cfg: MethodConfig) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, base: BaseEncoder, cfg: MethodConfig) -> torch.nn.Module:
         """The trainable model around the tower's copy of the base."""
         return model
 
@@ -275,7 +275,7 @@ class LoraMethod(TuningMethod):
     def trains(self, name: str, cfg: MethodConfig) -> bool:
         return False
 
-    def wrap(self, model: torch.nn.Module, base: BaseModel, cfg: MethodConfig) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, base: BaseEncoder, cfg: MethodConfig) -> torch.nn.Module:
         from peft import LoraConfig, get_peft_model
         targets = cfg.lora_targets or default_lora_targets(base.model)
         lcfg = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha or cfg.lora_rank,

@@ -17,7 +17,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from qswap.encoders import BaseModel
+from qswap.encoders import BaseEncoder
 from qswap.errors import InvalidInputError
 from qswap.tuning.data import Sample
 from qswap.tuning.doc_cache import DocTable, StoredEmbeddings
@@ -69,7 +69,7 @@ def keep_negatives(cand_rows: Sequence[int], cand_scores: Sequence[float], posit
     return out
 
 
-def _candidates_from_index(index: SearchIndex, base: BaseModel, q_emb: np.ndarray, table: DocTable, k: int,
+def _candidates_from_index(index: SearchIndex, base: BaseEncoder, q_emb: np.ndarray, table: DocTable, k: int,
                            by_id: bool) -> list[list[int]]:
     space = getattr(index, "space", None)
     if space is not None:
@@ -88,7 +88,7 @@ def _candidates_from_index(index: SearchIndex, base: BaseModel, q_emb: np.ndarra
     return out
 
 
-def mine_negatives(samples: list[Sample], base: BaseModel, table: DocTable, *, index: SearchIndex | None = None,
+def mine_negatives(samples: list[Sample], base: BaseEncoder, table: DocTable, *, index: SearchIndex | None = None,
                    k: int = 30, n_negatives: int = 1, cutoff: float | None = 0.95,
                    cache_dir: Path | None = None, by_id: bool = False, progress: bool = True,
                    stored: StoredEmbeddings | None = None, chunk: int = 256) -> MiningStats:

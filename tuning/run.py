@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from qswap import DEFAULT_MODEL
 from qswap.encoders import EncoderPool, load_base, load_encoder, save_encoder
-from qswap.encoders.base import BaseModel
+from qswap.encoders.base import BaseEncoder
 from qswap.errors import IntegrityError, InvalidInputError
 from qswap.tuning.beir_eval import BeirEvaluator
 from qswap.tuning.data import BeirData, Sample, read_beir, read_triplets, split_samples
@@ -63,7 +64,7 @@ class RunConfig:
     """Everything ``qswap tune run`` takes."""
 
     out: Path
-    base: str = "multilingual-e5-small"
+    base: str = DEFAULT_MODEL
     train_file: Path | None = None          # triplets JSONL
     beir_dir: Path | None = None            # or a BEIR directory (queries -> relevant docs)
     lang: str | None = None                 # BEIR training language ("en" when per-language files)
@@ -129,7 +130,7 @@ def _subsample(samples: list[Sample], n: int | None, seed: int) -> list[Sample]:
     return [samples[i] for i in keep]
 
 
-def _open_index(path: Path, base: BaseModel) -> Any:
+def _open_index(path: Path, base: BaseEncoder) -> Any:
     from qswap.index import DocumentIndex
     return DocumentIndex.open(Path(path), read_only=True, expected_space=base.space)
 
@@ -162,7 +163,7 @@ def _encoded(samples: list[Sample], rows: list[tuple[list[int], list[int]]], doc
     return EncodedSet([s.query for s in samples], pos, neg, docs)
 
 
-def _artifact_check(base: BaseModel, tower: QueryTower, encoder_dir: Path, queries: list[str]) -> dict[str, Any]:
+def _artifact_check(base: BaseEncoder, tower: QueryTower, encoder_dir: Path, queries: list[str]) -> dict[str, Any]:
     """Load the saved encoder the way the server does and compare it with the trained tower."""
     art = load_encoder(encoder_dir, expected_space=base.space)
     pool = EncoderPool(base)
@@ -186,7 +187,7 @@ class _Prepared:
     dropped: dict[str, int]
 
 
-def _prepare(cfg: RunConfig, base: BaseModel, samples: list[Sample], beir: BeirData | None,
+def _prepare(cfg: RunConfig, base: BaseEncoder, samples: list[Sample], beir: BeirData | None,
              splits: Any, index: Any, stored: StoredEmbeddings | None) -> _Prepared:
     """Embed every document once, mine negatives, and turn the splits into document rows."""
     by_id = beir is not None
@@ -234,7 +235,7 @@ def _prepare(cfg: RunConfig, base: BaseModel, samples: list[Sample], beir: BeirD
     return _Prepared(table, sets, mining, dropped)
 
 
-def _evaluate(cfg: RunConfig, base: BaseModel, tower: QueryTower, prep: _Prepared, beir: BeirData | None,
+def _evaluate(cfg: RunConfig, base: BaseEncoder, tower: QueryTower, prep: _Prepared, beir: BeirData | None,
               splits: Any, sentinels: list[Any], report_dir: Path,
               stored: StoredEmbeddings | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(evaluation, guard): base vs tuned on the test split, languages and sentinels."""

@@ -28,7 +28,6 @@ BUNDLED: dict[str, Callable[[], Path]] = {
     "multilingual-e5-small": _e5,
     "all-minilm-l6-v2": _minilm,
 }
-DEFAULT_BASE = "multilingual-e5-small"
 
 
 def resolve_bundled(name: str) -> Path:

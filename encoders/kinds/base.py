@@ -30,7 +30,7 @@ from qswap.errors import IntegrityError, InvalidInputError
 
 if TYPE_CHECKING:
     from qswap.encoders.artifact import EncoderArtifact
-    from qswap.encoders.base import BaseModel
+    from qswap.encoders.base import BaseEncoder
 
 # What an adapter file may hold: floating tensors only (an integer "bias" is a broken file).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -92,7 +92,7 @@ class AdapterKind(ABC):
     # -- the pool -----------------------------------------------------------------------------
 
     @abstractmethod
-    def attach(self, art: EncoderArtifact, base: BaseModel) -> Attached:
+    def attach(self, art: EncoderArtifact, base: BaseEncoder) -> Attached:
         """Validate ``art`` against ``base`` (every key, shape, dtype) and build its tensors.
 
         Pure: raises before anything is bound, and the result shares no storage with the base.
@@ -105,7 +105,7 @@ class AdapterKind(ABC):
             seen[t.data_ptr()] = t.numel() * t.element_size()
         return sum(seen.values())
 
-    def merge(self, att: Attached, base: BaseModel) -> dict[str, torch.Tensor]:
+    def merge(self, att: Attached, base: BaseEncoder) -> dict[str, torch.Tensor]:
         """Base state-dict entries this encoder changes, as new tensors (base + adapter merged)."""
         params = dict(base.model.named_parameters())
         out = dict(att.overrides)
@@ -175,5 +175,5 @@ def fresh_like(t: torch.Tensor, ref: torch.Tensor, base_storage: set[int]) -> to
     return out
 
 
-def base_storage(base: BaseModel) -> set[int]:
+def base_storage(base: BaseEncoder) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in list(base.model.parameters()) + list(base.model.buffers())}

@@ -11,7 +11,7 @@ from qswap.encoders.kinds.base import AdapterKind, Attached
 
 if TYPE_CHECKING:
     from qswap.encoders.artifact import EncoderArtifact
-    from qswap.encoders.base import BaseModel
+    from qswap.encoders.base import BaseEncoder
 
 
 class IdentityKind(AdapterKind):
@@ -27,7 +27,7 @@ class IdentityKind(AdapterKind):
     def load(self, art: EncoderArtifact) -> None:
         return None
 
-    def attach(self, art: EncoderArtifact, base: BaseModel) -> Attached:
+    def attach(self, art: EncoderArtifact, base: BaseEncoder) -> Attached:
         return Attached(kind=self.name)
 
     def runtime_tensors(self, att: Attached) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ from qswap.errors import IntegrityError, InvalidInputError, NotFoundError
 
 if TYPE_CHECKING:
     from qswap.encoders.artifact import EncoderArtifact
-    from qswap.encoders.base import BaseModel
+    from qswap.encoders.base import BaseEncoder
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -231,7 +231,7 @@ class LoraKind(AdapterKind):
                     f"config says rank {spec.r} (expected (r, in) and (out, r))",
                     "the weights and adapter_config.json do not belong together; re-export the adapter")
 
-    def attach(self, art: EncoderArtifact, base: BaseModel) -> Attached:
+    def attach(self, art: EncoderArtifact, base: BaseEncoder) -> Attached:
         key = art.key
         spec = parse_config(key, art.lora_config)   # again: the artifact may have been changed in memory
         state = art.lora_state or {}

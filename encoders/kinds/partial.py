@@ -17,7 +17,7 @@ from qswap.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from qswap.encoders.artifact import EncoderArtifact
-    from qswap.encoders.base import BaseModel
+    from qswap.encoders.base import BaseEncoder
 
 TENSOR_FILE = "adapter.safetensors"
 
@@ -58,7 +58,7 @@ class PartialKind(AdapterKind):
         require_finite(key, tensors)
         art.overrides = tensors
 
-    def attach(self, art: EncoderArtifact, base: BaseModel) -> Attached:
+    def attach(self, art: EncoderArtifact, base: BaseEncoder) -> Attached:
         key = art.key
         if not art.overrides:
             raise InvalidInputError(f"encoder {key} ({self.name}) has no tensors", "re-export the encoder")

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from qswap.encoders import BaseModel, save_encoder
+from qswap.encoders import BaseEncoder, save_encoder
 
 
-def make_lora(base: BaseModel, out: Path, name: str, seed: int, r: int = 4,
+def make_lora(base: BaseEncoder, out: Path, name: str, seed: int, r: int = 4,
               targets: tuple[str, ...] = ("query", "value"), version: str = "1") -> Path:
     """A LoRA encoder saved in peft's format with non-zero random B (so it changes outputs)."""
     from peft import LoraConfig, get_peft_model
@@ -28,7 +28,7 @@ def make_lora(base: BaseModel, out: Path, name: str, seed: int, r: int = 4,
     return out
 
 
-def make_overrides(base: BaseModel, out: Path, name: str, kind: str, seed: int,
+def make_overrides(base: BaseEncoder, out: Path, name: str, kind: str, seed: int,
                    version: str = "1") -> Path:
     """A bias (all biases) or partial (last block) encoder with perturbed tensors."""
     g = torch.Generator().manual_seed(seed)
@@ -41,7 +41,7 @@ def make_overrides(base: BaseModel, out: Path, name: str, kind: str, seed: int,
     return out
 
 
-def lora_parts(base: BaseModel, seed: int = 0, r: int = 4,
+def lora_parts(base: BaseEncoder, seed: int = 0, r: int = 4,
                targets: tuple[str, ...] = ("query", "value")) -> tuple[dict, dict[str, torch.Tensor]]:
     """(adapter_config, state) of a real peft LoRA with non-zero B, as peft's save_pretrained writes them."""
     import json
@@ -63,7 +63,7 @@ def lora_parts(base: BaseModel, seed: int = 0, r: int = 4,
                 load_file(str(Path(tmp) / "adapter_model.safetensors")))
 
 
-def write_raw_encoder(base: BaseModel, out: Path, name: str, kind: str, files: dict[str, bytes],
+def write_raw_encoder(base: BaseEncoder, out: Path, name: str, kind: str, files: dict[str, bytes],
                       manifest_files: dict[str, str] | None = None) -> Path:
     """An encoder directory written byte by byte, with a manifest whose checksums match: for
     adapters that qswap's own writer would refuse (what an attacker or another tool uploads).
@@ -83,7 +83,7 @@ def write_raw_encoder(base: BaseModel, out: Path, name: str, kind: str, files: d
     return out
 
 
-def write_lora(base: BaseModel, out: Path, name: str, config: object,
+def write_lora(base: BaseEncoder, out: Path, name: str, config: object,
                state: dict[str, torch.Tensor]) -> Path:
     """A LoRA encoder directory from any config object and state (valid checksums, any content)."""
     import json
@@ -95,7 +95,7 @@ def write_lora(base: BaseModel, out: Path, name: str, config: object,
         "adapter_model.safetensors": save({k: v.contiguous() for k, v in state.items()})})
 
 
-def write_tensors(base: BaseModel, out: Path, name: str, kind: str, tensors: dict[str, torch.Tensor]) -> Path:
+def write_tensors(base: BaseEncoder, out: Path, name: str, kind: str, tensors: dict[str, torch.Tensor]) -> Path:
     """A bias/partial encoder directory holding exactly ``tensors`` (no checks)."""
     from safetensors.torch import save
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from qswap.encoders import load_base, load_encoder, read_manifest, save_encoder
+from qswap.encoders import load_base, load_encoder, read_encoder_manifest, save_encoder
 from qswap.errors import IntegrityError, InvalidInputError, NotFoundError, SpaceMismatchError
 
 from .adapters import make_lora, make_overrides
@@ -69,7 +69,7 @@ def test_corrupt_manifest(tiny_base, tmp_path):
     d = make_overrides(tiny_base, tmp_path / "b", "b", "bias", seed=0)
     (d / "manifest.json").write_text("{not json")
     with pytest.raises(IntegrityError, match="not a valid encoder manifest"):
-        read_manifest(d)
+        read_encoder_manifest(d)
     with pytest.raises(NotFoundError):
         load_encoder(tmp_path / "nowhere")
 

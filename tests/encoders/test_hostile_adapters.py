@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from qswap.encoders import BASE_KEY, EncoderPool, load_encoder, read_manifest
+from qswap.encoders import BASE_KEY, EncoderPool, load_encoder, read_encoder_manifest
 from qswap.encoders.kinds import MAX_RANK
 from qswap.errors import IntegrityError, InvalidInputError
 
@@ -250,7 +250,7 @@ def test_huge_rank_refused_before_reading_tensors(tiny_base, tmp_path, monkeypat
 def test_manifest_with_a_bad_file_name_refused(tiny_base, tmp_path, name, why):
     d = write_raw_encoder(tiny_base, tmp_path / "m", "m", "identity", {}, manifest_files={name: "0" * 64})
     with pytest.raises(IntegrityError, match="not a valid encoder manifest") as e:
-        read_manifest(d)
+        read_encoder_manifest(d)
     assert why in str(e.value) and e.value.hint
     with pytest.raises(IntegrityError):
         load_encoder(d, tiny_base.space)
@@ -259,7 +259,7 @@ def test_manifest_with_a_bad_file_name_refused(tiny_base, tmp_path, name, why):
 def test_manifest_with_unknown_kind_refused(tiny_base, tmp_path):
     d = write_raw_encoder(tiny_base, tmp_path / "m", "m", "magic", {})
     with pytest.raises(IntegrityError, match="unknown encoder kind 'magic'"):
-        read_manifest(d)
+        read_encoder_manifest(d)
 
 
 def test_supported_lora_variants_load_and_match_merged(tiny_base, tmp_path):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from qswap.encoders import EncoderPool, load_encoder, read_manifest
+from qswap.encoders import EncoderPool, load_encoder, read_encoder_manifest
 from qswap.errors import GuardRefusedError, InvalidInputError
 from qswap.tuning.cli import register
 from qswap.tuning.guard import check_guard
@@ -61,7 +61,7 @@ def test_beir_run_with_languages(tiny_base, tiny_model_dir, tuning_data, tmp_pat
                "--out", str(out), "--cache-dir", str(tmp_path / "cache"), *FAST, "--fn-cutoff", "1.0",
                "--eval-langs", "en,de", "--sentinel", f"beir:{tuning_data['beir']}:de",
                "--name", "debian-test", "--version", "2") == 0
-    m = read_manifest(out)
+    m = read_encoder_manifest(out)
     assert m.key == "debian-test@2" and "language_matrix.png" in m.files
     report = json.loads((out / "report.json").read_text())
     ml = report["evaluation"]["multilingual"]
@@ -83,7 +83,7 @@ def test_no_improvement_gives_an_identity_encoder(tiny_model_dir, tuning_data, t
                "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--lr", "1e-12",
                "--batch-size", "8", "--epoch-batches", "2", "--max-epochs", "3", "--patience", "1",
                "--quiet") == 0
-    m = read_manifest(out)
+    m = read_encoder_manifest(out)
     assert m.kind == "identity" and m.training["best_epoch"] == 0 and m.guard["passed"] is True
     assert "the encoder is the base model" in (out / "report.md").read_text()
 
