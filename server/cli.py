@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import threading
 from pathlib import Path
 
 # torch and faiss each bundle their own OpenMP runtime; with the default (active) wait policy
@@ -91,7 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from qswap.errors import InvalidInputError
-    from qswap.server.app import create_app
+    from qswap.server.app import DrainingServer, create_app
     from qswap.server.logs import configure_logging
 
     try:
@@ -100,7 +101,6 @@ def _serve(args: argparse.Namespace) -> int:
         err = e.errors()[0]
         raise InvalidInputError(f"bad setting {'.'.join(map(str, err['loc']))}: {err['msg']}",
                                 "see `qswap serve --help`") from None
-    settings.check()
     configure_logging(settings.log_json, logging.DEBUG if getattr(args, "verbose", False) else logging.INFO)
     log = logging.getLogger("qswap.server")
     if settings.admin_mode == "disabled":
@@ -108,11 +108,20 @@ def _serve(args: argparse.Namespace) -> int:
                     "set QSWAP_ADMIN_TOKEN (or --insecure for local use) to enable them")
     elif settings.admin_mode == "insecure":
         log.warning("--insecure: admin routes are open to loopback clients without a token")
-    app = create_app(settings)
+    app = create_app(settings)   # checks the settings (one-line error, exit 2)
     log.info("starting", extra={"url": f"http://{settings.host}:{settings.port}", "admin": settings.admin_mode,
                                 "index": str(settings.index or "demo"), "model": settings.model})
     # One worker: the model, index and encoder pool live in this process. uvicorn's "auto"
     # picks uvloop and httptools when they are installed.
-    uvicorn.run(app, host=settings.host, port=settings.port, workers=1, loop="auto", http="auto",
-                access_log=False, log_config=None, server_header=False)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, workers=1, loop="auto", http="auto",
+                            access_log=False, log_config=None, server_header=False,
+                            timeout_graceful_shutdown=settings.shutdown_timeout_s)
+    DrainingServer(config).run()
+    # Work that ignores cancellation (a thread in a model call) must not hold the process past
+    # the drain bound: the index and registry are closed and every write is atomic by now.
+    stragglers = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    if stragglers:
+        log.warning("exiting with work still running", extra={"threads": [t.name for t in stragglers]})
+        logging.shutdown()
+        os._exit(0)
     return 0
