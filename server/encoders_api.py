@@ -61,7 +61,9 @@ def _form_bool(value: object, field: str) -> bool:
     raise RequestValidationError([{"loc": ("body", field), "msg": "must be true or false", "type": "bool_parsing"}])
 
 
-@router.post("/v1/encoders", response_model=RegisterResponse, status_code=201, responses=ADMIN_ERRORS,
+@router.post("/v1/encoders", response_model=RegisterResponse, status_code=201,
+             responses={**ADMIN_ERRORS, 200: {"model": RegisterResponse,
+                                              "description": "the identical encoder was already registered"}},
              dependencies=[Depends(require_admin)], openapi_extra=_REGISTER_BODY,
              summary="Register an encoder (directory under the encoders root, or uploaded .tar.gz)")
 async def register_encoder(request: Request, response: Response) -> RegisterResponse:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema,
                       model_validator)
 
 from qswap.index import Hit
@@ -29,7 +29,7 @@ PATH_PATTERN = rf"^{_COMPONENT}(/{_COMPONENT})*$"
 NOT_BLANK = r"\S"
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_FILTER_FIELDS = 32
-MAX_METADATA_DEPTH = 16
+MAX_METADATA_DEPTH = 64
 # Hard ceilings of the schema; the running server writes its configured (lower) limits.
 MAX_K, MAX_QUERIES, MAX_DOCUMENTS = 10_000, 4096, 100_000
 
@@ -78,7 +78,7 @@ def _check_metadata(meta: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(v, bool) or v is None:
             pass
         elif isinstance(v, (int, float)):
-            _check_number(v, "metadata")
+            pass   # stored as JSON text: any size is kept exactly
         elif isinstance(v, list):
             for x in v:
                 walk(x, depth + 1)
@@ -100,13 +100,20 @@ FILTER_SCHEMA: dict[str, Any] = {
     "additionalProperties": _SCALAR_SCHEMA,
     "description": "metadata filter: equality on top-level fields (all must match)"}
 
+def _integral(v: Any) -> Any:
+    # JSON Schema counts 12.0 as an integer, so the schema's "integer" admits it; strings and
+    # booleans stay refused (no coercion).
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+Count = Annotated[int, BeforeValidator(_integral)]
 Text = Annotated[str, AfterValidator(_no_surrogates)]
 Query = Annotated[str, StringConstraints(min_length=1, pattern=NOT_BLANK), AfterValidator(_no_surrogates)]
 Filter = Annotated[dict[str, Any] | None, AfterValidator(_check_filter),
                    WithJsonSchema({"anyOf": [FILTER_SCHEMA, {"type": "null"}]})]
 Metadata = Annotated[dict[str, Any], AfterValidator(_check_metadata),
-                     WithJsonSchema({"type": "object", "description": "JSON metadata (numbers within 64-bit "
-                                     "integer range, nesting at most 16 levels)"})]
+                     WithJsonSchema({"type": "object", "description": "JSON metadata (nesting at most "
+                                     f"{MAX_METADATA_DEPTH} levels)"})]
 DocId = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=NOT_BLANK),
                   AfterValidator(_no_surrogates)]
 
@@ -135,7 +142,7 @@ class SearchRequest(_Strict):
     encoder: str = Field(None, json_schema_extra=_no_default, pattern=REF_PATTERN, description="'name' (highest version) or 'name@version'; "
                                                                 "default encoder when absent")
     domain: str = Field(None, json_schema_extra=_no_default, pattern=NAME_PATTERN, description="resolved through the alias table to name@version")
-    k: int = Field(10, ge=1, le=MAX_K, description="hits per query (at most the server's max_k)")
+    k: Count = Field(10, ge=1, le=MAX_K, description="hits per query (at most the server's max_k)")
     filter: Filter = None
     with_text: bool = Field(True, description="return document texts with the hits")
 

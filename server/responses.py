@@ -20,7 +20,7 @@ def state_of(request: Request) -> ServerState:
     return request.app.state.qs
 
 
-def request_timeout(request: Request, x_request_timeout: float | None = Header(
+def request_timeout(request: Request, x_request_timeout: float = Header(  # absent, not null
         None, gt=0, le=600, description="seconds this request may take, queueing included; past it, queued "
                                         "work is dropped and the answer is 504 (default: the server's "
                                         "request_timeout_s)")) -> float:
