@@ -50,7 +50,8 @@ def _limit_for(settings: ServerSettings):
 
 
 def create_app(settings: ServerSettings | None = None, *, check: bool = True) -> FastAPI:
-    """Build the app; ``check=False`` skips the safety checks (only for schema generation)."""
+    """Build the app; ``check=False`` skips the safety checks (for schema generation, and for
+    ``qswap serve``, which checks before it imports the model stack)."""
     settings = settings if settings is not None else ServerSettings()
     if check:
         settings.check()

@@ -88,12 +88,9 @@ def _serve(args: argparse.Namespace) -> int:
         from qswap.server.app import write_openapi
         print(write_openapi(args.write_openapi))
         return 0
-    import uvicorn
     from pydantic import ValidationError
 
     from qswap.errors import InvalidInputError
-    from qswap.server.app import DrainingServer, create_app
-    from qswap.server.logs import configure_logging
 
     try:
         settings = _settings(args)
@@ -101,6 +98,13 @@ def _serve(args: argparse.Namespace) -> int:
         err = e.errors()[0]
         raise InvalidInputError(f"bad setting {'.'.join(map(str, err['loc']))}: {err['msg']}",
                                 "see `qswap serve --help`") from None
+    # Checked here, before the model stack is imported, so a bad setting fails in a second.
+    settings.check()
+    import uvicorn
+
+    from qswap.server.app import DrainingServer, create_app
+    from qswap.server.logs import configure_logging
+
     configure_logging(settings.log_json, logging.DEBUG if getattr(args, "verbose", False) else logging.INFO)
     log = logging.getLogger("qswap.server")
     if settings.admin_mode == "disabled":
@@ -108,7 +112,7 @@ def _serve(args: argparse.Namespace) -> int:
                     "set QSWAP_ADMIN_TOKEN (or --insecure for local use) to enable them")
     elif settings.admin_mode == "insecure":
         log.warning("--insecure: admin routes are open to loopback clients without a token")
-    app = create_app(settings)   # checks the settings (one-line error, exit 2)
+    app = create_app(settings, check=False)   # checked above
     log.info("starting", extra={"url": f"http://{settings.host}:{settings.port}", "admin": settings.admin_mode,
                                 "index": str(settings.index or "demo"), "model": settings.model})
     # One worker: the model, index and encoder pool live in this process. uvicorn's "auto"
