@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import shutil
 import tarfile
 import time
 from pathlib import Path
