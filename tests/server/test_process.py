@@ -153,21 +153,32 @@ def test_sigterm_drains_in_flight_and_exits_within_its_bound(tmp_path, tiny_mode
     srv = ServerProcess(tmp_path, tiny_model_dir, private_index, "--batch-window-ms", "50",
                         env={"QSWAP_SHUTDOWN_TIMEOUT_S": "5"}).wait_ready()
     results: list[int] = []
+    first_ok = threading.Event()
+    sent_term = threading.Event()
 
-    def one(i: int) -> None:
-        try:
-            with httpx.Client(base_url=srv.url, timeout=30) as c:
-                results.append(c.post("/v1/search", json={"queries": [f"q{i} chess"] * 8, "k": 5}).status_code)
-        except httpx.HTTPError:
-            results.append(-1)
+    def client_loop(i: int) -> None:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            while True:
+                try:
+                    r = c.post("/v1/search", json={"queries": [f"q{i} chess"] * 8, "k": 5})
+                except httpx.HTTPError:   # the listening socket is closed: refused, not hung
+                    results.append(-1)
+                    return
+                results.append(r.status_code)
+                if r.status_code == 200:
+                    first_ok.set()
+                if r.status_code != 200 or (sent_term.is_set() and len(results) > 400):
+                    return
 
-    with ThreadPoolExecutor(16) as ex:
-        futures = [ex.submit(one, i) for i in range(16)]
-        time.sleep(0.05)
+    with ThreadPoolExecutor(8) as ex:
+        futures = [ex.submit(client_loop, i) for i in range(8)]
+        assert first_ok.wait(120)
+        time.sleep(0.3)
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
+        sent_term.set()
         for f in futures:
-            f.result()
+            f.result(timeout=60)
     srv.proc.wait(30)
     took = time.monotonic() - t0
     srv.log.close()
@@ -175,8 +186,8 @@ def test_sigterm_drains_in_flight_and_exits_within_its_bound(tmp_path, tiny_mode
     # uvicorn re-raises the signal once it has shut down cleanly: exit by SIGTERM, not by a crash.
     assert srv.proc.returncode in (0, -signal.SIGTERM), srv.log_path.read_text()[-2000:]
     assert "Application shutdown complete" in srv.log_path.read_text()
-    # Requests that reached the server before SIGTERM finished; later ones were refused, none hung.
-    assert results.count(200) >= 1 and all(s in (200, 503, -1) for s in results), results
+    # Requests were answered (200, or 503 once draining) or found the socket closed; none hung.
+    assert results.count(200) >= 1 and set(results) <= {200, 503, -1}, results
     log = srv.log_path.read_text()
     assert "draining" in log
 

@@ -322,6 +322,13 @@ def test_delete_encoder(admin, anon, encoders_root, tiny_base):
 # ----------------------------------------------------------------------------- security and limits
 
 
+def test_register_content_types(admin):
+    r = admin.post("/v1/encoders", content=b"path=ft1", headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"] == "unsupported_media_type" and r.json()["hint"]
+    r = admin.post("/v1/encoders", content=b"--x\r\nbroken", headers={"content-type": "multipart/form-data; boundary=x"})
+    assert 400 <= r.status_code < 500 and r.json()["hint"], r.text
+
+
 def test_admin_routes_need_the_token(live, anon):
     for method, path, kw in [("POST", "/v1/encoders", {"json": {"path": "ft1"}}),
                              ("PUT", "/v1/aliases/x", {"json": {"encoder": "base"}}),
@@ -391,6 +398,9 @@ def test_limits_and_bad_input_are_4xx(anon):
             yield b" " * 1024
     r = anon.post("/v1/search", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"] == "payload_too_large"   # no content-length
+    deep = b'{"query": "x", "filter": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"   # json.loads gives up
+    r = anon.post("/v1/search", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"] == "invalid_input" and r.json()["hint"], r.text
     r = anon.get("/v1/nothing-here")
     assert r.status_code == 404 and r.json()["error"] == "not_found" and r.json()["hint"]
     r = anon.get("/v1/search")
