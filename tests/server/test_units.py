@@ -529,3 +529,33 @@ def test_error_map():
     assert status_for(IntegrityError("m")) == (422, "integrity_error")
     assert status_for(LimitExceededError("m")) == (422, "limit_exceeded")
     assert status_for(InvalidInputError("m")) == (400, "invalid_input")
+
+
+def test_registry_name_resolves_to_the_highest_version(registry, tiny_base, tmp_path):
+    from ..encoders.adapters import make_overrides
+    r = registry()
+    # Registered out of order: "10" last-but-one, "9" last; the highest is 10, not the latest.
+    for v in ("2", "10", "9"):
+        r.register(make_overrides(tiny_base, tmp_path / f"v{v}", "ver", "bias", seed=40 + int(v), version=v))
+    assert r.resolve(encoder="ver") == "ver@10"
+    r.delete("ver@10")
+    assert r.resolve(encoder="ver") == "ver@9"
+
+
+def test_register_by_path_refuses_hard_links(registry, tiny_base, tmp_path):
+    import os
+
+    from qswap.server.registry import resolve_under_root
+
+    from ..encoders.adapters import make_overrides
+    r = registry()
+    root = tmp_path / "root"
+    enc = make_overrides(tiny_base, tmp_path / "outside", "hl", "bias", seed=50)
+    (root / "hl").mkdir(parents=True)
+    for p in enc.iterdir():
+        os.link(p, root / "hl" / p.name)   # the files live outside the root too
+    with pytest.raises(InvalidInputError, match="hard links"):
+        r.register(resolve_under_root(root, "hl"))
+    assert "hl@1" not in r.keys()
+    with pytest.raises(NotFoundError):
+        resolve_under_root(root, "x" * 300)
