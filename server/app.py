@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import uvicorn
 from fastapi import FastAPI
 from starlette.types import Scope
 
@@ -50,7 +51,8 @@ def _limit_for(settings: ServerSettings):
 
 def create_app(settings: ServerSettings | None = None, *, check: bool = True,
                state: ServerState | None = None) -> FastAPI:
-    """Build the app; ``check=False`` skips the safety checks (only for schema generation).
+    """Build the app; ``check=False`` skips the safety checks (for schema generation, and for
+    ``qswap serve``, which checks before it imports the model stack).
 
     ``state`` replaces the default :class:`ServerState` (a Ray Serve replica passes its own,
     which shares the registry and the index with the other replicas)."""
@@ -73,7 +75,39 @@ def create_app(settings: ServerSettings | None = None, *, check: bool = True,
     app.add_middleware(RequestContextMiddleware, limit_for=_limit_for(settings), metrics=lambda: state.metrics)
     for module in (search_api, encoders_api, documents_api, health_api):
         app.include_router(module.router)
+    plain_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            _write_limits(plain_openapi(), settings)
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _write_limits(schema: dict[str, Any], settings: ServerSettings) -> None:
+    """Put the configured limits into the schema, so that it says what this server refuses."""
+    models = schema.get("components", {}).get("schemas", {})
+    for model, field, key, value in (("SearchRequest", "k", "maximum", settings.max_k),
+                                     ("SearchRequest", "queries", "maxItems", settings.max_queries),
+                                     ("UpsertDocuments", "documents", "maxItems", settings.max_documents),
+                                     ("DeleteDocuments", "ids", "maxItems", settings.max_documents)):
+        prop = models.get(model, {}).get("properties", {}).get(field)
+        if prop is not None:
+            prop[key] = value
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that, on SIGTERM/SIGINT, first makes the app stop admitting requests (503 with
+    ``Connection: close`` from then on); uvicorn then stops accepting connections and waits for
+    the requests in flight, at most ``timeout_graceful_shutdown`` seconds."""
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        state = getattr(getattr(self.config.app, "state", None), "qs", None)
+        if state is not None:
+            state.begin_drain()
+        super().handle_exit(sig, frame)
 
 
 def openapi_schema() -> dict[str, Any]:

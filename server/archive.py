@@ -3,6 +3,11 @@
 The archive comes from the network, so nothing in it is trusted: members are written one by
 one by this code (never ``extractall``), only regular files and directories are accepted, no
 absolute paths, no ``..``, no links or devices, a bounded number of members and bytes.
+
+Work is bounded before it is done: an extended header (PAX, GNU long name) is refused by its
+declared size before tarfile reads and parses it (a 0.4 MB upload can declare a 400 MB PAX
+header), sparse members are refused (their size on disk is not their size in the archive), and
+extraction stops at a deadline or when the server shuts down.
 """
 
 from __future__ import annotations
@@ -10,18 +15,32 @@ from __future__ import annotations
 import tarfile
 import zlib
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+import time
+from typing import BinaryIO, Callable
 
 from qswap.encoders.artifact import ENCODER_MANIFEST
 from qswap.errors import InvalidInputError
 
 _CHUNK = 1 << 20
 _MAX_DEPTH = 2   # an encoder directory is flat; allow one enclosing folder
+# An encoder's member names are short; a PAX record of a few KB already means something odd.
+MAX_HEADER_BYTES = 64 << 10
+_EXTENDED = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
+             tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
 
 
 def _refuse(msg: str) -> InvalidInputError:
     return InvalidInputError(f"unsafe or malformed encoder archive: {msg}",
                              "upload `tar czf enc.tar.gz -C PARENT ENCODER_DIR` of a plain encoder directory")
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A TarInfo that checks an extended header's declared size before tarfile reads it."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _EXTENDED and self.size > MAX_HEADER_BYTES:
+            raise _refuse(f"an extended header declares {self.size} bytes (at most {MAX_HEADER_BYTES})")
+        return super()._proc_member(tarfile_)  # type: ignore[misc]
 
 
 def _member_path(name: str) -> PurePosixPath | None:
@@ -40,25 +59,41 @@ def _member_path(name: str) -> PurePosixPath | None:
     return PurePosixPath(*parts)
 
 
-def extract_encoder_archive(fileobj: BinaryIO, dest: Path, *, max_bytes: int, max_members: int) -> Path:
+def extract_encoder_archive(fileobj: BinaryIO, dest: Path, *, max_bytes: int, max_members: int,
+                            deadline: float | None = None, cancelled: Callable[[], bool] | None = None) -> Path:
     """Extract a gzip tar into the empty directory ``dest``; return the encoder directory in it.
 
     The encoder directory is ``dest`` itself (files at the top) or its single subdirectory.
-    Raises :class:`InvalidInputError` for anything unsafe or malformed.
+    Raises :class:`InvalidInputError` for anything unsafe or malformed, or when ``deadline``
+    (a ``time.monotonic()`` value) passes; stops when ``cancelled()`` turns true.
     """
     dest = Path(dest)
     root = dest.resolve()
     total = 0
     count = 0
+
+    def check_time() -> None:
+        if cancelled is not None and cancelled():
+            raise InvalidInputError("the upload was cancelled: the server is shutting down", "retry later")
+        if deadline is not None and time.monotonic() > deadline:
+            raise _refuse("extraction took longer than the server allows (upload_timeout_s)")
+
+    if fileobj.read(2) != b"\x1f\x8b":
+        raise InvalidInputError("the archive is not gzip-compressed",
+                                "upload a gzip-compressed tar of one encoder directory (tar czf)")
+    fileobj.seek(0)
     try:
-        with tarfile.open(fileobj=fileobj, mode="r:gz") as tar:
+        with tarfile.open(fileobj=fileobj, mode="r:gz", tarinfo=_BoundedTarInfo) as tar:
             for m in tar:   # streaming: members are checked before their data is read
+                check_time()
                 count += 1
                 if count > max_members:
                     raise _refuse(f"more than {max_members} members")
                 rel = _member_path(m.name)
                 if m.issym() or m.islnk():
                     raise _refuse(f"member {m.name!r} is a link")
+                if m.issparse():
+                    raise _refuse(f"member {m.name!r} is a sparse file")
                 if not (m.isfile() or m.isdir()):
                     raise _refuse(f"member {m.name!r} is not a regular file or directory")
                 if rel is None:
@@ -80,6 +115,7 @@ def extract_encoder_archive(fileobj: BinaryIO, dest: Path, *, max_bytes: int, ma
                 try:
                     with open(target, "xb") as out:   # "x": a duplicate member is refused, not overwritten
                         while block := src.read(_CHUNK):
+                            check_time()
                             written += len(block)
                             if written > m.size:
                                 raise _refuse(f"member {m.name!r} is longer than its header says")

@@ -6,6 +6,12 @@ takes the first waiting job, collects whatever else arrives within ``window_s`` 
 encoders together) and searches them with one index call per distinct filter. The event loop
 never runs model code. Other model work (embedding documents) is serialised on the same
 thread through :meth:`MicroBatcher.call`.
+
+Admission is bounded: at most ``max_pending`` requests wait or run overall and at most
+``max_pending_per_encoder`` for one encoder; beyond that a request is refused at once with
+:class:`OverloadedError` (429 + ``Retry-After``) instead of joining a queue whose wait would
+exceed any sane deadline. Every request carries a deadline; one still queued when it passes is
+dropped without running (:class:`DeadlineExceededError`, 504), and its caller stops waiting.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from qswap.server.errors import NotReadyError
+from qswap.server.errors import DeadlineExceededError, NotReadyError, OverloadedError
 
 log = logging.getLogger("qswap.server")
 
@@ -39,7 +45,6 @@ class SearchOutcome:
     queue_s: float
     encode_s: float
     search_s: float
-    batch_queries: int
     batch_requests: int
 
 
@@ -53,6 +58,7 @@ class _Job:
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     enqueued: float
+    deadline: float = float("inf")
     on_done: Callable[[], None] | None = None
     finished: bool = False
 
@@ -64,6 +70,9 @@ class _Call:
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     kwargs: dict[str, Any] = field(default_factory=dict)
+    deadline: float = float("inf")
+    key: str = ""
+    finished: bool = False
 
 
 def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
@@ -88,15 +97,21 @@ class MicroBatcher:
 
     def __init__(self, *, encode: EncodeFn, search: SearchFn,
                  truncated: Callable[[list[str]], list[bool]] | None = None,
-                 window_s: float = 0.002, max_batch: int = 64, max_pending: int = 4096,
-                 metrics: Any = None, name: str = "qswap-batcher", adaptive: bool = True) -> None:
+                 window_s: float = 0.002, max_batch: int = 64, max_pending: int = 256,
+                 max_pending_per_encoder: int | None = None, metrics: Any = None,
+                 name: str = "qswap-batcher", adaptive: bool = True) -> None:
         self._encode = encode
         self._search = search
         self._truncated = truncated
         self.window_s = window_s
         self.max_batch = max_batch
         self.max_pending = max_pending
+        self.max_pending_per_encoder = max_pending_per_encoder or max_pending
         self.metrics = metrics
+        self._pending = 0
+        self._pending_by_key: dict[str, int] = {}
+        self._count_lock = threading.Lock()
+        self._draining = False
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = False
@@ -123,37 +138,94 @@ class MicroBatcher:
 
     # -- submission (event loop side) -------------------------------------------------------
 
-    def _admit(self) -> None:
-        if self._stopped:
-            raise NotReadyError("the server is shutting down", "retry against another instance")
-        if self._q.qsize() >= self.max_pending:
-            raise NotReadyError(f"the server is overloaded ({self.max_pending} requests queued)",
-                                "retry shortly")
+    def drain(self) -> None:
+        """Stop admitting (503 from now on); what is admitted still runs."""
+        self._draining = True
+
+    @property
+    def pending(self) -> int:
+        """Requests admitted and not finished (waiting or running)."""
+        return self._pending
+
+    def _reject(self, reason: str, exc: Exception) -> Exception:
+        if self.metrics is not None:
+            self.metrics.rejected.labels(reason=reason).inc()
+        return exc
+
+    def _admit(self, key: str) -> None:
+        if self._stopped or self._draining:
+            raise self._reject("shutting_down", NotReadyError(
+                "the server is shutting down", "retry against another instance"))
+        with self._count_lock:
+            if self._pending >= self.max_pending:
+                raise self._reject("queue_full", OverloadedError(
+                    f"the server is overloaded ({self._pending} requests admitted, limit {self.max_pending})",
+                    "retry after the Retry-After seconds, or send fewer concurrent requests"))
+            mine = self._pending_by_key.get(key, 0)
+            if key and mine >= self.max_pending_per_encoder:
+                raise self._reject("encoder_queue_full", OverloadedError(
+                    f"encoder {key} is overloaded ({mine} requests admitted, "
+                    f"limit {self.max_pending_per_encoder})",
+                    "retry after the Retry-After seconds, or spread requests over encoders"))
+            self._pending += 1
+            if key:
+                self._pending_by_key[key] = mine + 1
+
+    def _release(self, key: str) -> None:
+        with self._count_lock:
+            self._pending -= 1
+            if key:
+                n = self._pending_by_key.get(key, 0) - 1
+                if n > 0:
+                    self._pending_by_key[key] = n
+                else:
+                    self._pending_by_key.pop(key, None)
+
+    async def _wait(self, fut: asyncio.Future, deadline: float) -> Any:
+        """The job's result; past the deadline the caller stops waiting (the job is dropped)."""
+        remaining = deadline - time.perf_counter()
+        if remaining == float("inf"):
+            return await fut
+        try:
+            return await asyncio.wait_for(fut, max(remaining, 0.0))
+        except asyncio.TimeoutError:
+            if self.metrics is not None:
+                self.metrics.expired.labels(stage="waiting").inc()
+            raise DeadlineExceededError(
+                "the request did not finish within its deadline and was dropped",
+                "retry later, or give a longer X-Request-Timeout") from None
 
     async def search(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None = None,
-                     with_text: bool = True, on_done: Callable[[], None] | None = None) -> SearchOutcome:
+                     with_text: bool = True, on_done: Callable[[], None] | None = None,
+                     timeout_s: float | None = None) -> SearchOutcome:
         """Encode ``texts`` with encoder ``key`` and search; ``on_done`` runs exactly once,
         on the worker thread, when the job is finished, failed or found cancelled (or here,
-        at once, when the job is refused)."""
+        at once, when the job is refused). ``timeout_s`` is the request's deadline from now."""
         try:
-            self._admit()
-        except NotReadyError:
+            self._admit(key)
+        except (NotReadyError, OverloadedError):
             if on_done is not None:
                 on_done()
             raise
         loop = asyncio.get_running_loop()
-        job = _Job(list(texts), key, k, filter, with_text, loop.create_future(), loop,
-                   time.perf_counter(), on_done)
+        now = time.perf_counter()
+        deadline = now + timeout_s if timeout_s is not None else float("inf")
+        job = _Job(list(texts), key, k, filter, with_text, loop.create_future(), loop, now, deadline, on_done)
         self._q.put(job)
-        return await job.future
+        return await self._wait(job.future, deadline)
 
-    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn(*args)`` on the worker thread (between batches) and return its result."""
-        self._admit()
+    async def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
+                   **kwargs: Any) -> Any:
+        """Run ``fn(*args)`` on the worker thread (between batches) and return its result.
+
+        A call still queued at its deadline is dropped; one that has started runs to its end
+        (a write is never cut in the middle), its caller answered 504 meanwhile."""
+        self._admit("")
         loop = asyncio.get_running_loop()
-        c = _Call(fn, args, loop.create_future(), loop, kwargs)
+        deadline = time.perf_counter() + timeout_s if timeout_s is not None else float("inf")
+        c = _Call(fn, args, loop.create_future(), loop, kwargs, deadline)
         self._q.put(c)
-        return await c.future
+        return await self._wait(c.future, deadline)
 
     # -- worker thread -----------------------------------------------------------------------
 
@@ -199,32 +271,49 @@ class MicroBatcher:
                 return
             if isinstance(item, (_Job, _Call)):
                 _post(item.loop, item.future, exc=NotReadyError("the server is shutting down", "retry"))
-                if isinstance(item, _Job):
-                    self._finish(item)
+                self._finish(item)
 
     def _do_call(self, c: _Call) -> None:
-        if c.future.cancelled():
-            return
         try:
-            _post(c.loop, c.future, c.fn(*c.args, **c.kwargs))
-        except Exception as e:
-            _post(c.loop, c.future, exc=e)
+            if c.future.cancelled():
+                return
+            if time.perf_counter() > c.deadline:
+                self._expire(c)
+                return
+            try:
+                _post(c.loop, c.future, c.fn(*c.args, **c.kwargs))
+            except Exception as e:
+                _post(c.loop, c.future, exc=e)
+        finally:
+            self._finish(c)
 
-    @staticmethod
-    def _finish(job: _Job) -> None:
-        if not job.finished:
-            job.finished = True
-            if job.on_done is not None:
-                try:
-                    job.on_done()
-                except Exception:
-                    log.exception("on_done callback failed")
+    def _expire(self, item: "_Job | _Call") -> None:
+        if self.metrics is not None:
+            self.metrics.expired.labels(stage="queued").inc()
+        _post(item.loop, item.future, exc=DeadlineExceededError(
+            "the request waited in the queue past its deadline and was dropped",
+            "retry later, or give a longer X-Request-Timeout"))
+
+    def _finish(self, item: "_Job | _Call") -> None:
+        if item.finished:
+            return
+        item.finished = True
+        self._release(item.key)
+        on_done = getattr(item, "on_done", None)
+        if on_done is not None:
+            try:
+                on_done()
+            except Exception:
+                log.exception("on_done callback failed")
 
     def _process(self, batch: list[_Job]) -> None:
         start = time.perf_counter()
         live = []
         for j in batch:
-            if j.future.cancelled():   # the client went away while queued
+            if j.future.cancelled():   # the client went away (or stopped waiting) while queued
+                self._finish(j)
+            elif start > j.deadline:
+                self._expire(j)
                 self._finish(j)
             else:
                 live.append(j)
@@ -286,6 +375,5 @@ class MicroBatcher:
                 off = offsets[i]
                 _post(j.loop, j.future, SearchOutcome(
                     hits=[list(h[:j.k]) for h in hits[pos:pos + n]], truncated=trunc[off:off + n],
-                    queue_s=queue_s, encode_s=encode_s, search_s=search_s,
-                    batch_queries=len(texts), batch_requests=len(jobs)))
+                    queue_s=queue_s, encode_s=encode_s, search_s=search_s, batch_requests=len(jobs)))
                 pos += n

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import threading
 from pathlib import Path
 
 # OMP_WAIT_POLICY=PASSIVE is set by the qswap entry point (qswap.cli) before torch/faiss load.
@@ -98,12 +100,9 @@ def _serve(args: argparse.Namespace) -> int:
         from qswap.server.app import write_openapi
         print(write_openapi(args.write_openapi))
         return 0
-    import uvicorn
     from pydantic import ValidationError
 
     from qswap.errors import InvalidInputError
-    from qswap.server.app import create_app
-    from qswap.server.logs import configure_logging
 
     try:
         settings = _settings(args)
@@ -111,7 +110,13 @@ def _serve(args: argparse.Namespace) -> int:
         err = e.errors()[0]
         raise InvalidInputError(f"bad setting {'.'.join(map(str, err['loc']))}: {err['msg']}",
                                 "see `qswap serve --help`") from None
+    # Checked here, before the model stack is imported, so a bad setting fails in a second.
     settings.check()
+    import uvicorn
+
+    from qswap.server.app import DrainingServer, create_app
+    from qswap.server.logs import configure_logging
+
     configure_logging(settings.log_json, logging.DEBUG if getattr(args, "verbose", False) else logging.INFO)
     log = logging.getLogger("qswap.server")
     if settings.admin_mode == "disabled":
@@ -121,13 +126,22 @@ def _serve(args: argparse.Namespace) -> int:
         log.warning("--insecure: admin routes are open to loopback clients without a token")
     if getattr(args, "ray", False):
         return _serve_ray(args, settings)
-    app = create_app(settings)
+    app = create_app(settings, check=False)   # checked above
     log.info("starting", extra={"url": f"http://{settings.host}:{settings.port}", "admin": settings.admin_mode,
                                 "index": str(settings.index or "demo"), "model": settings.model})
     # One worker: the model, index and encoder pool live in this process. uvicorn's "auto"
     # picks uvloop and httptools when they are installed.
-    uvicorn.run(app, host=settings.host, port=settings.port, workers=1, loop="auto", http="auto",
-                access_log=False, log_config=None, server_header=False)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, workers=1, loop="auto", http="auto",
+                            access_log=False, log_config=None, server_header=False,
+                            timeout_graceful_shutdown=settings.shutdown_timeout_s)
+    DrainingServer(config).run()
+    # Work that ignores cancellation (a thread in a model call) must not hold the process past
+    # the drain bound: the index and registry are closed and every write is atomic by now.
+    stragglers = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    if stragglers:
+        log.warning("exiting with work still running", extra={"threads": [t.name for t in stragglers]})
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 

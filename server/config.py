@@ -65,6 +65,15 @@ class ServerSettings(BaseSettings):
     max_batch: int = Field(64, ge=1, le=4096, description="queries encoded in one forward pass at most")
     encoder_memory_bytes: int = Field(1 << 30, ge=0, description="budget for loaded adapters (LRU beyond it)")
     delete_timeout_s: float = Field(30.0, gt=0, description="how long DELETE waits for in-flight requests")
+    # -- overload and shutdown
+    max_pending: int = Field(256, ge=1, description="requests admitted (queued or running) at most; "
+                                                    "beyond: 429 with Retry-After")
+    max_pending_per_encoder: int = Field(128, ge=1, description="the same, for one encoder")
+    request_timeout_s: float = Field(30.0, gt=0, le=600, description="default deadline of a search or document "
+                                                                     "request (X-Request-Timeout overrides it)")
+    upload_timeout_s: float = Field(120.0, gt=0, description="an uploaded archive must be extracted within this")
+    shutdown_timeout_s: float = Field(10.0, gt=0, description="on SIGTERM: in-flight requests get this long, "
+                                                              "then the process exits")
     # -- limits
     max_queries: int = Field(64, ge=1, description="queries per search request")
     max_k: int = Field(100, ge=1)
@@ -84,11 +93,6 @@ class ServerSettings(BaseSettings):
             return "token"
         return "insecure" if self.insecure else "disabled"
 
-    @property
-    def store_dir(self) -> Path:
-        """The server's own copies of registered encoders."""
-        return self.state_dir / "encoders"
-
     def check(self) -> None:
         """Refuse settings that are unsafe or cannot work (raises :class:`InvalidInputError`)."""
         if self.insecure and self.admin_token is None and not is_loopback(self.host):
@@ -97,6 +101,10 @@ class ServerSettings(BaseSettings):
                 "use --host 127.0.0.1 with --insecure, or set an admin token (--token / QSWAP_ADMIN_TOKEN)")
         for name in ("admin_token", "search_token"):
             tok = getattr(self, name)
+            if tok is not None and (not tok.get_secret_value().strip()
+                                    or any(c.isspace() for c in tok.get_secret_value())):
+                raise InvalidInputError(f"{name} is empty or contains whitespace",
+                                        "generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
             if tok is not None and len(tok.get_secret_value()) < MIN_TOKEN_CHARS:
                 raise InvalidInputError(
                     f"{name} is shorter than {MIN_TOKEN_CHARS} characters",

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Path, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
-from starlette.exceptions import HTTPException
 
 from qswap.encoders import BASE_KEY
-from qswap.errors import InvalidInputError
 from qswap.server.auth import require_admin, require_search
 from qswap.server.backend import runtime_of
-from qswap.server.models import (Alias, AliasList, AliasSet, Deleted, EncoderInfo, EncoderList, RegisterByPath,
-                                 RegisterResponse)
+from qswap.server.errors import ForbiddenError, UnsupportedMediaTypeError
+from qswap.server.models import (KEY_PATTERN, NAME_PATTERN, REF_PATTERN, Alias, AliasList, AliasSet, Deleted,
+                                 EncoderInfo, EncoderList, RegisterByPath, RegisterResponse)
 from qswap.server.registry import resolve_under_root
 from qswap.server.responses import ADMIN_ERRORS, ERRORS, state_of
 from qswap.server.state import ServerState
@@ -34,11 +33,12 @@ _REGISTER_BODY = {
         "required": True,
         "content": {
             "application/json": {"schema": RegisterByPath.model_json_schema()},
-            "multipart/form-data": {"schema": {
+            "multipart/form-data": {"encoding": {"archive": {"contentType": "application/gzip"}}, "schema": {
                 "type": "object", "required": ["archive"],
                 "properties": {
-                    "archive": {"type": "string", "format": "binary",
-                                "description": ".tar.gz of one encoder directory"},
+                    "archive": {"type": "string", "format": "binary", "contentMediaType": "application/gzip",
+                                "description": "gzip-compressed tar of one encoder directory (anything "
+                                               "else is refused with 400)"},
                     "force": {"type": "boolean", "default": False,
                               "description": "register even if the tuning guard refuses"}}}},
         },
@@ -61,7 +61,9 @@ def _form_bool(value: object, field: str) -> bool:
     raise RequestValidationError([{"loc": ("body", field), "msg": "must be true or false", "type": "bool_parsing"}])
 
 
-@router.post("/v1/encoders", response_model=RegisterResponse, status_code=201, responses=ADMIN_ERRORS,
+@router.post("/v1/encoders", response_model=RegisterResponse, status_code=201,
+             responses={**ADMIN_ERRORS, 200: {"model": RegisterResponse,
+                                              "description": "the identical encoder was already registered"}},
              dependencies=[Depends(require_admin)], openapi_extra=_REGISTER_BODY,
              summary="Register an encoder (directory under the encoders root, or uploaded .tar.gz)")
 async def register_encoder(request: Request, response: Response) -> RegisterResponse:
@@ -93,13 +95,14 @@ async def register_encoder(request: Request, response: Response) -> RegisterResp
             raise RequestValidationError([{**err, "loc": ("body", *err.get("loc", ()))} for err in e.errors()]) from None
         root = state.settings.encoders_root
         if root is None:
-            raise InvalidInputError("register-by-path is disabled: the server has no encoders root",
-                                    "restart with --encoders-root DIR, or upload a .tar.gz archive")
+            raise ForbiddenError("register-by-path is disabled: the server has no encoders root",
+                                 "restart with --encoders-root DIR, or upload a .tar.gz archive")
         src = resolve_under_root(root, payload.path)
         rec, created = await asyncio.to_thread(state.registry.register, src, force=payload.force,
                                                source=f"path:{payload.path}")
     else:
-        raise HTTPException(415, "send application/json (path) or multipart/form-data (archive)")
+        raise UnsupportedMediaTypeError(f"cannot read a {ctype.split(';')[0]} body here",
+                                        "send application/json (path) or multipart/form-data (archive)")
     response.status_code = 201 if created else 200
     return RegisterResponse(encoder=_info(state, rec.key), created=created)
 
@@ -115,8 +118,8 @@ async def list_encoders(request: Request) -> EncoderList:
 
 
 @router.get("/v1/encoders/{ref}", response_model=EncoderInfo, responses=ERRORS,
-            dependencies=[Depends(require_search)], summary="Show an encoder ('name' = latest version)")
-async def get_encoder(ref: str, request: Request) -> EncoderInfo:
+            dependencies=[Depends(require_search)], summary="Show an encoder ('name' = highest version)")
+async def get_encoder(request: Request, ref: str = Path(pattern=REF_PATTERN)) -> EncoderInfo:
     state = state_of(request)
     state.require_ready()
     return _info(state, state.registry.resolve(encoder=ref))
@@ -124,7 +127,7 @@ async def get_encoder(ref: str, request: Request) -> EncoderInfo:
 
 @router.delete("/v1/encoders/{key}", response_model=Deleted, responses=ADMIN_ERRORS,
                dependencies=[Depends(require_admin)], summary="Delete an encoder version")
-async def delete_encoder(key: str, request: Request) -> Deleted:
+async def delete_encoder(request: Request, key: str = Path(pattern=KEY_PATTERN)) -> Deleted:
     """Refused (409) while an alias or the default points at it; waits for in-flight requests."""
     state = state_of(request)
     state.require_ready()
@@ -142,7 +145,7 @@ async def list_aliases(request: Request) -> AliasList:
 
 @router.put("/v1/aliases/{domain}", response_model=Alias, responses=ADMIN_ERRORS,
             dependencies=[Depends(require_admin)], tags=["aliases"], summary="Point a domain at an encoder")
-async def set_alias(domain: str, body: AliasSet, request: Request) -> Alias:
+async def set_alias(body: AliasSet, request: Request, domain: str = Path(pattern=NAME_PATTERN)) -> Alias:
     """Atomic switch: requests admitted before it finish on the previous version. The alias
     ``default`` replaces the configured default encoder."""
     state = state_of(request)
@@ -153,7 +156,7 @@ async def set_alias(domain: str, body: AliasSet, request: Request) -> Alias:
 
 @router.delete("/v1/aliases/{domain}", response_model=Alias, responses=ADMIN_ERRORS,
                dependencies=[Depends(require_admin)], tags=["aliases"], summary="Remove a domain alias")
-async def delete_alias(domain: str, request: Request) -> Alias:
+async def delete_alias(request: Request, domain: str = Path(pattern=NAME_PATTERN)) -> Alias:
     state = state_of(request)
     state.require_ready()
     key = await asyncio.to_thread(state.registry.delete_alias, domain)

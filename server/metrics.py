@@ -43,6 +43,12 @@ class Metrics:
         self.evictions = Counter("qswap_encoder_evictions", "encoders evicted by the memory budget", registry=r)
         self.errors = Counter("qswap_errors", "error responses by error code and status",
                               ["code", "status"], registry=r)
+        self.rejected = Counter("qswap_rejected_requests", "requests refused at admission, by reason "
+                                "(queue_full, encoder_queue_full: 429; shutting_down: 503)", ["reason"], registry=r)
+        self.expired = Counter("qswap_expired_requests", "requests dropped at their deadline (504), by where "
+                               "they were (queued: never ran; waiting: the caller stopped waiting)",
+                               ["stage"], registry=r)
+        self.admitted = Gauge("qswap_admitted_requests", "requests admitted and not finished", registry=r)
         self.index_documents = Gauge("qswap_index_documents", "documents in the index", registry=r)
         self.ready = Gauge("qswap_ready", "1 once the index and the default encoder are loaded", registry=r)
 

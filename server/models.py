@@ -1,18 +1,129 @@
 """Request and response bodies of the HTTP API (pydantic; they make the OpenAPI schema).
 
-Limits that depend on configuration (max k, queries per request) are checked in the routes,
-so the schema stays the same whatever the settings are.
+Request models are strict (``k: "5"``, ``k: true``, ``with_text: "yes"`` are refused, not
+coerced) and their schema says everything the server refuses: patterns for names, keys and
+ids, bounds for numbers, "exactly one of" for alternatives. Lone UTF-16 surrogates cannot be
+stored or encoded, so every text field refuses them. Limits that depend on configuration
+(max k, queries and documents per request) are written into the schema the running server
+serves (:func:`qswap.server.app.create_app`); the committed copy has the defaults.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema,
+                      model_validator)
+
+from qswap.index import Hit
+
+# Names, versions and domains (qswap.encoders.artifact.validate_name), and name@version keys.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+REF_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}(@[A-Za-z0-9][A-Za-z0-9._-]{0,63})?$"
+KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}@[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+# A path under the encoders root: no NUL and no '..' component (written without look-ahead,
+# which the validator's regex engine lacks).
+_COMPONENT = r"(\.?|\.\.[^\x00/]+|\.[^\x00/.][^\x00/]*|[^\x00/.][^\x00/]*)"
+PATH_PATTERN = rf"^{_COMPONENT}(/{_COMPONENT})*$"
+NOT_BLANK = r"\S"
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_FILTER_FIELDS = 32
+MAX_METADATA_DEPTH = 64
+# Hard ceilings of the schema; the running server writes its configured (lower) limits.
+MAX_K, MAX_QUERIES, MAX_DOCUMENTS = 10_000, 4096, 100_000
+
+
+def _no_surrogates(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text contains a lone UTF-16 surrogate (not valid Unicode)") from None
+    return s
+
+
+def _check_number(v: int | float, where: str) -> None:
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"{where}: {v} is not a finite number")
+    if not INT64_MIN <= v <= INT64_MAX:
+        raise ValueError(f"{where}: {v} is outside the 64-bit integer range")
+
+
+def _check_filter(flt: dict[str, Any] | None) -> dict[str, Any] | None:
+    if flt is None:
+        return None
+    if len(flt) > MAX_FILTER_FIELDS:
+        raise ValueError(f"filter has {len(flt)} fields; at most {MAX_FILTER_FIELDS}")
+    for field, value in flt.items():
+        _no_surrogates(field)
+        if not field or len(field) > 128 or '"' in field or "\\" in field:
+            raise ValueError(f"bad filter field {field!r}: 1-128 characters, no quotes or backslashes")
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, (int, float)):
+            _check_number(value, f"filter {field}")
+        elif isinstance(value, str):
+            _no_surrogates(value)
+        else:
+            raise ValueError(f"filter {field}: a filter value is one string, number, boolean or null")
+    return flt
+
+
+def _check_metadata(meta: dict[str, Any]) -> dict[str, Any]:
+    def walk(v: Any, depth: int) -> None:
+        if depth > MAX_METADATA_DEPTH:
+            raise ValueError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
+        if isinstance(v, str):
+            _no_surrogates(v)
+        elif isinstance(v, bool) or v is None:
+            pass
+        elif isinstance(v, (int, float)):
+            pass   # stored as JSON text: any size is kept exactly
+        elif isinstance(v, list):
+            for x in v:
+                walk(x, depth + 1)
+        elif isinstance(v, dict):
+            for key, x in v.items():
+                _no_surrogates(key)
+                walk(x, depth + 1)
+        else:
+            raise ValueError(f"metadata holds a {type(v).__name__}, not JSON")
+    walk(meta, 0)
+    return meta
+
+
+_SCALAR_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "number", "minimum": INT64_MIN, "maximum": INT64_MAX},
+                            {"type": "boolean"}, {"type": "null"}]}
+FILTER_SCHEMA: dict[str, Any] = {
+    "type": "object", "maxProperties": MAX_FILTER_FIELDS,
+    "propertyNames": {"minLength": 1, "maxLength": 128, "pattern": r'^[^"\\]+$'},
+    "additionalProperties": _SCALAR_SCHEMA,
+    "description": "metadata filter: equality on top-level fields (all must match)"}
+
+def _integral(v: Any) -> Any:
+    # JSON Schema counts 12.0 as an integer, so the schema's "integer" admits it; strings and
+    # booleans stay refused (no coercion).
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+Count = Annotated[int, BeforeValidator(_integral)]
+Text = Annotated[str, AfterValidator(_no_surrogates)]
+Query = Annotated[str, StringConstraints(min_length=1, pattern=NOT_BLANK), AfterValidator(_no_surrogates)]
+Filter = Annotated[dict[str, Any] | None, AfterValidator(_check_filter),
+                   WithJsonSchema({"anyOf": [FILTER_SCHEMA, {"type": "null"}]})]
+Metadata = Annotated[dict[str, Any], AfterValidator(_check_metadata),
+                     WithJsonSchema({"type": "object", "description": "JSON metadata (nesting at most "
+                                     f"{MAX_METADATA_DEPTH} levels)"})]
+DocId = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=NOT_BLANK),
+                  AfterValidator(_no_surrogates)]
+
+
+def _no_default(schema: dict[str, Any]) -> None:
+    schema.pop("default", None)   # "absent" is not null: the field's type has no null
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # ----------------------------------------------------------------------------- search
@@ -20,22 +131,25 @@ class _Strict(BaseModel):
 class SearchRequest(_Strict):
     """One query (``query``) or several (``queries``), searched with one encoder."""
 
-    query: str | None = Field(None, min_length=1, description="a single query")
-    queries: list[str] | None = Field(None, min_length=1, description="several queries")
-    encoder: str | None = Field(None, description="'name' (latest version) or 'name@version'; "
-                                                  "default encoder when absent")
-    domain: str | None = Field(None, description="resolved through the alias table to name@version")
-    k: int = Field(10, ge=1, description="hits per query (at most the server's max_k)")
-    filter: dict[str, Any] | None = Field(None, description="metadata filter, as the index accepts it")
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "oneOf": [{"required": ["query"]}, {"required": ["queries"]}],
+        "not": {"required": ["encoder", "domain"]}})
+
+    # Absent or a string: no null, so the schema's "exactly one of" is what the server checks.
+    query: Query = Field(None, json_schema_extra=_no_default, description="a single query (give exactly one of query / queries)")
+    queries: list[Query] = Field(None, json_schema_extra=_no_default, min_length=1, max_length=MAX_QUERIES,
+                                 description="several queries (at most the server's max_queries)")
+    encoder: str = Field(None, json_schema_extra=_no_default, pattern=REF_PATTERN, description="'name' (highest version) or 'name@version'; "
+                                                                "default encoder when absent")
+    domain: str = Field(None, json_schema_extra=_no_default, pattern=NAME_PATTERN, description="resolved through the alias table to name@version")
+    k: Count = Field(10, ge=1, le=MAX_K, description="hits per query (at most the server's max_k)")
+    filter: Filter = None
     with_text: bool = Field(True, description="return document texts with the hits")
 
     @model_validator(mode="after")
     def _one_of(self) -> "SearchRequest":
         if (self.query is None) == (self.queries is None):
             raise ValueError("give exactly one of 'query' or 'queries'")
-        for q in self.texts():
-            if not q.strip():
-                raise ValueError("queries must not be empty or blank")
         if self.encoder is not None and self.domain is not None:
             raise ValueError("give 'encoder' or 'domain', not both")
         return self
@@ -44,14 +158,8 @@ class SearchRequest(_Strict):
         return [self.query] if self.query is not None else list(self.queries or [])
 
 
-class Hit(BaseModel):
-    id: str
-    score: float
-    text: str | None = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
-
-
 class EncoderRef(BaseModel):
+
     """Exactly which encoder version served a query."""
 
     key: str = Field(description="name@version, or 'base' for the base model itself")
@@ -82,7 +190,9 @@ class SearchResponse(BaseModel):
 class RegisterByPath(_Strict):
     """Register an encoder directory found under the server's encoders root."""
 
-    path: str = Field(min_length=1, description="directory, relative to the encoders root (or absolute inside it)")
+    path: str = Field(min_length=1, max_length=4096, pattern=PATH_PATTERN,
+                      description="directory, relative to the encoders root (or absolute inside it); "
+                                  "no '..'")
     force: bool = Field(False, description="register even if the tuning guard refuses")
 
 
@@ -123,7 +233,7 @@ class Deleted(BaseModel):
 
 
 class AliasSet(_Strict):
-    encoder: str = Field(min_length=1, description="'name' (latest version, frozen now) or 'name@version'")
+    encoder: str = Field(pattern=REF_PATTERN, description="'name' (highest version, frozen now) or 'name@version'")
 
 
 class Alias(BaseModel):
@@ -139,13 +249,14 @@ class AliasList(BaseModel):
 # ----------------------------------------------------------------------------- documents
 
 class DocumentIn(_Strict):
-    id: str = Field(min_length=1, max_length=512)
-    text: str = Field(min_length=1)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    id: DocId
+    text: Text = Field(min_length=1)
+    metadata: Metadata = Field(default_factory=dict)
 
 
 class UpsertDocuments(_Strict):
-    documents: list[DocumentIn] = Field(min_length=1)
+    documents: list[DocumentIn] = Field(min_length=1, max_length=MAX_DOCUMENTS,
+                                        description="an id given twice in one request: the last one wins")
 
 
 class UpsertResult(BaseModel):
@@ -154,7 +265,7 @@ class UpsertResult(BaseModel):
 
 
 class DeleteDocuments(_Strict):
-    ids: list[str] = Field(min_length=1)
+    ids: list[DocId] = Field(min_length=1, max_length=MAX_DOCUMENTS)
 
 
 class DeleteResult(BaseModel):

@@ -37,7 +37,7 @@ from typing import Any, Iterator
 
 from qswap.encoders import BASE_KEY
 from qswap.errors import ConflictError, IntegrityError, NotFoundError
-from qswap.server.registry import LOCK_FILE, EncoderRecord, EncoderRegistry
+from qswap.server.registry import STATE_LOCK_FILE, EncoderRecord, EncoderRegistry
 
 log = logging.getLogger("qswap.server")
 
@@ -78,7 +78,7 @@ class SharedRegistry(EncoderRegistry):
         # a replica while such a server runs.
         if self._state_fd is not None:
             return
-        fd = os.open(self.state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.state_dir / STATE_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -74,6 +75,13 @@ def split_key(key: str) -> tuple[str, str]:
     return name, version
 
 
+def version_order(version: str) -> tuple[tuple[int, int, str], ...]:
+    """Sort key of a version: natural order, runs of digits compare as numbers ("10" > "9",
+    "1.10" > "1.9", "v10" > "v2"), the rest as text; a number sorts after text at one place."""
+    return tuple((1, int(part), "") if part.isdigit() else (0, 0, part)
+                 for part in re.split(r"(\d+)", version) if part)
+
+
 @dataclass
 class EncoderRecord:
     """What the registry file keeps about one registered encoder."""
@@ -117,8 +125,14 @@ def copy_encoder_dir(src: Path, dst: Path) -> EncoderManifest:
             raise IntegrityError(f"{src}: manifest lists a bad file name {name!r}", "re-export the encoder")
         fd = _open_nofollow(src / name)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise InvalidInputError(f"{src / name} is not a regular file", "re-export the encoder")
+            if st.st_nlink > 1:
+                # A hard link can make a file from outside the encoders root appear inside it
+                # (the root check sees only the path), so linked files are refused.
+                raise InvalidInputError(f"{src / name} has {st.st_nlink} hard links",
+                                        "copy the file into the encoder directory instead of linking it")
             with os.fdopen(fd, "rb", closefd=False) as fin, open(dst / name, "xb") as fout:
                 shutil.copyfileobj(fin, fout, 1 << 20)
         finally:
@@ -127,21 +141,31 @@ def copy_encoder_dir(src: Path, dst: Path) -> EncoderManifest:
 
 
 def resolve_under_root(root: Path, given: str) -> Path:
-    """The real directory ``given`` names, which must lie inside ``root`` (no '..', no link escape)."""
+    """The real encoder directory ``given`` names, which must lie inside ``root`` (no '..', no
+    link escape). A path that cannot name an encoder directory under the root (outside it, a
+    component longer than a file name can be, no manifest) is "not found": 404."""
     if "\x00" in given:
         raise InvalidInputError("the path contains a NUL byte", "give a plain directory path")
     p = PurePath(given)
     if ".." in p.parts:
         raise InvalidInputError(f"path {given!r} contains '..'",
                                 "give the encoder directory relative to the encoders root")
+    hint = "give the path of an encoder directory relative to the encoders root"
+    too_long = next((part for part in p.parts if len(part.encode("utf-8", "surrogatepass")) > 255), None)
+    if too_long is not None:
+        raise NotFoundError(f"no encoder directory at {given!r}: a component is longer than 255 bytes", hint)
     root_real = Path(root).resolve()
-    real = (Path(p) if p.is_absolute() else root_real / p).resolve()
+    try:
+        real = (Path(p) if p.is_absolute() else root_real / p).resolve()
+        is_dir = real.is_dir()
+        has_manifest = is_dir and (real / ENCODER_MANIFEST).is_file()
+    except (OSError, ValueError, RuntimeError):   # too long, a link loop, undecodable
+        raise NotFoundError(f"no encoder directory at {given!r} under the encoders root", hint) from None
     if not real.is_relative_to(root_real):
-        raise InvalidInputError(f"path {given!r} is outside the encoders root",
-                                "copy the encoder under the server's encoders root first")
-    if not real.is_dir():
-        raise NotFoundError(f"no encoder directory at {given!r} under the encoders root",
-                            "give the path of an encoder directory relative to the encoders root")
+        raise NotFoundError(f"path {given!r} is outside the encoders root",
+                            "copy the encoder under the server's encoders root first")
+    if not has_manifest:
+        raise NotFoundError(f"no encoder directory ({ENCODER_MANIFEST}) at {given!r} under the encoders root", hint)
     return real
 
 
@@ -238,7 +262,8 @@ class EncoderRegistry:
         if not versions:
             raise NotFoundError(f"no encoder named {ref!r} is registered",
                                 "list encoders with GET /v1/encoders, or register one with POST /v1/encoders")
-        return max(versions, key=lambda r: r.registered_at).key
+        # The highest version; equal orders (e.g. "1.0" and "1.00") fall back to the latest registered.
+        return max(versions, key=lambda r: (version_order(r.version), r.registered_at)).key
 
     def default_key(self) -> str:
         """The encoder that answers requests naming none."""
@@ -247,9 +272,7 @@ class EncoderRegistry:
 
     def resolve(self, encoder: str | None = None, domain: str | None = None) -> str:
         """Exact key for an encoder name/key, a domain alias, or (neither) the default."""
-        with self._lock:
-            if encoder is not None and domain is not None:
-                raise InvalidInputError("give an encoder or a domain, not both")
+        with self._lock:   # "not both" is checked by the request model (qswap.server.models)
             if domain is not None:
                 key = self._aliases.get(domain)
                 if key is None:

@@ -4,24 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import Request
+from fastapi import Header, Request
 
+from qswap.server.errors import documented_errors
 from qswap.server.models import ErrorBody
 from qswap.server.state import ServerState
 
-_ERR = {"model": ErrorBody}
-# Error statuses a route can answer (bodies are always ErrorBody).
-ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {**_ERR, "description": "invalid input"},
-    401: {**_ERR, "description": "missing or wrong bearer token"},
-    404: {**_ERR, "description": "unknown encoder, alias or document"},
-    409: {**_ERR, "description": "conflict: space mismatch (names the field), guard refusal, in use"},
-    413: {**_ERR, "description": "request body too large"},
-    422: {**_ERR, "description": "validation error, limit exceeded, or corrupt encoder (integrity)"},
-    503: {**_ERR, "description": "not ready yet (loading) or overloaded"},
-}
-ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {**ERRORS, 403: {**_ERR, "description": "admin routes disabled"}}
+# Error statuses a route can answer (bodies are always ErrorBody), from the one error table.
+ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorBody, "description": doc}
+                                           for status, doc in sorted(documented_errors().items())}
+ADMIN_ERRORS = ERRORS
 
 
 def state_of(request: Request) -> ServerState:
     return request.app.state.qs
+
+
+def request_timeout(request: Request, x_request_timeout: float = Header(  # absent, not null
+        None, gt=0, le=600, description="seconds this request may take, queueing included; past it, queued "
+                                        "work is dropped and the answer is 504 (default: the server's "
+                                        "request_timeout_s)")) -> float:
+    """The request's deadline in seconds from now (a dependency of search and document routes)."""
+    return x_request_timeout if x_request_timeout is not None else state_of(request).settings.request_timeout_s

@@ -12,14 +12,14 @@ from qswap.server.auth import require_search
 from qswap.server.errors import LimitExceededError
 from qswap.server.models import SearchRequest, SearchResponse
 from qswap.server.registry import split_key
-from qswap.server.responses import ERRORS, state_of
+from qswap.server.responses import ERRORS, request_timeout, state_of
 
 router = APIRouter(tags=["search"])
 
 
 @router.post("/v1/search", response_model=SearchResponse, responses=ERRORS,
              dependencies=[Depends(require_search)], summary="Search with a chosen query encoder")
-async def search(body: SearchRequest, request: Request) -> Response:
+async def search(body: SearchRequest, request: Request, timeout_s: float = Depends(request_timeout)) -> Response:
     """Encode the queries with one encoder (named, by domain alias, or the default) and search.
 
     The encoder is resolved to an exact ``name@version`` when the request is admitted and held
@@ -46,7 +46,7 @@ async def search(body: SearchRequest, request: Request) -> Response:
         await state.prepare_encoder(key)   # first use after start or eviction
         submitted = True   # from here the batcher releases the reference, exactly once
         out = await state.batcher.search(texts, key, k, body.filter, body.with_text,
-                                         on_done=lambda: reg.release(key))
+                                         on_done=lambda: reg.release(key), timeout_s=timeout_s)
     finally:
         if not submitted:
             reg.release(key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import tempfile
 import threading
 import time
@@ -29,6 +30,8 @@ from qswap.server.registry import EncoderRecord, EncoderRegistry
 
 log = logging.getLogger("qswap.server")
 
+UPLOAD_PREFIX = ".upload-"
+
 
 class ServerState:
     """The live objects behind one app; attributes are ``None`` until :meth:`load` is done."""
@@ -37,6 +40,7 @@ class ServerState:
         self.settings = settings
         self.metrics = Metrics()
         self.ready = False
+        self.draining = False
         self.load_error: str | None = None
         self.base: BaseEncoder | None = None
         self.index: Any = None
@@ -85,7 +89,8 @@ class ServerState:
         registry = self.make_registry(state_dir=s.state_dir, pool=pool, space=index.space, backend=self.backend,
                                       default_encoder=s.default_encoder, memory_budget=s.encoder_memory_bytes,
                                       metrics=self.metrics)
-        registry.load_state()
+        registry.load_state()   # holds the state-dir lock from here: no other server uses the dir
+        self._remove_leftover_uploads()
         self.registry = registry
         self.backend.prepare(BASE_KEY)
         registry.ensure_loaded(registry.default_key())
@@ -96,7 +101,10 @@ class ServerState:
                 log.error("aliased encoder failed to load", extra={"domain": domain, "encoder": key,
                                                                    "error": str(e)})
         batcher = self.make_batcher(encode=self.backend.encode, search=index.search, truncated=self.truncated,
-                                    window_s=s.batch_window_ms / 1000.0, max_batch=s.max_batch, metrics=self.metrics)
+                                    window_s=s.batch_window_ms / 1000.0, max_batch=s.max_batch,
+                                    max_pending=s.max_pending, max_pending_per_encoder=s.max_pending_per_encoder,
+                                    metrics=self.metrics)
+        self.metrics.admitted.set_function(lambda: batcher.pending)
         with self._close_lock:
             if self._closed:
                 index.close()
@@ -130,6 +138,20 @@ class ServerState:
         if not self.registry.is_loaded(key):
             await asyncio.to_thread(self.registry.ensure_loaded, key)
 
+    def _remove_leftover_uploads(self) -> None:
+        """Extraction folders of uploads a killed server left behind (a live upload has the lock)."""
+        for p in self.settings.state_dir.glob(f"{UPLOAD_PREFIX}*"):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+                log.info("removed an upload folder left by a killed server", extra={"path": str(p)})
+
+    def begin_drain(self) -> None:
+        """Stop admitting requests (SIGTERM): new ones get 503, admitted ones finish."""
+        self.draining = True
+        if self.batcher is not None:
+            self.batcher.drain()
+        log.info("draining: no new requests are admitted")
+
     def close(self) -> None:
         """Stop the worker (in-flight batch finishes) and release the index."""
         with self._close_lock:
@@ -157,6 +179,8 @@ class ServerState:
                 log.exception("closing the index failed")
 
     def require_ready(self) -> None:
+        if self.draining or self._closed:
+            raise NotReadyError("the server is shutting down", "retry against another instance")
         if not self.ready:
             if self.load_error:
                 raise NotReadyError(f"the server failed to load: {self.load_error}",
@@ -182,9 +206,11 @@ class ServerState:
         assert self.registry is not None
         s = self.settings
         s.state_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=".upload-", dir=s.state_dir) as tmp:
+        with tempfile.TemporaryDirectory(prefix=UPLOAD_PREFIX, dir=s.state_dir) as tmp:
             enc_dir = extract_encoder_archive(fileobj, Path(tmp), max_bytes=s.max_extracted_bytes,
-                                              max_members=s.max_archive_members)
+                                              max_members=s.max_archive_members,
+                                              deadline=time.monotonic() + s.upload_timeout_s,
+                                              cancelled=lambda: self._closed)
             return self.registry.register(enc_dir, force=force, source=f"upload:{filename or 'archive'}")
 
     def embed_and_upsert(self, docs: list[Any]) -> tuple[int, int]:

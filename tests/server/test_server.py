@@ -157,10 +157,13 @@ def test_register_path_refusals(admin, encoders_root, tmp_path_factory):
         (filelink / "adapter.safetensors").unlink()
         (filelink / "adapter.safetensors").symlink_to(outside_enc / "adapter.safetensors")
     cases = {
-        "../outside": (400, "invalid_input"), "ft1/../../x": (400, "invalid_input"),
-        str(outside_enc): (400, "invalid_input"), "escape-link": (400, "invalid_input"),
+        # '..' is refused by the schema (422); what cannot name an encoder directory under
+        # the root is "not found", a name component no file system takes included.
+        "../outside": (422, "validation_error"), "ft1/../../x": (422, "validation_error"),
+        str(outside_enc): (404, "not_found"), "escape-link": (404, "not_found"),
         "missing-dir": (404, "not_found"), "tampered": (422, "integrity_error"),
-        "filelink": (400, "invalid_input"),
+        "filelink": (400, "invalid_input"), "x" * 256: (404, "not_found"),
+        "\u00e9" * 128: (404, "not_found"), ".": (404, "not_found"),
     }
     for path, (status, code) in cases.items():
         r = admin.post("/v1/encoders", json={"path": path})
@@ -306,7 +309,8 @@ def test_delete_encoder(admin, anon, encoders_root, tiny_base):
     assert r.status_code == 409 and r.json()["error"] == "conflict"
     assert admin.delete("/v1/aliases/tmpdom").status_code == 200
     assert admin.delete("/v1/aliases/tmpdom").status_code == 404
-    assert admin.delete("/v1/encoders/todelete").status_code == 400   # exact version needed
+    r = admin.delete("/v1/encoders/todelete")   # exact version needed: the path pattern says so
+    assert r.status_code == 422 and r.json()["hint"]
     r = admin.delete("/v1/encoders/todelete@1")
     assert r.status_code == 200 and r.json() == {"deleted": "todelete@1"}
     assert anon.get("/v1/encoders/todelete@1").status_code == 404
@@ -316,6 +320,13 @@ def test_delete_encoder(admin, anon, encoders_root, tiny_base):
 
 
 # ----------------------------------------------------------------------------- security and limits
+
+
+def test_register_content_types(admin):
+    r = admin.post("/v1/encoders", content=b"path=ft1", headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"] == "unsupported_media_type" and r.json()["hint"]
+    r = admin.post("/v1/encoders", content=b"--x\r\nbroken", headers={"content-type": "multipart/form-data; boundary=x"})
+    assert 400 <= r.status_code < 500 and r.json()["hint"], r.text
 
 
 def test_admin_routes_need_the_token(live, anon):
@@ -347,13 +358,33 @@ def test_limits_and_bad_input_are_4xx(anon):
         ({"query": "x", "encoder": "nope"}, 404, "not_found"),
         ({"query": "x", "encoder": "nope@3"}, 404, "not_found"),
         ({"query": "x", "domain": "unknown-domain"}, 404, "not_found"),
-        ({"query": "x", "filter": {"section": ["a", "b"]}}, 400, "invalid_input"),
+        ({"query": "x", "filter": {"section": ["a", "b"]}}, 422, "validation_error"),
         ({"query": 5}, 422, "validation_error"),
+        # strict types: nothing is coerced
+        ({"query": "x", "k": "5"}, 422, "validation_error"),
+        ({"query": "x", "k": True}, 422, "validation_error"),
+        ({"query": "x", "k": 5.5}, 422, "validation_error"),
+        ({"query": "x", "with_text": "yes"}, 422, "validation_error"),
+        ({"query": None, "queries": ["x"]}, 422, "validation_error"),
+        # what the index cannot store or compare
+        ({"query": "x", "filter": {"n": 2 ** 63}}, 422, "validation_error"),
+        ({"query": "x", "filter": {"n": -(2 ** 63) - 1}}, 422, "validation_error"),
+        ({"query": "x", "filter": {f"f{i}": 1 for i in range(1000)}}, 422, "validation_error"),
+        ({"query": "x", "filter": {'a"b': 1}}, 422, "validation_error"),
+        ({"query": "x", "domain": "a/b"}, 422, "validation_error"),
+        ({"query": "x", "encoder": "ft@1@2"}, 422, "validation_error"),
     ]
     for body, status, code in cases:
         r = anon.post("/v1/search", json=body)
         assert (r.status_code, r.json().get("error")) == (status, code), (body, r.text)
         assert isinstance(r.json()["detail"], str) and r.json()["detail"]
+    r = anon.post("/v1/search", json={"query": "x", "filter": {"n": 2 ** 63 - 1, "s": "a", "b": True}})
+    assert r.status_code == 200   # the int64 edge itself is fine
+    # Lone surrogates (valid JSON escapes, not valid Unicode) in every text field.
+    for raw in (b'{"query": "\\udc00"}', b'{"query": "x", "filter": {"\\udc00": 1}}',
+                b'{"query": "x", "filter": {"s": "\\ud800"}}'):
+        r = anon.post("/v1/search", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["hint"], (raw, r.text)
     r = anon.post("/v1/search", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["error"] == "validation_error"
     r = anon.post("/v1/search", content=b"[1, 2]", headers={"content-type": "application/json"})
@@ -367,10 +398,13 @@ def test_limits_and_bad_input_are_4xx(anon):
             yield b" " * 1024
     r = anon.post("/v1/search", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"] == "payload_too_large"   # no content-length
+    deep = b'{"query": "x", "filter": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"   # json.loads gives up
+    r = anon.post("/v1/search", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"] == "invalid_input" and r.json()["hint"], r.text
     r = anon.get("/v1/nothing-here")
-    assert r.status_code == 404 and r.json()["error"] == "not_found"
+    assert r.status_code == 404 and r.json()["error"] == "not_found" and r.json()["hint"]
     r = anon.get("/v1/search")
-    assert r.status_code == 405 and r.json()["error"] == "method_not_allowed"
+    assert r.status_code == 405 and r.json()["error"] == "method_not_allowed" and r.json()["hint"]
 
 
 def test_long_queries_are_truncated_and_flagged(anon):
@@ -419,7 +453,15 @@ def test_openapi_committed_copy_matches(anon):
     from qswap.server.app import OPENAPI_FILE, openapi_schema
     committed = json.loads(OPENAPI_FILE.read_text())
     assert committed == openapi_schema(), "run `qswap serve --write-openapi server/openapi.json`"
-    assert anon.get("/openapi.json").json() == committed
+    served = anon.get("/openapi.json").json()
+    # The running server writes its configured limits (this one: max_k 20, max_queries 8).
+    req = served["components"]["schemas"]["SearchRequest"]["properties"]
+    assert (req["k"]["maximum"], req["queries"]["maxItems"]) == (20, 8)
+    committed_req = committed["components"]["schemas"]["SearchRequest"]["properties"]
+    assert (committed_req["k"]["maximum"], committed_req["queries"]["maxItems"]) == (100, 64)
+    for schema in (served, committed):
+        schema["components"]["schemas"]["SearchRequest"]["properties"] = {}
+    assert served == committed
 
 
 # ----------------------------------------------------------------------------- other configurations

@@ -17,7 +17,9 @@ from qswap.errors import (ConflictError, GuardRefusedError, IntegrityError, Inva
 from qswap.server.archive import extract_encoder_archive
 from qswap.server.batching import MicroBatcher
 from qswap.server.config import ServerSettings, is_loopback
-from qswap.server.errors import LimitExceededError, status_for
+from qswap.server.errors import (DeadlineExceededError, ERROR_MAP, LimitExceededError, OverloadedError,
+                                 status_for)
+from qswap.server.registry import version_order
 
 # ----------------------------------------------------------------------------- archives
 
@@ -85,6 +87,49 @@ def test_archive_refusals(tmp_path, case):
     with pytest.raises(InvalidInputError):
         _extract(buf, tmp_path / "out", max_bytes=4096)
     assert not (tmp_path / "evil").exists() and not Path("/etc/evil").exists()
+
+
+def _pax_bomb(declared: int) -> io.BytesIO:
+    """A small gzip whose first member is a PAX header declaring ``declared`` bytes (zeros)."""
+    import gzip
+    hdr = tarfile.TarInfo("././@PaxHeader")
+    hdr.type = tarfile.XHDTYPE
+    hdr.size = declared
+    block = hdr.tobuf(format=tarfile.USTAR_FORMAT)
+    raw = io.BytesIO()
+    with gzip.GzipFile(fileobj=raw, mode="wb") as gz:
+        gz.write(block)
+        zeros = b"0" * (1 << 20)
+        for _ in range(declared // len(zeros)):
+            gz.write(zeros)
+    raw.seek(0)
+    return raw
+
+
+def test_archive_huge_extended_header_refused_before_parsing(tmp_path):
+    # 64 MB of PAX header compresses to ~64 KB; tarfile alone reads and parses all of it.
+    buf = _pax_bomb(64 << 20)
+    assert len(buf.getvalue()) < 200_000
+    t0 = time.perf_counter()
+    with pytest.raises(InvalidInputError, match="extended header declares"):
+        _extract(buf, tmp_path / "out")
+    assert time.perf_counter() - t0 < 2.0   # refused from the header block, not after reading 64 MB
+
+
+def test_archive_sparse_and_deadline_and_cancel(tmp_path):
+    info = tarfile.TarInfo("enc/s")
+    info.type = tarfile.GNUTYPE_SPARSE
+    with pytest.raises(InvalidInputError):
+        _extract(_tar([_file("enc/manifest.json", b"{}"), (info, None)], mode="w:gz"), tmp_path / "a")
+    members = [_file("enc/manifest.json", b"{}"), _file("enc/x", b"1")]
+    (tmp_path / "b").mkdir()
+    with pytest.raises(InvalidInputError, match="longer than the server allows"):
+        extract_encoder_archive(_tar(members), tmp_path / "b", max_bytes=1 << 20, max_members=8,
+                                deadline=time.monotonic() - 1)
+    (tmp_path / "c").mkdir()
+    with pytest.raises(InvalidInputError, match="shutting down"):
+        extract_encoder_archive(_tar(members), tmp_path / "c", max_bytes=1 << 20, max_members=8,
+                                cancelled=lambda: True)
 
 
 # ----------------------------------------------------------------------------- batching
@@ -413,6 +458,69 @@ def test_settings_from_environment(monkeypatch):
     assert s.admin_token.get_secret_value() == "t" * 32 and s.max_k == 7
 
 
+def test_settings_refuse_blank_tokens():
+    for tok in (" " * 20, "\t" * 20, "abcdefgh ijklmnopq"):
+        with pytest.raises(InvalidInputError, match="whitespace"):
+            ServerSettings(admin_token=tok).check()
+    with pytest.raises(InvalidInputError):
+        ServerSettings(search_token=" " * 32).check()
+
+
+def test_version_order_is_numeric_where_numeric():
+    def highest(*versions: str) -> str:
+        return max(versions, key=version_order)
+    assert highest("9", "10", "2") == "10"
+    assert highest("1.9", "1.10", "1.2") == "1.10"
+    assert highest("v2", "v10") == "v10"
+    assert highest("a", "b") == "b"
+    assert highest("2024-01-31", "2024-02-01") == "2024-02-01"
+
+
+def test_batcher_admission_limits_and_deadlines():
+    release = threading.Event()
+
+    def encode(texts, keys):
+        release.wait(5)
+        return np.zeros((len(texts), 2), dtype=np.float32)
+
+    def search(q, k, flt, with_text):
+        return [[] for _ in q]
+
+    async def main():
+        b = MicroBatcher(encode=encode, search=search, window_s=0.0, max_batch=1, max_pending=3,
+                         max_pending_per_encoder=2)
+        b.start()
+        first = asyncio.ensure_future(b.search(["a"], "e1", 1))          # runs (blocked in encode)
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(b.search(["b"], "e1", 1, timeout_s=0.1))   # waits, expires
+        await asyncio.sleep(0.01)
+        with pytest.raises(OverloadedError):                             # e1 has 2 admitted
+            await b.search(["c"], "e1", 1)
+        other = asyncio.ensure_future(b.search(["d"], "e2", 1))         # overall 3 of 3
+        await asyncio.sleep(0.01)
+        with pytest.raises(OverloadedError):
+            await b.search(["e"], "e3", 1)
+        with pytest.raises(DeadlineExceededError):
+            await queued
+        release.set()
+        await first
+        await other
+        await asyncio.sleep(0.05)
+        assert b.pending == 0                                            # the dropped job left the count
+        await b.search(["f"], "e1", 1)
+        b.drain()
+        with pytest.raises(Exception, match="shutting down"):
+            await b.search(["g"], "e1", 1)
+        b.stop()
+    _run(main())
+
+
+def test_error_map_is_the_one_table():
+    assert status_for(OverloadedError("m")) == (429, "overloaded")
+    assert status_for(DeadlineExceededError("m")) == (504, "deadline_exceeded")
+    assert ERROR_MAP[-1][0].__name__ == "QswapError"   # closes the table: every qswap error maps
+
+
 def test_error_map():
     assert status_for(SpaceMismatchError("m", "dim", 1, 2)) == (409, "space_mismatch")
     assert status_for(GuardRefusedError("m")) == (409, "guard_refused")
@@ -421,3 +529,33 @@ def test_error_map():
     assert status_for(IntegrityError("m")) == (422, "integrity_error")
     assert status_for(LimitExceededError("m")) == (422, "limit_exceeded")
     assert status_for(InvalidInputError("m")) == (400, "invalid_input")
+
+
+def test_registry_name_resolves_to_the_highest_version(registry, tiny_base, tmp_path):
+    from ..encoders.adapters import make_overrides
+    r = registry()
+    # Registered out of order: "10" last-but-one, "9" last; the highest is 10, not the latest.
+    for v in ("2", "10", "9"):
+        r.register(make_overrides(tiny_base, tmp_path / f"v{v}", "ver", "bias", seed=40 + int(v), version=v))
+    assert r.resolve(encoder="ver") == "ver@10"
+    r.delete("ver@10")
+    assert r.resolve(encoder="ver") == "ver@9"
+
+
+def test_register_by_path_refuses_hard_links(registry, tiny_base, tmp_path):
+    import os
+
+    from qswap.server.registry import resolve_under_root
+
+    from ..encoders.adapters import make_overrides
+    r = registry()
+    root = tmp_path / "root"
+    enc = make_overrides(tiny_base, tmp_path / "outside", "hl", "bias", seed=50)
+    (root / "hl").mkdir(parents=True)
+    for p in enc.iterdir():
+        os.link(p, root / "hl" / p.name)   # the files live outside the root too
+    with pytest.raises(InvalidInputError, match="hard links"):
+        r.register(resolve_under_root(root, "hl"))
+    assert "hl@1" not in r.keys()
+    with pytest.raises(NotFoundError):
+        resolve_under_root(root, "x" * 300)
