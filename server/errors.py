@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qswap.errors import (ConflictError, GuardRefusedError, IntegrityError, InvalidInputError,
+from qswap.errors import (ConflictError, GuardPendingError, GuardRefusedError, IntegrityError, InvalidInputError,
                           NotFoundError, QswapError, SpaceMismatchError)
 
 log = logging.getLogger("qswap.server")
@@ -44,6 +44,7 @@ class NotReadyError(QswapError):
 ERROR_MAP: tuple[tuple[type[QswapError], int, str], ...] = (
     (SpaceMismatchError, 409, "space_mismatch"),
     (GuardRefusedError, 409, "guard_refused"),
+    (GuardPendingError, 409, "guard_pending"),
     (ConflictError, 409, "conflict"),
     (NotFoundError, 404, "not_found"),
     (IntegrityError, 422, "integrity_error"),
@@ -95,6 +96,8 @@ async def _qswap_error(request: Request, exc: QswapError) -> JSONResponse:
     extra: dict[str, Any] = {}
     if isinstance(exc, SpaceMismatchError):
         extra = {"field": exc.field, "expected": _jsonable(exc.expected), "got": _jsonable(exc.got)}
+    elif isinstance(exc, GuardRefusedError) and exc.guard is not None:
+        extra = {"guard": exc.guard}   # the per-sentinel table the refusal rests on
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     if status == 503:
         headers = {"Retry-After": "1"}

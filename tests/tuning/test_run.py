@@ -40,7 +40,8 @@ def test_triplets_run_writes_a_loadable_encoder_and_a_failed_guard(tiny_base, ti
     by_name = {c["name"]: c for c in guard["checks"]}
     # The task moved queries away from lexical matches: that sentinel is significantly worse,
     # the one from the training distribution significantly better.
-    assert by_name["lexical"]["degraded"] and by_name["same"]["change"] == "improved"
+    assert by_name["lexical"]["degraded"] and by_name["same"]["verdict"] == "improved"
+    assert by_name["lexical"]["p_holm"] < 0.05 and by_name["lexical"]["pnd"]["z"] > 1.96
     assert guard["passed"] is False
     with pytest.raises(GuardRefusedError, match="lexical"):
         check_guard(guard)
