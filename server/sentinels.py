@@ -69,7 +69,9 @@ def load_sentinels(directory: Path) -> list[SentinelSet]:
     if not directory.is_dir():
         raise NotFoundError(f"sentinels directory {directory} does not exist",
                             "build one with `qswap sentinels make`, or drop --sentinels")
-    subs = sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
+    # ".name-*" are staging folders and "name.old" a swap interrupted by a crash (`sentinels make`).
+    subs = sorted(p for p in directory.iterdir()
+                  if p.is_dir() and not p.name.startswith(".") and not p.name.endswith(".old"))
     if not subs:
         raise InvalidInputError(f"sentinels directory {directory} holds no sentinel folder",
                                 "each sentinel is a folder with queries.jsonl and qrels/test.tsv "

@@ -32,6 +32,54 @@ def register(subparsers: Any) -> None:
     _add_plan(sub)
     _add_eval(sub)
     _add_register(sub)
+    _add_sentinels(subparsers)
+
+
+def _add_sentinels(subparsers: Any) -> None:
+    p = subparsers.add_parser("sentinels", help="build the server's sentinel sets (qswap serve --sentinels)",
+                              description="Sentinel sets for the server's own guard: judged queries over the "
+                                          "served index, one folder each (queries.jsonl, qrels/test.tsv).")
+    sub = p.add_subparsers(dest="sentinels_command", metavar="SUBCOMMAND", required=True)
+    m = sub.add_parser("make", help="sample a sentinel from a BEIR set or labelled query logs",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    src = m.add_mutually_exclusive_group(required=True)
+    src.add_argument("--beir", type=Path, help="BEIR directory (queries of --lang and their qrels)")
+    src.add_argument("--log", type=Path, help='labelled query logs: JSONL {"query", "relevant": [ids], "id"?}')
+    m.add_argument("--lang", help="query language (BEIR: queries-<lang>.jsonl); recorded in sentinel.json")
+    m.add_argument("--split", default="test", help="BEIR qrels split")
+    m.add_argument("--name", help="sentinel name (default: the language, else the source's name)")
+    m.add_argument("--out", type=Path, required=True, help="sentinels directory (the one given to --sentinels)")
+    m.add_argument("--n", type=int, default=1000, help="queries sampled")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--index", type=Path, help="the served index: judgements on documents it lacks are dropped")
+    m.add_argument("--exclude-qids", type=Path, metavar="FILE",
+                   help="query ids to leave out (e.g. the ones an encoder was trained on): one a line or a JSON list")
+    m.set_defaults(func=_sentinels_make)
+
+
+def _sentinels_make(args: argparse.Namespace) -> int:
+    from qswap.beir import resolve_language
+    from qswap.tuning.sentinels import from_beir, from_log, make_sentinel, read_qid_file
+
+    exclude = read_qid_file(args.exclude_qids) if args.exclude_qids else set()
+    if args.beir is not None:
+        lang = resolve_language(args.beir, args.lang)
+        data = from_beir(args.beir, lang, args.split)
+        name = args.name or lang or Path(args.beir).name
+    else:
+        data = from_log(args.log, args.lang)
+        name = args.name or args.lang or Path(args.log).stem
+    index_ids = None
+    if args.index is not None:
+        from qswap.index import DocumentIndex
+        with DocumentIndex.open(args.index, read_only=True) as idx:
+            index_ids = idx.export_embeddings()[0]
+    meta = make_sentinel(data, args.out, name, args.n, args.seed, index_ids, exclude)
+    print(f"sentinel {name}: {meta['queries']} queries (of {meta['available']} available, seed {args.seed}) "
+          f"-> {Path(args.out) / name}"
+          + (f"; {meta['judgements_dropped_not_in_index']} judgements on documents not in the index dropped"
+             if meta["judgements_dropped_not_in_index"] else ""))
+    return 0
 
 
 def _add_run(sub: Any) -> None:
