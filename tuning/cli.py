@@ -91,7 +91,6 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--train", type=Path, help='triplets JSONL: {"query", "pos": [...], "neg": [...]}')
     g.add_argument("--beir", type=Path, help="BEIR directory: queries -> relevant documents (qrels)")
     g.add_argument("--lang", help="BEIR training language (queries-<lang>.jsonl); default en when present")
-    g.add_argument("--beir-title", action="store_true", help="embed BEIR documents as title + text")
     g.add_argument("--val-size", type=float, default=0.1, help="validation size: fraction (<1) or count")
     g.add_argument("--test-size", type=float, default=0.1, help="test size: fraction (<1) or count")
     g.add_argument("--max-samples", type=int, help="use at most this many samples (seeded choice)")
@@ -167,7 +166,7 @@ def _run(args: argparse.Namespace) -> int:
     lr = sqrt_scaled_lr(args.batch_size, base_lr=args.lr) if args.lr_rule == "sqrt" else args.lr
     cfg = RunConfig(
         out=args.out, base=args.base, train_file=args.train, beir_dir=args.beir, lang=args.lang,
-        beir_title=args.beir_title, validation=args.val_size, test=args.test_size,
+        validation=args.val_size, test=args.test_size,
         max_samples=args.max_samples, index=args.index, mine=args.mine,
         mine_k=args.mine_k, negatives=args.negatives, fn_cutoff=args.fn_cutoff,
         method=MethodConfig(kind=args.method, freeze_output_dense=args.freeze_output_dense,

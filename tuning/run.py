@@ -67,7 +67,6 @@ class RunConfig:
     train_file: Path | None = None          # triplets JSONL
     beir_dir: Path | None = None            # or a BEIR directory (queries -> relevant docs)
     lang: str | None = None                 # BEIR training language ("en" when per-language files)
-    beir_title: bool = False
     validation: float = 0.1                 # fraction (< 1) or count
     test: float = 0.1
     max_samples: int | None = None
@@ -118,7 +117,7 @@ def _load_samples(cfg: RunConfig) -> tuple[list[Sample], BeirData | None, str]:
             and (Path(cfg.beir_dir) / "queries-en.jsonl").exists():
         lang = "en"
     cfg.lang = lang
-    beir = read_beir(cfg.beir_dir, lang, with_title=cfg.beir_title)
+    beir = read_beir(cfg.beir_dir, lang)
     return beir.samples(), beir, f"BEIR {cfg.beir_dir} [{lang or '-'}]"
 
 
@@ -246,8 +245,7 @@ def _evaluate(cfg: RunConfig, base: BaseModel, tower: QueryTower, prep: _Prepare
         pos, neg = [r[0] for r in test_rows], [r[1] for r in test_rows]
         evaluation["test"] = compare_metrics(evaluate_candidates(base.encode_queries(q), prep.table.emb, pos, neg),
                                              evaluate_candidates(tower.encode(q), prep.table.emb, pos, neg))
-    evaluator = BeirEvaluator(base, tower.encode, cfg.cache_dir, cfg.progress, with_title=cfg.beir_title,
-                              stored=stored)
+    evaluator = BeirEvaluator(base, tower.encode, cfg.cache_dir, cfg.progress, stored=stored)
     if beir is not None and test_samples:
         # BEIR: test queries against the whole corpus, in every evaluation language.
         langs = cfg.eval_langs or [cfg.lang or ""]
