@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from qswap.bench import bf16_quality, e2e_latency, forward, quality, hotswap, index_bench, naive_baseline, serving, tuning_speed
+from qswap.bench import bf16_quality, e2e_latency, forward, guard, quality, hotswap, index_bench, naive_baseline, serving, tuning_speed
 from qswap.bench.data import register as register_data
 
 # (subcommand, module, one-line help); each module has add_arguments(parser) and run(args).
@@ -22,6 +22,7 @@ BENCHMARKS = (
     ("index", index_bench, "recall@10, bytes/doc, latency, build time per (dim, quant, kind, rescore)"),
     ("tuning", tuning_speed, "steps/s of qswap tuning vs a sentence-transformers TripletLoss run"),
     ("hotswap", hotswap, "registration-to-first-served time and failed requests during swaps under load"),
+    ("guard", guard, "the server's sentinel guard: registration time on a running server; false alarms and power"),
 )
 
 

@@ -563,6 +563,9 @@ class EncoderRegistry:
             todo = [k for k, r in self._records.items()
                     if r.guard_status in ("unguarded", "evaluating", "failed")
                     or (r.evaluation or {}).get("sentinels") != self.guard.fingerprint]
+        with self._lock:
+            warm = [BASE_KEY, *sorted({k for k in self._aliases.values() if k != BASE_KEY})]
+        self.guard.submit(lambda: self._warm(warm))
         if self.metrics is not None:
             with self._lock:
                 done = [(k, r) for k, r in self._records.items() if k not in todo and r.evaluation]
@@ -575,6 +578,19 @@ class EncoderRegistry:
                 self._schedule(key)
         if todo:
             log.info("guard re-evaluating encoders without a verdict on these sentinels", extra={"encoders": todo})
+
+    def _warm(self, keys: list[str]) -> None:
+        for k in keys:
+            self._hold(k)
+        try:
+            for k in keys:
+                self.ensure_loaded(k)
+            self.guard.warm(keys)
+        except Exception:   # only a head start: the evaluation encodes what is missing
+            log.exception("guard warm-up failed")
+        finally:
+            for k in keys:
+                self.release(k)
 
     def _evaluate(self, key: str) -> None:
         """The guard job: evaluate ``key`` against base and every aliased encoder, store the verdict."""

@@ -21,98 +21,29 @@ serving meanwhile (the pool's lock interleaves the two forward-pass streams chun
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from qswap.beir import read_qrels, read_queries
-from qswap.errors import InvalidInputError, NotFoundError
+from qswap.errors import InvalidInputError
 from qswap.tuning.evaluation import evaluate_retrieval
 from qswap.tuning.guard import guard_record, sentinel_check
+from qswap.tuning.sentinels import SentinelSet, check_sentinels_in_index, load_sentinels, sentinels_fingerprint
+
+__all__ = ["SentinelGuard", "SentinelSet", "check_sentinels_in_index", "load_sentinels"]
 
 log = logging.getLogger("qswap.server")
 
-SENTINEL_META = "sentinel.json"
 _ENCODE_CHUNK = 32          # queries per forward pass: small, so serving batches interleave
 _PROGRESS_EVERY_S = 5.0
 _CACHED_ENCODERS = 16       # query-embedding sets kept (base + incumbents + recent)
 
 Encode = Callable[[list[str], list[str]], np.ndarray]
-
-
-@dataclass
-class SentinelSet:
-    """One sentinel: judged queries whose relevant documents are in the served index."""
-
-    name: str
-    lang: str | None
-    qids: list[str]
-    texts: list[str]
-    qrels: list[dict[str, int]]     # per query: index document id -> grade (> 0)
-
-    def doc_ids(self) -> set[str]:
-        return {d for r in self.qrels for d in r}
-
-
-def load_sentinels(directory: Path) -> list[SentinelSet]:
-    """Every sentinel under ``directory`` (sorted by name); a bad one is a named error."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise NotFoundError(f"sentinels directory {directory} does not exist",
-                            "build one with `qswap sentinels make`, or drop --sentinels")
-    # ".name-*" are staging folders and "name.old" a swap interrupted by a crash (`sentinels make`).
-    subs = sorted(p for p in directory.iterdir()
-                  if p.is_dir() and not p.name.startswith(".") and not p.name.endswith(".old"))
-    if not subs:
-        raise InvalidInputError(f"sentinels directory {directory} holds no sentinel folder",
-                                "each sentinel is a folder with queries.jsonl and qrels/test.tsv "
-                                "(`qswap sentinels make` writes them)")
-    out = []
-    for sub in subs:
-        meta: dict[str, Any] = {}
-        if (sub / SENTINEL_META).is_file():
-            try:
-                meta = json.loads((sub / SENTINEL_META).read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise InvalidInputError(f"{sub / SENTINEL_META} is not valid JSON ({e})",
-                                        "rewrite it with `qswap sentinels make`") from None
-        queries = read_queries(sub, None)
-        qrels = read_qrels(sub, None)
-        qids = [q for q in queries if any(g > 0 for g in qrels.get(q, {}).values())]
-        if not qids:
-            raise InvalidInputError(f"sentinel {sub.name}: no query has a relevant document in qrels/test.tsv",
-                                    "check that qrels name the queries of queries.jsonl")
-        out.append(SentinelSet(sub.name, meta.get("lang") if isinstance(meta, dict) else None, qids,
-                               [queries[q] for q in qids],
-                               [{d: g for d, g in qrels[q].items() if g > 0} for q in qids]))
-    return out
-
-
-def sentinels_fingerprint(sentinels: list[SentinelSet]) -> str:
-    """sha256 of the sentinels' names, queries and judgements (a verdict names what it judged)."""
-    h = hashlib.sha256()
-    for s in sentinels:
-        h.update(json.dumps([s.name, s.qids, s.texts, s.qrels], sort_keys=True).encode())
-    return h.hexdigest()[:16]
-
-
-def check_sentinels_in_index(sentinels: list[SentinelSet], index_ids: set[str]) -> None:
-    """Refuse sentinels whose judged documents the index does not hold (they would score 0)."""
-    for s in sentinels:
-        missing = sorted(s.doc_ids() - index_ids)
-        if missing:
-            raise InvalidInputError(
-                f"sentinel {s.name}: {len(missing)} judged document id(s) are not in the served index, "
-                f"e.g. {missing[0]!r}", "build the sentinels over this index (`qswap sentinels make --index`)")
 
 
 class SentinelGuard:
@@ -164,6 +95,15 @@ class SentinelGuard:
             while len(self._emb) > _CACHED_ENCODERS:
                 self._emb.popitem(last=False)
         return out
+
+    def warm(self, keys: list[str]) -> None:
+        """Encode the sentinels' queries for ``keys`` now (at start: the base and the aliased
+        encoders), so a registration only encodes the new encoder."""
+        t0 = time.perf_counter()
+        for key in keys:
+            self._embeddings(key, lambda n: None)
+        log.info("guard warmed up", extra={"encoders": keys, "queries": self.queries * len(keys),
+                                           "seconds": round(time.perf_counter() - t0, 1)})
 
     def forget(self, key: str) -> None:
         """Drop the cached query embeddings of an encoder (deleted)."""

@@ -1,4 +1,4 @@
-"""Building the server's sentinel sets: ``qswap sentinels make``.
+"""The server's sentinel sets: their layout, loading them, and ``qswap sentinels make``.
 
 A sentinel is a folder ``OUT/<name>/`` in BEIR layout without a corpus (the corpus is the
 served index): ``queries.jsonl``, ``qrels/test.tsv`` and ``sentinel.json`` (language, source,
@@ -12,6 +12,7 @@ not hold are dropped (and queries left without any), so the sentinel fits the se
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import tempfile
@@ -20,8 +21,8 @@ from pathlib import Path
 from typing import Any, Collection
 
 from qswap.atomic import atomic_write_json, fsync_dir, replace_dir
-from qswap.beir import LineErrors, iter_jsonl, load_beir, write_jsonl, write_qrels
-from qswap.errors import InvalidInputError
+from qswap.beir import LineErrors, iter_jsonl, load_beir, read_qrels, read_queries, write_jsonl, write_qrels
+from qswap.errors import InvalidInputError, NotFoundError
 from qswap.encoders.artifact import validate_name
 
 META = "sentinel.json"
@@ -35,6 +36,72 @@ class SentinelData:
     qrels: dict[str, dict[str, int]]
     source: str
     lang: str | None
+
+
+@dataclass
+class SentinelSet:
+    """One sentinel: judged queries whose relevant documents are in the served index."""
+
+    name: str
+    lang: str | None
+    qids: list[str]
+    texts: list[str]
+    qrels: list[dict[str, int]]     # per query: index document id -> grade (> 0)
+
+    def doc_ids(self) -> set[str]:
+        return {d for r in self.qrels for d in r}
+
+
+def load_sentinels(directory: Path) -> list[SentinelSet]:
+    """Every sentinel under ``directory`` (sorted by name); a bad one is a named error."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise NotFoundError(f"sentinels directory {directory} does not exist",
+                            "build one with `qswap sentinels make`, or drop --sentinels")
+    # ".name-*" are staging folders and "name.old" a swap interrupted by a crash (`sentinels make`).
+    subs = sorted(p for p in directory.iterdir()
+                  if p.is_dir() and not p.name.startswith(".") and not p.name.endswith(".old"))
+    if not subs:
+        raise InvalidInputError(f"sentinels directory {directory} holds no sentinel folder",
+                                "each sentinel is a folder with queries.jsonl and qrels/test.tsv "
+                                "(`qswap sentinels make` writes them)")
+    out = []
+    for sub in subs:
+        meta: dict[str, Any] = {}
+        if (sub / META).is_file():
+            try:
+                meta = json.loads((sub / META).read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise InvalidInputError(f"{sub / META} is not valid JSON ({e})",
+                                        "rewrite it with `qswap sentinels make`") from None
+        queries = read_queries(sub, None)
+        qrels = read_qrels(sub, None)
+        qids = [q for q in queries if any(g > 0 for g in qrels.get(q, {}).values())]
+        if not qids:
+            raise InvalidInputError(f"sentinel {sub.name}: no query has a relevant document in qrels/test.tsv",
+                                    "check that qrels name the queries of queries.jsonl")
+        out.append(SentinelSet(sub.name, meta.get("lang") if isinstance(meta, dict) else None, qids,
+                               [queries[q] for q in qids],
+                               [{d: g for d, g in qrels[q].items() if g > 0} for q in qids]))
+    return out
+
+
+def sentinels_fingerprint(sentinels: list[SentinelSet]) -> str:
+    """sha256 of the sentinels' names, queries and judgements (a verdict names what it judged)."""
+    h = hashlib.sha256()
+    for s in sentinels:
+        h.update(json.dumps([s.name, s.qids, s.texts, s.qrels], sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def check_sentinels_in_index(sentinels: list[SentinelSet], index_ids: set[str]) -> None:
+    """Refuse sentinels whose judged documents the index does not hold (they would score 0)."""
+    for s in sentinels:
+        missing = sorted(s.doc_ids() - index_ids)
+        if missing:
+            raise InvalidInputError(
+                f"sentinel {s.name}: {len(missing)} judged document id(s) are not in the served index, "
+                f"e.g. {missing[0]!r}", "build the sentinels over this index (`qswap sentinels make --index`)")
 
 
 def from_beir(directory: Path, lang: str | None, split: str = "test") -> SentinelData:
