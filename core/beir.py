@@ -405,6 +405,15 @@ def load_beir(directory: Path, lang: str | None = None, *, split: str = "test", 
     return BeirDataset(corpus, queries, qrels)
 
 
+def check_beir(directory: Path, lang: str | None = None, *, split: str = "test",
+               corpus_lang: str | None = None) -> None:
+    """Find (not read) the corpus, queries and qrels :func:`load_beir` would read; a missing
+    one raises its :class:`NotFoundError` at once (validating a run's languages before any work)."""
+    _corpus_file(directory, corpus_lang if corpus_lang is not None else lang)
+    _queries_file(directory, lang)
+    _qrels_file(directory, lang, split)
+
+
 # --------------------------------------------------------------------------- writers
 
 

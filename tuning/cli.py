@@ -195,6 +195,13 @@ def _summary(r: dict[str, Any]) -> str:
     lines = [f"encoder   {enc['path']}  ({enc['name']}@{enc['version']}, kind {enc['kind']})",
              f"training  best epoch {tr['best_epoch']}, stopped by {tr['stopped']}, {tr['steps']} steps, "
              f"{tr['wall_seconds']:.1f} s"]
+    data = r.get("data") or {}
+    dropped, before = data.get("dropped_without_negative") or {}, data.get("split_before_mining") or {}
+    if any(dropped.values()):
+        total = sum(before.get(k, 0) for k in dropped)
+        parts = ", ".join(f"{k} {n} of {before.get(k, 0)}" for k, n in dropped.items() if n)
+        lines.append(f"data      {sum(dropped.values())} of {total} queries dropped: no negative left after mining "
+                     f"({parts}; raise --fn-cutoff or use --loss infonce to keep them)")
     for key, label in (("test", "test"), ("retrieval", "retrieval")):
         ev = r["evaluation"].get(key)
         if ev:
@@ -259,6 +266,9 @@ def _add_eval(sub: Any) -> None:
     p.add_argument("--sentinel", action="append", default=[], help="guard sentinel (as in `tune run`)")
     p.add_argument("--base", help="base model (default: the manifest's space name, bundled)")
     p.add_argument("--heatmap", type=Path, help="write the language-matrix PNG here")
+    p.add_argument("--include-seen", action="store_true",
+                   help="also score the queries the encoder was trained or validated on (left out by default, "
+                        "by id, from the encoder's training_queries.json)")
     p.add_argument("--cache-dir", type=Path)
     p.add_argument("--device")
     p.set_defaults(func=_eval)
@@ -285,9 +295,11 @@ def _eval(args: argparse.Namespace) -> int:
 
     out: dict[str, Any] = {"encoder": art.key}
     evaluator = BeirEvaluator(base, encode, args.cache_dir, progress=sys.stderr.isatty())
+    seen = set() if args.include_seen else _seen_queries(args.encoder, args.beir, args.langs or [None])
+    out["excluded_seen_queries"] = len(seen)
     if args.beir:
         langs = args.langs or [None]
-        m = language_matrix(evaluator, args.beir, langs)
+        m = language_matrix(evaluator, args.beir, langs, exclude_qids=seen)
         out["beir"] = m.to_dict()
         if args.heatmap:
             plot_heatmap(m, args.heatmap)
@@ -295,10 +307,36 @@ def _eval(args: argparse.Namespace) -> int:
         b, t = triplet_metrics(args.triplets, base, encode, args.cache_dir, progress=sys.stderr.isatty())
         out["triplets"] = compare_metrics(b, t)
     if args.sentinel:
-        out["guard"] = evaluate_sentinels([parse_sentinel(s) for s in args.sentinel], base, encode,
-                                          evaluator, args.cache_dir)
+        sents = [parse_sentinel(s) for s in args.sentinel]
+        excl = {Path(s.path).resolve(): seen for s in sents if s.kind == "beir"}
+        out["guard"] = evaluate_sentinels(sents, base, encode, evaluator, args.cache_dir, exclude=excl)
     print(json.dumps(out, indent=2))
     return 0
+
+
+def _seen_queries(encoder_dir: Path, beir: Path | None, langs: list[str | None]) -> set[str]:
+    """Ids of the queries the encoder trained on (train + validation), to leave out; warns on
+    stderr when there is no such record or when the ids do not match the evaluated queries."""
+    from qswap.beir import read_queries
+    from qswap.tuning.run import SEEN_QUERIES
+
+    path = Path(encoder_dir) / SEEN_QUERIES
+    if not path.is_file():
+        print(f"qswap: warning: {encoder_dir} has no {SEEN_QUERIES} (trained on triplets, or not by `qswap tune run`): "
+              "trained-on queries cannot be left out; scores may flatter the encoder", file=sys.stderr)
+        return set()
+    seen = set(json.loads(path.read_text()).get("ids") or [])
+    if beir is not None and seen:
+        for lang in langs:
+            try:
+                ids = set(read_queries(beir, lang))
+            except Exception:   # a missing language fails with its own message in the evaluation
+                continue
+            if not ids & seen:
+                print(f"qswap: warning: none of the {len(seen)} trained-on query ids occurs in the {lang or 'default'} "
+                      "queries: they cannot be matched by id (other ids across languages?), so none is left out "
+                      "there", file=sys.stderr)
+    return seen
 
 
 def _add_register(sub: Any) -> None:
