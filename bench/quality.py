@@ -43,6 +43,7 @@ def main(args: argparse.Namespace) -> int:
     from qswap.encoders import BASE_KEY, EncoderPool, load_base, load_encoder, truncate
     from qswap.tuning.data import read_beir, split_samples
     from qswap.tuning.doc_cache import embed_documents
+    from qswap.tuning.progress import encode_with_progress
     from qswap.tuning.evaluation import evaluate_retrieval
     from qswap.tuning.stats import compare_counts, improvement
 
@@ -68,8 +69,8 @@ def main(args: argparse.Namespace) -> int:
         qids = [q for q in queries if q not in seen]
         texts = [queries[q] for q in qids]
         relevant = [{row[d]: g for d, g in qrels[q].items()} for q in qids]
-        q_base = pool.encode(texts, [BASE_KEY] * len(texts))
-        q_tuned = pool.encode(texts, [art.key] * len(texts))
+        q_base = encode_with_progress(lambda t: pool.encode(t, [BASE_KEY] * len(t)), texts, f"{lang} queries (base)")
+        q_tuned = encode_with_progress(lambda t: pool.encode(t, [art.key] * len(t)), texts, f"{lang} queries (tuned)")
         for dim in dims:
             d = truncate(docs, dim)
             mb = evaluate_retrieval(truncate(q_base, dim), d, relevant, ks=(10, 100))

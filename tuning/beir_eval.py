@@ -19,6 +19,7 @@ from qswap.encoders import BaseModel
 from qswap.errors import InvalidInputError
 from qswap.tuning.doc_cache import StoredEmbeddings, embed_documents
 from qswap.tuning.evaluation import RankingMetrics, compare_metrics, evaluate_retrieval
+from qswap.tuning.progress import encode_with_progress
 
 Encode = Callable[[list[str]], np.ndarray]
 
@@ -65,7 +66,8 @@ class BeirEvaluator:
         missing = [i for i, q in enumerate(qids) if q not in memo]
         if missing:
             enc = self.base.encode_queries if which == "base" else self.encode_tuned
-            emb = enc([texts[i] for i in missing])
+            emb = encode_with_progress(enc, [texts[i] for i in missing],
+                                       f"encoding {lang or 'default'} queries ({which})", self.progress)
             for i, e in zip(missing, emb):
                 memo[qids[i]] = e
         return np.stack([memo[q] for q in qids])

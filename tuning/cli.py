@@ -294,7 +294,8 @@ def _eval(args: argparse.Namespace) -> int:
         return pool.encode(texts, [art.key] * len(texts))
 
     out: dict[str, Any] = {"encoder": art.key}
-    evaluator = BeirEvaluator(base, encode, args.cache_dir, progress=sys.stderr.isatty())
+    # Progress on a terminal or not: bars, else a line every 15 s (qswap.tuning.progress).
+    evaluator = BeirEvaluator(base, encode, args.cache_dir, progress=True)
     seen = set() if args.include_seen else _seen_queries(args.encoder, args.beir, args.langs or [None])
     out["excluded_seen_queries"] = len(seen)
     if args.beir:
@@ -304,7 +305,7 @@ def _eval(args: argparse.Namespace) -> int:
         if args.heatmap:
             plot_heatmap(m, args.heatmap)
     if args.triplets:
-        b, t = triplet_metrics(args.triplets, base, encode, args.cache_dir, progress=sys.stderr.isatty())
+        b, t = triplet_metrics(args.triplets, base, encode, args.cache_dir, progress=True)
         out["triplets"] = compare_metrics(b, t)
     if args.sentinel:
         sents = [parse_sentinel(s) for s in args.sentinel]
