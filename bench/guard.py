@@ -231,9 +231,12 @@ def run(args: argparse.Namespace) -> int:
                   b["progress_lines"],
                   f"{b['search_ms_idle']['p50']:.1f} → {b['search_ms_evaluating']['p50']:.1f} "
                   f"({b['search_ms_idle']['n']} / {b['search_ms_evaluating']['n']} requests)"]]))
+            # Written at once: the second part takes minutes more on a busy machine.
+            writer.write(results, "\n\n".join(md))
         if "alarms" in parts:
-            a = results["alarms"] = _alarms(args, base, work, args.quick)
+            a = _alarms(args, base, work, args.quick)
             md.append(a.pop("markdown"))
+            results["alarms"] = a
     finally:
         shutil.rmtree(work, ignore_errors=True)
     writer.write(results, "\n\n".join(md))

@@ -29,8 +29,8 @@ def _wait_verdict(c: httpx.Client, key: str, timeout: float = 120.0) -> dict:
 
 
 @pytest.fixture(scope="module")
-def guarded(tmp_path_factory, tiny_base, tiny_model_dir):
-    """A server over a 160-document index with two sentinels (80 judged queries each)."""
+def guard_data(tmp_path_factory, tiny_base):
+    """A 160-document index, two sentinels over it (80 judged queries each), encoder directories."""
     from qswap.index import build_index
     from qswap.beir import write_jsonl, write_qrels
 
@@ -63,8 +63,14 @@ def guarded(tmp_path_factory, tiny_base, tiny_model_dir):
     mild = {n: t + 1e-4 * torch.randn(t.shape, generator=g) for n, t in biases.items()}
     save_encoder(root / "mild1", name="mild", version="1", kind="bias", space=tiny_base.space, tensors=mild)
     save_encoder(root / "ident1", name="ident", version="1", kind="identity", space=tiny_base.space)
-    s = server_settings(tmp, tiny_model_dir, tmp / "idx", encoders_root=root, admin_token=ADMIN,
-                        sentinels=sent)
+    return {"tmp": tmp, "index": tmp / "idx", "sentinels": sent, "root": root}
+
+
+@pytest.fixture(scope="module")
+def guarded(guard_data, tiny_model_dir):
+    d = guard_data
+    s = server_settings(d["tmp"], tiny_model_dir, d["index"], encoders_root=d["root"], admin_token=ADMIN,
+                        sentinels=d["sentinels"])
     with LiveServer(s) as srv:
         with srv.client(ADMIN) as c:
             yield srv, c
@@ -156,3 +162,25 @@ def test_sentinels_with_unknown_documents_fail_the_start(tmp_path, tiny_model_di
     with pytest.raises(RuntimeError, match="not in the served index"):
         srv.start()
     srv.stop()
+
+
+def test_restart_with_sentinels_evaluates_unguarded_encoders(guard_data, tiny_model_dir, tmp_path):
+    d = guard_data
+    # read-only: the module's other server holds the index for writing
+    plain = server_settings(tmp_path, tiny_model_dir, d["index"], encoders_root=d["root"], admin_token=ADMIN,
+                            read_only_index=True)
+    with LiveServer(plain) as srv, srv.client(ADMIN) as c:
+        r = c.post("/v1/encoders", json={"path": "bad1"})          # no sentinels: nothing to test it on
+        assert r.status_code == 201 and r.json()["encoder"]["guard_status"] == "unguarded"
+        assert c.put("/v1/aliases/games", json={"encoder": "bad@1"}).status_code == 200
+    guarded = server_settings(tmp_path, tiny_model_dir, d["index"], encoders_root=d["root"], admin_token=ADMIN,
+                              sentinels=d["sentinels"], read_only_index=True)
+    with LiveServer(guarded) as srv, srv.client(ADMIN) as c:
+        info = _wait_verdict(c, "bad@1")
+        assert info["guard_status"] == "refused" and info["evaluation"]["passed"] is False
+        # The existing alias keeps serving (a restart must not take a domain down) ...
+        r = c.post("/v1/search", json={"query": "chess", "domain": "games"})
+        assert r.status_code == 200 and r.json()["results"][0]["encoder"]["key"] == "bad@1"
+        # ... but no new alias, and no search by name.
+        assert c.put("/v1/aliases/music", json={"encoder": "bad@1"}).status_code == 409
+        assert c.post("/v1/search", json={"query": "chess", "encoder": "bad@1"}).status_code == 409
