@@ -176,6 +176,7 @@ class EncoderRegistry:
         self._state_fd: int | None = None
         self.guard = guard                      # a qswap.server.sentinels.SentinelGuard, or None
         self._jobs: dict[str, Future] = {}
+        self._stopping = False
 
     # -- persistence --------------------------------------------------------------------------
 
@@ -618,6 +619,8 @@ class EncoderRegistry:
         finally:
             for k in held:
                 self.release(k)
+        if self._stopping:
+            return
         with self._admin_lock:
             with self._lock:
                 if key not in self._records:
@@ -635,6 +638,13 @@ class EncoderRegistry:
             if aliased:
                 log.error("an aliased encoder failed the guard; its aliases keep serving it",
                           extra={"encoder": key, "domains": aliased, "guard_status": status})
+
+    def stop_guard(self) -> None:
+        """At shutdown: queued evaluations are dropped and a running one stores nothing (it
+        would fail on the closing index and record a false 'failed'); a restart evaluates again."""
+        self._stopping = True
+        if self.guard is not None:
+            self.guard.close()
 
     def _forget_guard(self, key: str) -> None:
         if self.guard is not None:

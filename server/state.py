@@ -128,8 +128,8 @@ class ServerState:
             self._closed = True
             self.ready = False
             self.metrics.ready.set(0)
-        if self.guard is not None:
-            self.guard.close()
+        if self.registry is not None:
+            self.registry.stop_guard()
         if self.batcher is not None:
             self.batcher.stop()
         close_backend = getattr(self.backend, "close", None)
