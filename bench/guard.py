@@ -32,7 +32,19 @@ from typing import Any
 
 import numpy as np
 
-from qswap.bench.harness import ResultWriter, ServerProcess, free_port, http_json, md_table
+from qswap.bench.harness import ResultWriter, ServerProcess, free_port, http_json, md_table, plot_bars
+
+_TESTS = (("guard_wilcoxon_holm", "guard: Wilcoxon + Holm"), ("sign_bonferroni", "sign test"),
+          ("paired_t_bonferroni", "paired t"), ("pooled_z", "pooled PND Z (old guard)"))
+
+
+def plot_alarms(path: Path, alarms: dict[str, Any]) -> Path:
+    """Refusal rate per scenario and test (nulls should stay under the 5 % line)."""
+    sc = alarms["scenarios"]
+    labels = [x["scenario"].replace("pairs swapped at random", "swapped").replace("base vs ", "") for x in sc]
+    return plot_bars(path, labels, {name: [100 * x["refusal_rate"][t] for x in sc] for t, name in _TESTS},
+                     ylabel="% of rounds refused", title=f"guard refusals, {alarms['rounds']} rounds of "
+                                                         f"{alarms['subset']} queries per sentinel")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -237,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
             a = _alarms(args, base, work, args.quick)
             md.append(a.pop("markdown"))
             results["alarms"] = a
+            plot_alarms(writer.plot_path("refusals.png"), a)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     writer.write(results, "\n\n".join(md))
