@@ -1,6 +1,7 @@
 """``qswap bench quality``: base vs tuned query encoder on a BEIR set, per language and dimension.
 
-Documents are embedded once by the frozen tower; queries by the base and by the tuned encoder
+Documents come from the document cache `qswap tune` fills (fp16, the vectors `tune run` and
+`tune eval` score against), embedded only if missing; queries by the base and by the tuned encoder
 (through :class:`~qswap.encoders.EncoderPool`, the serving path). Every query the tuning saw
 (train and validation split, rebuilt from ``--seed`` / ``--val-size`` / ``--test-size`` exactly as
 ``qswap tune run`` made them) is excluded in every language, since ids are shared across
@@ -31,6 +32,8 @@ def register(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--val-size", type=float, default=0.1, help="as given to `qswap tune run`")
     p.add_argument("--test-size", type=float, default=0.1, help="as given to `qswap tune run`")
     p.add_argument("--seed", type=int, default=0, help="as given to `qswap tune run`")
+    p.add_argument("--cache-dir", type=Path, help="document-embedding cache, as `qswap tune` uses "
+                                                 "(default <data dir>/doc-cache)")
     p.add_argument("--out", type=Path, default=None)
     p.set_defaults(func=main)
     return p
@@ -40,6 +43,8 @@ def main(args: argparse.Namespace) -> int:
     from qswap.beir import load_beir
     from qswap.encoders import BASE_KEY, EncoderPool, load_base, load_encoder, truncate
     from qswap.tuning.data import read_beir, split_samples
+    from qswap.tuning.doc_cache import embed_documents
+    from qswap.tuning.progress import encode_with_progress
     from qswap.tuning.evaluation import evaluate_retrieval
     from qswap.tuning.stats import compare_counts, improvement
 
@@ -53,7 +58,9 @@ def main(args: argparse.Namespace) -> int:
     corpus, _, _ = load_beir(args.beir, args.train_lang)
     ids = list(corpus)
     row = {d: i for i, d in enumerate(ids)}
-    docs = base.encode_documents([corpus[d][0] for d in ids], progress=True)
+    # The same document vectors `qswap tune run` / `tune eval` score against (the fp16 cache,
+    # filled once): one evaluation path, and no second 10-minute embedding of the corpus.
+    docs = embed_documents(base, [corpus[d][0] for d in ids], args.cache_dir, progress=True, ids=ids)
     dims = [int(d) for d in args.dims.split(",")]
     results: dict[str, Any] = {"encoder": art.key, "excluded_seen_queries": len(seen), "documents": len(ids),
                                "rows": []}
@@ -63,8 +70,8 @@ def main(args: argparse.Namespace) -> int:
         qids = [q for q in queries if q not in seen]
         texts = [queries[q] for q in qids]
         relevant = [{row[d]: g for d, g in qrels[q].items()} for q in qids]
-        q_base = pool.encode(texts, [BASE_KEY] * len(texts))
-        q_tuned = pool.encode(texts, [art.key] * len(texts))
+        q_base = encode_with_progress(lambda t: pool.encode(t, [BASE_KEY] * len(t)), texts, f"{lang} queries (base)")
+        q_tuned = encode_with_progress(lambda t: pool.encode(t, [art.key] * len(t)), texts, f"{lang} queries (tuned)")
         for dim in dims:
             d = truncate(docs, dim)
             mb = evaluate_retrieval(truncate(q_base, dim), d, relevant, ks=(10, 100))

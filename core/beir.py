@@ -38,6 +38,19 @@ _MAX_REPORTED = 5
 _LAYOUT_HINT = "point at a BEIR directory (corpus.jsonl, queries.jsonl or queries-<lang>.jsonl, qrels/)"
 
 
+def document_text(title: str | None, text: str) -> str:
+    """The one title rule of the project: what is embedded for a BEIR document.
+
+    ``title + " " + text`` (the BEIR convention, the one E5 was evaluated with); the text alone
+    when the title is empty; the title alone when the text is. The index (``qswap.index.corpus``)
+    and tuning (:func:`read_corpus`) both embed this, so a tuned encoder learns against the
+    document vectors the index holds.
+    """
+    if title and text:
+        return f"{title} {text}"
+    return title or text
+
+
 class BeirDocument(NamedTuple):
     """A corpus entry: the text to embed and the metadata (a non-empty title is in ``metadata["title"]``)."""
 
@@ -253,7 +266,7 @@ def _read_corpus_file(path: Path, prepend_title: bool) -> Corpus:
             continue
         title = obj.get("title")
         title = title if isinstance(title, str) else ""
-        full = f"{title} {text}".strip() if prepend_title and title else text
+        full = document_text(title, text) if prepend_title else text
         if not full.strip():
             errors.add(no, "empty document" + ("" if prepend_title else " (its title, if any, is not embedded)"))
             continue
@@ -331,12 +344,12 @@ def _qrels_rows(path: Path) -> list[tuple[int, str, str, int]]:
 # --------------------------------------------------------------------------- public readers
 
 
-def read_corpus(directory: Path, lang: str | None = None, *, prepend_title: bool = False) -> Corpus:
+def read_corpus(directory: Path, lang: str | None = None, *, prepend_title: bool = True) -> Corpus:
     """``{doc_id: BeirDocument(text, metadata)}`` of ``corpus-<lang>.jsonl``, else ``corpus.jsonl``.
 
-    The text alone by default, with a non-empty title kept in ``metadata["title"]``;
-    ``prepend_title`` embeds ``title + " " + text`` (the BEIR convention) and still keeps the
-    title in the metadata. Order is file order.
+    ``text`` is what is embedded: :func:`document_text` (title + text, the index's rule) by
+    default; ``prepend_title=False`` gives the body alone. A non-empty title is also kept in
+    ``metadata["title"]``. Order is file order.
     """
     return _read_corpus_file(_corpus_file(directory, lang), prepend_title)
 
@@ -356,7 +369,7 @@ def read_qrels(directory: Path, lang: str | None = None, *, split: str = "test")
 
 
 def load_beir(directory: Path, lang: str | None = None, *, split: str = "test", strict: bool = True,
-              corpus_lang: str | None = None, prepend_title: bool = False) -> BeirDataset:
+              corpus_lang: str | None = None, prepend_title: bool = True) -> BeirDataset:
     """Load a BEIR dataset: ``(corpus, queries, qrels)`` for query language ``lang``.
 
     ``corpus`` is read in ``corpus_lang`` (default ``lang``; see :func:`read_corpus`, also for
@@ -390,6 +403,15 @@ def load_beir(directory: Path, lang: str | None = None, *, split: str = "test", 
                                 f"{corpus_path.name}", "check that the three files belong to one dataset")
     queries = {qid: text for qid, text in all_queries.items() if qid in qrels}
     return BeirDataset(corpus, queries, qrels)
+
+
+def check_beir(directory: Path, lang: str | None = None, *, split: str = "test",
+               corpus_lang: str | None = None) -> None:
+    """Find (not read) the corpus, queries and qrels :func:`load_beir` would read; a missing
+    one raises its :class:`NotFoundError` at once (validating a run's languages before any work)."""
+    _corpus_file(directory, corpus_lang if corpus_lang is not None else lang)
+    _queries_file(directory, lang)
+    _qrels_file(directory, lang, split)
 
 
 # --------------------------------------------------------------------------- writers

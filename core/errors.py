@@ -47,4 +47,15 @@ class IntegrityError(QswapError):
 
 
 class GuardRefusedError(ConflictError):
-    """An encoder significantly degrades its sentinel sets and was not registered with force."""
+    """An encoder significantly degrades its sentinel sets and was not registered with force.
+
+    ``guard`` is the evidence (the guard record with its per-sentinel table), when there is one.
+    """
+
+    def __init__(self, message: str, hint: str = "", guard: dict | None = None) -> None:
+        super().__init__(message, hint)
+        self.guard = guard
+
+
+class GuardPendingError(ConflictError):
+    """The encoder is still being evaluated on the server's sentinels: not servable yet."""

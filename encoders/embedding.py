@@ -42,13 +42,16 @@ def embed_batch(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
 
 
 def sorted_batches(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_size: int,
-                   device: torch.device | str = "cpu",
+                   device: torch.device | str = "cpu", lengths_out: list[int] | None = None,
                    ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
     """Tokenise once, then yield ``(indices, input_ids, attention_mask)`` batches grouped by token
-    length, longest first, so a batch pads little. Rows are cut to their batch's longest."""
+    length, longest first, so a batch pads little. Rows are cut to their batch's longest.
+    ``lengths_out`` receives every text's token count once tokenised (before the first batch)."""
     encs = tokenizer.encode_batch([prefix + t for t in texts])
     # attention_mask, not ids: the tokenizer pads, so every row's ids have the same length.
     lengths = [sum(e.attention_mask) for e in encs]
+    if lengths_out is not None:
+        lengths_out.extend(lengths)
     order = sorted(range(len(texts)), key=lambda i: -lengths[i])
     for s in range(0, len(order), batch_size):
         idx = order[s:s + batch_size]
@@ -68,14 +71,25 @@ def encode_texts(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     """
     out = np.empty((len(texts), dim), dtype=np.float32)
     bar = None
-    if progress:
+    lengths: list[int] = []
+    batches = sorted_batches(tokenizer, texts, prefix, batch_size, device, lengths)
+    if progress and texts:
+        from itertools import chain
+
         from tqdm import tqdm
-        bar = tqdm(total=len(texts), desc=desc, unit="doc", smoothing=0.05)
+        first = next(batches)   # tokenises everything: the token total is known from here
+        batches = chain([first], batches)
+        # Counted in tokens, not documents: batches come longest first, so a documents-per-second
+        # rate starts far too slow and the first ETA was hours for a 13-minute step.
+        bar = tqdm(total=sum(lengths), desc=desc, unit="tok", unit_scale=True, smoothing=0.05)
+    done = 0
     with torch.inference_mode():
-        for idx, ids, mask in sorted_batches(tokenizer, texts, prefix, batch_size, device):
+        for idx, ids, mask in batches:
             out[idx] = forward(ids, mask).float().cpu().numpy()
             if bar is not None:
-                bar.update(len(idx))
+                done += len(idx)
+                bar.set_postfix_str(f"{done}/{len(texts)} docs", refresh=False)
+                bar.update(int(mask.sum()))
     if bar is not None:
         bar.close()
     return out

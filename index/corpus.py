@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qswap.beir import document_text
 from qswap.errors import InvalidInputError, NotFoundError
 
 log = logging.getLogger("qswap.index")
@@ -117,9 +118,8 @@ def _parse(raw: bytes, lineno: int, fmt: str) -> tuple[str, Document, str]:
         title = obj.get("title")
         if title is not None and not isinstance(title, str):
             raise ValueError(f'"title" must be a string, got {type(title).__name__}')
-        if title:
-            # BEIR convention (and the one E5 was evaluated with): title, space, body.
-            embed_text = f"{title} {text}"
+        # The project's one title rule, shared with tuning (qswap.beir.document_text).
+        embed_text = document_text(title, text)
     return fmt, Document(doc_id, text, meta), embed_text
 
 

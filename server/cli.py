@@ -18,7 +18,7 @@ _FLAG_FIELDS = {
     "query_precision": "query_precision",
     "batch_window_ms": "batch_window_ms", "max_batch": "max_batch", "default_encoder": "default_encoder",
     "read_only_index": "read_only_index", "max_k": "max_k", "max_queries": "max_queries",
-    "encoder_memory_mb": "encoder_memory_bytes",
+    "encoder_memory_mb": "encoder_memory_bytes", "sentinels": "sentinels", "guard_alpha": "guard_alpha",
 }
 
 
@@ -41,6 +41,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--encoders-root", type=Path, metavar="DIR",
                    help="register-by-path is allowed only for directories inside DIR")
+    p.add_argument("--sentinels", type=Path, metavar="DIR",
+                   help="sentinel sets over the served index (a folder per sentinel: queries.jsonl + "
+                        "qrels/test.tsv, see `qswap sentinels make`): every registered encoder is evaluated "
+                        "on them against the base and the aliased encoders, and only one that passes is "
+                        "served by name or alias (fails closed)")
+    p.add_argument("--guard-alpha", type=float, metavar="P",
+                   help="significance level of the server's guard, Holm-adjusted over the sentinels (default 0.05)")
     p.add_argument("--state-dir", type=Path, metavar="DIR",
                    help="registry and the server's copies of encoders (default: DATA_DIR/server)")
     p.add_argument("--default-encoder", metavar="NAME[@VERSION]", help="encoder for requests naming none "

@@ -51,6 +51,10 @@ class ServerSettings(BaseSettings):
     state_dir: Path = Field(default_factory=lambda: data_dir() / "server",
                             description="registry file and the server's own copies of encoders")
     encoders_root: Path | None = Field(None, description="register-by-path is allowed only inside this directory")
+    sentinels: Path | None = Field(None, description="sentinel sets over the served index (one folder each: "
+                                   "queries.jsonl + qrels/test.tsv); every registration is evaluated on them")
+    guard_alpha: float = Field(0.05, gt=0, lt=1, description="significance level of the server's guard "
+                                                             "(Holm-adjusted, over the sentinels)")
     # -- security
     admin_token: SecretStr | None = Field(None, description="bearer token for admin routes")
     search_token: SecretStr | None = Field(None, description="bearer token for search (none = open search)")
@@ -116,6 +120,9 @@ class ServerSettings(BaseSettings):
             raise InvalidInputError(f"--query-precision {self.query_precision} needs the torch backend "
                                     f"(the {self.backend} graphs are fp32)",
                                     "drop --query-precision, or use --backend torch")
+        if self.sentinels is not None and not Path(self.sentinels).is_dir():
+            raise InvalidInputError(f"sentinels directory {self.sentinels} does not exist",
+                                    "build one with `qswap sentinels make`, or drop --sentinels")
         if self.index is not None and not str(self.index).startswith("milvus://") and not Path(self.index).exists():
             raise InvalidInputError(f"index {self.index} does not exist",
                                     "build one with `qswap index build`, or omit --index to serve the demo")

@@ -40,7 +40,9 @@ _REGISTER_BODY = {
                                 "description": "gzip-compressed tar of one encoder directory (anything "
                                                "else is refused with 400)"},
                     "force": {"type": "boolean", "default": False,
-                              "description": "register even if the tuning guard refuses"}}}},
+                              "description": "register and serve even if the guard refuses"},
+                    "wait": {"type": "boolean", "default": False,
+                             "description": "answer once the server's sentinel evaluation is done"}}}},
         },
     }
 }
@@ -63,7 +65,9 @@ def _form_bool(value: object, field: str) -> bool:
 
 @router.post("/v1/encoders", response_model=RegisterResponse, status_code=201,
              responses={**ADMIN_ERRORS, 200: {"model": RegisterResponse,
-                                              "description": "the identical encoder was already registered"}},
+                                              "description": "the identical encoder was already registered"},
+                        202: {"model": RegisterResponse,
+                              "description": "stored; the server's sentinel evaluation is running"}},
              dependencies=[Depends(require_admin)], openapi_extra=_REGISTER_BODY,
              summary="Register an encoder (directory under the encoders root, or uploaded .tar.gz)")
 async def register_encoder(request: Request, response: Response) -> RegisterResponse:
@@ -71,21 +75,27 @@ async def register_encoder(request: Request, response: Response) -> RegisterResp
     multipart (``archive`` file + ``force`` field) registers an uploaded ``.tar.gz``.
 
     The encoder is copied into the server's store, checksums and embedding space are verified
-    (409 ``space_mismatch`` names the differing field), the tuning guard runs, and the adapter
-    is attached. 201 when created, 200 when the identical encoder was already registered.
+    (409 ``space_mismatch`` names the differing field), and the adapter is attached. With
+    sentinels (``--sentinels``) the server then evaluates it on its own index in the background:
+    202 with ``guard_status: "evaluating"`` and a ``Location`` to poll; it serves (by name or
+    alias) once ``passed``. ``wait=true`` answers after the verdict instead: 201, or 409
+    ``guard_refused`` with the per-sentinel table in ``guard`` (and the encoder is not kept).
+    Without sentinels: 201 when created, 200 when the identical encoder was already registered.
     """
     state = state_of(request)
     state.require_ready()
     ctype = request.headers.get("content-type", "").lower()
     if ctype.startswith("multipart/form-data"):
-        form = await request.form(max_files=1, max_fields=4)
+        form = await request.form(max_files=1, max_fields=5)
         try:
             archive = form.get("archive")
             if not isinstance(archive, UploadFile):
                 raise RequestValidationError([{"loc": ("body", "archive"), "type": "missing",
                                                "msg": "a file field 'archive' (.tar.gz) is required"}])
             force = _form_bool(form.get("force"), "force")
-            rec, created = await asyncio.to_thread(state.register_archive, archive.file, force, archive.filename)
+            wait = _form_bool(form.get("wait"), "wait")
+            rec, created = await asyncio.to_thread(state.register_archive, archive.file, force, archive.filename,
+                                                   wait)
         finally:
             await form.close()
     elif ctype.startswith("application/json") or not ctype:
@@ -99,11 +109,14 @@ async def register_encoder(request: Request, response: Response) -> RegisterResp
                                  "restart with --encoders-root DIR, or upload a .tar.gz archive")
         src = resolve_under_root(root, payload.path)
         rec, created = await asyncio.to_thread(state.registry.register, src, force=payload.force,
-                                               source=f"path:{payload.path}")
+                                               source=f"path:{payload.path}", wait=payload.wait)
     else:
         raise UnsupportedMediaTypeError(f"cannot read a {ctype.split(';')[0]} body here",
                                         "send application/json (path) or multipart/form-data (archive)")
-    response.status_code = 201 if created else 200
+    # 202: stored, but the server's own evaluation is still running (it is not served yet).
+    response.status_code = 202 if rec.guard_status == "evaluating" else 201 if created else 200
+    if response.status_code == 202:
+        response.headers["Location"] = f"/v1/encoders/{rec.key}"
     return RegisterResponse(encoder=_info(state, rec.key), created=created)
 
 
@@ -147,10 +160,12 @@ async def list_aliases(request: Request) -> AliasList:
             dependencies=[Depends(require_admin)], tags=["aliases"], summary="Point a domain at an encoder")
 async def set_alias(body: AliasSet, request: Request, domain: str = Path(pattern=NAME_PATTERN)) -> Alias:
     """Atomic switch: requests admitted before it finish on the previous version. The alias
-    ``default`` replaces the configured default encoder."""
+    ``default`` replaces the configured default encoder. With sentinels, only an encoder whose
+    evaluation passed can be aliased (409 ``guard_pending`` / ``guard_refused`` otherwise;
+    ``force`` accepts a refused one)."""
     state = state_of(request)
     state.require_ready()
-    key, previous = await asyncio.to_thread(state.registry.set_alias, domain, body.encoder)
+    key, previous = await asyncio.to_thread(state.registry.set_alias, domain, body.encoder, body.force)
     return Alias(domain=domain, encoder=key, previous=previous)
 
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qswap.index.errors import IndexCorruptError
-from qswap.errors import (ConflictError, GuardRefusedError, IntegrityError, InvalidInputError,
+from qswap.errors import (ConflictError, GuardPendingError, GuardRefusedError, IntegrityError, InvalidInputError,
                           NotFoundError, QswapError, SpaceMismatchError)
 
 log = logging.getLogger("qswap.server")
@@ -69,6 +69,7 @@ class DeadlineExceededError(QswapError):
 ERROR_MAP: tuple[tuple[type[QswapError], int, str, str], ...] = (
     (SpaceMismatchError, 409, "space_mismatch", "conflict: space mismatch (names the field), guard refusal, in use"),
     (GuardRefusedError, 409, "guard_refused", ""),
+    (GuardPendingError, 409, "guard_pending", ""),
     (ConflictError, 409, "conflict", ""),
     (NotFoundError, 404, "not_found", "unknown route, encoder, alias or encoder directory"),
     # the server's own index is damaged: not the client's fault, so a server error (with a hint to the operator)
@@ -138,6 +139,8 @@ async def _qswap_error(request: Request, exc: QswapError) -> JSONResponse:
     extra: dict[str, Any] = {}
     if isinstance(exc, SpaceMismatchError):
         extra = {"field": exc.field, "expected": _jsonable(exc.expected), "got": _jsonable(exc.got)}
+    elif isinstance(exc, GuardRefusedError) and exc.guard is not None:
+        extra = {"guard": exc.guard}   # the per-sentinel table the refusal rests on
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     if isinstance(exc, OverloadedError):
         headers = {"Retry-After": str(exc.retry_after)}

@@ -51,6 +51,55 @@ class Metrics:
         self.admitted = Gauge("qswap_admitted_requests", "requests admitted and not finished", registry=r)
         self.index_documents = Gauge("qswap_index_documents", "documents in the index", registry=r)
         self.ready = Gauge("qswap_ready", "1 once the index and the default encoder are loaded", registry=r)
+        # The server's own guard (--sentinels): one series per (encoder, sentinel, reference).
+        _g = ["encoder", "sentinel", "against"]
+        self.guard_passed = Gauge("qswap_guard_passed", "1 when the encoder passed the server's sentinel "
+                                  "evaluation, 0 when refused or failed", ["encoder"], registry=r)
+        self.guard_ndcg = Gauge("qswap_guard_ndcg_at_10", "mean nDCG@10 on a sentinel, before (the reference "
+                                "encoder) and after (the evaluated one)", [*_g, "side"], registry=r)
+        self.guard_p = Gauge("qswap_guard_p_value", "Holm-adjusted Wilcoxon p of the nDCG@10 change",
+                             _g, registry=r)
+        self.guard_regressed = Gauge("qswap_guard_regressed", "1 when the sentinel is significantly worse",
+                                     _g, registry=r)
+        self.guard_queries = Gauge("qswap_guard_queries", "sentinel queries scored", _g, registry=r)
+        self.guard_seconds = Histogram("qswap_guard_evaluation_seconds", "one encoder's sentinel evaluation",
+                                       buckets=(1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 300, 600), registry=r)
+        self._guard_labels: dict[str, list[tuple[str, str, str]]] = {}
+
+    def export_guard(self, key: str, record: dict, status: str, seconds: float | None = None) -> None:
+        """Publish one encoder's guard verdict (replacing its previous series)."""
+        self.unexport_guard(key)
+        self.guard_passed.labels(encoder=key).set(1 if status == "passed" else 0)
+        if seconds is not None:
+            self.guard_seconds.observe(seconds)
+        labels = []
+        for c in record.get("checks") or []:
+            lab = (key, str(c["name"]), str(c["against"]))
+            labels.append(lab)
+            self.guard_ndcg.labels(*lab, "before").set(c["before"])
+            self.guard_ndcg.labels(*lab, "after").set(c["after"])
+            self.guard_p.labels(*lab).set(c["p_holm"])
+            self.guard_regressed.labels(*lab).set(1 if c["degraded"] else 0)
+            self.guard_queries.labels(*lab).set(c["n"])
+        self._guard_labels[key] = labels
+
+    def unexport_guard(self, key: str) -> None:
+        """Drop an encoder's guard series (deleted or re-evaluated)."""
+        for lab in self._guard_labels.pop(key, []):
+            for g in (self.guard_p, self.guard_regressed, self.guard_queries):
+                try:
+                    g.remove(*lab)
+                except KeyError:
+                    pass
+            for side in ("before", "after"):
+                try:
+                    self.guard_ndcg.remove(*lab, side)
+                except KeyError:
+                    pass
+        try:
+            self.guard_passed.remove(key)
+        except KeyError:
+            pass
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""

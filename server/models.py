@@ -193,7 +193,13 @@ class RegisterByPath(_Strict):
     path: str = Field(min_length=1, max_length=4096, pattern=PATH_PATTERN,
                       description="directory, relative to the encoders root (or absolute inside it); "
                                   "no '..'")
-    force: bool = Field(False, description="register even if the tuning guard refuses")
+    force: bool = Field(False, description="register and serve even if the guard refuses")
+    wait: bool = Field(False, description="with sentinels: answer once the server's evaluation is done "
+                                          "(201, or 409 guard_refused with the table, the encoder then not "
+                                          "registered) instead of at once (202, guard_status 'evaluating')")
+
+
+GuardStatus = Literal["evaluating", "passed", "refused", "failed", "unguarded"]
 
 
 class EncoderInfo(BaseModel):
@@ -211,7 +217,17 @@ class EncoderInfo(BaseModel):
     memory_bytes: int | None = None
     aliases: list[str] = Field(default_factory=list)
     training: dict[str, Any] | None = None
-    guard: dict[str, Any] | None = None
+    guard: dict[str, Any] | None = Field(None, description="the guard record the encoder's manifest carries "
+                                                           "(self-reported: informational)")
+    guard_status: GuardStatus | None = Field(
+        None, description="the server's own verdict (--sentinels): 'evaluating' until done, then 'passed', "
+                          "'refused' or 'failed'; 'unguarded' when the server has no sentinels. Only 'passed' "
+                          "and 'unguarded' encoders (or forced ones) serve by name or alias")
+    forced: bool = Field(False, description="registered with force: served whatever the verdict")
+    evaluation: dict[str, Any] | None = Field(
+        None, description="the server's guard record: per sentinel and reference encoder (base, aliased "
+                          "encoders) n, nDCG@10 before/after, Wilcoxon statistic, p (raw and Holm), "
+                          "sign test, reciprocal rank, pooled PND Z, verdict")
     runtime: Literal["torch", "onnx"] | None = Field(
         None, description="what runs its forward passes now: 'onnx' once the background export is ready "
                           "(with --backend onnx), else 'torch'")
@@ -234,6 +250,8 @@ class Deleted(BaseModel):
 
 class AliasSet(_Strict):
     encoder: str = Field(pattern=REF_PATTERN, description="'name' (highest version, frozen now) or 'name@version'")
+    force: bool = Field(False, description="point the alias at an encoder the guard refused (never at one "
+                                           "still being evaluated)")
 
 
 class Alias(BaseModel):
@@ -304,3 +322,4 @@ class ErrorBody(BaseModel):
     detail: str
     hint: str | None = None
     request_id: str | None = None
+    guard: dict[str, Any] | None = Field(None, description="guard_refused: the guard record (per-sentinel table)")

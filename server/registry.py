@@ -1,9 +1,16 @@
 """Registered encoders, aliases, in-flight reference counts and the loaded-encoder LRU.
 
 - Registration copies the encoder directory into the server's own store (so later edits of
-  the source change nothing), verifies the copy (checksums, embedding space, tuning guard) and
-  attaches it to the pool (which checks that the adapter fits the base). The registry file
-  (``registry.json`` in the state dir) is written atomically before memory changes.
+  the source change nothing), verifies the copy (checksums, embedding space) and attaches it to
+  the pool (which checks that the adapter fits the base). The registry file (``registry.json``
+  in the state dir) is written atomically before memory changes.
+- With sentinels (``--sentinels``), every new encoder is evaluated by the server itself
+  (:mod:`qswap.server.sentinels`) on a background thread; its record carries the verdict
+  (``guard_status``: evaluating / passed / refused / failed) and the per-sentinel table
+  (``evaluation``). The guard fails closed: only ``passed`` (or ``forced``) encoders are
+  served by name or can be put behind an alias. The manifest's own guard record is
+  informational, except that a self-reported failure is refused unless forced. Without
+  sentinels encoders are ``unguarded`` and servable.
 - A request resolves ``encoder`` / ``domain`` / default to an exact key *at admission* and
   holds a reference until it is finished; alias switches swap one dict (atomic), so a request
   runs on the version it was admitted with. Deleting an encoder waits for its references.
@@ -27,7 +34,8 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -35,8 +43,10 @@ from qswap.atomic import atomic_write_json
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
 from qswap.encoders.artifact import ENCODER_MANIFEST, EncoderManifest, read_encoder_manifest, validate_name
 from qswap.locks import try_lock_exclusive
-from qswap.errors import ConflictError, IntegrityError, InvalidInputError, NotFoundError, QswapError
+from qswap.errors import (ConflictError, GuardPendingError, GuardRefusedError, IntegrityError, InvalidInputError,
+                          NotFoundError, QswapError)
 from qswap.space import EmbeddingSpace
+from qswap.tuning.guard import check_guard, guard_table
 
 log = logging.getLogger("qswap.server")
 
@@ -47,25 +57,16 @@ DEFAULT_ALIAS = "default"   # an alias with this name overrides the configured d
 _INCOMING = ".incoming-"
 
 
-def run_guard(guard: dict[str, Any] | None, force: bool) -> None:
-    """Run the tuning guard on an encoder's guard record (raises GuardRefusedError).
+SERVABLE = ("passed", "unguarded")   # guard statuses served without force
 
-    ``force`` accepts the encoder whatever its guard record says (the guard is skipped).
-    """
+
+def check_manifest_guard(guard: dict[str, Any] | None, force: bool) -> None:
+    """The manifest's self-reported guard: a recorded failure refuses unless ``force``; a pass
+    proves nothing (anyone can write it) and decides nothing when the server has sentinels."""
     if force:
-        if guard is not None and not (isinstance(guard, dict) and guard.get("passed") is True):
-            log.warning("tuning guard skipped by force", extra={"guard_passed": (guard or {}).get("passed")
-                                                                 if isinstance(guard, dict) else None})
+        if isinstance(guard, dict) and guard.get("passed") is False:
+            log.warning("manifest guard failure overridden by force")
         return
-    try:
-        from qswap.tuning.guard import check_guard
-    except ModuleNotFoundError as e:
-        # qswap.tuning is an optional neighbour of the server (written in parallel); without
-        # it there is no guard to run. Any other missing module is a real error.
-        if e.name in ("qswap.tuning", "qswap.tuning.guard"):
-            log.debug("qswap.tuning.guard not available; guard not checked")
-            return
-        raise
     check_guard(guard)
 
 
@@ -96,7 +97,10 @@ class EncoderRecord:
     source: str
     created_at: float | None = None
     training: dict[str, Any] | None = None
-    guard: dict[str, Any] | None = None
+    guard: dict[str, Any] | None = None          # the manifest's own record (informational)
+    guard_status: str = "unguarded"              # evaluating | passed | refused | failed | unguarded
+    forced: bool = False                         # registered with force: servable whatever the verdict
+    evaluation: dict[str, Any] | None = None     # the server's own guard record (per-sentinel table)
 
     @classmethod
     def from_manifest(cls, m: EncoderManifest, source: str) -> "EncoderRecord":
@@ -174,7 +178,8 @@ class EncoderRegistry:
     ``ensure_loaded``) must run off the event loop; ``acquire``/``release``/lookups are cheap."""
 
     def __init__(self, *, state_dir: Path, pool: EncoderPool, space: EmbeddingSpace, backend: Any,
-                 default_encoder: str = BASE_KEY, memory_budget: int = 1 << 30, metrics: Any = None) -> None:
+                 default_encoder: str = BASE_KEY, memory_budget: int = 1 << 30, metrics: Any = None,
+                 guard: Any = None) -> None:
         self.state_dir = Path(state_dir)
         self.store = self.state_dir / "encoders"
         self.file = self.state_dir / REGISTRY_FILE
@@ -193,6 +198,9 @@ class EncoderRegistry:
         self._load_lock = threading.Lock()
         self._admin_lock = threading.Lock()
         self._state_fd: int | None = None
+        self.guard = guard                      # a qswap.server.sentinels.SentinelGuard, or None
+        self._jobs: dict[str, Future] = {}
+        self._stopping = False
 
     # -- persistence --------------------------------------------------------------------------
 
@@ -287,10 +295,46 @@ class EncoderRegistry:
         """Resolve and hold a reference: the key stays registered and loaded until :meth:`release`."""
         with self._lock:
             key = self.resolve(encoder, domain)
+            if encoder is not None:
+                # An alias was checked when it was set; a name must pass the guard now.
+                self._require_servable(key, force=False)
             self._refs[key] = self._refs.get(key, 0) + 1
             if key in self._loaded:
                 self._loaded.move_to_end(key)
             return key
+
+    def _require_servable(self, key: str, force: bool) -> None:
+        """Raise unless ``key`` may serve (holds ``_lock``); see :meth:`_guard_error`."""
+        rec = self._records.get(key)
+        err = self._guard_error(rec, force) if rec is not None else None
+        if err is not None:
+            raise err
+
+    @staticmethod
+    def _guard_error(rec: EncoderRecord, force: bool) -> QswapError | None:
+        """Why ``rec`` may not serve, or None: servable when the guard passed (or there is no
+        guard), or when forced; ``force`` accepts a refused or failed verdict, never a pending one."""
+        if rec.forced or rec.guard_status in SERVABLE:
+            return None
+        key = rec.key
+        if rec.guard_status == "evaluating":
+            return GuardPendingError(f"encoder {key} is still being evaluated on the server's sentinels",
+                                     f"retry when GET /v1/encoders/{key} shows guard_status 'passed'")
+        if force:
+            return None
+        ev = rec.evaluation or {}
+        if rec.guard_status == "failed":
+            return GuardRefusedError(f"encoder {key} could not be evaluated on the server's sentinels: "
+                                     f"{ev.get('error', 'unknown error')}",
+                                     "register it again to retry the evaluation, or use force=true", guard=ev)
+        return GuardRefusedError(f"encoder {key} significantly degrades sentinel(s): "
+                                 f"{guard_table(ev, only_bad=True) or 'see its evaluation'}",
+                                 "re-tune it, or use force=true to accept it anyway", guard=ev)
+
+    def _hold(self, key: str) -> None:
+        """A reference without any check (the guard's own use of an encoder)."""
+        with self._lock:
+            self._refs[key] = self._refs.get(key, 0) + 1
 
     def release(self, key: str) -> None:
         with self._lock:
@@ -386,20 +430,42 @@ class EncoderRegistry:
 
     # -- administration ------------------------------------------------------------------------
 
-    def register(self, src: Path, *, force: bool = False, source: str = "") -> tuple[EncoderRecord, bool]:
-        """Copy, verify and attach the encoder directory ``src``; returns (record, created)."""
+    def register(self, src: Path, *, force: bool = False, source: str = "",
+                 wait: bool = False) -> tuple[EncoderRecord, bool]:
+        """Copy, verify and attach the encoder directory ``src``; returns (record, created).
+
+        With sentinels the record comes back ``evaluating`` while the server's evaluation runs
+        in the background, unless ``wait``: then this returns once the verdict is in, and a
+        refused (or failed) encoder is unregistered again and raises :class:`GuardRefusedError`
+        carrying the table, so a refused request changes nothing.
+        """
         try:
-            out = self._register(Path(src), force, source)
+            rec, created, job = self._register(Path(src), force, source)
+            if wait and job is not None:
+                rec = self._await_verdict(rec.key, job, drop=created)
         except QswapError:
             if self.metrics is not None:
                 self.metrics.registrations.labels(result="refused").inc()
             raise
         if self.metrics is not None:
-            self.metrics.registrations.labels(result="created" if out[1] else "exists").inc()
+            self.metrics.registrations.labels(result="created" if created else "exists").inc()
         self._gauges()
-        return out
+        return rec, created
 
-    def _register(self, src: Path, force: bool, source: str) -> tuple[EncoderRecord, bool]:
+    def _await_verdict(self, key: str, job: Future, drop: bool) -> EncoderRecord:
+        job.result()
+        with self._lock:
+            rec = self._records.get(key)
+        if rec is None:
+            raise NotFoundError(f"encoder {key} was deleted during its evaluation", "register it again")
+        err = self._guard_error(rec, force=False)
+        if err is not None:
+            if drop:
+                self._unregister_unserved(key)
+            raise err
+        return rec
+
+    def _register(self, src: Path, force: bool, source: str) -> tuple[EncoderRecord, bool, Future | None]:
         with self._admin_lock:
             self.store.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=_INCOMING, dir=self.store))
@@ -417,11 +483,13 @@ class EncoderRegistry:
                     existing = self._records.get(key)
                 if existing is not None:
                     if existing.files == manifest.files and existing.kind == manifest.kind:
-                        return existing, False
+                        return self._register_again(existing, force)
                     raise ConflictError(f"encoder {key} is already registered with different files",
                                         "register the new files under a new version")
-                run_guard(manifest.guard, force)
+                check_manifest_guard(manifest.guard, force)
                 rec = EncoderRecord.from_manifest(manifest, source)
+                rec.forced = force
+                rec.guard_status = "evaluating" if self.guard is not None else "unguarded"
                 target = self.store / key
                 with self._load_lock:
                     self.pool.add(art)   # refuses an adapter that does not fit the base
@@ -443,12 +511,176 @@ class EncoderRegistry:
                     if self.metrics is not None:
                         self.metrics.loads.inc()
                     self._evict(keep=key)
+                job = self._schedule(key) if self.guard is not None else None
             finally:
                 if staging.exists():
                     shutil.rmtree(staging, ignore_errors=True)
-        log.info("encoder registered", extra={"encoder": key, "kind": rec.kind, "source": source})
+        log.info("encoder registered", extra={"encoder": key, "kind": rec.kind, "source": source,
+                                              "guard_status": rec.guard_status, "forced": force})
         self._prepare(key)
-        return rec, True
+        return rec, True, job
+
+    def _register_again(self, existing: EncoderRecord, force: bool) -> tuple[EncoderRecord, bool, Future | None]:
+        """The identical encoder is registered already (holds ``_admin_lock``): ``force`` accepts
+        a refused verdict; a failed evaluation is retried; a pending one is returned with its job."""
+        key = existing.key
+        if existing.guard_status == "evaluating":
+            return existing, False, self._jobs.get(key)
+        if force and not existing.forced and existing.guard_status not in SERVABLE:
+            return self._update_record(key, forced=True), False, None
+        if existing.guard_status == "failed" and self.guard is not None:
+            rec = self._update_record(key, guard_status="evaluating")
+            return rec, False, self._schedule(key)
+        if not force and not existing.forced and existing.guard_status == "refused":
+            with self._lock:
+                self._require_servable(key, force=False)
+        return existing, False, None
+
+    def _update_record(self, key: str, **changes: Any) -> EncoderRecord:
+        """Replace fields of a record, file first (caller holds ``_admin_lock``)."""
+        with self._lock:
+            rec = replace(self._records[key], **changes)
+            records = {**self._records, key: rec}
+            aliases = dict(self._aliases)
+        self._save(records, aliases)
+        with self._lock:
+            self._records = records
+        return rec
+
+    def _unregister_unserved(self, key: str) -> None:
+        """Drop an encoder nothing can be serving (refused while its registration waited)."""
+        with self._admin_lock:
+            with self._lock:
+                if key not in self._records or key in self._aliases.values():
+                    return
+                records = {k: r for k, r in self._records.items() if k != key}
+                aliases = dict(self._aliases)
+            self._save(records, aliases)
+            with self._load_lock:
+                with self._lock:
+                    self._records = records
+                    self._loaded.pop(key, None)
+                if key in self.pool:
+                    self.pool.remove(key)
+            self._discard(key)
+            self._forget_guard(key)
+            shutil.rmtree(self.store / key, ignore_errors=True)
+        log.info("encoder refused by the guard and unregistered", extra={"encoder": key})
+
+    # -- the server's own guard -----------------------------------------------------------------
+
+    def _schedule(self, key: str) -> Future:
+        """Queue the sentinel evaluation of ``key`` on the guard thread."""
+        assert self.guard is not None
+        fut = self.guard.submit(lambda: self._evaluate(key))
+        with self._lock:
+            self._jobs[key] = fut
+        fut.add_done_callback(lambda f: self._jobs.pop(key, None) if self._jobs.get(key) is f else None)
+        return fut
+
+    def start_guard(self) -> None:
+        """At start: evaluate encoders that have no verdict on these sentinels (registered on a
+        server without sentinels, or interrupted). Their existing aliases keep serving."""
+        if self.guard is None:
+            return
+        with self._lock:
+            todo = [k for k, r in self._records.items()
+                    if r.guard_status in ("unguarded", "evaluating", "failed")
+                    or (r.evaluation or {}).get("sentinels") != self.guard.fingerprint]
+        with self._lock:
+            warm = [BASE_KEY, *sorted({k for k in self._aliases.values() if k != BASE_KEY})]
+        self.guard.submit(lambda: self._warm(warm))
+        if self.metrics is not None:
+            with self._lock:
+                done = [(k, r) for k, r in self._records.items() if k not in todo and r.evaluation]
+            for k, r in done:
+                self.metrics.export_guard(k, r.evaluation, r.guard_status)
+        with self._admin_lock:
+            for key in sorted(todo):
+                if self._records[key].guard_status in ("unguarded", "failed"):
+                    self._update_record(key, guard_status="evaluating")
+                self._schedule(key)
+        if todo:
+            log.info("guard re-evaluating encoders without a verdict on these sentinels", extra={"encoders": todo})
+
+    def _warm(self, keys: list[str]) -> None:
+        for k in keys:
+            self._hold(k)
+        try:
+            for k in keys:
+                self.ensure_loaded(k)
+            self.guard.warm(keys)
+        except Exception:   # only a head start: the evaluation encodes what is missing
+            log.exception("guard warm-up failed")
+        finally:
+            for k in keys:
+                self.release(k)
+
+    def _evaluate(self, key: str) -> None:
+        """The guard job: evaluate ``key`` against base and every aliased encoder, store the verdict."""
+        assert self.guard is not None
+        with self._lock:
+            if key not in self._records or key in self._deleting:
+                return
+            against = [BASE_KEY, *sorted({k for k in self._aliases.values()
+                                          if k not in (BASE_KEY, key) and k in self._records})]
+        held = [key, *against]
+        for k in held:
+            self._hold(k)
+        t0 = time.perf_counter()
+        try:
+            for k in held:
+                self.ensure_loaded(k)
+            record = self.guard.evaluate(key, against)
+            status = "passed" if record["passed"] else "refused"
+        except Exception as e:   # fail closed: an evaluation that breaks leaves the encoder unservable
+            log.exception("guard evaluation failed", extra={"encoder": key})
+            msg = e.message if isinstance(e, QswapError) else f"{type(e).__name__}: {e}"
+            record = {"source": "server", "passed": False, "error": msg, "checks": [],
+                      "sentinels": self.guard.fingerprint, "evaluated_at": time.time()}
+            status = "failed"
+        finally:
+            for k in held:
+                self.release(k)
+        if self._stopping:
+            return
+        with self._admin_lock:
+            with self._lock:
+                if key not in self._records:
+                    return
+            try:
+                self._update_record(key, guard_status=status, evaluation=record)
+            except Exception:
+                log.exception("could not store the guard verdict", extra={"encoder": key})
+                return
+        if self.metrics is not None:
+            self.metrics.export_guard(key, record, status, time.perf_counter() - t0)
+        if status != "passed":
+            with self._lock:
+                aliased = sorted(d for d, k in self._aliases.items() if k == key)
+            if aliased:
+                log.error("an aliased encoder failed the guard; its aliases keep serving it",
+                          extra={"encoder": key, "domains": aliased, "guard_status": status})
+
+    def stop_guard(self) -> None:
+        """At shutdown: queued evaluations are dropped and a running one stores nothing (it
+        would fail on the closing index and record a false 'failed'); a restart evaluates again."""
+        self._stopping = True
+        if self.guard is not None:
+            self.guard.close()
+
+    def _forget_guard(self, key: str) -> None:
+        if self.guard is not None:
+            self.guard.forget(key)
+        if self.metrics is not None:
+            self.metrics.unexport_guard(key)
+
+    def wait_for_guard(self, key: str, timeout: float | None = None) -> None:
+        """Block until ``key``'s pending evaluation (if any) is done (tests and the CLI)."""
+        with self._lock:
+            job = self._jobs.get(key)
+        if job is not None:
+            job.result(timeout)
 
     def delete(self, key: str, timeout_s: float = 30.0) -> None:
         """Unregister ``key`` after its in-flight requests finish (new ones are refused at once)."""
@@ -490,6 +722,7 @@ class EncoderRegistry:
                 if key in self.pool:
                     self.pool.remove(key)
             self._discard(key)
+            self._forget_guard(key)
             shutil.rmtree(self.store / key, ignore_errors=True)
         log.info("encoder deleted", extra={"encoder": key})
         self._gauges()
@@ -500,11 +733,17 @@ class EncoderRegistry:
         except NotFoundError:
             return None
 
-    def set_alias(self, domain: str, ref: str) -> tuple[str, str | None]:
-        """Point ``domain`` at ``ref`` (loaded first, so the switch costs traffic nothing)."""
+    def set_alias(self, domain: str, ref: str, force: bool = False) -> tuple[str, str | None]:
+        """Point ``domain`` at ``ref`` (loaded first, so the switch costs traffic nothing).
+
+        The guard fails closed: an encoder still under evaluation is refused; a refused or
+        failed one only with ``force``."""
         validate_name(domain, "domain")
         with self._admin_lock:
-            key = self.acquire(encoder=ref)   # held so it cannot be evicted before it is pinned
+            with self._lock:
+                key = self.resolve(encoder=ref)
+                self._require_servable(key, force)
+                self._refs[key] = self._refs.get(key, 0) + 1   # held so it cannot be evicted before it is pinned
             try:
                 self.ensure_loaded(key)
                 with self._lock:

@@ -48,6 +48,7 @@ class ServerState:
         self.backend: Backend | None = None
         self.registry: EncoderRegistry | None = None
         self.batcher: MicroBatcher | None = None
+        self.guard: Any = None          # qswap.server.sentinels.SentinelGuard with --sentinels
         self._closed = False
         self._close_lock = threading.Lock()
         self._loader: threading.Thread | None = None
@@ -86,9 +87,17 @@ class ServerState:
         self.pool = pool
         self.backend = make_backend(s.backend, pool, s.state_dir / "onnx", s.onnx_threads,
                                     s.query_precision)
+        guard = None
+        if s.sentinels is not None:
+            from qswap.server.sentinels import SentinelGuard, check_sentinels_in_index, load_sentinels
+            sentinels = load_sentinels(s.sentinels)
+            check_sentinels_in_index(sentinels, set(index.export_embeddings()[0]))
+            guard = SentinelGuard(sentinels, index, self.backend.encode, self.metrics, s.guard_alpha)
+            log.info("sentinels loaded", extra={"sentinels": guard.summary(), "fingerprint": guard.fingerprint})
+        self.guard = guard
         registry = self.make_registry(state_dir=s.state_dir, pool=pool, space=index.space, backend=self.backend,
                                       default_encoder=s.default_encoder, memory_budget=s.encoder_memory_bytes,
-                                      metrics=self.metrics)
+                                      metrics=self.metrics, guard=guard)
         registry.load_state()   # holds the state-dir lock from here: no other server uses the dir
         self._remove_leftover_uploads()
         self.registry = registry
@@ -113,6 +122,7 @@ class ServerState:
             self.batcher = batcher
             self.ready = True
             self.metrics.ready.set(1)
+        registry.start_guard()
 
     def make_registry(self, **kw: Any) -> EncoderRegistry:
         """The encoder registry (a Ray replica makes one shared with the other replicas)."""
@@ -160,6 +170,8 @@ class ServerState:
             self._closed = True
             self.ready = False
             self.metrics.ready.set(0)
+        if self.registry is not None:
+            self.registry.stop_guard()
         if self.batcher is not None:
             self.batcher.stop()
         close_backend = getattr(self.backend, "close", None)
@@ -201,7 +213,8 @@ class ServerState:
         encs = self.base.tokenizer.encode_batch([self.base.spec.query_prefix + t for t in texts])
         return [bool(e.overflowing) for e in encs]
 
-    def register_archive(self, fileobj: BinaryIO, force: bool, filename: str | None) -> tuple[EncoderRecord, bool]:
+    def register_archive(self, fileobj: BinaryIO, force: bool, filename: str | None,
+                         wait: bool = False) -> tuple[EncoderRecord, bool]:
         """Safely extract an uploaded archive and register the encoder in it (blocking)."""
         assert self.registry is not None
         s = self.settings
@@ -211,7 +224,7 @@ class ServerState:
                                               max_members=s.max_archive_members,
                                               deadline=time.monotonic() + s.upload_timeout_s,
                                               cancelled=lambda: self._closed)
-            return self.registry.register(enc_dir, force=force, source=f"upload:{filename or 'archive'}")
+            return self.registry.register(enc_dir, force=force, source=f"upload:{filename or 'archive'}", wait=wait)
 
     def embed_and_upsert(self, docs: list[Any]) -> tuple[int, int]:
         """Embed documents with the base document tower and upsert them. Worker thread."""

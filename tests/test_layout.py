@@ -15,8 +15,10 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # spreads one import name over several root folders, so the rule is checked from the source
 # with ast: (importer prefix, forbidden prefix, allowed exceptions).
 PACKAGES = ("qswap.encoders", "qswap.index", "qswap.tuning", "qswap.bench", "qswap.server", "qswap.cli")
-#: What the server may use from tuning: the registration guard and its statistics, nothing that trains.
-SERVER_FROM_TUNING = ("qswap.tuning.guard", "qswap.tuning.stats")
+#: What the server may use from tuning: the registration guard, its sentinel sets, statistics and the
+#: retrieval evaluation they score with; nothing that trains (no trainer, losses, methods, mining).
+SERVER_FROM_TUNING = ("qswap.tuning.guard", "qswap.tuning.stats", "qswap.tuning.sentinels",
+                      "qswap.tuning.evaluation")
 
 CONTRACTS = [
     ("qswap.index", "qswap.server", ()), ("qswap.encoders", "qswap.server", ()),

@@ -19,6 +19,7 @@ from qswap.encoders import BaseEncoder
 from qswap.errors import InvalidInputError
 from qswap.tuning.doc_cache import StoredEmbeddings, embed_documents
 from qswap.tuning.evaluation import RankingMetrics, compare_metrics, evaluate_retrieval
+from qswap.tuning.progress import encode_with_progress
 
 Encode = Callable[[list[str]], np.ndarray]
 
@@ -40,10 +41,9 @@ class BeirEvaluator:
     """Evaluates ``encode_tuned`` against ``base.encode_queries`` on BEIR pairs."""
 
     def __init__(self, base: BaseEncoder, encode_tuned: Encode, cache_dir: Path | None = None,
-                 progress: bool = True, with_title: bool = False,
-                 stored: StoredEmbeddings | None = None) -> None:
+                 progress: bool = True, stored: StoredEmbeddings | None = None) -> None:
         self.base, self.encode_tuned = base, encode_tuned
-        self.cache_dir, self.progress, self.with_title = cache_dir, progress, with_title
+        self.cache_dir, self.progress = cache_dir, progress
         self.stored = stored
         self._corpora: dict[tuple[str, str | None], tuple[dict[str, int], np.ndarray]] = {}
         self._queries: dict[tuple[str, str | None, str], dict[str, np.ndarray]] = {}
@@ -52,7 +52,7 @@ class BeirEvaluator:
         """(doc id -> row, embeddings) of ``corpus-<lang>.jsonl`` (or ``corpus.jsonl``)."""
         key = (str(Path(directory).resolve()), lang)
         if key not in self._corpora:
-            corpus = read_corpus(directory, lang, prepend_title=self.with_title)
+            corpus = read_corpus(directory, lang)   # title + text: the index's rule
             ids, texts = list(corpus), [doc.text for doc in corpus.values()]
             emb = embed_documents(self.base, texts, self.cache_dir, progress=self.progress,
                                   ids=list(ids), stored=self.stored)
@@ -66,7 +66,8 @@ class BeirEvaluator:
         missing = [i for i, q in enumerate(qids) if q not in memo]
         if missing:
             enc = self.base.encode_queries if which == "base" else self.encode_tuned
-            emb = enc([texts[i] for i in missing])
+            emb = encode_with_progress(enc, [texts[i] for i in missing],
+                                       f"encoding {lang or 'default'} queries ({which})", self.progress)
             for i, e in zip(missing, emb):
                 memo[qids[i]] = e
         return np.stack([memo[q] for q in qids])

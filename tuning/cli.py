@@ -32,6 +32,54 @@ def register(subparsers: Any) -> None:
     _add_plan(sub)
     _add_eval(sub)
     _add_register(sub)
+    _add_sentinels(subparsers)
+
+
+def _add_sentinels(subparsers: Any) -> None:
+    p = subparsers.add_parser("sentinels", help="build the server's sentinel sets (qswap serve --sentinels)",
+                              description="Sentinel sets for the server's own guard: judged queries over the "
+                                          "served index, one folder each (queries.jsonl, qrels/test.tsv).")
+    sub = p.add_subparsers(dest="sentinels_command", metavar="SUBCOMMAND", required=True)
+    m = sub.add_parser("make", help="sample a sentinel from a BEIR set or labelled query logs",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    src = m.add_mutually_exclusive_group(required=True)
+    src.add_argument("--beir", type=Path, help="BEIR directory (queries of --lang and their qrels)")
+    src.add_argument("--log", type=Path, help='labelled query logs: JSONL {"query", "relevant": [ids], "id"?}')
+    m.add_argument("--lang", help="query language (BEIR: queries-<lang>.jsonl); recorded in sentinel.json")
+    m.add_argument("--split", default="test", help="BEIR qrels split")
+    m.add_argument("--name", help="sentinel name (default: the language, else the source's name)")
+    m.add_argument("--out", type=Path, required=True, help="sentinels directory (the one given to --sentinels)")
+    m.add_argument("--n", type=int, default=1000, help="queries sampled")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--index", type=Path, help="the served index: judgements on documents it lacks are dropped")
+    m.add_argument("--exclude-qids", type=Path, metavar="FILE",
+                   help="query ids to leave out (e.g. the ones an encoder was trained on): one a line or a JSON list")
+    m.set_defaults(func=_sentinels_make)
+
+
+def _sentinels_make(args: argparse.Namespace) -> int:
+    from qswap.beir import resolve_language
+    from qswap.tuning.sentinels import from_beir, from_log, make_sentinel, read_qid_file
+
+    exclude = read_qid_file(args.exclude_qids) if args.exclude_qids else set()
+    if args.beir is not None:
+        lang = resolve_language(args.beir, args.lang)
+        data = from_beir(args.beir, lang, args.split)
+        name = args.name or lang or Path(args.beir).name
+    else:
+        data = from_log(args.log, args.lang)
+        name = args.name or args.lang or Path(args.log).stem
+    index_ids = None
+    if args.index is not None:
+        from qswap.index import DocumentIndex
+        with DocumentIndex.open(args.index, read_only=True) as idx:
+            index_ids = idx.export_embeddings()[0]
+    meta = make_sentinel(data, args.out, name, args.n, args.seed, index_ids, exclude)
+    print(f"sentinel {name}: {meta['queries']} queries (of {meta['available']} available, seed {args.seed}) "
+          f"-> {Path(args.out) / name}"
+          + (f"; {meta['judgements_dropped_not_in_index']} judgements on documents not in the index dropped"
+             if meta["judgements_dropped_not_in_index"] else ""))
+    return 0
 
 
 def _add_run(sub: Any) -> None:
@@ -43,7 +91,6 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--train", type=Path, help='triplets JSONL: {"query", "pos": [...], "neg": [...]}')
     g.add_argument("--beir", type=Path, help="BEIR directory: queries -> relevant documents (qrels)")
     g.add_argument("--lang", help="BEIR training language (queries-<lang>.jsonl); default en when present")
-    g.add_argument("--beir-title", action="store_true", help="embed BEIR documents as title + text")
     g.add_argument("--val-size", type=float, default=0.1, help="validation size: fraction (<1) or count")
     g.add_argument("--test-size", type=float, default=0.1, help="test size: fraction (<1) or count")
     g.add_argument("--max-samples", type=int, help="use at most this many samples (seeded choice)")
@@ -119,7 +166,7 @@ def _run(args: argparse.Namespace) -> int:
     lr = sqrt_scaled_lr(args.batch_size, base_lr=args.lr) if args.lr_rule == "sqrt" else args.lr
     cfg = RunConfig(
         out=args.out, base=args.base, train_file=args.train, beir_dir=args.beir, lang=args.lang,
-        beir_title=args.beir_title, validation=args.val_size, test=args.test_size,
+        validation=args.val_size, test=args.test_size,
         max_samples=args.max_samples, index=args.index, mine=args.mine,
         mine_k=args.mine_k, negatives=args.negatives, fn_cutoff=args.fn_cutoff,
         method=MethodConfig(kind=args.method, freeze_output_dense=args.freeze_output_dense,
@@ -148,6 +195,13 @@ def _summary(r: dict[str, Any]) -> str:
     lines = [f"encoder   {enc['path']}  ({enc['name']}@{enc['version']}, kind {enc['kind']})",
              f"training  best epoch {tr['best_epoch']}, stopped by {tr['stopped']}, {tr['steps']} steps, "
              f"{tr['wall_seconds']:.1f} s"]
+    data = r.get("data") or {}
+    dropped, before = data.get("dropped_without_negative") or {}, data.get("split_before_mining") or {}
+    if any(dropped.values()):
+        total = sum(before.get(k, 0) for k in dropped)
+        parts = ", ".join(f"{k} {n} of {before.get(k, 0)}" for k, n in dropped.items() if n)
+        lines.append(f"data      {sum(dropped.values())} of {total} queries dropped: no negative left after mining "
+                     f"({parts}; raise --fn-cutoff or use --loss infonce to keep them)")
     for key, label in (("test", "test"), ("retrieval", "retrieval")):
         ev = r["evaluation"].get(key)
         if ev:
@@ -212,6 +266,9 @@ def _add_eval(sub: Any) -> None:
     p.add_argument("--sentinel", action="append", default=[], help="guard sentinel (as in `tune run`)")
     p.add_argument("--base", help="base model (default: the manifest's space name, bundled)")
     p.add_argument("--heatmap", type=Path, help="write the language-matrix PNG here")
+    p.add_argument("--include-seen", action="store_true",
+                   help="also score the queries the encoder was trained or validated on (left out by default, "
+                        "by id, from the encoder's training_queries.json)")
     p.add_argument("--cache-dir", type=Path)
     p.add_argument("--device")
     p.set_defaults(func=_eval)
@@ -237,21 +294,50 @@ def _eval(args: argparse.Namespace) -> int:
         return pool.encode(texts, [art.key] * len(texts))
 
     out: dict[str, Any] = {"encoder": art.key}
-    evaluator = BeirEvaluator(base, encode, args.cache_dir, progress=sys.stderr.isatty())
+    # Progress on a terminal or not: bars, else a line every 15 s (qswap.tuning.progress).
+    evaluator = BeirEvaluator(base, encode, args.cache_dir, progress=True)
+    seen = set() if args.include_seen else _seen_queries(args.encoder, args.beir, args.langs or [None])
+    out["excluded_seen_queries"] = len(seen)
     if args.beir:
         langs = args.langs or [None]
-        m = language_matrix(evaluator, args.beir, langs)
+        m = language_matrix(evaluator, args.beir, langs, exclude_qids=seen)
         out["beir"] = m.to_dict()
         if args.heatmap:
             plot_heatmap(m, args.heatmap)
     if args.triplets:
-        b, t = triplet_metrics(args.triplets, base, encode, args.cache_dir, progress=sys.stderr.isatty())
+        b, t = triplet_metrics(args.triplets, base, encode, args.cache_dir, progress=True)
         out["triplets"] = compare_metrics(b, t)
     if args.sentinel:
-        out["guard"] = evaluate_sentinels([parse_sentinel(s) for s in args.sentinel], base, encode,
-                                          evaluator, args.cache_dir)
+        sents = [parse_sentinel(s) for s in args.sentinel]
+        excl = {Path(s.path).resolve(): seen for s in sents if s.kind == "beir"}
+        out["guard"] = evaluate_sentinels(sents, base, encode, evaluator, args.cache_dir, exclude=excl)
     print(json.dumps(out, indent=2))
     return 0
+
+
+def _seen_queries(encoder_dir: Path, beir: Path | None, langs: list[str | None]) -> set[str]:
+    """Ids of the queries the encoder trained on (train + validation), to leave out; warns on
+    stderr when there is no such record or when the ids do not match the evaluated queries."""
+    from qswap.beir import read_queries
+    from qswap.tuning.run import SEEN_QUERIES
+
+    path = Path(encoder_dir) / SEEN_QUERIES
+    if not path.is_file():
+        print(f"qswap: warning: {encoder_dir} has no {SEEN_QUERIES} (trained on triplets, or not by `qswap tune run`): "
+              "trained-on queries cannot be left out; scores may flatter the encoder", file=sys.stderr)
+        return set()
+    seen = set(json.loads(path.read_text()).get("ids") or [])
+    if beir is not None and seen:
+        for lang in langs:
+            try:
+                ids = set(read_queries(beir, lang))
+            except Exception:   # a missing language fails with its own message in the evaluation
+                continue
+            if not ids & seen:
+                print(f"qswap: warning: none of the {len(seen)} trained-on query ids occurs in the {lang or 'default'} "
+                      "queries: they cannot be matched by id (other ids across languages?), so none is left out "
+                      "there", file=sys.stderr)
+    return seen
 
 
 def _add_register(sub: Any) -> None:

@@ -118,16 +118,16 @@ def read_triplets(path: Path, require_negatives: bool = False) -> list[Sample]:
 
 
 def read_beir(directory: Path, lang: str | None = None, split: str = "test",
-              corpus_lang: str | None = None, with_title: bool = False) -> BeirData:
+              corpus_lang: str | None = None) -> BeirData:
     """A BEIR directory as tuning data, read by :func:`qswap.beir.load_beir`.
 
-    Queries and qrels in ``lang``, corpus in ``corpus_lang`` (default ``lang``); the text
-    alone is embedded unless ``with_title``. Not strict: qrels rows naming an unknown query
-    or document are dropped (:meth:`BeirData.samples` could not use them anyway).
+    Queries and qrels in ``lang``, corpus in ``corpus_lang`` (default ``lang``); documents are
+    embedded as the index embeds them (:func:`qswap.beir.document_text`: title + text). Not
+    strict: qrels rows naming an unknown query or document are dropped (:meth:`BeirData.samples`
+    could not use them anyway).
     """
     directory = Path(directory)
-    corpus, queries, qrels = load_beir(directory, lang, split=split, strict=False, corpus_lang=corpus_lang,
-                                       prepend_title=with_title)
+    corpus, queries, qrels = load_beir(directory, lang, split=split, strict=False, corpus_lang=corpus_lang)
     return BeirData(list(corpus), [doc.text for doc in corpus.values()], queries, qrels,
                     source=f"{directory.name}[{lang or '-'}]")
 

@@ -42,9 +42,13 @@ class RankingMetrics:
     hits_at_1: int = 0
     ndcg_at_10: float = 0.0
     recall: dict[int, float] = field(default_factory=dict)
+    # One value per scored query, in query order: what the paired tests compare
+    # ("ndcg_at_10", "rr", "pnd_errors", "pnd_pairs"). Left out of reports.
+    per_query: dict[str, list[float]] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("per_query", None)
         d["recall"] = {str(k): v for k, v in self.recall.items()}
         return d
 
@@ -61,6 +65,7 @@ class _Accumulator:
         self._sums = {"pnd_cos": 0.0, "pnd_dist": 0.0, "mrr": 0.0, "map": 0.0, "p_at_1": 0.0,
                       "ndcg_at_10": 0.0}
         self._recall = {k: 0.0 for k in self.ks}
+        self.m.per_query = {"ndcg_at_10": [], "rr": [], "pnd_errors": [], "pnd_pairs": []}
 
     def add(self, sim: np.ndarray, dist: np.ndarray, grades: np.ndarray) -> None:
         """One query: scores of its candidates and their relevance grades (0 = negative).
@@ -76,6 +81,9 @@ class _Accumulator:
         m, s = self.m, self._sums
         m.queries += 1
         n_neg = len(grades) - n_rel
+        pq = m.per_query
+        pq["pnd_errors"].append(0.0)
+        pq["pnd_pairs"].append(0.0)
         if n_neg:
             e_cos = int((sim[~rel][None, :] >= sim[pos][:, None]).sum())
             e_dist = int((dist[~rel][None, :] <= dist[pos][:, None]).sum())
@@ -86,12 +94,14 @@ class _Accumulator:
             m.pnd_queries += 1
             s["pnd_cos"] += e_cos / pairs
             s["pnd_dist"] += e_dist / pairs
+            pq["pnd_errors"][-1], pq["pnd_pairs"][-1] = float(e_cos), float(pairs)
         # 1-based rank of each relevant document, ties broken by candidate order
         # (as a stable sort by descending score would).
         sp = sim[pos][:, None]
         idx = np.arange(len(sim))[None, :]
         ranks = np.sort(((sim[None, :] > sp) | ((sim[None, :] == sp) & (idx < pos[:, None]))).sum(1) + 1)
         s["mrr"] += 1.0 / ranks[0]
+        pq["rr"].append(1.0 / float(ranks[0]))
         s["map"] += float(np.mean(np.arange(1, n_rel + 1) / ranks))
         hit = bool(ranks[0] == 1)
         s["p_at_1"] += hit
@@ -102,7 +112,9 @@ class _Accumulator:
         gains = grades[top].astype(np.float64)
         ideal = np.sort(grades[rel].astype(np.float64))[::-1][:10]
         disc = 1.0 / np.log2(np.arange(2, 12))
-        s["ndcg_at_10"] += float((gains * disc[:len(gains)]).sum() / (ideal * disc[:len(ideal)]).sum())
+        ndcg = float((gains * disc[:len(gains)]).sum() / (ideal * disc[:len(ideal)]).sum())
+        s["ndcg_at_10"] += ndcg
+        pq["ndcg_at_10"].append(ndcg)
         for kk in self.ks:
             self._recall[kk] += float((ranks <= kk).sum()) / n_rel
 

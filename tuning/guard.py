@@ -1,59 +1,124 @@
-"""The regression guard: sentinel sets evaluated for the base and the tuned encoder.
+"""The regression guard: sentinel sets evaluated for a reference and a new encoder.
 
-A tuning run evaluates sentinel sets the tuning did not target (other languages, other
-domains), Z-tests each change of the PND error count, and records the verdict in the
-encoder manifest's ``guard`` field::
+A sentinel set is queries with relevance judgements the new encoder must not make worse
+(other languages, other domains, the training language's held-out queries). Each one is
+scored per query under both encoders and compared with paired tests (:mod:`qswap.tuning.stats`):
 
-    {"passed": bool, "z_critical": 1.96, "checks": [{"name", "metric", "errors_base",
-     "errors_tuned", "total", "z", "improvement", "change", "degraded"}, ...]}
+- **decides**: Wilcoxon signed-rank on per-query nDCG@10, Holm-corrected over the sentinels
+  of one comparison; a check *regresses* when its adjusted p < ``alpha`` (0.05) and the mean
+  nDCG@10 fell;
+- **reported**: the sign test on wins/losses and the paired t-test of nDCG@10, the same
+  tests on the reciprocal rank, and the adiabatic paper's pooled PND Z-test (which counts
+  every (relevant, non-relevant) pair as independent and calls tiny shifts significant on
+  a corpus: it is shown, never decisive). ``bench/guard_false_alarms.py`` measures both.
 
-:func:`check_guard` is the one place that turns a failed guard into a refusal; the
-server's registration calls it (unless forced). This module imports no torch or numpy at
-import time so the server can use it cheaply; evaluation imports happen inside functions.
+The record (in an encoder manifest from ``qswap tune run``, and in the server's registry
+where the server's own evaluation is the one that counts)::
+
+    {"passed": bool, "alpha": 0.05, "test": DECIDING_TEST, "checks": [{"name", "against", "n",
+     "metric": "ndcg_at_10", "before", "after", "delta", "statistic", "p_value", "p_holm",
+     "wins", "losses", "sign_p_value", "t_p_value", "rr": {...}, "pnd": {...}, "verdict",
+     "degraded"}, ...]}
+
+:func:`check_guard` turns a failed record into a refusal. This module imports no torch or
+numpy at import time so the server can use it cheaply; evaluation imports happen inside functions.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 from qswap.errors import GuardRefusedError, InvalidInputError
-from qswap.tuning.stats import Z_CRITICAL, CountComparison
+from qswap.tuning.stats import ALPHA, Z_CRITICAL, compare_counts, holm, paired_compare
 
 SENTINEL_FORMS = "beir:DIR[:QLANG[-DLANG]] or triplets:FILE, optionally prefixed NAME="
+DECIDING_TEST = "wilcoxon signed-rank on per-query ndcg@10, holm over sentinels"
 
 
-def check_guard(manifest_guard: dict[str, Any] | None) -> None:
-    """Raise :class:`GuardRefusedError` if a recorded guard failed; no guard passes.
+def _finite(x: float | None) -> float | None:
+    return None if x is None or math.isnan(x) or math.isinf(x) else x
 
-    An encoder without a guard record (hand-made, identity) is not refused: the guard
-    judges evidence, and there is none. A malformed record is an :class:`InvalidInputError`.
+
+def guard_table(record: dict[str, Any], only_bad: bool = False) -> str:
+    """The checks as a short text table (one line each), for error messages and logs."""
+    lines = []
+    for c in record.get("checks") or []:
+        if not isinstance(c, dict) or (only_bad and not c.get("degraded")):
+            continue
+        if "p_holm" in c:
+            lines.append(f"{c.get('name')} vs {c.get('against')}: n={c.get('n')} ndcg@10 "
+                         f"{float(c.get('before', 0)):.4f}->{float(c.get('after', 0)):.4f} "
+                         f"p_holm={float(c.get('p_holm', 1)):.2g} {c.get('verdict')}")
+        else:   # a record written before the paired tests (pooled Z only)
+            lines.append(f"{c.get('name')} ({c.get('metric')}, Z={float(c.get('z', 0)):+.2f})")
+    return "; ".join(lines)
+
+
+def check_guard(record: dict[str, Any] | None) -> None:
+    """Raise :class:`GuardRefusedError` (carrying the record) if a guard record failed.
+
+    ``None`` (no evidence) does not raise here: whoever needs evidence (the server with
+    sentinels) produces its own record first. A malformed record is an :class:`InvalidInputError`.
     """
-    if manifest_guard is None:
+    if record is None:
         return
-    if not isinstance(manifest_guard, dict) or not isinstance(manifest_guard.get("passed"), bool):
+    if not isinstance(record, dict) or not isinstance(record.get("passed"), bool):
         raise InvalidInputError("the encoder's guard record is malformed (needs a boolean 'passed')",
                                 "re-run the tuning, or register with force to skip the guard")
-    if manifest_guard["passed"]:
+    if record["passed"]:
         return
-    checks = manifest_guard.get("checks") or []
-    bad = [c for c in checks if isinstance(c, dict) and c.get("degraded")]
-    names = ", ".join(f"{c.get('name')} ({c.get('metric')}, Z={float(c.get('z', 0)):+.2f})" for c in bad[:5])
+    bad = [c for c in record.get("checks") or [] if isinstance(c, dict) and c.get("degraded")]
+    table = guard_table({"checks": bad[:5]})
     more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
     raise GuardRefusedError(
-        f"encoder significantly degrades {len(bad)} sentinel check(s): {names or 'unspecified'}{more}",
-        "re-tune with a lower learning rate or more freezing, or register with force=true to accept it")
+        f"encoder significantly degrades {len(bad)} sentinel check(s): {table or 'unspecified'}{more}",
+        "re-tune with a lower learning rate or more freezing, or register with force=true to accept it",
+        guard=record)
 
 
-def make_check(name: str, metric: str, cmp: CountComparison) -> dict[str, Any]:
-    """One guard check from a Z-tested error-count comparison."""
-    return {"name": name, "metric": metric, **cmp.to_dict(), "degraded": cmp.change == "worsened"}
+def sentinel_check(name: str, before: Any, after: Any, against: str = "base",
+                   lang: str | None = None) -> dict[str, Any]:
+    """One check from two :class:`~qswap.tuning.evaluation.RankingMetrics` of the same queries.
+
+    The verdict needs the other checks of its comparison (Holm): :func:`guard_record` sets it.
+    """
+    b, a = before.per_query, after.per_query
+    if len(b.get("ndcg_at_10", ())) != len(a.get("ndcg_at_10", ())):
+        raise ValueError(f"sentinel {name}: the two encoders were scored on different queries")
+    ndcg = paired_compare(b["ndcg_at_10"], a["ndcg_at_10"])
+    rr = paired_compare(b["rr"], a["rr"])
+    check: dict[str, Any] = {
+        "name": name, "against": against, "lang": lang, "n": ndcg.n, "metric": "ndcg_at_10",
+        "before": ndcg.mean_before, "after": ndcg.mean_after, "delta": ndcg.delta,
+        "statistic": ndcg.statistic, "p_value": ndcg.p_value, "p_holm": ndcg.p_value,
+        "wins": ndcg.wins, "losses": ndcg.losses, "sign_p_value": ndcg.sign_p_value,
+        "t_p_value": ndcg.t_p_value,
+        "rr": {"before": rr.mean_before, "after": rr.mean_after, "p_value": rr.p_value,
+               "sign_p_value": rr.sign_p_value, "wins": rr.wins, "losses": rr.losses},
+        "pnd": None, "verdict": "unchanged", "degraded": False,
+    }
+    if before.pairs and before.pairs == after.pairs:
+        z = compare_counts(before.errors_cos, after.errors_cos, before.pairs)
+        check["pnd"] = {"errors_before": z.errors_base, "errors_after": z.errors_tuned, "pairs": z.total,
+                        "z": _finite(z.z), "change": z.change}
+    return check
 
 
-def guard_record(checks: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The manifest ``guard`` field: passed unless some check degraded significantly."""
-    return {"passed": not any(c["degraded"] for c in checks), "z_critical": Z_CRITICAL, "checks": list(checks)}
+def guard_record(checks: Sequence[dict[str, Any]], alpha: float = ALPHA) -> dict[str, Any]:
+    """The verdict: Holm over the sentinels of each comparison, failed on any regression."""
+    checks = [dict(c) for c in checks]
+    for against in {c["against"] for c in checks}:
+        group = [c for c in checks if c["against"] == against]
+        for c, p in zip(group, holm([float(c["p_value"]) for c in group])):
+            c["p_holm"] = p
+            sig = p < alpha
+            c["verdict"] = ("regressed" if c["delta"] < 0 else "improved") if sig and c["delta"] != 0 else "unchanged"
+            c["degraded"] = c["verdict"] == "regressed"
+    return {"passed": not any(c["degraded"] for c in checks), "alpha": alpha, "test": DECIDING_TEST,
+            "z_critical": Z_CRITICAL, "checks": checks}
 
 
 @dataclass(frozen=True)
@@ -90,19 +155,17 @@ def parse_sentinel(spec: str) -> Sentinel:
 def evaluate_sentinels(sentinels: Sequence[Sentinel], base: Any, encode_tuned: Callable[[list[str]], Any],
                        evaluator: Any = None, cache_dir: Path | None = None,
                        exclude: Mapping[Path, Collection[str]] | None = None,
-                       progress: bool = True) -> dict[str, Any]:
+                       progress: bool = True, extra_checks: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """Evaluate every sentinel for both encoders and return the manifest ``guard`` record.
 
-    Checks PND by cosine (and by distance when the space is not L2-normalised, where the
-    two differ). ``exclude`` maps a BEIR directory to query ids to leave out there (the ones
-    the tuning trained on, when a sentinel shares the training directory).
+    ``exclude`` maps a BEIR directory to query ids to leave out there (the ones the tuning
+    trained on, when a sentinel shares the training directory). ``extra_checks`` are checks
+    already computed (the training language's held-out test queries).
     """
     from qswap.tuning.beir_eval import BeirEvaluator
-    from qswap.tuning.stats import compare_counts
 
     evaluator = evaluator or BeirEvaluator(base, encode_tuned, cache_dir, progress)
-    metrics = ["pnd_cos"] + ([] if base.spec.normalize else ["pnd_dist"])
-    checks = []
+    checks = list(extra_checks)
     for s in sentinels:
         if s.kind == "beir":
             skip = (exclude or {}).get(Path(s.path).resolve(), ())
@@ -110,12 +173,10 @@ def evaluate_sentinels(sentinels: Sequence[Sentinel], base: Any, encode_tuned: C
             b, t = r.base, r.tuned
         else:
             b, t = triplet_metrics(s.path, base, encode_tuned, cache_dir, progress)
-        if b.pairs == 0:
-            raise InvalidInputError(f"sentinel {s.name} has no (positive, negative) pair to compare",
-                                    "give a sentinel with negatives")
-        for metric in metrics:
-            n0, n1 = (b.errors_cos, t.errors_cos) if metric == "pnd_cos" else (b.errors_dist, t.errors_dist)
-            checks.append(make_check(s.name, metric, compare_counts(n0, n1, b.pairs)))
+        if b.queries == 0:
+            raise InvalidInputError(f"sentinel {s.name} has no query with a relevant document",
+                                    "give a sentinel with judged queries")
+        checks.append(sentinel_check(s.name, b, t, lang=s.query_lang))
     return guard_record(checks)
 
 

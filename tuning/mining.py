@@ -20,6 +20,7 @@ import numpy as np
 from qswap.encoders import BaseEncoder
 from qswap.errors import InvalidInputError
 from qswap.tuning.data import Sample
+from qswap.tuning.progress import encode_with_progress
 from qswap.tuning.doc_cache import DocTable, StoredEmbeddings
 
 
@@ -109,7 +110,8 @@ def mine_negatives(samples: list[Sample], base: BaseEncoder, table: DocTable, *,
     stats = MiningStats(queries=len(samples))
     if not samples:
         return stats
-    q_emb = base.encode_queries([s.query for s in samples])
+    q_emb = encode_with_progress(base.encode_queries, [s.query for s in samples], "mining: encoding queries",
+                                 progress)
     pos_rows = [[_row(table, s, j, by_id) for j in range(len(s.positives))] for s in samples]
     if index is not None:
         cand = _candidates_from_index(index, base, q_emb, table, k, by_id)

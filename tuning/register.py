@@ -2,7 +2,9 @@
 
 ``POST {url}/v1/encoders`` with a multipart body: field ``archive`` holds a ``.tar.gz`` of
 the encoder directory (its files under one top-level folder named after the directory)
-and form field ``force`` is ``"true"``/``"false"``; the bearer token authenticates.
+and form fields ``force`` and ``wait`` are ``"true"``/``"false"``; the bearer token authenticates.
+``wait`` (the default here) makes a server with sentinels answer once its own evaluation is
+done: 201, or 409 ``guard_refused`` with the per-sentinel table.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _server_error(resp: Any) -> tuple[str, str, str]:
 
 
 def register_encoder(encoder_dir: Path, url: str, token: str | None = None, force: bool = False,
-                     timeout: float = 300.0, transport: Any = None) -> dict[str, Any]:
+                     timeout: float = 300.0, transport: Any = None, wait: bool = True) -> dict[str, Any]:
     """Register ``encoder_dir`` on the server at ``url``; returns the server's JSON reply.
 
     Refusals become the named error the server raised (by its error code): guard_refused ->
@@ -61,7 +63,7 @@ def register_encoder(encoder_dir: Path, url: str, token: str | None = None, forc
         with httpx.Client(timeout=timeout, transport=transport) as client:
             resp = client.post(endpoint, headers=headers,
                                files={"archive": (f"{Path(encoder_dir).name}.tar.gz", data, "application/gzip")},
-                               data={"force": "true" if force else "false"})
+                               data={"force": "true" if force else "false", "wait": "true" if wait else "false"})
     except httpx.HTTPError as e:
         raise QswapError(f"cannot reach {endpoint}: {e}", "is the server running and the URL right?") from None
     if resp.status_code < 300:
@@ -72,7 +74,9 @@ def register_encoder(encoder_dir: Path, url: str, token: str | None = None, forc
     code, msg, hint = _server_error(resp)
     text = f"server refused the encoder ({resp.status_code} {code}): {msg}".replace(" )", ")")
     if code == "guard_refused":
-        raise GuardRefusedError(text, hint or "inspect the tuning report, or register with --force")
+        body = resp.json() if "json" in resp.headers.get("content-type", "") else {}
+        raise GuardRefusedError(text, hint or "inspect the tuning report, or register with --force",
+                                guard=body.get("guard") if isinstance(body, dict) else None)
     if code == "space_mismatch":
         raise SpaceMismatchError(text, field="space", expected=None, got=None,
                                  hint=hint or "tune on the base model of the server's index")

@@ -99,11 +99,16 @@ def render_markdown(report: dict[str, Any]) -> str:
         out.append("")
     checks = report["guard"]["checks"]
     if checks:
-        out += ["### Guard (sentinel sets)", "", "| sentinel | metric | errors base | errors tuned | Z | verdict |",
-                "|---|---|---|---|---|---|"]
+        out += ["### Guard (sentinel sets)", "",
+                f"Decided by {report['guard'].get('test', 'the pooled Z-test')} at alpha "
+                f"{report['guard'].get('alpha', 0.05)}; the pooled PND Z is reported, not decisive.", "",
+                "| sentinel | n | nDCG@10 base | nDCG@10 tuned | wins/losses | p (Holm) | sign p | PND Z | verdict |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for c in checks:
-            out.append(f"| {c['name']} | {c['metric']} | {c['errors_base']} | {c['errors_tuned']} | "
-                       f"{c['z']:+.2f} | {'**degraded**' if c['degraded'] else c['change']} |")
+            z = (c.get("pnd") or {}).get("z")
+            out.append(f"| {c['name']} | {c['n']} | {c['before']:.4f} | {c['after']:.4f} | {c['wins']}/{c['losses']} | "
+                       f"{c['p_holm']:.3g} | {c['sign_p_value']:.3g} | {'n/a' if z is None else f'{z:+.2f}'} | "
+                       f"{'**regressed**' if c['degraded'] else c['verdict']} |")
         out.append("")
     layers = report.get("layers")
     if layers and layers["changed_tensors"]:

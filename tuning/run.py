@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from qswap import DEFAULT_MODEL
+from qswap.atomic import atomic_write_json
 from qswap.encoders import EncoderPool, load_base, load_encoder, save_encoder
 from qswap.encoders.base import BaseEncoder
 from qswap.errors import IntegrityError, InvalidInputError
@@ -26,7 +27,7 @@ from qswap.tuning.beir_eval import BeirEvaluator
 from qswap.tuning.data import BeirData, Sample, read_beir, read_triplets, split_samples
 from qswap.tuning.doc_cache import DocTable, StoredEmbeddings
 from qswap.tuning.evaluation import compare_metrics, evaluate_candidates
-from qswap.tuning.guard import evaluate_sentinels, guard_record, parse_sentinel
+from qswap.tuning.guard import evaluate_sentinels, guard_record, parse_sentinel, sentinel_check
 from qswap.tuning.layers import changes_report
 from qswap.tuning.losses import build_loss
 from qswap.tuning.methods import MethodConfig, QueryTower
@@ -37,6 +38,7 @@ from qswap.tuning.trainer import EncodedSet, TrainConfig, train
 
 
 MINE_CHOICES = ("auto", "corpus", "index", "none")
+SEEN_QUERIES = "training_queries.json"   # ids of the train + validation queries, in the encoder directory
 
 
 @dataclass
@@ -68,7 +70,6 @@ class RunConfig:
     train_file: Path | None = None          # triplets JSONL
     beir_dir: Path | None = None            # or a BEIR directory (queries -> relevant docs)
     lang: str | None = None                 # BEIR training language ("en" when per-language files)
-    beir_title: bool = False
     validation: float = 0.1                 # fraction (< 1) or count
     test: float = 0.1
     max_samples: int | None = None
@@ -119,8 +120,23 @@ def _load_samples(cfg: RunConfig) -> tuple[list[Sample], BeirData | None, str]:
             and (Path(cfg.beir_dir) / "queries-en.jsonl").exists():
         lang = "en"
     cfg.lang = lang
-    beir = read_beir(cfg.beir_dir, lang, with_title=cfg.beir_title)
+    beir = read_beir(cfg.beir_dir, lang)
     return beir.samples(), beir, f"BEIR {cfg.beir_dir} [{lang or '-'}]"
+
+
+def _check_inputs(cfg: RunConfig, sentinels: list[Any]) -> None:
+    """Every evaluation language and sentinel exists: a typo must not cost a whole run."""
+    from qswap.beir import check_beir
+    if cfg.eval_langs and cfg.beir_dir is None:
+        raise InvalidInputError("--eval-langs needs --beir (languages are BEIR query files)",
+                                "drop --eval-langs, or train from a BEIR directory")
+    for lang in cfg.eval_langs:
+        check_beir(cfg.beir_dir, lang or None)
+    for s in sentinels:
+        if s.kind == "beir":
+            check_beir(s.path, s.query_lang, corpus_lang=s.doc_lang or s.query_lang)
+        elif not Path(s.path).is_file():
+            raise InvalidInputError(f"sentinel {s.name}: {s.path} is not a file", "give a triplets JSONL file")
 
 
 def _subsample(samples: list[Sample], n: int | None, seed: int) -> list[Sample]:
@@ -240,15 +256,19 @@ def _evaluate(cfg: RunConfig, base: BaseEncoder, tower: QueryTower, prep: _Prepa
               stored: StoredEmbeddings | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(evaluation, guard): base vs tuned on the test split, languages and sentinels."""
     evaluation: dict[str, Any] = {}
+    # The guard also checks the training task itself, on its held-out test queries: an
+    # encoder can get worse where it was tuned.
+    own: list[dict[str, Any]] = []
     test_samples, test_rows = prep.sets["test"]
     if test_samples and beir is None:
         # Triplet data: each test query against its own candidates.
         q = [s.query for s in test_samples]
         pos, neg = [r[0] for r in test_rows], [r[1] for r in test_rows]
-        evaluation["test"] = compare_metrics(evaluate_candidates(base.encode_queries(q), prep.table.emb, pos, neg),
-                                             evaluate_candidates(tower.encode(q), prep.table.emb, pos, neg))
-    evaluator = BeirEvaluator(base, tower.encode, cfg.cache_dir, cfg.progress, with_title=cfg.beir_title,
-                              stored=stored)
+        mb = evaluate_candidates(base.encode_queries(q), prep.table.emb, pos, neg)
+        mt = evaluate_candidates(tower.encode(q), prep.table.emb, pos, neg)
+        evaluation["test"] = compare_metrics(mb, mt)
+        own.append(sentinel_check("training data (held-out test)", mb, mt))
+    evaluator = BeirEvaluator(base, tower.encode, cfg.cache_dir, cfg.progress, stored=stored)
     if beir is not None and test_samples:
         # BEIR: test queries against the whole corpus, in every evaluation language.
         langs = cfg.eval_langs or [cfg.lang or ""]
@@ -257,16 +277,18 @@ def _evaluate(cfg: RunConfig, base: BaseEncoder, tower: QueryTower, prep: _Prepa
         main_cell = matrix.cells.get((cfg.lang, cfg.lang)) or matrix.cells.get((cfg.lang, None))
         if main_cell is not None:
             evaluation["retrieval"] = main_cell.comparison()
+            own.append(sentinel_check(f"{cfg.lang or 'training'} (held-out test)", main_cell.base, main_cell.tuned,
+                                      lang=cfg.lang))
         evaluation["multilingual"] = matrix.to_dict()
         plot_heatmap(matrix, report_dir / HEATMAP)
     if not sentinels:
-        return evaluation, guard_record([])
+        return evaluation, guard_record(own)
     exclude = None
     if beir is not None:
         # A sentinel in the training directory must not score queries the tuning saw.
         exclude = {Path(cfg.beir_dir).resolve(): {s.qid for s in splits.train + splits.validation}}
     return evaluation, evaluate_sentinels(sentinels, base, tower.encode, evaluator, cfg.cache_dir,
-                                          exclude=exclude, progress=cfg.progress)
+                                          exclude=exclude, progress=cfg.progress, extra_checks=own)
 
 
 def run_tuning(cfg: RunConfig) -> RunResult:
@@ -279,6 +301,7 @@ def run_tuning(cfg: RunConfig) -> RunResult:
     cfg.train.validate()
     sentinels = [parse_sentinel(s) for s in cfg.sentinels]
     samples, beir, source = _load_samples(cfg)     # bad data fails before the model loads
+    _check_inputs(cfg, sentinels)                  # so do unknown languages and missing sentinel files
     base = load_base(cfg.base, device=cfg.device)
     samples = _subsample(samples, cfg.max_samples, cfg.train.seed)
     splits = split_samples(samples, cfg.validation, cfg.test, cfg.train.seed)
@@ -306,7 +329,9 @@ def run_tuning(cfg: RunConfig) -> RunResult:
         used = {name: len(part) for name, (part, _) in prep.sets.items()}
         data = {"source": source, "splits": used, "split_before_mining": splits.sizes(),
                 "documents": len(prep.table)}
-        training = {"method": cfg.method.to_dict(), "loss": loss_fn.config(), "optim": cfg.train.to_dict(),
+        # "full" is saved in the partial format (every tuned tensor, embeddings included): the
+        # manifest's kind says how to load it, training.method.kind how it was tuned.
+        training = {"method": cfg.method.to_dict(), "saved_as": kind, "loss": loss_fn.config(), "optim": cfg.train.to_dict(),
                     "best_epoch": result.best_epoch, "epochs": len(result.history) - 1,
                     "stopped": result.stopped, "steps": result.steps, "wall_seconds": result.wall_seconds,
                     "data": data}
@@ -327,6 +352,12 @@ def run_tuning(cfg: RunConfig) -> RunResult:
             "wall_seconds_total": time.perf_counter() - t_start,
         }
         files = write_report(report, report_dir)
+        if beir is not None:
+            # `qswap tune eval` leaves these out by default: scores on trained-on queries flatter.
+            seen = {"source": str(cfg.beir_dir), "lang": cfg.lang,
+                    "ids": sorted(s.qid for s in splits.train + splits.validation if s.qid is not None)}
+            atomic_write_json(report_dir / SEEN_QUERIES, seen)
+            files.append(report_dir / SEEN_QUERIES)
         save_encoder(out, name=name, version=cfg.version, kind=kind, space=base.space,
                      tensors=None if identity else exported.tensors,
                      lora_dir=None if identity else exported.lora_dir,

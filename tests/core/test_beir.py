@@ -68,8 +68,8 @@ def multilingual(tmp_path: Path) -> Path:
 
 def test_standard_layout(standard):
     corpus, queries, qrels = load_beir(standard)
-    assert corpus == {"1": ("Body one", {"y": 2, "title": "Title one"}), "2": ("Body two", {})}
-    assert isinstance(corpus["1"], BeirDocument) and corpus["1"].text == "Body one"
+    assert corpus == {"1": ("Title one Body one", {"y": 2, "title": "Title one"}), "2": ("Body two", {})}
+    assert isinstance(corpus["1"], BeirDocument) and corpus["1"].text == "Title one Body one"
     # only queries with qrels (as BEIR's loader does), in queries-file order; qrels in file order
     assert list(queries.items()) == [("q1", "first"), ("q3", "third")]
     assert list(qrels.items()) == [("q3", {"2": 1}), ("q1", {"1": 1, "2": 0})]
@@ -79,12 +79,12 @@ def test_standard_layout(standard):
     assert available_languages(standard) == [] and resolve_language(standard, None) is None
 
 
-def test_title_kept_in_metadata_or_prepended(standard):
-    assert read_corpus(standard)["1"] == ("Body one", {"y": 2, "title": "Title one"})
-    with_title = read_corpus(standard, prepend_title=True)
+def test_title_prepended_by_default_and_kept_in_metadata(standard):
+    assert read_corpus(standard, prepend_title=False)["1"] == ("Body one", {"y": 2, "title": "Title one"})
+    with_title = read_corpus(standard)
     assert with_title["1"] == ("Title one Body one", {"y": 2, "title": "Title one"})
     assert with_title["2"].text == "Body two"          # an empty title adds nothing, not a space
-    assert load_beir(standard, prepend_title=True).corpus == with_title
+    assert load_beir(standard).corpus == with_title
 
 
 def test_per_language_files_and_corpus_fallback(multilingual):
@@ -159,7 +159,7 @@ def test_bad_corpus_lines_are_reported_together_with_line_numbers(tmp_path):
         ["not", "an", "object"],                     # 8
     ])
     with pytest.raises(InvalidInputError) as e:
-        read_corpus(d)
+        read_corpus(d, prepend_title=False)
     msg = str(e.value)
     for needle in ("corpus.jsonl:2: not valid JSON", "corpus.jsonl:3: duplicate _id 'a' (first on line 1)",
                    "corpus.jsonl:4: missing field 'text'", "corpus.jsonl:5: missing field '_id'",
@@ -168,7 +168,7 @@ def test_bad_corpus_lines_are_reported_together_with_line_numbers(tmp_path):
     assert "7 bad line(s)" in msg and "(and 2 more)" in msg and "corpus.jsonl:1:" not in msg
     _jsonl(d / "corpus.jsonl", [{"_id": "e", "text": "", "title": "Title only"}, {"_id": True, "text": "x"}])
     with pytest.raises(InvalidInputError, match=r"corpus.jsonl:2: field '_id' must be") as e:
-        read_corpus(d, prepend_title=True)
+        read_corpus(d)
     assert "corpus.jsonl:1" not in str(e.value)        # the title makes line 1 a document
 
 
@@ -246,7 +246,7 @@ def test_writers_round_trip(tmp_path):
     assert write_qrels(d / "qrels" / "test.tsv", [(f"q{i}", f"d{i}", i + 1) for i in range(3)]) == 3
     assert (d / "qrels" / "test.tsv").read_text().splitlines()[0] == "\t".join(QRELS_HEADER)
     corpus, queries, qrels = load_beir(d)
-    assert corpus == {f"d{i}": (f"text {i}", {"i": i, "title": f"T{i}"}) for i in range(3)}
+    assert corpus == {f"d{i}": (f"T{i} text {i}", {"i": i, "title": f"T{i}"}) for i in range(3)}
     assert queries == {f"q{i}": f"query {i}" for i in range(3)} and qrels == {f"q{i}": {f"d{i}": i + 1} for i in range(3)}
     # gzip output is reproducible (no timestamp in the header)
     write_jsonl(tmp_path / "a.jsonl.gz", docs)

@@ -338,10 +338,9 @@ def test_registry_persists_and_copies(registry, encoders_root, tmp_path):
     assert reg2.resolve(domain="sound") == "bias@1"
 
 
-def test_registry_refusals(registry, encoders_root, tmp_path, monkeypatch):
+def test_registry_refusals(registry, encoders_root, tmp_path):
     import shutil
 
-    import qswap.server.registry as regmod
     from qswap.encoders import load_encoder, save_encoder
     reg = registry()
     with pytest.raises(SpaceMismatchError) as e:
@@ -364,13 +363,12 @@ def test_registry_refusals(registry, encoders_root, tmp_path, monkeypatch):
     save_encoder(g, name="guarded", version="1", kind="bias", space=art.manifest.embedding_space(),
                  tensors=art.overrides, guard={"passed": False, "checks": [
                      {"name": "s", "metric": "mrr", "degraded": True, "z": -3.0}]})
-    seen = []
-    monkeypatch.setattr(regmod, "run_guard", lambda guard, force: seen.append((guard["passed"], force)) or (
-        None if force else (_ for _ in ()).throw(GuardRefusedError("degrades", "force"))))
-    with pytest.raises(GuardRefusedError):
+    with pytest.raises(GuardRefusedError, match=r"s \(mrr, Z=-3.00\)") as e:
         reg.register(g)
-    assert reg.register(g, force=True)[1] is True
-    assert seen == [(False, False), (False, True)]
+    assert e.value.guard["passed"] is False                   # the refusal carries its evidence
+    assert reg.keys() == []
+    rec, created = reg.register(g, force=True)
+    assert created and rec.forced and rec.guard_status == "unguarded"   # no sentinels on this registry
     assert sorted(reg.keys()) == ["guarded@1"]                # nothing of the refused ones stays
     assert [p.name for p in reg.store.iterdir()] == ["guarded@1"]
 

@@ -101,14 +101,13 @@ def test_beir_bad_qrels_line(tmp_path):
 
 
 def test_beir_adapter_titles_and_dangling_qrels(tmp_path):
-    """read_beir is not strict (dangling qrels rows are dropped) and embeds titles on request."""
+    """read_beir is not strict (dangling qrels rows are dropped) and embeds title + text."""
     (tmp_path / "qrels").mkdir()
     _write(tmp_path / "corpus.jsonl", [json.dumps({"_id": "d1", "title": "T", "text": "x"}),
                                        json.dumps({"_id": "d2", "text": "y"})])
     _write(tmp_path / "queries.jsonl", [json.dumps({"_id": q, "text": f"text {q}"}) for q in ("q3", "q1", "q2")])
     _write(tmp_path / "qrels" / "test.tsv", ["q1\td1\t1", "q1\tgone\t1", "q2\td2\t0", "q3\td2\t1", "ghost\td1\t1"])
     data = read_beir(tmp_path)
-    assert data.corpus_ids == ["d1", "d2"] and data.corpus_texts == ["x", "y"] and data.source == f"{tmp_path.name}[-]"
-    assert read_beir(tmp_path, with_title=True).corpus_texts == ["T x", "y"]
+    assert data.corpus_ids == ["d1", "d2"] and data.corpus_texts == ["T x", "y"] and data.source == f"{tmp_path.name}[-]"
     samples = data.samples()     # queries-file order; q2 has no positive
-    assert [(s.qid, s.positives, s.positive_ids) for s in samples] == [("q3", ["y"], ["d2"]), ("q1", ["x"], ["d1"])]
+    assert [(s.qid, s.positives, s.positive_ids) for s in samples] == [("q3", ["y"], ["d2"]), ("q1", ["T x"], ["d1"])]

@@ -7,27 +7,68 @@ import sys
 
 import pytest
 
+import numpy as np
+
 from qswap.errors import GuardRefusedError, InvalidInputError
-from qswap.tuning.guard import check_guard, guard_record, make_check, parse_sentinel
-from qswap.tuning.stats import compare_counts
+from qswap.tuning.evaluation import RankingMetrics
+from qswap.tuning.guard import check_guard, guard_record, parse_sentinel, sentinel_check
+from qswap.tuning.stats import holm, paired_compare
 
 
-def test_guard_record_fails_on_a_significant_degradation():
-    ok = make_check("de", "pnd_cos", compare_counts(100, 70, 1000))
-    noise = make_check("fr", "pnd_cos", compare_counts(100, 110, 1000))      # Z = +0.73
-    bad = make_check("it", "pnd_cos", compare_counts(100, 140, 1000))        # Z = +2.75
-    assert guard_record([ok, noise])["passed"] is True
-    rec = guard_record([ok, noise, bad])
-    assert rec["passed"] is False and [c["degraded"] for c in rec["checks"]] == [False, False, True]
+def _metrics(ndcg: np.ndarray) -> RankingMetrics:
+    return RankingMetrics(queries=len(ndcg), per_query={"ndcg_at_10": list(ndcg), "rr": list(ndcg),
+                                                        "pnd_errors": [], "pnd_pairs": []})
+
+
+def test_paired_compare_uses_scipy_tests():
+    from scipy import stats as st
+    rng = np.random.default_rng(0)
+    b = rng.uniform(0, 1, 200)
+    a = b + rng.normal(-0.05, 0.1, 200)
+    c = paired_compare(b, a)
+    d = a - b
+    assert c.n == 200 and c.wins == int((d > 0).sum()) and c.losses == int((d < 0).sum())
+    assert c.p_value == st.wilcoxon(d).pvalue and c.p_value < 1e-3 and c.delta < 0
+    assert c.sign_p_value == st.binomtest(c.wins, 200).pvalue
+    same = paired_compare(b, b.copy())
+    assert (same.wins, same.losses, same.p_value, same.sign_p_value) == (0, 0, 1.0, 1.0)
+
+
+def test_holm_adjustment():
+    assert holm([0.01, 0.04, 0.03]) == [0.03, 0.06, 0.06]
+    assert holm([0.5, 0.9]) == [1.0, 1.0]            # monotone: never below an earlier step
+    assert holm([0.2, 0.01]) == [0.2, 0.02]
+    assert holm([]) == []
+
+
+def test_guard_record_decides_on_paired_tests_with_holm():
+    rng = np.random.default_rng(1)
+    base = rng.uniform(0, 1, 300)
+    noise = base + rng.normal(0, 0.02, 300)                 # no shift: not significant
+    worse = base - np.abs(rng.normal(0.05, 0.02, 300))      # every query a little worse
+    better = base + np.abs(rng.normal(0.05, 0.02, 300))
+    checks = [sentinel_check(n, _metrics(base), _metrics(x)) for n, x in
+              (("de", noise), ("fr", better), ("it", worse))]
+    rec = guard_record(checks)
+    v = {c["name"]: c["verdict"] for c in rec["checks"]}
+    assert v == {"de": "unchanged", "fr": "improved", "it": "regressed"} and rec["passed"] is False
+    assert all(c["p_holm"] >= c["p_value"] for c in rec["checks"])
+    assert guard_record(checks[:2])["passed"] is True
+    # A borderline p that one test alone would call significant is not, over three sentinels.
+    c = dict(checks[0], p_value=0.03, delta=-0.01)
+    rec = guard_record([c, dict(checks[0], name="x"), dict(checks[0], name="y")])
+    assert rec["checks"][0]["p_holm"] == 0.09 and rec["passed"] is True
 
 
 def test_check_guard_refuses_only_a_failed_guard():
     check_guard(None)
     check_guard(guard_record([]))
-    rec = guard_record([make_check("it", "pnd_cos", compare_counts(100, 140, 1000))])
-    with pytest.raises(GuardRefusedError, match="it \\(pnd_cos, Z=\\+2.75\\)") as e:
+    rng = np.random.default_rng(2)
+    base = rng.uniform(0, 1, 100)
+    rec = guard_record([sentinel_check("it", _metrics(base), _metrics(base - 0.1))])
+    with pytest.raises(GuardRefusedError, match="it vs base: n=100") as e:
         check_guard(rec)
-    assert "force" in e.value.hint
+    assert "force" in e.value.hint and e.value.guard is rec
     with pytest.raises(InvalidInputError):
         check_guard({"checks": []})
 

@@ -32,6 +32,7 @@ def test_triplets_run_writes_a_loadable_encoder_and_a_failed_guard(tiny_base, ti
                "--sentinel", f"lexical=triplets:{tuning_data['sentinel_lexical']}") == 0
     printed = capsys.readouterr().out
     assert "kind partial" in printed and "guard     FAILED" in printed
+    assert "queries dropped" not in printed          # nothing dropped: triplets carry their negatives
     art = load_encoder(out, expected_space=tiny_base.space)
     assert art.manifest.kind == "partial" and art.manifest.name == "enc"
     assert art.manifest.training["best_epoch"] > 0
@@ -40,7 +41,8 @@ def test_triplets_run_writes_a_loadable_encoder_and_a_failed_guard(tiny_base, ti
     by_name = {c["name"]: c for c in guard["checks"]}
     # The task moved queries away from lexical matches: that sentinel is significantly worse,
     # the one from the training distribution significantly better.
-    assert by_name["lexical"]["degraded"] and by_name["same"]["change"] == "improved"
+    assert by_name["lexical"]["degraded"] and by_name["same"]["verdict"] == "improved"
+    assert by_name["lexical"]["p_holm"] < 0.05 and by_name["lexical"]["pnd"]["z"] > 1.96
     assert guard["passed"] is False
     with pytest.raises(GuardRefusedError, match="lexical"):
         check_guard(guard)
@@ -55,7 +57,7 @@ def test_triplets_run_writes_a_loadable_encoder_and_a_failed_guard(tiny_base, ti
     assert pool.encode(["chess puzzle"], [art.key]).shape == (1, tiny_base.dim)
 
 
-def test_beir_run_with_languages(tiny_base, tiny_model_dir, tuning_data, tmp_path):
+def test_beir_run_with_languages(tiny_base, tiny_model_dir, tuning_data, tmp_path, capsys):
     out = tmp_path / "beir-enc"
     assert cli("tune", "run", "--base", str(tiny_model_dir), "--beir", str(tuning_data["beir"]),
                "--out", str(out), "--cache-dir", str(tmp_path / "cache"), *FAST, "--fn-cutoff", "1.0",
@@ -75,6 +77,31 @@ def test_beir_run_with_languages(tiny_base, tiny_model_dir, tuning_data, tmp_pat
     assert r["z_tests"]["pnd_cos"]["total"] > 0 and "ndcg_at_10" in r["metrics"]
     md = (out / "report.md").read_text()
     assert "Languages (query x document)" in md and "language_matrix.png" in md
+    # The guard checks the training language itself, on held-out queries, beside the sentinels.
+    assert [c["name"] for c in m.guard["checks"]] == ["en (held-out test)", f"{tuning_data['beir'].name}:de->corpus"]
+    assert m.guard["checks"][0]["n"] == 15
+    seen = json.loads((out / "training_queries.json").read_text())
+    assert len(seen["ids"]) == 135 and "training_queries.json" in m.files
+    # `tune eval` leaves the trained-on queries out by default (ids shared across languages).
+    capsys.readouterr()
+    args = ["tune", "eval", str(out), "--base", str(tiny_model_dir), "--beir", str(tuning_data["beir"]),
+            "--langs", "en,de", "--cache-dir", str(tmp_path / "cache")]
+    assert cli(*args) == 0
+    assert json.loads(capsys.readouterr().out)["excluded_seen_queries"] == 135
+    assert cli(*args, "--include-seen") == 0
+    assert json.loads(capsys.readouterr().out)["excluded_seen_queries"] == 0
+
+
+def test_unknown_languages_and_sentinels_fail_before_any_work(tiny_model_dir, tuning_data, tmp_path):
+    from qswap.errors import NotFoundError
+    base_args = ["tune", "run", "--base", str(tiny_model_dir), "--beir", str(tuning_data["beir"]),
+                 "--out", str(tmp_path / "x"), "--cache-dir", str(tmp_path / "cache"), *FAST]
+    with pytest.raises(NotFoundError, match="queries-xx.jsonl") as e:
+        cli(*base_args, "--eval-langs", "en,xx")
+    assert "languages available: de, en" in e.value.hint
+    with pytest.raises(NotFoundError, match="queries-fr.jsonl"):
+        cli(*base_args, "--sentinel", f"beir:{tuning_data['beir']}:fr")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "cache").exists()   # nothing was embedded
 
 
 def test_no_improvement_gives_an_identity_encoder(tiny_model_dir, tuning_data, tmp_path):
