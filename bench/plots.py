@@ -5,8 +5,21 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from qswap.plotting import pyplot
+from qswap.plotting import pyplot, save_figure
+
+
+def _finish(fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: str, *, legend_loc: str = "best",
+            grid_axis: str = "both") -> Path:
+    """Labels, grid and legend every benchmark plot has; then the PNG."""
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, axis=grid_axis, alpha=0.3)
+    ax.legend(loc=legend_loc)
+    return save_figure(fig, path)
 
 
 def plot_lines(path: Path, x: Sequence[float], series: Mapping[str, Sequence[float]], *, xlabel: str,
@@ -28,15 +41,7 @@ def plot_lines(path: Path, x: Sequence[float], series: Mapping[str, Sequence[flo
         ax.set_xscale("log", base=2)
     if logy:
         ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, xlabel, ylabel, title)
 
 
 def plot_bars(path: Path, labels: Sequence[str], series: Mapping[str, Sequence[float]], *, ylabel: str,
@@ -59,14 +64,7 @@ def plot_bars(path: Path, labels: Sequence[str], series: Mapping[str, Sequence[f
     ax.set_xticks(xs)
     ax.set_xticklabels(labels, rotation=20 if max(map(len, labels), default=0) > 8 else 0, ha="right"
                        if max(map(len, labels), default=0) > 8 else "center")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, "", ylabel, title, grid_axis="y")
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -97,12 +95,4 @@ def plot_pareto(path: Path, points: Sequence[tuple[float, float]], labels: Seque
         ax.annotate(labels[i], points[i], fontsize=7, xytext=(4, -8), textcoords="offset points")
     if logx:
         ax.set_xscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, xlabel, ylabel, title, legend_loc="lower right")

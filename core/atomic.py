@@ -51,40 +51,40 @@ def _tmp_in(path: Path) -> str:
 
 
 @contextmanager
-def atomic_stream(path: Path) -> Iterator[HashingWriter]:
-    """Write ``path`` through a :class:`HashingWriter`; it appears only when the block exits cleanly."""
-    path = Path(path)
+def _temp_then_rename(path: Path) -> Iterator[str]:
+    """A temporary file beside ``path`` for the block to write and fsync; renamed onto ``path``
+    when the block exits cleanly, deleted when it raises."""
     tmp = _tmp_in(path)
     try:
-        with open(tmp, "wb") as fh:
-            w = HashingWriter(fh)
-            yield w
-            fh.flush()
-            os.fsync(fh.fileno())
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+@contextmanager
+def atomic_stream(path: Path) -> Iterator[HashingWriter]:
+    """Write ``path`` through a :class:`HashingWriter`; it appears only when the block exits cleanly."""
+    path = Path(path)
+    with _temp_then_rename(path) as tmp, open(tmp, "wb") as fh:
+        w = HashingWriter(fh)
+        yield w
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def atomic_write_via(path: Path, write: Callable[[str], None]) -> str:
     """Let ``write(tmp_path)`` produce the file (e.g. a library that writes to a path), then
     fsync and rename it into place; returns its sha256."""
     path = Path(path)
-    tmp = _tmp_in(path)
-    try:
+    with _temp_then_rename(path) as tmp:
         write(tmp)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         sha = sha256_file(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
     return sha
 
 

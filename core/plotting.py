@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -11,3 +12,15 @@ def pyplot() -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 120) -> Path:
+    """Lay out ``fig``, write it as a PNG at ``path`` (parent folders made) and free it."""
+    path = Path(path)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    # pyplot keeps every figure alive until closed: long runs that plot often would grow.
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path

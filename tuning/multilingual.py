@@ -69,7 +69,7 @@ def language_matrix(evaluator: BeirEvaluator, directory: Path, query_langs: Sequ
 
 def plot_heatmap(m: LanguageMatrix, path: Path, title: str = "") -> Path:
     """PNG heatmap of the improvement (%) per pair; significant cells bold, others faded."""
-    from qswap.plotting import pyplot
+    from qswap.plotting import pyplot, save_figure
     plt = pyplot()
     import numpy as np
 
@@ -94,9 +94,4 @@ def plot_heatmap(m: LanguageMatrix, path: Path, title: str = "") -> Path:
     ax.set_title(title or f"{m.metric} improvement %\n{c['improved']} improved / {c['worsened']} worsened "
                  f"of {c['pairs']} (|Z| > 1.96)", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

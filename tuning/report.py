@@ -15,7 +15,7 @@ HEATMAP = "language_matrix.png"
 
 def plot_learning_curves(history: list[dict[str, Any]], best_epoch: int, path: Path) -> Path:
     """Train and validation loss (left axis) and validation errors (right axis) per epoch."""
-    from qswap.plotting import pyplot
+    from qswap.plotting import pyplot, save_figure
     plt = pyplot()
 
     epochs = [h["epoch"] for h in history]
@@ -34,12 +34,7 @@ def plot_learning_curves(history: list[dict[str, Any]], best_epoch: int, path: P
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7, loc="upper right")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _pct(v: Any) -> str:
