@@ -40,14 +40,6 @@ class CommitMixin:
     _lock: Any
     _m: dict[str, Any]
 
-    def add(self, docs: list[Document], embeddings: np.ndarray) -> int:
-        """Add new documents; :class:`ConflictError` if an id is already present. Returns the count."""
-        return self._put(docs, embeddings, replace=False)
-
-    def upsert(self, docs: list[Document], embeddings: np.ndarray) -> int:
-        """Add documents, replacing those whose id is present. Returns the number written."""
-        return self._put(docs, embeddings, replace=True)
-
     def _put(self, docs: list[Document], embeddings: np.ndarray, replace: bool) -> int:
         docs = list(docs)
         check_documents(docs)

@@ -33,6 +33,7 @@ import numpy as np
 import qswap.index.faiss_index as faiss_index
 from qswap.atomic import recover_dir
 from qswap.errors import InvalidInputError, NotFoundError, QswapError
+from qswap.index.backends.common import BackendCommon
 from qswap.index.commit import CommitMixin
 from qswap.index.config import IndexConfig
 from qswap.index.corpus import Document
@@ -49,7 +50,7 @@ from qswap.space import EmbeddingSpace
 log = logging.getLogger("qswap.index")
 
 
-class DocumentIndex(SearchMixin, CommitMixin, ReindexMixin):
+class DocumentIndex(BackendCommon, SearchMixin, CommitMixin, ReindexMixin):
     """A FAISS document index with its float16 embedding log and SQLite document store."""
 
     # Thresholds (SNAPSHOT_*, TOMBSTONE_*, EXACT_FILTER_MAX) live with the code that uses them
@@ -193,28 +194,9 @@ class DocumentIndex(SearchMixin, CommitMixin, ReindexMixin):
 
     # ------------------------------------------------------------------ properties
     @property
-    def space(self) -> EmbeddingSpace:
-        """Embedding space of the stored documents (queries must come from the same one)."""
-        return self._space
-
-    @property
-    def dim(self) -> int:
-        """Dimensions kept in FAISS (Matryoshka prefix)."""
-        return int(self._config.dim)
-
-    @property
-    def full_dim(self) -> int:
-        """Dimensions of queries and stored embeddings."""
-        return self._space.dim
-
-    @property
     def count(self) -> int:
         """Number of live documents."""
         return self._count
-
-    @property
-    def config(self) -> IndexConfig:
-        return self._config
 
     @property
     def generation(self) -> int:

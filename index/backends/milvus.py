@@ -39,6 +39,7 @@ from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapE
 from qswap.index.config import IndexConfig
 from qswap.index.corpus import BadLine, Document, check_documents, iter_corpus
 from qswap.index.docstore import check_filter, check_ids
+from qswap.index.backends.common import BackendCommon
 from qswap.index.embeddings import normalize_rows
 from qswap.matryoshka import truncate
 from qswap.index.errors import IndexCorruptError
@@ -192,7 +193,7 @@ def _milvus_error(e: Exception, what: str) -> QswapError:
 
 
 # ---------------------------------------------------------------------- the index
-class MilvusIndex:
+class MilvusIndex(BackendCommon):
     """A qswap index in a Milvus collection (see the module doc)."""
 
     def __init__(self, client: Any, uri: str, collection: str, manifest: dict[str, Any], read_only: bool) -> None:
@@ -239,22 +240,6 @@ class MilvusIndex:
             raise
 
     # ------------------------------------------------------------------ properties
-    @property
-    def space(self) -> EmbeddingSpace:
-        return self._space
-
-    @property
-    def config(self) -> IndexConfig:
-        return self._config
-
-    @property
-    def dim(self) -> int:
-        return int(self._config.dim)
-
-    @property
-    def full_dim(self) -> int:
-        return self._space.dim
-
     @property
     def manifest(self) -> dict[str, Any]:
         return dict(self._m)
@@ -396,14 +381,6 @@ class MilvusIndex:
         return ids, np.asarray(vecs, dtype=np.float16).reshape(len(ids), self.full_dim)
 
     # ------------------------------------------------------------------ changes
-    def add(self, docs: list[Document], embeddings: np.ndarray) -> int:
-        """Add new documents; :class:`ConflictError` if an id is already present."""
-        return self._put(docs, embeddings, replace=False)
-
-    def upsert(self, docs: list[Document], embeddings: np.ndarray) -> int:
-        """Add documents, replacing those whose id is present (Milvus upsert by primary key)."""
-        return self._put(docs, embeddings, replace=True)
-
     def _put(self, docs: list[Document], embeddings: np.ndarray, replace: bool) -> int:
         docs = list(docs)
         check_documents(docs)
