@@ -41,11 +41,10 @@ def embed_batch(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     return torch.nn.functional.normalize(x, dim=-1) if spec.normalize else x
 
 
-def sorted_batches(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_size: int,
-                   device: torch.device | str = "cpu",
-                   ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """Tokenise once, then yield ``(indices, input_ids, attention_mask)`` batches grouped by token
-    length, longest first, so a batch pads little. Rows are cut to their batch's longest."""
+def length_buckets(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_size: int,
+                   ) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
+    """Tokenise once, then yield ``(indices, input_ids, attention_mask)`` int64 numpy batches
+    grouped by real token length, longest first; each batch is cut to its own longest row."""
     encs = tokenizer.encode_batch([prefix + t for t in texts])
     # attention_mask, not ids: the tokenizer pads, so every row's ids have the same length.
     lengths = [sum(e.attention_mask) for e in encs]
@@ -53,9 +52,17 @@ def sorted_batches(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_si
     for s in range(0, len(order), batch_size):
         idx = order[s:s + batch_size]
         width = max(lengths[i] for i in idx)
-        ids = torch.tensor([encs[i].ids[:width] for i in idx], dtype=torch.long, device=device)
-        mask = torch.tensor([encs[i].attention_mask[:width] for i in idx], dtype=torch.long, device=device)
+        ids = np.array([encs[i].ids[:width] for i in idx], dtype=np.int64)
+        mask = np.array([encs[i].attention_mask[:width] for i in idx], dtype=np.int64)
         yield idx, ids, mask
+
+
+def sorted_batches(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_size: int,
+                   device: torch.device | str = "cpu",
+                   ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """:func:`length_buckets` as torch tensors on ``device``."""
+    for idx, ids, mask in length_buckets(tokenizer, texts, prefix, batch_size):
+        yield idx, torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
 
 
 def encode_texts(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],

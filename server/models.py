@@ -102,9 +102,10 @@ class EncoderInfo(BaseModel):
     aliases: list[str] = Field(default_factory=list)
     training: dict[str, Any] | None = None
     guard: dict[str, Any] | None = None
-    runtime: Literal["torch", "onnx"] | None = Field(
-        None, description="what runs its forward passes now: 'onnx' once the background export is ready "
-                          "(with --backend onnx), else 'torch'")
+    runtime: Literal["torch", "onnx", "onnx-shared"] | None = Field(
+        None, description="what runs its forward passes now: 'onnx-shared' (the shared base session, adapter "
+                          "bound per run) or 'onnx' (its own merged export) once the background export is ready, "
+                          "else 'torch'")
     runtime_error: str | None = Field(None, description="why the ONNX export failed (torch keeps serving)")
 
 
