@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(or QSWAP_SEARCH_TOKEN)")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="admin routes without a token, for local use (loopback host only)")
-    p.add_argument("--backend", choices=BACKENDS,
+    p.add_argument("--backend", choices=("shared", "onnx", "torch"),   # qswap.encoders.backend.BACKENDS (not imported: torch loads after OMP_WAIT_POLICY)
                    help="query forward passes: 'shared' (default: one ONNX Runtime session of the base, adapters bound "
                         "per run), 'onnx' (one merged export per encoder) or 'torch' (the reference)")
     p.add_argument("--query-precision", choices=("fp32", "bf16"),
