@@ -44,8 +44,9 @@ def adapter_inputs(pool: EncoderPool, key: str, slots: Slots) -> dict[str, np.nd
     """The shared graph's adapter inputs for encoder ``key``, or ``None`` if it cannot express it.
 
     The one place that reads an encoder's tensors for the shared runtime, through its kind's
-    ``runtime_tensors``: ``<module>.lora_A`` / ``.lora_B`` (scaling folded into B) become the
-    transposed factors of that layer; ``<param>.bias`` becomes a delta against the base bias.
+    ``runtime_tensors``: ``<module>.lora_A`` / ``.lora_B`` (scaling folded into B) are bound as
+    they are (numpy views of the pool's tensors: no copy); ``<param>.bias`` becomes a delta
+    against the base bias (a new, small array).
     Anything else (a replaced weight matrix) is not expressible: ``None``.
     """
     tensors = pool.runtime_tensors(key)
@@ -55,11 +56,9 @@ def adapter_inputs(pool: EncoderPool, key: str, slots: Slots) -> dict[str, np.nd
     out: dict[str, np.ndarray] = {}
     for name, t in tensors.items():
         module, _, leaf = name.rpartition(".")
-        arr = t.detach().float().cpu().numpy()
-        if leaf == "lora_A" and module in lin:
-            out[f"{module}.lora_At"] = np.ascontiguousarray(arr.T)
-        elif leaf == "lora_B" and module in lin:
-            out[f"{module}.lora_Bt"] = np.ascontiguousarray(arr.T)
+        arr = t.detach().float().cpu().numpy()   # a view when the pool holds fp32 on CPU
+        if leaf in ("lora_A", "lora_B") and module in lin:
+            out[name] = np.ascontiguousarray(arr)
         elif leaf == "bias" and (module in lin or module in norm):
             out[f"{module}.dbias"] = np.ascontiguousarray(arr - params[name].detach().float().cpu().numpy())
         elif leaf == "bias" and module.split(".")[0] == "pooler":
@@ -165,8 +164,11 @@ class SharedBackend:
             self.merged.prepare(key)
             return
         full = {**self._zeros, **own}
+        # Bytes beyond the pool's: arrays that do not share the pool's tensors (bias deltas).
+        pool_arrays = [t.detach().numpy() for t in self.pool.runtime_tensors(key).values() if t.device.type == "cpu"]
+        extra = sum(a.nbytes for a in own.values() if not any(np.shares_memory(a, p) for p in pool_arrays))
         with self._lock:
-            self._bytes[key] = sum(a.nbytes for a in own.values())
+            self._bytes[key] = extra
             self._inputs[key] = self._feed(full) if self._session is not None else full
 
     def pin(self, key: str) -> None:
@@ -210,7 +212,8 @@ class SharedBackend:
         return self.merged.error(key)
 
     def memory_bytes(self, key: str) -> int:
-        """Bytes beyond the pool's: the adapter's graph inputs, or a merged session's weights."""
+        """Bytes beyond the pool's: graph inputs that are not views of the pool's tensors (LoRA
+        factors are bound in place: 0; bias deltas: their size), or a merged session's weights."""
         with self._lock:
             if key in self._inputs:
                 return self._bytes.get(key, 0)

@@ -1,12 +1,14 @@
 """Export the base ONCE to an ONNX graph whose adapters are run-time inputs.
 
 Every ``nn.Linear`` the forward reaches (the pooler is never reached by pooling: it is left
-out) computes ``x @ W.T + (b + dbias) + (x @ At) @ Bt`` and every ``nn.LayerNorm`` adds
+out) computes ``x @ W.T + (b + dbias) + (x @ A.T) @ B.T`` and every ``nn.LayerNorm`` adds
 ``dbias`` to its bias, where, per adapted layer ``<m>``:
 
-- ``<m>.lora_At`` (in, r) and ``<m>.lora_Bt`` (r, out): an encoder's LoRA factors, transposed,
-  LoRA scaling folded into ``Bt``; ``r`` is a dynamic axis, so each encoder binds its own rank
-  (no zero padding to a maximum rank) and a layer it does not adapt binds rank 0;
+- ``<m>.lora_A`` (r, in) and ``<m>.lora_B`` (out, r): an encoder's LoRA factors in the pool's
+  own layout (LoRA scaling folded into ``B``), so the runtime binds the pool's tensors without a
+  copy (ONNX Runtime folds the transposes into its MatMuls); ``r`` is a dynamic axis, so each
+  encoder binds its own rank (no zero padding to a maximum rank) and a layer it does not adapt
+  binds rank 0;
 - ``<m>.dbias`` (out,): the encoder's bias minus the base's (bias kind, LayerNorm biases
   included), zeros for other kinds.
 
@@ -48,7 +50,7 @@ class Slots:
     def input_names(self) -> list[str]:
         names: list[str] = []
         for m, _, _ in self.linear:
-            names += [f"{m}.lora_At", f"{m}.lora_Bt", f"{m}.dbias"]
+            names += [f"{m}.lora_A", f"{m}.lora_B", f"{m}.dbias"]
         names += [f"{m}.dbias" for m, _ in self.norm]
         return names
 
@@ -56,8 +58,8 @@ class Slots:
         """Inputs that leave the base unchanged (the identity encoder)."""
         out: dict[str, np.ndarray] = {}
         for m, i, o in self.linear:
-            out[f"{m}.lora_At"] = np.zeros((i, rank), np.float32)
-            out[f"{m}.lora_Bt"] = np.zeros((rank, o), np.float32)
+            out[f"{m}.lora_A"] = np.zeros((rank, i), np.float32)
+            out[f"{m}.lora_B"] = np.zeros((o, rank), np.float32)
             out[f"{m}.dbias"] = np.zeros((o,), np.float32)
         for m, d in self.norm:
             out[f"{m}.dbias"] = np.zeros((d,), np.float32)
@@ -93,7 +95,7 @@ class _AdaptedLinear(torch.nn.Module):
         bias = v[f"{self.name}.dbias"] if self.bias is None else self.bias + v[f"{self.name}.dbias"]
         # Rank-r path last: its two small MatMuls run beside the big one.
         return torch.nn.functional.linear(x, self.weight, bias) \
-            + torch.matmul(torch.matmul(x, v[f"{self.name}.lora_At"]), v[f"{self.name}.lora_Bt"])
+            + torch.matmul(torch.matmul(x, v[f"{self.name}.lora_A"].t()), v[f"{self.name}.lora_B"].t())
 
 
 class _AdaptedNorm(torch.nn.Module):
@@ -162,8 +164,8 @@ def export_shared(base: BaseModel, out_dir: Path, *, optimize_for: str | None = 
     axes: dict[str, dict[int, str]] = {"inputs_embeds": {0: "batch", 1: "sequence"},
                                        "attention_mask": {0: "batch", 1: "sequence"}, OUTPUT: {0: "batch"}}
     for i, (m, _, _) in enumerate(slots.linear):
-        axes[f"{m}.lora_At"] = {1: f"r{i}"}
-        axes[f"{m}.lora_Bt"] = {0: f"r{i}"}
+        axes[f"{m}.lora_A"] = {0: f"r{i}"}
+        axes[f"{m}.lora_B"] = {1: f"r{i}"}
     path = out_dir / SHARED_MODEL_FILE
     with EXPORT_LOCK, warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
