@@ -32,7 +32,8 @@ from qswap.atomic import atomic_write_json, recover_dir, replace_dir
 from qswap.encoders.embedding import length_buckets
 from qswap.encoders.onnx import OnnxBackend, available_providers, make_session
 from qswap.encoders.pool import EncoderPool
-from qswap.encoders.shared_export import (SHARED_MODEL_FILE, Slots, export_shared, find_slots, shared_digest)
+from qswap.encoders.shared_export import (UNREACHED, SHARED_MODEL_FILE, Slots, export_shared, find_slots,
+                                          shared_digest)
 from qswap.errors import InvalidInputError, NotFoundError
 
 log = logging.getLogger(__name__)
@@ -56,13 +57,13 @@ def adapter_inputs(pool: EncoderPool, key: str, slots: Slots) -> dict[str, np.nd
     out: dict[str, np.ndarray] = {}
     for name, t in tensors.items():
         module, _, leaf = name.rpartition(".")
+        if module.split(".")[0] in UNREACHED:
+            continue   # the pooler never reaches a pooled query embedding ("dense" targets match it)
         arr = t.detach().float().cpu().numpy()   # a view when the pool holds fp32 on CPU
         if leaf in ("lora_A", "lora_B") and module in lin:
             out[name] = np.ascontiguousarray(arr)
         elif leaf == "bias" and (module in lin or module in norm):
             out[f"{module}.dbias"] = np.ascontiguousarray(arr - params[name].detach().float().cpu().numpy())
-        elif leaf == "bias" and module.split(".")[0] == "pooler":
-            continue   # the pooler never reaches a pooled query embedding
         else:
             return None
     return out

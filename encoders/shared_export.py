@@ -37,7 +37,7 @@ from qswap.errors import IntegrityError
 SHARED_FORMAT = 1
 SHARED_MODEL_FILE = "shared.onnx"
 # Layers a query's pooled embedding never depends on (mean/CLS pooling of last_hidden_state).
-_UNREACHED = ("pooler",)
+UNREACHED = ("pooler",)
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def find_slots(model: torch.nn.Module) -> Slots:
     """Every Linear and LayerNorm of ``model`` a query's embedding depends on."""
     lin, norm = [], []
     for name, m in model.named_modules():
-        if not name or name.split(".")[0] in _UNREACHED:
+        if not name or name.split(".")[0] in UNREACHED:
             continue
         if isinstance(m, torch.nn.Linear):
             lin.append((name, m.in_features, m.out_features))
