@@ -136,7 +136,7 @@ def run(base: BaseModel, queries: list[str], *, threads: int, rank: int, reps: i
             "memory": {"extra_encoders": count, "adapter_file_bytes": adapter_file,
                        "bytes_per_extra_encoder": int(np.median(per)) if per else 0,
                        "rss_one_encoder_mb": round(rss_one / 2**20, 1),
-                       f"rss_plus_{count}_mb": round(rss_many / 2**20, 1),
+                       "rss_plus_n_mb": round(rss_many / 2**20, 1),
                        "rss_ratio": round(rss_many / rss_one, 3),
                        "rss_per_extra_encoder_mb": round((rss_many - rss_one) / max(count, 1) / 2**20, 2),
                        "shared_session_weight_mb": round(shared.shared_bytes() / 2**20, 1)}}
@@ -161,7 +161,7 @@ def summary_lines(a: dict[str, Any]) -> list[str]:
             f"Min cosine shared vs torch: {', '.join(f'{k} {v:.7f}' for k, v in a['cosine_shared_vs_torch'].items())}.", "",
             f"Memory: each extra {lname} encoder adds {m['bytes_per_extra_encoder'] / 2**20:.2f} MiB (pool + backend; "
             f"adapter file {m['adapter_file_bytes'] / 2**20:.2f} MiB); RSS with 2 encoders + {m['extra_encoders']} more "
-            f"{m[f'rss_plus_{m['extra_encoders']}_mb']} MB vs {m['rss_one_encoder_mb']} MB "
+            f"{m['rss_plus_n_mb']} MB vs {m['rss_one_encoder_mb']} MB "
             f"({m['rss_ratio']}x, {m['rss_per_extra_encoder_mb']} MB per extra encoder); the shared session's "
             f"weights: {m['shared_session_weight_mb']} MB, once.", "",
             *[f"- {k}: {'yes' if v else '**no**'}" for k, v in g.items()], ""]
