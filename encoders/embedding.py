@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -42,10 +42,11 @@ def embed_batch(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
 
 
 def length_buckets(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_size: int,
-                   ) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
+                   encodings: list[Any] | None = None) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
     """Tokenise once, then yield ``(indices, input_ids, attention_mask)`` int64 numpy batches
-    grouped by real token length, longest first; each batch is cut to its own longest row."""
-    encs = tokenizer.encode_batch([prefix + t for t in texts])
+    grouped by real token length, longest first; each batch is cut to its own longest row.
+    ``encodings``: the texts' encodings when the caller already has them (then not re-tokenised)."""
+    encs = encodings if encodings is not None else tokenizer.encode_batch([prefix + t for t in texts])
     # attention_mask, not ids: the tokenizer pads, so every row's ids have the same length.
     lengths = [sum(e.attention_mask) for e in encs]
     order = sorted(range(len(texts)), key=lambda i: -lengths[i])

@@ -242,11 +242,18 @@ class SharedBackend:
 
     def encode(self, texts: list[str], keys: list[str]) -> np.ndarray:
         """Encode row ``i`` as a query with encoder ``keys[i]``; (n, dim) float32, input order."""
+        return self.encode_flagged(texts, keys)[0]
+
+    def encode_flagged(self, texts: list[str], keys: list[str]) -> tuple[np.ndarray, list[bool]]:
+        """:meth:`encode` and, per row, whether the tokenizer cut it at the model's max length,
+        from the one tokenisation the forward uses (a server needs both)."""
         if len(texts) != len(keys):
             raise InvalidInputError(f"{len(texts)} texts but {len(keys)} encoder keys")
         out = np.empty((len(texts), self.base.dim), dtype=np.float32)
         if not texts:
-            return out
+            return out, []
+        encs = self.base.tokenizer.encode_batch([self.base.spec.query_prefix + t for t in texts])
+        flags = [bool(e.overflowing) for e in encs]
         groups: dict[str, list[int]] = {}
         merged: list[int] = []
         with self._lock:
@@ -260,17 +267,17 @@ class SharedBackend:
         for k, rows in groups.items():
             if k not in self.pool:
                 raise NotFoundError(f"encoder {k} is not loaded", "register it or use a loaded encoder")
-            out[rows] = self._run(session, feeds[k], [texts[i] for i in rows])
+            out[rows] = self._run(session, feeds[k], [texts[i] for i in rows], [encs[i] for i in rows])
         if merged:
             out[merged] = self.merged.encode([texts[i] for i in merged], [keys[i] for i in merged])
-        return out
+        return out, flags
 
-    def _run(self, session: Any, feed: dict[str, Any], texts: list[str]) -> np.ndarray:
+    def _run(self, session: Any, feed: dict[str, Any], texts: list[str], encs: list[Any]) -> np.ndarray:
         import onnxruntime as ort
 
         out = np.empty((len(texts), self.base.dim), dtype=np.float32)
         for idx, ids, mask in length_buckets(self.base.tokenizer, texts, self.base.spec.query_prefix,
-                                             self.batch_size):
+                                             self.batch_size, encodings=encs):
             emb = np.take(self._table, ids, axis=0)
             run = {"inputs_embeds": ort.OrtValue.ortvalue_from_numpy(emb),
                    "attention_mask": ort.OrtValue.ortvalue_from_numpy(mask), **feed}

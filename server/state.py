@@ -100,6 +100,7 @@ class ServerState:
                 log.error("aliased encoder failed to load", extra={"domain": domain, "encoder": key,
                                                                    "error": str(e)})
         batcher = MicroBatcher(encode=self.backend.encode, search=index.search, truncated=self.truncated,
+                               encode_flagged=getattr(self.backend, "encode_flagged", None),
                                window_s=s.batch_window_ms / 1000.0, max_batch=s.max_batch, metrics=self.metrics)
         with self._close_lock:
             if self._closed:

@@ -147,3 +147,10 @@ def test_length_buckets_pad_each_batch_to_its_own_longest(tiny_base):
         seen.update({i: ids.shape[1] for i in idx})
     assert sorted(seen) == [0, 1, 2, 3]
     assert seen[0] < seen[1] and seen[3] < seen[1]   # short rows do not pay for the long one
+
+
+def test_truncation_flags_come_from_the_forward_tokenisation(backend, pool):
+    long = "chess " * 5000
+    vecs, flags = backend.encode_flagged([TEXTS[0], long], ["l1@1", "l1@1"])
+    assert flags == [False, True]
+    assert cosine(vecs, pool.encode([TEXTS[0], long], ["l1@1", "l1@1"])).min() >= MIN_COSINE
