@@ -87,6 +87,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="stop ONNX Runtime's worker threads from busy-waiting (OnnxBackend(spin=False))")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="ONNX export cache (default: a temporary directory, so the export is timed)")
+    p.add_argument("--adapter-rank", type=int, default=32,
+                   help="rank of the LoRA encoder of the adapter rows (shared runtime vs torch; 0: skip them; "
+                        "default: %(default)s)")
+    p.add_argument("--adapter-count", type=int, default=10,
+                   help="extra LoRA encoders loaded for the memory figure (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run (10 rounds, batch of 4; results under bench/results/forward/tmp/quick)")
     p.add_argument("--out", type=Path, default=None, help="result directory (default bench/results/forward/)")
@@ -332,7 +337,16 @@ def main(args: argparse.Namespace) -> int:
         if k != "torch-fp32":   # throughput ratio = inverse time ratio
             results["ratios"][f"batch throughput {k} / torch-fp32"] = _ratio(
                 ratio_summary(t_batch["torch-fp32"], t_batch[k]))
+    if args.adapter_rank > 0:
+        from qswap.bench import forward_adapters
+        results["adapters"] = forward_adapters.run(
+            base, queries, threads=args.threads, rank=args.adapter_rank, reps=args.reps,
+            count=min(args.adapter_count, 2) if args.quick else args.adapter_count, settle=settle,
+            spin=not args.ort_no_spin, merged_base=single.get("ort-fp32"), timed_arms=timed_arms,
+            spread=_spread, progress=_progress)
     results["goals"] = goals(results)
+    if "adapters" in results:
+        results["goals"].update(forward_adapters.goals(results["adapters"]))
     if ort_backend is not None:
         ort_backend.close()
     if tmp is not None:
@@ -432,6 +446,9 @@ def summary(r: dict[str, Any], meta: dict[str, Any]) -> str:
                   "What `qswap serve --query-precision bf16` decides on: batches of "
                   f"{r.get('bf16_min_batch', '?')} or more queries for one encoder run in bf16 "
                   "(`qswap.encoders.precision.BF16_MIN_QUERY_BATCH`), smaller or mixed ones in fp32.", ""]
+    if "adapters" in r:
+        from qswap.bench.forward_adapters import summary_lines
+        lines += summary_lines(r["adapters"])
     lines += ["## Goals (this run)", ""]
     lines += [f"- {k}: {'yes' if v else '**no**'}" for k, v in r["goals"].items()]
     lines += [f"- {k}: not measured ({why})" for k, why in r.get("skipped", {}).items()]

@@ -365,7 +365,6 @@ def _dir_bytes(p: Path) -> int:
 
 def _backend_row(backend: str, label: str, opts: dict[str, Any], base: Any, queries: Any, truth: Any,
                  work: Path, n_latency: int, space: Any, docs: list[Any]) -> dict[str, Any]:
-    import numpy as np
 
     from qswap.index import IndexConfig, create_index
 

@@ -49,9 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``qswap bench serving``."""
     add_load_arguments(p, LOAD)
     add_model_argument(p, MODEL)
-    p.add_argument("--backend", choices=("torch", "onnx"), default="torch",
-                   help="the server's query-encoder backend (default: torch); with onnx, timing starts once "
-                        "every encoder's export is ready")
+    p.add_argument("--backend", choices=("shared", "onnx", "torch"), default="shared",
+                   help="the server's query-encoder backend (default: shared, the server's default); with shared "
+                        "or onnx, timing starts once every encoder runs on ONNX Runtime")
     p.add_argument("--query-precision", choices=("fp32", "bf16"), default="fp32",
                    help="the server's --query-precision (torch backend; default: fp32)")
     from qswap.bench import ray_serving
@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         results["registration_s"] = summarize(reg_s)
         keys = [f"{n}@{v}" for n, v in names]
         if args.backend != "torch":
-            results["runtime_wait_s"] = wait_for_runtime(srv, ["base", *keys], args.backend)
+            results["runtime_wait_s"] = wait_for_runtime(
+                srv, ["base", *keys], "onnx-shared" if args.backend == "shared" else args.backend)
         arms = {"1 encoder": search_requests(work.queries, keys[:1]),
                 "8 encoders": search_requests(work.queries, keys)}
         # Warm-up: every adapter loaded and its code paths run before anything is timed.

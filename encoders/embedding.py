@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -41,13 +41,14 @@ def embed_batch(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     return torch.nn.functional.normalize(x, dim=-1) if spec.normalize else x
 
 
-def sorted_batches(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_size: int,
-                   device: torch.device | str = "cpu", lengths_out: list[int] | None = None,
-                   ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """Tokenise once, then yield ``(indices, input_ids, attention_mask)`` batches grouped by token
-    length, longest first, so a batch pads little. Rows are cut to their batch's longest.
+def length_buckets(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_size: int,
+                   encodings: list[Any] | None = None, lengths_out: list[int] | None = None,
+                   ) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
+    """Tokenise once, then yield ``(indices, input_ids, attention_mask)`` int64 numpy batches
+    grouped by real token length, longest first; each batch is cut to its own longest row.
+    ``encodings``: the texts' encodings when the caller already has them (then not re-tokenised).
     ``lengths_out`` receives every text's token count once tokenised (before the first batch)."""
-    encs = tokenizer.encode_batch([prefix + t for t in texts])
+    encs = encodings if encodings is not None else tokenizer.encode_batch([prefix + t for t in texts])
     # attention_mask, not ids: the tokenizer pads, so every row's ids have the same length.
     lengths = [sum(e.attention_mask) for e in encs]
     if lengths_out is not None:
@@ -56,9 +57,17 @@ def sorted_batches(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_si
     for s in range(0, len(order), batch_size):
         idx = order[s:s + batch_size]
         width = max(lengths[i] for i in idx)
-        ids = torch.tensor([encs[i].ids[:width] for i in idx], dtype=torch.long, device=device)
-        mask = torch.tensor([encs[i].attention_mask[:width] for i in idx], dtype=torch.long, device=device)
+        ids = np.array([encs[i].ids[:width] for i in idx], dtype=np.int64)
+        mask = np.array([encs[i].attention_mask[:width] for i in idx], dtype=np.int64)
         yield idx, ids, mask
+
+
+def sorted_batches(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_size: int,
+                   device: torch.device | str = "cpu", lengths_out: list[int] | None = None,
+                   ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """:func:`length_buckets` as torch tensors on ``device``."""
+    for idx, ids, mask in length_buckets(tokenizer, texts, prefix, batch_size, lengths_out=lengths_out):
+        yield idx, torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
 
 
 def encode_texts(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],

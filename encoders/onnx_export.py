@@ -17,6 +17,7 @@ import copy
 import hashlib
 import inspect
 import logging
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -38,6 +39,9 @@ OPSET = 17
 MODEL_FILE = "model.onnx"
 EMBEDDINGS_FILE = "word_embeddings.npy"
 INPUTS = ("inputs_embeds", "attention_mask")
+# torch.onnx.export keeps global tracing state: two exports at once (the shared graph and a
+# merged one, from two background threads) corrupt each other.
+EXPORT_LOCK = threading.Lock()
 OUTPUT = "embedding"
 # An export must reproduce the torch forward it came from this closely on probe texts, or it
 # is refused (the torch path keeps serving). fp32 graphs reach 0.9999999 in practice.
@@ -165,7 +169,7 @@ def export_onnx(base: BaseEncoder, own: dict[str, torch.Tensor], out_dir: Path, 
     path = out_dir / MODEL_FILE
     axes = {"inputs_embeds": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
             OUTPUT: {0: "batch"}}
-    with warnings.catch_warnings(), torch.no_grad():
+    with EXPORT_LOCK, warnings.catch_warnings(), torch.no_grad():
         # The tracer warns about Python-level shape checks in transformers; the dynamic-axes
         # check below (other batch and length than traced) is what proves the graph general.
         warnings.simplefilter("ignore")
@@ -211,22 +215,25 @@ def _quiet_optimizer_logs() -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def probe_cosine(path: Path, emb: np.ndarray, mask: np.ndarray, ref: np.ndarray) -> float:
+def probe_cosine(path: Path, emb: np.ndarray, mask: np.ndarray, ref: np.ndarray,
+                 extra: dict[str, np.ndarray] | None = None) -> float:
     """Minimum row cosine between the graph at ``path`` (CPU) and ``ref`` on the probe batch.
 
     Runs the batch whole and row by row at each row's own length, so a graph whose batch or
-    sequence size was frozen at trace time fails here.
+    sequence size was frozen at trace time fails here. ``extra``: more graph inputs (adapters).
     """
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    outs = [sess.run(None, {"inputs_embeds": emb, "attention_mask": mask})[0]]
+    extra = extra or {}
+    outs = [sess.run(None, {"inputs_embeds": emb, "attention_mask": mask, **extra})[0]]
     rows = []
     for i in range(len(mask)):
         n = int(mask[i].sum())
-        rows.append(sess.run(None, {"inputs_embeds": emb[i:i + 1, :n], "attention_mask": mask[i:i + 1, :n]})[0])
+        rows.append(sess.run(None, {"inputs_embeds": emb[i:i + 1, :n], "attention_mask": mask[i:i + 1, :n],
+                              **extra})[0])
     outs.append(np.concatenate(rows))
     return min(float(_cosine(o, ref).min()) for o in outs)
 

@@ -51,7 +51,7 @@ class ReindexMixin:
         """Options set in ``config`` (not ``None``) override the current ones."""
         return config.merged_into(self._config).resolve(self._count, self.full_dim)
 
-    def with_config(self, config: IndexConfig, progress: bool = False) -> "DocumentIndex":
+    def with_config(self, config: IndexConfig, progress: bool = False) -> Any:
         """An in-memory, read-only variant with other options over the same stored vectors.
 
         Nothing is written; used to evaluate or tune settings without re-embedding.

@@ -99,7 +99,12 @@ class MicroBatcher:
                  truncated: Callable[[list[str]], list[bool]] | None = None,
                  window_s: float = 0.002, max_batch: int = 64, max_pending: int = 256,
                  max_pending_per_encoder: int | None = None, metrics: Any = None,
-                 name: str = "qswap-batcher", adaptive: bool = True) -> None:
+                 name: str = "qswap-batcher", adaptive: bool = True,
+                 encode_flagged: Callable[[list[str], list[str]], tuple[np.ndarray, list[bool]]] | None = None,
+                 ) -> None:
+        # encode_flagged: vectors and truncation flags from one tokenisation (replaces both
+        # ``encode`` and ``truncated`` when the backend offers it).
+        self._encode_flagged = encode_flagged
         self._encode = encode
         self._search = search
         self._truncated = truncated
@@ -328,8 +333,11 @@ class MicroBatcher:
         texts = [t for j in jobs for t in j.texts]
         keys = [j.key for j in jobs for _ in j.texts]
         try:
-            trunc = self._truncated(texts) if self._truncated else [False] * len(texts)
-            emb = self._encode(texts, keys)
+            if self._encode_flagged is not None:
+                emb, trunc = self._encode_flagged(texts, keys)
+            else:
+                trunc = self._truncated(texts) if self._truncated else [False] * len(texts)
+                emb = self._encode(texts, keys)
         except Exception as e:
             if len(jobs) > 1:
                 # One bad row must not fail its neighbours: retry each request alone.

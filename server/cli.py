@@ -58,7 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(or QSWAP_SEARCH_TOKEN)")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="admin routes without a token, for local use (loopback host only)")
-    p.add_argument("--backend", choices=("torch", "onnx"), help="query forward passes (default torch)")
+    p.add_argument("--backend", choices=("shared", "onnx", "torch"),   # qswap.encoders.backend.BACKENDS (not imported: torch loads after OMP_WAIT_POLICY)
+                   help="query forward passes: 'shared' (default: one ONNX Runtime session of the base, adapters bound "
+                        "per run), 'onnx' (one merged export per encoder) or 'torch' (the reference)")
     p.add_argument("--query-precision", choices=("fp32", "bf16"),
                    help="torch backend: run batches of 16+ queries for one encoder in bf16 (default fp32; pays only where the "
                         "hardware has native bf16: AMX, AVX-512-BF16, tensor cores)")

@@ -60,7 +60,7 @@ class ServerSettings(BaseSettings):
     search_token: SecretStr | None = Field(None, description="bearer token for search (none = open search)")
     insecure: bool = Field(False, description="admin routes without a token, loopback only")
     # -- throughput
-    backend: Literal["torch", "onnx"] = "torch"
+    backend: Literal["shared", "onnx", "torch"] = "shared"
     onnx_threads: int | None = Field(None, ge=1)
     query_precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="torch backend: bf16 runs batches of 16+ queries for one "

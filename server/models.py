@@ -228,9 +228,10 @@ class EncoderInfo(BaseModel):
         None, description="the server's guard record: per sentinel and reference encoder (base, aliased "
                           "encoders) n, nDCG@10 before/after, Wilcoxon statistic, p (raw and Holm), "
                           "sign test, reciprocal rank, pooled PND Z, verdict")
-    runtime: Literal["torch", "onnx"] | None = Field(
-        None, description="what runs its forward passes now: 'onnx' once the background export is ready "
-                          "(with --backend onnx), else 'torch'")
+    runtime: Literal["torch", "onnx", "onnx-shared"] | None = Field(
+        None, description="what runs its forward passes now: 'onnx-shared' (the shared base session, adapter "
+                          "bound per run) or 'onnx' (its own merged export) once the background export is ready, "
+                          "else 'torch'")
     runtime_error: str | None = Field(None, description="why the ONNX export failed (torch keeps serving)")
 
 

@@ -110,6 +110,7 @@ class ServerState:
                 log.error("aliased encoder failed to load", extra={"domain": domain, "encoder": key,
                                                                    "error": str(e)})
         batcher = self.make_batcher(encode=self.backend.encode, search=index.search, truncated=self.truncated,
+                                    encode_flagged=getattr(self.backend, "encode_flagged", None),
                                     window_s=s.batch_window_ms / 1000.0, max_batch=s.max_batch,
                                     max_pending=s.max_pending, max_pending_per_encoder=s.max_pending_per_encoder,
                                     metrics=self.metrics)

@@ -25,6 +25,13 @@ def test_forward_bench_runs_and_skips_emulated_bf16(tiny_model_dir, tmp_path, mo
     # ONNX Runtime must give torch's answers on any model
     assert r["quality_vs_torch_fp32"]["ort-fp32"]["single_query_cosine"]["min"] >= 0.99999
     assert r["goals"]["ORT cosine to torch >= 0.99999"] is True
+    # Adapter rows: the shared runtime answers like torch for base, LoRA and bias encoders, and an
+    # extra LoRA encoder costs about its adapter file (its factors are bound in place).
+    a = r["adapters"]
+    assert min(a["cosine_shared_vs_torch"].values()) >= 0.99999
+    assert {"shared base", "shared lora-r32", "shared bias", "torch lora-r32"} <= set(a["single_query_ms"])
+    assert 0 < a["memory"]["bytes_per_extra_encoder"] <= a["memory"]["adapter_file_bytes"] + 2**20
+    assert "## Adapters" in (out / "README.md").read_text()
     md = (out / "README.md").read_text()
     assert ("torch-bf16: not measured" in md) != native_bf16
     assert (out / "forward.png").stat().st_size > 0

@@ -1,0 +1,178 @@
+"""``qswap bench forward`` rows for adapters: one query through each runtime with a real adapter.
+
+Arms, side by side in one process, interleaved per round like the rest of ``bench forward``:
+
+- ``ort-merged base``: the base alone, merged export (:class:`qswap.encoders.onnx.OnnxBackend`);
+- ``shared base`` / ``shared lora-rN`` / ``shared bias``: the one shared session
+  (:class:`qswap.encoders.shared.SharedBackend`) with no adapter, a LoRA of rank N on every
+  Linear layer, and a bias encoder (every bias, LayerNorm biases included);
+- ``torch base`` / ``torch lora-rN`` / ``torch bias``: the torch pool, the reference.
+
+Memory: bytes each extra LoRA encoder adds (pool + backend) and the process RSS after loading
+``count`` such encoders against one.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from qswap.encoders import BASE_KEY, EncoderPool, load_encoder, save_encoder
+from qswap.encoders.base import BaseEncoder
+
+TARGETS = ["query", "key", "value", "dense"]   # every Linear of a BERT layer
+
+
+def make_lora_dir(base: BaseEncoder, out: Path, name: str, rank: int, seed: int) -> Path:
+    """A LoRA encoder in peft's file format with random factors of ``rank`` on every Linear."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    peft_dir = out.parent / f".peft-{name}"
+    peft_dir.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for n, m in base.model.named_modules():
+        if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in TARGETS:
+            state[f"base_model.model.{n}.lora_A.weight"] = torch.randn(rank, m.in_features, generator=g) * 0.02
+            state[f"base_model.model.{n}.lora_B.weight"] = torch.randn(m.out_features, rank, generator=g) * 0.02
+    save_file(state, str(peft_dir / "adapter_model.safetensors"))
+    (peft_dir / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": TARGETS}))
+    save_encoder(out, name=name, version="1", kind="lora", space=base.space, lora_dir=peft_dir)
+    return out
+
+
+def make_bias_dir(base: BaseEncoder, out: Path, name: str, seed: int) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {n: p.detach() + 0.02 * torch.randn(p.shape, generator=g)
+               for n, p in base.model.named_parameters() if n.endswith(".bias")}
+    save_encoder(out, name=name, version="1", kind="bias", space=base.space, tensors=tensors)
+    return out
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, reps: int, count: int,
+        settle: float, spin: bool, merged_base: Callable[[list[str]], np.ndarray] | None,
+        timed_arms: Callable[..., Any], spread: Callable[[list[float]], dict[str, float]],
+        progress: Callable[[int, str], tuple[Any, Any]]) -> dict[str, Any]:
+    """Measure the adapter rows; returns a dict for ``results.json["adapters"]``."""
+    from qswap.bench.stats import interleaved, percentile, ratio_summary
+    from qswap.encoders.shared import SharedBackend
+
+    tmp = tempfile.TemporaryDirectory(prefix="qswap-bench-adapters-")
+    root = Path(tmp.name)
+    pool = EncoderPool(base)
+    lora, bias = f"lora@1", "bias@1"
+    pool.add(load_encoder(make_lora_dir(base, root / "lora", "lora", rank, seed=1), base.space))
+    pool.add(load_encoder(make_bias_dir(base, root / "bias", "bias", seed=2), base.space))
+    shared = SharedBackend(pool, root / "cache", threads=threads, spin=spin)
+    for k in (BASE_KEY, lora, bias):
+        shared.prepare(k)
+    if not shared.wait(timeout=1800):
+        raise RuntimeError(f"shared export failed: {shared.error(BASE_KEY)}")
+    export = json.loads((shared.directory() / "export.json").read_text())
+    lname = f"lora-r{rank}"
+    fns: dict[str, Callable[[list[str]], np.ndarray]] = {}
+    if merged_base is not None:
+        fns["ort-merged base"] = merged_base
+    fns.update({
+        "shared base": lambda t: shared.encode(t, [BASE_KEY] * len(t)),
+        f"shared {lname}": lambda t: shared.encode(t, [lora] * len(t)),
+        "shared bias": lambda t: shared.encode(t, [bias] * len(t)),
+        "torch base": lambda t: pool.encode(t, [BASE_KEY] * len(t)),
+        f"torch {lname}": lambda t: pool.encode(t, [lora] * len(t)),
+        "torch bias": lambda t: pool.encode(t, [bias] * len(t)),
+    })
+    cos = {}
+    for k in (BASE_KEY, lora, bias):
+        a, b = shared.encode(queries, [k] * len(queries)), pool.encode(queries, [k] * len(queries))
+        cos[k] = float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
+    bar, tick = progress(reps * len(fns), "adapter rows")
+    t = interleaved(timed_arms(fns, [[q] for q in queries], settle), reps, warmup=5, on_round=tick)
+    bar.close()
+
+    def ratio(a: str, b: str) -> dict[str, float]:
+        rs = ratio_summary(t[a], t[b])
+        return {"median": rs.median, "p10": percentile(rs.ratios, 10), "p90": percentile(rs.ratios, 90), "n": rs.n}
+
+    ratios = {f"shared {lname} / shared base": ratio(f"shared {lname}", "shared base"),
+              "shared bias / shared base": ratio("shared bias", "shared base"),
+              f"shared {lname} / torch {lname}": ratio(f"shared {lname}", f"torch {lname}"),
+              "shared base / torch base": ratio("shared base", "torch base")}
+    if merged_base is not None:
+        ratios["shared base / ort-merged base"] = ratio("shared base", "ort-merged base")
+        ratios[f"shared {lname} / ort-merged base"] = ratio(f"shared {lname}", "ort-merged base")
+
+    # Memory: extra LoRA encoders of the same rank (fresh factors each), RSS before and after.
+    import gc
+    gc.collect()
+    rss_one = rss_bytes()
+    per = []
+    for i in range(count):
+        key = f"extra{i}@1"
+        pool.add(load_encoder(make_lora_dir(base, root / f"extra{i}", f"extra{i}", rank, seed=10 + i), base.space))
+        shared.prepare(key)
+        per.append(pool.memory_bytes(key) + shared.memory_bytes(key))
+        shared.encode(queries[:1], [key])
+    gc.collect()
+    rss_many = rss_bytes()
+    adapter_file = (root / "lora" / "adapter_model.safetensors").stat().st_size
+    shared.close()
+    tmp.cleanup()
+    return {"rank": rank, "targets": TARGETS, "single_query_ms": {k: spread([x * 1000 for x in v]) for k, v in t.items()},
+            "ratios": ratios, "cosine_shared_vs_torch": cos, "shared_export": export,
+            "memory": {"extra_encoders": count, "adapter_file_bytes": adapter_file,
+                       "bytes_per_extra_encoder": int(np.median(per)) if per else 0,
+                       "rss_one_encoder_mb": round(rss_one / 2**20, 1),
+                       "rss_plus_n_mb": round(rss_many / 2**20, 1),
+                       "rss_ratio": round(rss_many / rss_one, 3),
+                       "rss_per_extra_encoder_mb": round((rss_many - rss_one) / max(count, 1) / 2**20, 2),
+                       "shared_session_weight_mb": round(shared.shared_bytes() / 2**20, 1)}}
+
+
+def summary_lines(a: dict[str, Any]) -> list[str]:
+    from qswap.bench.results import md_table
+
+    lname = f"lora-r{a['rank']}"
+    rows = [[k, f"{v['median']:.2f}", f"{v['p10']:.2f}", f"{v['p90']:.2f}", v["n"]]
+            for k, v in a["single_query_ms"].items()]
+    m = a["memory"]
+    g = goals(a)
+    return ["## Adapters: one query per runtime (ms)", "",
+            f"LoRA of rank {a['rank']} on every Linear layer ({', '.join(a['targets'])}); bias encoder: every "
+            "bias, LayerNorm included. `shared` is the default backend: one ONNX Runtime session of the base, the "
+            "encoder's tensors bound per run.", "",
+            md_table(["arm", "median", "p10", "p90", "n"], rows),
+            md_table(["paired ratio", "median", "p10", "p90", "rounds"],
+                     [[k, f"{v['median']:.3f}", f"{v['p10']:.3f}", f"{v['p90']:.3f}", v["n"]]
+                      for k, v in a["ratios"].items()]),
+            f"Min cosine shared vs torch: {', '.join(f'{k} {v:.7f}' for k, v in a['cosine_shared_vs_torch'].items())}.", "",
+            f"Memory: each extra {lname} encoder adds {m['bytes_per_extra_encoder'] / 2**20:.2f} MiB (pool + backend; "
+            f"adapter file {m['adapter_file_bytes'] / 2**20:.2f} MiB); RSS with 2 encoders + {m['extra_encoders']} more "
+            f"{m['rss_plus_n_mb']} MB vs {m['rss_one_encoder_mb']} MB "
+            f"({m['rss_ratio']}x, {m['rss_per_extra_encoder_mb']} MB per extra encoder); the shared session's "
+            f"weights: {m['shared_session_weight_mb']} MB, once.", "",
+            *[f"- {k}: {'yes' if v else '**no**'}" for k, v in g.items()], ""]
+
+
+def goals(a: dict[str, Any]) -> dict[str, bool]:
+    lname, r = f"lora-r{a['rank']}", a["ratios"]
+    m = a["memory"]
+    return {f"shared {lname} <= 1.15x shared base": r[f"shared {lname} / shared base"]["median"] <= 1.15,
+            f"shared {lname} <= 0.35x torch {lname}": r[f"shared {lname} / torch {lname}"]["median"] <= 0.35,
+            "shared bias <= 1.05x shared base": r["shared bias / shared base"]["median"] <= 1.05,
+            "extra LoRA encoder <= adapter bytes + 1 MiB":
+                m["bytes_per_extra_encoder"] <= m["adapter_file_bytes"] + 2**20,
+            "shared cosine to torch >= 0.99999": min(a["cosine_shared_vs_torch"].values()) >= 0.99999}

@@ -1,0 +1,292 @@
+"""The default query backend: ONE ONNX Runtime session of the base, adapters bound per run.
+
+The base is exported once (:mod:`qswap.encoders.shared_export`) with every adapted layer's LoRA
+factors and bias deltas as graph inputs. Each encoder served this way is only its adapter
+tensors, converted once to the graph's layout (:func:`adapter_inputs`) and passed with its rows:
+N LoRA encoders cost the base once plus N x their adapter bytes. A batch runs one ONNX Runtime
+call per encoder group (rows of one encoder share its inputs), rows bucketed by real token
+length.
+
+Encoders the shared graph cannot express (``partial`` tensors other than biases), and encoders
+pinned with :meth:`SharedBackend.pin` (one that serves most of the traffic may run a little
+faster merged), go to a merged per-encoder export (:class:`qswap.encoders.onnx.OnnxBackend`),
+whose bytes count in the memory budget. Until the shared export is ready, or if it fails, every
+row runs on the torch pool, so answers never wait on an export.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qswap.atomic import atomic_write_json, recover_dir, replace_dir
+from qswap.encoders.embedding import length_buckets
+from qswap.encoders.onnx import OnnxBackend, available_providers, make_session
+from qswap.encoders.pool import EncoderPool
+from qswap.encoders.shared_export import (UNREACHED, SHARED_MODEL_FILE, Slots, export_shared, find_slots,
+                                          shared_digest)
+from qswap.errors import InvalidInputError, NotFoundError
+
+log = logging.getLogger(__name__)
+META_FILE = "export.json"
+SHARED_DIR = "_shared"
+
+
+def adapter_inputs(pool: EncoderPool, key: str, slots: Slots) -> dict[str, np.ndarray] | None:
+    """The shared graph's adapter inputs for encoder ``key``, or ``None`` if it cannot express it.
+
+    The one place that reads an encoder's tensors for the shared runtime, through its kind's
+    ``runtime_tensors``: ``<module>.lora_A`` / ``.lora_B`` (scaling folded into B) are bound as
+    they are (numpy views of the pool's tensors: no copy); ``<param>.bias`` becomes a delta
+    against the base bias (a new, small array).
+    Anything else (a replaced weight matrix) is not expressible: ``None``.
+    """
+    tensors = pool.runtime_tensors(key)
+    lin = {m: (i, o) for m, i, o in slots.linear}
+    norm = {m for m, _ in slots.norm}
+    params = dict(pool.base.model.named_parameters())
+    out: dict[str, np.ndarray] = {}
+    for name, t in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        if module.split(".")[0] in UNREACHED:
+            continue   # the pooler never reaches a pooled query embedding ("dense" targets match it)
+        arr = t.detach().float().cpu().numpy()   # a view when the pool holds fp32 on CPU
+        if leaf in ("lora_A", "lora_B") and module in lin:
+            out[name] = np.ascontiguousarray(arr)
+        elif leaf == "bias" and (module in lin or module in norm):
+            out[f"{module}.dbias"] = np.ascontiguousarray(arr - params[name].detach().float().cpu().numpy())
+        else:
+            return None
+    return out
+
+
+class SharedBackend:
+    """Query forwards for every encoder of ``pool`` through one shared ONNX Runtime session.
+
+    Same interface as :class:`~qswap.encoders.backend.TorchBackend`; thread-safe. ``threads``:
+    intra-op threads (default: all cores); ``providers``: ONNX Runtime execution providers
+    (default :func:`available_providers`: CUDA first where present); ``batch_size``: rows per
+    ONNX Runtime call.
+    """
+
+    name = "shared"
+
+    def __init__(self, pool: EncoderPool, cache_dir: Path, threads: int | None = None,
+                 providers: list[str] | None = None, spin: bool = True, batch_size: int = 64) -> None:
+        if threads is not None and threads < 1:
+            raise InvalidInputError(f"threads must be >= 1, got {threads}", "omit it to use all cores")
+        self.pool = pool
+        self.base = pool.base
+        self.cache_dir = Path(cache_dir)
+        self.providers = list(providers) if providers else available_providers()
+        self.batch_size = batch_size
+        self.spin = spin
+        self._threads = threads or os.cpu_count() or 1
+        self._variant = "cuda" if "CUDAExecutionProvider" in self.providers else "cpu"
+        self._table = self.base.model.get_input_embeddings().weight.detach().float().cpu().numpy()
+        self.slots = find_slots(self.base.model)
+        self._zeros = self.slots.zeros(rank=0)
+        self._session: Any = None
+        self._error: str | None = None
+        self._inputs: dict[str, dict[str, Any]] = {}     # key -> full feed (OrtValues) of its adapter
+        self._bytes: dict[str, int] = {}
+        self._pinned: set[str] = set()
+        self._lock = threading.RLock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qswap-shared-export")
+        self._future: Future[None] = self._executor.submit(self._build)
+        # Merged per-encoder exports: encoders the shared graph cannot express, and pinned ones.
+        self.merged = OnnxBackend(pool, cache_dir, threads=threads, providers=self.providers, spin=spin,
+                                  batch_size=batch_size)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def directory(self) -> Path:
+        return self.cache_dir / SHARED_DIR / self.base.space.fingerprint
+
+    def _build(self) -> None:
+        try:
+            sess = self._load_or_export()
+        except Exception as e:   # any failure leaves every encoder on torch, with the reason kept
+            log.warning("shared ONNX export failed; encoders stay on torch: %s", e)
+            with self._lock:
+                self._error = f"{type(e).__name__}: {e}"
+            raise
+        with self._lock:
+            self._session = sess
+            for key in list(self._inputs):
+                self._inputs[key] = self._feed(self._inputs[key])
+
+    def _load_or_export(self) -> Any:
+        target = self.directory()
+        digest = shared_digest(self.base, self._variant)
+        recover_dir(target)
+        meta = _read_meta(target)
+        if meta.get("digest") != digest or not (target / SHARED_MODEL_FILE).exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+            try:
+                facts = export_shared(self.base, staging)
+                meta = {"digest": digest, "variant": self._variant, "space": self.base.space.fingerprint,
+                        "base": self.base.name, **facts}
+                atomic_write_json(staging / META_FILE, meta)   # last: marks the export complete
+                replace_dir(staging, target)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+            log.info("exported the shared base graph in %.1fs (probe cosine %.7f)", meta["export_seconds"],
+                     meta["probe_min_cosine"])
+        return make_session(target / SHARED_MODEL_FILE, self._threads, self.providers, self.spin)
+
+    def _feed(self, arrays: dict[str, Any]) -> dict[str, Any]:
+        """Pre-built OrtValues: a run then copies nothing of the adapter (zero-copy on CPU)."""
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" in self.providers:
+            return {n: ort.OrtValue.ortvalue_from_numpy(np.asarray(a), "cuda", 0) for n, a in arrays.items()}
+        return {n: ort.OrtValue.ortvalue_from_numpy(np.asarray(a)) for n, a in arrays.items()}
+
+    def prepare(self, key: str) -> None:
+        """Convert ``key``'s adapter to graph inputs (or start its merged export); returns at once."""
+        if key not in self.pool:
+            raise NotFoundError(f"encoder {key} is not loaded", "add it to the pool before preparing it")
+        if key in self._pinned:
+            self.merged.prepare(key)
+            return
+        own = adapter_inputs(self.pool, key, self.slots)
+        if own is None:
+            self.merged.prepare(key)
+            return
+        full = {**self._zeros, **own}
+        # Bytes beyond the pool's: arrays that do not share the pool's tensors (bias deltas).
+        pool_arrays = [t.detach().numpy() for t in self.pool.runtime_tensors(key).values() if t.device.type == "cpu"]
+        extra = sum(a.nbytes for a in own.values() if not any(np.shares_memory(a, p) for p in pool_arrays))
+        with self._lock:
+            self._bytes[key] = extra
+            self._inputs[key] = self._feed(full) if self._session is not None else full
+
+    def pin(self, key: str) -> None:
+        """Serve ``key`` from its own merged export (for an encoder with most of the traffic);
+        its transformer weights count in :meth:`memory_bytes`."""
+        with self._lock:
+            self._pinned.add(key)
+            self._inputs.pop(key, None)
+            self._bytes.pop(key, None)
+        self.merged.prepare(key)
+
+    def ready(self, key: str) -> bool:
+        with self._lock:
+            if key in self._inputs:
+                return self._session is not None
+        return self.merged.ready(key)
+
+    def wait(self, key: str | None = None, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` s for the shared export (and ``key``'s merged one, if it has one)."""
+        try:
+            self._future.result(timeout=timeout)
+        except Exception:   # a timeout or a failed export: both answer "not ready"
+            pass
+        if key is None:
+            return self._session is not None
+        with self._lock:
+            shared = key in self._inputs
+        return self.ready(key) if shared else self.merged.wait(key, timeout)
+
+    def runtime(self, key: str) -> str:
+        """``onnx-shared``, ``onnx-merged`` or ``torch``: what runs ``key``'s forwards now."""
+        with self._lock:
+            if key in self._inputs:
+                return "onnx-shared" if self._session is not None else "torch"
+        return "onnx-merged" if self.merged.ready(key) else "torch"
+
+    def error(self, key: str) -> str | None:
+        with self._lock:
+            if key in self._inputs:
+                return self._error
+        return self.merged.error(key)
+
+    def memory_bytes(self, key: str) -> int:
+        """Bytes beyond the pool's: graph inputs that are not views of the pool's tensors (LoRA
+        factors are bound in place: 0; bias deltas: their size), or a merged session's weights."""
+        with self._lock:
+            if key in self._inputs:
+                return self._bytes.get(key, 0)
+        return self.merged.memory_bytes(key)
+
+    def shared_bytes(self) -> int:
+        """The one shared session's weights (the base without word embeddings, fp32)."""
+        return sum(p.numel() * 4 for p in self.base.model.parameters()) - self._table.nbytes
+
+    def discard(self, key: str) -> None:
+        with self._lock:
+            self._inputs.pop(key, None)
+            self._bytes.pop(key, None)
+            self._pinned.discard(key)
+        self.merged.discard(key)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.merged.close()
+        with self._lock:
+            self._session = None
+            self._inputs.clear()
+
+    # -- encoding -------------------------------------------------------------------------------
+
+    def encode(self, texts: list[str], keys: list[str]) -> np.ndarray:
+        """Encode row ``i`` as a query with encoder ``keys[i]``; (n, dim) float32, input order."""
+        return self.encode_flagged(texts, keys)[0]
+
+    def encode_flagged(self, texts: list[str], keys: list[str]) -> tuple[np.ndarray, list[bool]]:
+        """:meth:`encode` and, per row, whether the tokenizer cut it at the model's max length,
+        from the one tokenisation the forward uses (a server needs both)."""
+        if len(texts) != len(keys):
+            raise InvalidInputError(f"{len(texts)} texts but {len(keys)} encoder keys")
+        out = np.empty((len(texts), self.base.dim), dtype=np.float32)
+        if not texts:
+            return out, []
+        encs = self.base.tokenizer.encode_batch([self.base.spec.query_prefix + t for t in texts])
+        flags = [bool(e.overflowing) for e in encs]
+        groups: dict[str, list[int]] = {}
+        merged: list[int] = []
+        with self._lock:
+            session = self._session
+            feeds = dict(self._inputs) if session is not None else {}
+        for i, k in enumerate(keys):
+            if k in feeds:
+                groups.setdefault(k, []).append(i)
+            else:
+                merged.append(i)
+        for k, rows in groups.items():
+            if k not in self.pool:
+                raise NotFoundError(f"encoder {k} is not loaded", "register it or use a loaded encoder")
+            out[rows] = self._run(session, feeds[k], [texts[i] for i in rows], [encs[i] for i in rows])
+        if merged:
+            out[merged] = self.merged.encode([texts[i] for i in merged], [keys[i] for i in merged])
+        return out, flags
+
+    def _run(self, session: Any, feed: dict[str, Any], texts: list[str], encs: list[Any]) -> np.ndarray:
+        import onnxruntime as ort
+
+        out = np.empty((len(texts), self.base.dim), dtype=np.float32)
+        for idx, ids, mask in length_buckets(self.base.tokenizer, texts, self.base.spec.query_prefix,
+                                             self.batch_size, encodings=encs):
+            emb = np.take(self._table, ids, axis=0)
+            run = {"inputs_embeds": ort.OrtValue.ortvalue_from_numpy(emb),
+                   "attention_mask": ort.OrtValue.ortvalue_from_numpy(mask), **feed}
+            out[idx] = session.run_with_ort_values(["embedding"], run)[0].numpy()
+        return out
+
+
+def _read_meta(directory: Path) -> dict[str, Any]:
+    try:
+        return json.loads((directory / META_FILE).read_text())
+    except (OSError, ValueError):
+        return {}

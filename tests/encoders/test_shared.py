@@ -1,0 +1,156 @@
+"""The shared ONNX runtime (the default backend): one base session, each encoder's adapter bound
+per run; same answers as the torch pool for every adapter kind, adapter bytes only per encoder,
+torch fallback while the export is missing or failed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
+from qswap.encoders import shared as shared_mod
+from qswap.encoders.backend import BACKENDS, make_backend
+from qswap.encoders.embedding import length_buckets
+from qswap.encoders.shared import SharedBackend, adapter_inputs
+from qswap.encoders.shared_export import SHARED_MODEL_FILE
+
+from .adapters import make_lora, make_overrides
+
+TEXTS = ["chess puzzle game", "audio and music", "physics data", "the linux search server",
+         "a tool for python", "math and science library with many games and music tools for debian",
+         "video games", "network client", "a"]
+MIN_COSINE = 0.99999
+# key -> (kind, runtime that must serve it)
+KINDS = {"l1@1": ("lora", "onnx-shared"), "l2@1": ("lora", "onnx-shared"), "b1@1": ("bias", "onnx-shared"),
+         "p1@1": ("partial", "onnx-merged"), BASE_KEY: ("identity", "onnx-shared")}
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_base, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("enc")
+    pool = EncoderPool(tiny_base)
+    # Two LoRA ranks and target sets: one graph serves both (the rank is a dynamic axis).
+    for p in (make_lora(tiny_base, tmp / "l1", "l1", seed=1, r=4, targets=("query", "value", "dense")),
+              make_lora(tiny_base, tmp / "l2", "l2", seed=2, r=8, targets=("key", "intermediate.dense")),
+              make_overrides(tiny_base, tmp / "b1", "b1", "bias", seed=3),
+              make_overrides(tiny_base, tmp / "p1", "p1", "partial", seed=4)):
+        pool.add(load_encoder(p, tiny_base.space))
+    return pool
+
+
+@pytest.fixture(scope="module")
+def backend(pool, tmp_path_factory):
+    b = SharedBackend(pool, tmp_path_factory.mktemp("shared-cache"), threads=1)
+    for key in KINDS:
+        b.prepare(key)
+    for key in KINDS:
+        assert b.wait(key, timeout=120), b.error(key)
+    yield b
+    b.close()
+
+
+@pytest.mark.parametrize("key", list(KINDS))
+def test_matches_torch_on_every_adapter_kind(backend, pool, key):
+    kind, runtime = KINDS[key]
+    assert backend.runtime(key) == runtime, kind
+    got = backend.encode(TEXTS, [key] * len(TEXTS))
+    ref = pool.encode(TEXTS, [key] * len(TEXTS))
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    assert cosine(got, ref).min() >= MIN_COSINE, kind
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    if key != BASE_KEY:   # the run really carries the adapter
+        assert cosine(got, backend.encode(TEXTS, [BASE_KEY] * len(TEXTS))).min() < 0.999, kind
+
+
+def test_one_session_and_adapter_bytes_only(backend, pool):
+    # LoRA factors are bound in place (views of the pool's tensors: no byte beyond the pool's);
+    # bias deltas are new arrays of the bias size; the partial encoder has a merged session.
+    assert backend.memory_bytes(BASE_KEY) == 0
+    for key in ("l1@1", "l2@1"):
+        assert backend.memory_bytes(key) == 0 and pool.memory_bytes(key) > 0
+        feed = adapter_inputs(pool, key, backend.slots)
+        pooled = [t.numpy() for t in pool.runtime_tensors(key).values()]
+        assert feed and all(any(np.shares_memory(a, p) for p in pooled) for a in feed.values())
+    assert 0 < backend.memory_bytes("b1@1") <= pool.memory_bytes("b1@1")
+    assert backend.memory_bytes("p1@1") == backend.shared_bytes() > 0
+    assert list(backend.merged._sessions) == ["p1@1"]
+    assert (backend.directory() / SHARED_MODEL_FILE).exists()
+
+
+def test_mixed_batch_keeps_input_order(backend, pool):
+    keys = ["l1@1", BASE_KEY, "p1@1", "l2@1", "b1@1", "l1@1", "p1@1", "b1@1", "l2@1"]
+    got = backend.encode(TEXTS, keys)
+    alone = np.stack([pool.encode([t], [k])[0] for t, k in zip(TEXTS, keys)])
+    assert cosine(got, alone).min() >= MIN_COSINE
+
+
+def test_adapter_inputs_refuse_weight_replacements(backend, pool):
+    # A partial encoder replaces weight matrices: not expressible as adapter inputs.
+    assert adapter_inputs(pool, "p1@1", backend.slots) is None
+    lora = adapter_inputs(pool, "l1@1", backend.slots)
+    assert lora is not None and {n.rsplit(".", 1)[1] for n in lora} == {"lora_A", "lora_B"}
+    bias = adapter_inputs(pool, "b1@1", backend.slots)
+    assert bias is not None and all(n.endswith(".dbias") for n in bias)
+    assert any("LayerNorm" in n for n in bias)   # the bias kind tunes LayerNorm biases too
+
+
+def test_pinned_encoder_runs_merged_with_the_same_answers(pool, tmp_path):
+    b = SharedBackend(pool, tmp_path, threads=1)
+    try:
+        b.prepare("l1@1")
+        b.pin("l1@1")
+        assert b.wait("l1@1", timeout=120), b.error("l1@1")
+        assert b.runtime("l1@1") == "onnx-merged"
+        assert b.memory_bytes("l1@1") == b.shared_bytes()
+        got = b.encode(TEXTS, ["l1@1"] * len(TEXTS))
+        assert cosine(got, pool.encode(TEXTS, ["l1@1"] * len(TEXTS))).min() >= MIN_COSINE
+    finally:
+        b.close()
+
+
+def test_failed_export_falls_back_to_torch(pool, tmp_path, monkeypatch):
+    def broken(*a, **kw):
+        raise RuntimeError("no exporter here")
+    monkeypatch.setattr(shared_mod, "export_shared", broken)
+    b = SharedBackend(pool, tmp_path, threads=1)
+    try:
+        b.prepare("l1@1")
+        assert not b.wait("l1@1", timeout=60)
+        assert b.runtime("l1@1") == "torch" and "no exporter here" in (b.error("l1@1") or "")
+        got = b.encode(TEXTS, ["l1@1"] * len(TEXTS))
+        np.testing.assert_allclose(got, pool.encode(TEXTS, ["l1@1"] * len(TEXTS)), atol=1e-6)
+    finally:
+        b.close()
+
+
+def test_shared_is_the_default_backend(pool, tmp_path):
+    from qswap.server.config import ServerSettings
+
+    assert BACKENDS[0] == "shared" and ServerSettings().backend == "shared"
+    b = make_backend(BACKENDS[0], pool, tmp_path, threads=1)
+    try:
+        assert isinstance(b, SharedBackend)
+    finally:
+        b.close()
+
+
+def test_length_buckets_pad_each_batch_to_its_own_longest(tiny_base):
+    texts = ["a", "a much longer query with many more words than the others " * 3, "b c", "d"]
+    seen = {}
+    for idx, ids, mask in length_buckets(tiny_base.tokenizer, texts, "", batch_size=2):
+        assert ids.shape == mask.shape and ids.dtype == np.int64
+        assert mask.sum(1).max() == ids.shape[1]   # no column of padding only
+        seen.update({i: ids.shape[1] for i in idx})
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert seen[0] < seen[1] and seen[3] < seen[1]   # short rows do not pay for the long one
+
+
+def test_truncation_flags_come_from_the_forward_tokenisation(backend, pool):
+    long = "chess " * 5000
+    vecs, flags = backend.encode_flagged([TEXTS[0], long], ["l1@1", "l1@1"])
+    assert flags == [False, True]
+    assert cosine(vecs, pool.encode([TEXTS[0], long], ["l1@1", "l1@1"])).min() >= MIN_COSINE
