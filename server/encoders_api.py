@@ -34,7 +34,7 @@ _REGISTER_BODY = {
         "content": {
             "application/json": {"schema": RegisterByPath.model_json_schema()},
             "multipart/form-data": {"encoding": {"archive": {"contentType": "application/gzip"}}, "schema": {
-                "type": "object", "required": ["archive"],
+                "type": "object", "required": ["archive"], "additionalProperties": False,
                 "properties": {
                     "archive": {"type": "string", "format": "binary", "contentMediaType": "application/gzip",
                                 "description": "gzip-compressed tar of one encoder directory (anything "

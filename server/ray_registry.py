@@ -187,10 +187,11 @@ class SharedRegistry(EncoderRegistry):
 
     # -- changes: re-read under the admin lock, then the single-process code path ------------
 
-    def register(self, src: Path, *, force: bool = False, source: str = "") -> tuple[EncoderRecord, bool]:
+    def register(self, src: Path, *, force: bool = False, source: str = "",
+                 wait: bool = False) -> tuple[EncoderRecord, bool]:
         with self.admin_lock():
             self.reload_if_changed()
-            rec, created = super().register(src, force=force, source=source)
+            rec, created = super().register(src, force=force, source=source, wait=wait)
         if created and self.detach_after_register:
             # Registration attached it to check that it fits the base; which replicas hold it
             # is Ray Serve's multiplexing decision (its per-replica LRU), not this replica's.
@@ -202,10 +203,10 @@ class SharedRegistry(EncoderRegistry):
             self.reload_if_changed()
             super().delete(key, timeout_s)
 
-    def set_alias(self, domain: str, ref: str) -> tuple[str, str | None]:
+    def set_alias(self, domain: str, ref: str, force: bool = False) -> tuple[str, str | None]:
         with self.admin_lock():
             self.reload_if_changed()
-            return super().set_alias(domain, ref)
+            return super().set_alias(domain, ref, force)
 
     def delete_alias(self, domain: str) -> str:
         with self.admin_lock():

@@ -32,7 +32,7 @@ from qswap.errors import InvalidInputError, QswapError
 from qswap.index.ray_build import init_ray
 from qswap.server.batching import MicroBatcher, SearchOutcome
 from qswap.server.config import ServerSettings
-from qswap.server.errors import NotReadyError
+from qswap.server.errors import DeadlineExceededError, NotReadyError
 from qswap.server.ray_index import SharedIndex, get_or_create_writer
 from qswap.server.ray_registry import SharedRegistry
 from qswap.server.state import ServerState
@@ -78,6 +78,14 @@ class RoutingBatcher:
     def stop(self, timeout: float = 10.0) -> None:
         self.local.stop(timeout)
 
+    def drain(self) -> None:
+        """SIGTERM: stop admitting here (forwarded requests in flight finish)."""
+        self.local.drain()
+
+    @property
+    def pending(self) -> int:
+        return self.local.pending
+
     @property
     def thread(self) -> threading.Thread:
         return self.local.thread
@@ -86,7 +94,8 @@ class RoutingBatcher:
         return await self.local.call(fn, *args, **kwargs)
 
     async def search(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None = None,
-                     with_text: bool = True, on_done: Callable[[], None] | None = None) -> SearchOutcome:
+                     with_text: bool = True, on_done: Callable[[], None] | None = None,
+                     timeout_s: float | None = None) -> SearchOutcome:
         r = self.replica
         resident = key == BASE_KEY or r.state.registry.is_loaded(key)
         if resident or r.forwarding >= r.max_forwarding:
@@ -102,11 +111,18 @@ class RoutingBatcher:
                         on_done()   # the batcher never saw it: release the reference here
                     raise
             r.stats["local" if resident else "overflow_local"] += 1
-            return await self.local.search(texts, key, k, filter, with_text, on_done)
+            return await self.local.search(texts, key, k, filter, with_text, on_done, timeout_s=timeout_s)
         r.stats["forwarded"] += 1
         r.forwarding += 1
         try:
-            return await r.forward(texts, key, k, filter, with_text)
+            if timeout_s is None:
+                return await r.forward(texts, key, k, filter, with_text)
+            try:   # the same deadline as a local request: the caller gets 504, not a late answer
+                return await asyncio.wait_for(r.forward(texts, key, k, filter, with_text), timeout_s)
+            except asyncio.TimeoutError:
+                raise DeadlineExceededError(
+                    "the request did not finish within its deadline and was dropped",
+                    "retry later, or give a longer X-Request-Timeout") from None
         finally:
             r.forwarding -= 1
             if on_done is not None:

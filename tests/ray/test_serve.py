@@ -82,7 +82,7 @@ def test_registration_on_one_replica_is_served_by_the_other(ray_url):
         r = _search(c, encoder="nope")
         assert r.status_code == 404 and r.json()["error"] == "not_found"
         r = c.post("/v1/encoders", json={"path": "../x"})
-        assert r.status_code == 400 and set(r.json()) >= {"error", "detail", "hint"}
+        assert r.status_code == 422 and set(r.json()) >= {"error", "detail", "hint"}
     after = replica_stats()
     def admitted_by(st: dict) -> int:
         return st["local"] + st["forwarded"] + st["overflow_local"]

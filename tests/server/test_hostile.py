@@ -101,8 +101,9 @@ CASES: dict[str, tuple[Callable[[Path], bytes], int]] = {
 @pytest.fixture(scope="module")
 def hostile_server(tmp_path_factory, tiny_model_dir, index_dir, encoders_root) -> Iterator[LiveServer]:
     tmp = tmp_path_factory.mktemp("hostile")
+    # torch: reference scores must not move when a background ONNX export finishes between snapshots
     s = server_settings(tmp, tiny_model_dir, index_dir, encoders_root=encoders_root, admin_token=ADMIN,
-                        max_extracted_bytes=4 << 20, upload_timeout_s=20)
+                        max_extracted_bytes=4 << 20, upload_timeout_s=20, backend="torch")
     with LiveServer(s) as srv:
         with srv.client(ADMIN) as c:
             assert c.post("/v1/encoders", json={"path": "ft1"}).status_code == 201
