@@ -139,3 +139,26 @@ def test_cli_help_lists_every_command():
     assert r.returncode == 0, r.stderr
     for cmd in ("serve", "index", "encoders", "tune", "bench"):
         assert cmd in r.stdout
+
+
+#: The bench library every benchmark may import; a benchmark never imports another benchmark
+#: (exceptions: a benchmark's own arm kept in a second file — `bench serving --ray` in ray_serving,
+#: `bench forward`'s adapter rows in forward_adapters).
+BENCH_LIBRARY = ("provenance", "stats", "results", "plots", "processes", "load_options", "fixtures", "loadgen",
+                 "data")
+BENCH_ALLOWED = {("qswap.bench.serving", "qswap.bench.ray_serving"),
+                 ("qswap.bench.forward", "qswap.bench.forward_adapters")}
+
+
+def test_benchmarks_import_the_library_not_each_other():
+    mods = _modules()
+    benches = {n for n in mods if _under(n, "qswap.bench") and n != "qswap.bench"
+               and not any(_under(n, f"qswap.bench.{lib}") for lib in BENCH_LIBRARY) and n != "qswap.bench.cli"}
+    assert "qswap.bench.serving" in benches and "qswap.bench.fixtures" not in benches
+    broken = []
+    for name in benches:
+        for imp in _imports(name, mods[name]):
+            target = next((b for b in benches if imp == b or imp.startswith(b + ".")), None)
+            if target and target != name and (name, target) not in BENCH_ALLOWED:
+                broken.append(f"{name} imports {target}")
+    assert not broken, "benchmarks import each other: " + "; ".join(sorted(set(broken)))
