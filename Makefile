@@ -11,7 +11,7 @@ $(BIN)/qswap: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,ray]'
+	$(BIN)/pip install -q -e '.[dev,ray,milvus]'
 	touch $@
 
 setup: $(BIN)/qswap
