@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from qswap.bench import bf16_quality, e2e_latency, forward, guard, quality, hotswap, index_bench, naive_baseline, serving, tuning_speed
+from qswap.bench import bf16_quality, e2e_latency, encoder_scale, forward, guard, quality, hotswap, index_bench, naive_baseline, serving, tuning_speed
 from qswap.bench import ray_embed
 from qswap.bench.data import register as register_data
 
@@ -24,6 +24,7 @@ BENCHMARKS = (
     ("tuning", tuning_speed, "steps/s of qswap tuning vs a sentence-transformers TripletLoss run"),
     ("hotswap", hotswap, "registration-to-first-served time and failed requests during swaps under load"),
     ("embed", ray_embed, "documents/s of index build: in process vs --ray (Ray Data, --workers 1,2)"),
+    ("scale", encoder_scale, "server RSS with 1..50 LoRA encoders; end-to-end p50 vs encode with a LoRA encoder"),
     ("guard", guard, "the server's sentinel guard: registration time on a running server; false alarms and power"),
 )
 

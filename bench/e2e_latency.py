@@ -29,6 +29,9 @@ def register(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--warmup", type=int, default=40)
+    p.add_argument("--encoder", default=None,
+                   help="encoder key sent with every search (default: the server's default encoder); "
+                        "`qswap bench scale` measures base and a LoRA encoder side by side on its own server")
     p.add_argument("--label", default="server", help="what the server runs (recorded), e.g. 'onnx'")
     p.add_argument("--out", default=None)
     p.set_defaults(func=main)
@@ -41,7 +44,8 @@ def main(args: argparse.Namespace) -> int:
     host, port = check_loopback(u.hostname or ""), u.port or 80
     # The raw-asyncio client of the load benchmarks: http.client or httpx would add ~0.5 ms of
     # client time per request to a number meant to measure the server.
-    reqs = [Request.post_json("/v1/search", {"query": q, "k": 10, "with_text": False}) for q in QUERIES]
+    extra = {"encoder": args.encoder} if args.encoder else {}
+    reqs = [Request.post_json("/v1/search", {"query": q, "k": 10, "with_text": False, **extra}) for q in QUERIES]
     run = functools.partial(run_load_sync, host, port, concurrency=1, duration_s=600.0, keep_bodies=True)
     run(reqs, max_requests=args.warmup)
     res = run(reqs, max_requests=args.requests)
@@ -60,9 +64,9 @@ def main(args: argparse.Namespace) -> int:
             ("search", [x["search_ms"] for x in t]), ("queue", [x["queue_ms"] for x in t]),
             ("healthz", [s.latency_s * 1000 for s in floor.samples]))}
     ratio = med["client"] / med["encode"]
-    results = {"label": args.label, "requests": args.requests, "p50_ms": med,
+    results = {"label": args.label, "encoder": args.encoder, "requests": args.requests, "p50_ms": med,
                "p99_client_ms": sorted(client)[int(0.99 * (len(client) - 1))], "ratio_client_over_encode": ratio}
-    md = (f"Server: {args.label} at {args.url}; {args.requests} sequential single-query searches (k=10) after "
+    md = (f"Server: {args.label} at {args.url}, encoder {args.encoder or '(default)'}; {args.requests} sequential single-query searches (k=10) after "
           f"{args.warmup} warm-up, one keep-alive connection, raw asyncio client (`qswap.bench.loadgen`). "
           "`encode` is the server-reported query encoding (tokenisation and forward pass); `healthz` is the "
           "same client on a route that does no work (the HTTP floor).\n\n"

@@ -6,9 +6,12 @@ levels:
 
 - qswap: ``qswap serve`` with 8 LoRA encoders over one shared base (cross-domain batches);
 - naive: this module's FastAPI app (``python -m qswap.bench.naive_baseline``), which loads a
-  complete sentence-transformers model per domain (its own copy of every weight; no shared
-  base), encodes each request's query on its own in the request's thread (no batching
-  across requests or domains) and searches one ``faiss.IndexFlatIP``.
+  complete model per domain (its own copy of every weight; no shared base), encodes each
+  request's query on its own in the request's thread (no batching across requests or domains)
+  and searches one ``faiss.IndexFlatIP``. By default (``--naive-runtime onnx``) each domain
+  model is the same fast runtime qswap's merged exports use: a merged ONNX Runtime graph per
+  domain (transformer fusions on, checked against torch) with the domain's own word-embedding
+  table; ``--naive-runtime torch`` loads each as a sentence-transformers model instead.
 
 Both serve the same functions: each naive domain model is the base with that domain's LoRA
 adapter merged in, both search the same vectors exactly (qswap: flat fp32 index; naive:
@@ -69,14 +72,48 @@ def _load_docs(path: Path | None, n: int) -> tuple[list[str], list[str]]:
     return ids, texts
 
 
+class _OnnxDomain:
+    """One domain on ONNX Runtime: its merged graph (``<dir>/onnx/model.onnx``), its own copy of the
+    word-embedding table (read from its full ``model.safetensors``) and the tokenizer."""
+
+    def __init__(self, path: Path, threads: int) -> None:
+        import numpy as np
+        from safetensors.numpy import load_file
+        from tokenizers import Tokenizer
+
+        from qswap.encoders.onnx import available_providers, make_session
+
+        state = load_file(str(path / "model.safetensors"))
+        table = [k for k in state if k.endswith("word_embeddings.weight")]
+        self.table = np.ascontiguousarray(state[table[0]], dtype=np.float32)
+        del state
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        self.tokenizer.enable_truncation(512)
+        pad = json.loads((path / "config.json").read_text()).get("pad_token_id") or 0
+        self.tokenizer.enable_padding(pad_id=pad)
+        # Requests run concurrently in FastAPI's thread pool, each its own forward: spinning
+        # workers would steal the cores other requests' forwards need.
+        self.session = make_session(path / "onnx" / "model.onnx", threads, available_providers(), spin=False)
+
+    def encode(self, texts: list[str], normalize_embeddings: bool = True, **_: Any) -> Any:
+        import numpy as np
+        enc = self.tokenizer.encode_batch(texts)
+        ids = np.array([e.ids for e in enc], dtype=np.int64)
+        mask = np.array([e.attention_mask for e in enc], dtype=np.int64)
+        return self.session.run(["embedding"], {"inputs_embeds": np.take(self.table, ids, axis=0),
+                                                "attention_mask": mask})[0]
+
+
 def create_app(domains: dict[str, Path], embeddings: Path, corpus: Path | None = None,
-               query_prefix: str = QUERY_PREFIX) -> Any:
-    """The naive FastAPI app: ``domains`` maps a name to a full sentence-transformers model dir."""
+               query_prefix: str = QUERY_PREFIX, runtime: str = "onnx", threads: int | None = None) -> Any:
+    """The naive FastAPI app: ``domains`` maps a name to a full model dir (see :func:`merged_models`);
+    ``runtime``: ``onnx`` (its merged ONNX graph) or ``torch`` (sentence-transformers)."""
+    import os
+
     import faiss
     import numpy as np
     from fastapi import FastAPI, HTTPException
     from pydantic import BaseModel
-    from sentence_transformers import SentenceTransformer
 
     vectors = np.ascontiguousarray(np.load(embeddings), dtype=np.float32)
     index = faiss.IndexFlatIP(vectors.shape[1])
@@ -89,7 +126,11 @@ def create_app(domains: dict[str, Path], embeddings: Path, corpus: Path | None =
     for name, path in domains.items():
         t0 = time.perf_counter()
         # Each domain gets its own full model: a fine-tuned copy per domain is the usual way.
-        models[name] = SentenceTransformer(str(path), device="cpu")
+        if runtime == "onnx":
+            models[name] = _OnnxDomain(Path(path), threads or os.cpu_count() or 1)
+        else:
+            from sentence_transformers import SentenceTransformer
+            models[name] = SentenceTransformer(str(path), device="cpu")
         load_seconds[name] = time.perf_counter() - t0
         gc.collect()
         rss[f"after_{name}"] = _rss_bytes()
@@ -108,7 +149,7 @@ def create_app(domains: dict[str, Path], embeddings: Path, corpus: Path | None =
     @app.get("/stats")
     def stats() -> dict[str, Any]:
         return {"rss_bytes": _rss_bytes(), "rss_after": rss, "load_seconds": load_seconds,
-                "domains": list(models), "docs": int(index.ntotal)}
+                "domains": list(models), "docs": int(index.ntotal), "runtime": runtime}
 
     # A plain ``def`` endpoint: FastAPI runs it in its thread pool, as most such apps do.
     @app.post("/search")
@@ -139,8 +180,9 @@ LOAD = LoadDefaults(levels=ByMode((1, 8, 32), (1, 4)), seconds=ByMode(8.0, 2.0),
 DOMAINS = ByMode(N_DOMAINS, 2)
 
 
-def merged_models(base: Any, enc_root: Path, keys: list[tuple[str, str]]) -> dict[str, Path]:
-    """Full model directories, one per domain: the base with that domain's adapter merged (cached)."""
+def merged_models(base: Any, enc_root: Path, keys: list[tuple[str, str]], onnx: bool = True) -> dict[str, Path]:
+    """Full model directories, one per domain: the base with that domain's adapter merged (cached),
+    with (``onnx``) its merged ONNX export under ``onnx/``."""
     import shutil as _sh
 
     import torch
@@ -151,11 +193,17 @@ def merged_models(base: Any, enc_root: Path, keys: list[tuple[str, str]]) -> dic
 
     root = cache_dir() / f"naive-models-{enc_root.name}"
     out = {name: root / name for name, _ in keys}
-    todo = [(n, v) for n, v in keys if not (root / n / "done").is_file()]
+    todo = [(n, v) for n, v in keys if not (root / n / "done").is_file()
+            or (onnx and not (root / n / "onnx" / "done").is_file())]
     if not todo:
         return out
     pool = EncoderPool(base)
     for name, version in todo:
+        if (root / name / "done").is_file():
+            pool.add(load_encoder(enc_root / f"{name}-{version}", base.space))
+            _export_domain(base, pool, f"{name}@{version}", root / name / "onnx")
+            pool.remove(f"{name}@{version}")
+            continue
         d = root / name
         _sh.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
@@ -169,7 +217,23 @@ def merged_models(base: Any, enc_root: Path, keys: list[tuple[str, str]]) -> dic
             if (base.path / f).is_file():
                 _sh.copyfile(base.path / f, d / f)
         (d / "done").write_text("merged from " + str(enc_root / f"{name}-{version}"))
+        if onnx:
+            pool.add(load_encoder(enc_root / f"{name}-{version}", base.space))
+            _export_domain(base, pool, f"{name}@{version}", d / "onnx")
+            pool.remove(f"{name}@{version}")
     return out
+
+
+def _export_domain(base: Any, pool: Any, key: str, out: Path) -> None:
+    """The domain's merged model as an ONNX graph, exported and checked as qswap's ``--backend onnx``
+    exports are (same code, transformer fusions on)."""
+    import shutil as _sh
+
+    from qswap.encoders.onnx_export import export_onnx, own_tensors
+
+    _sh.rmtree(out, ignore_errors=True)
+    facts = export_onnx(base, own_tensors(base, pool.merged_state_dict(key)), out, optimize_for="cpu")
+    (out / "done").write_text(json.dumps(facts))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -177,6 +241,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from qswap.bench.fixtures import MODEL
     add_load_arguments(p, LOAD)
     p.add_argument("--domains", type=int, default=None, help=f"domains ({DOMAINS.describe()})")
+    p.add_argument("--naive-runtime", choices=("onnx", "torch"), default="onnx",
+                   help="the naive server's runtime: one merged ONNX Runtime graph per domain (the fast runtime "
+                        "qswap uses, so the comparison is fair) or one sentence-transformers model per domain")
     add_model_argument(p, MODEL)
 
 
@@ -201,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
     from qswap.bench.processes import ServerProcess, free_port, http_json
     from qswap.bench.stats import interleaved, ratio_summary, summarize
     from qswap.bench.loadgen import Request
-    from qswap.bench.fixtures import index_meta, load_space_base, load_workload, lora_encoders, qswap_server, register, search_requests, stamped_index
+    from qswap.bench.fixtures import index_meta, load_space_base, load_workload, lora_encoders, qswap_server, register, search_requests, stamped_index, wait_for_runtime
     from qswap.index import IndexConfig
 
     opts = LoadOptions.from_args(args, LOAD)
@@ -218,16 +285,16 @@ def run(args: argparse.Namespace) -> int:
     keys = [(f"d{i}", "1") for i in range(n_dom)]
     domains = [n for n, _ in keys]
     enc_root = lora_encoders(base, keys)
-    models = merged_models(base, enc_root, keys)
+    models = merged_models(base, enc_root, keys, onnx=args.naive_runtime == "onnx")
     del base
     qs = qswap_server(idx_dir, enc_root, tmp / "state", tmp / "qswap.log", model=args.model)
     nv_port = free_port()
     nv_cmd = [sys.executable, "-m", "qswap.bench.naive_baseline", "--port", str(nv_port), "--embeddings",
-              str(vec_path), "--corpus", str(docs_path)] + [a for d in domains for a in ("--domain", f"{d}={models[d]}")]
+              str(vec_path), "--corpus", str(docs_path), "--runtime", args.naive_runtime] + [a for d in domains for a in ("--domain", f"{d}={models[d]}")]
     nv = ServerProcess(nv_cmd, nv_port, ready_path="/health", log_path=tmp / "naive.log")
     res: dict[str, Any] = {"workload": work.source, "index": index_meta(idx_dir),
                            "vectors": "synthetic clustered unit vectors stamped with the model's space",
-                           "domains": n_dom, "levels": levels, "seconds_per_run": opts.seconds,
+                           "domains": n_dom, "naive_runtime": args.naive_runtime, "levels": levels, "seconds_per_run": opts.seconds,
                            "max_requests_per_run": opts.requests, "rounds": opts.rounds}
     with qs:
         # Marginal memory of one more domain, measured alike on both sides: qswap's RSS with
@@ -240,6 +307,9 @@ def run(args: argparse.Namespace) -> int:
         rss_q1 = qs.rss()
         for n, v in keys[1:]:
             register(qs, f"{n}-{v}")
+        # Timed only once every encoder runs on the default (shared ONNX) runtime, as the naive
+        # side's exports are all made before it starts.
+        res["qswap_runtime_wait_s"] = wait_for_runtime(qs, ["base", *qkeys], "onnx-shared")
         warm_up(qs.port, qreq, concurrency=4, requests=64, duration_s=60)
         rss_q8 = qs.rss()
         _, enc_list = http_json("GET", qs.url("/v1/encoders"))
@@ -335,7 +405,21 @@ def _write(w: Any, res: dict[str, Any], levels: list[int]) -> None:
         ["PSS at end (MiB)", (m["qswap"]["pss_end"] or 0) / mib, (m["naive"]["pss_end"] or 0) / mib],
     ])
     a = res["agreement"]
-    md = (f"Workload: {res['workload']}; {res['index']['documents']:,} documents, **{res['vectors']}**; "
+    runtime = res.get("naive_runtime", "torch")
+    goals = []
+    for c, target in ((min(levels), 1.0), (max(levels), 1.2)):
+        r = d[str(c)]["qps_ratio_qswap_over_naive"]["median"]
+        goals.append(f"QPS ratio at concurrency {c} = {r:.2f}x (target >= {target}x: {'met' if r >= target else '**missed**'})")
+    share = m["qswap"]["per_domain_bytes"] / m["naive"]["per_domain_bytes"] if m["naive"]["per_domain_bytes"] else float("nan")
+    goals.append(f"memory per extra domain, qswap / naive = {100 * share:.1f} % (target <= 5 %: "
+                 f"{'met' if share <= 0.05 else '**missed**'})")
+    md_runtime = ("Naive runtime: **one merged ONNX Runtime graph per domain** (the export qswap's `--backend onnx` "
+                  "makes: LoRA merged, transformer fusions on, checked against torch; its own word-embedding table), "
+                  "intra-op threads = all cores, no spinning (requests run concurrently in FastAPI's thread pool). "
+                  "qswap: its default backend (one shared ONNX Runtime session, adapters bound per run)."
+                  if runtime == "onnx" else "Naive runtime: one sentence-transformers (torch) model per domain.")
+    md = (md_runtime + "\n\n" + "; ".join(goals) + ".\n\n"
+          f"Workload: {res['workload']}; {res['index']['documents']:,} documents, **{res['vectors']}**; "
           f"both servers search them exactly (qswap flat fp32, naive faiss.IndexFlatIP). {res['domains']} domains, "
           "requests round-robin over them. Same answers: mean top-10 overlap "
           f"{a['mean_overlap_at_10']:.3f}, same top hit {a['top1_same']:.3f} over {a['pairs']} (query, domain) pairs.\n\n"
@@ -367,9 +451,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--embeddings", type=Path, required=True, help=".npy (n_docs, dim) float32 document vectors")
     p.add_argument("--corpus", type=Path, default=None, help="JSONL whose line i is document i (for hit texts)")
     p.add_argument("--domain", type=_domain, action="append", required=True, metavar="NAME=MODEL_DIR")
+    p.add_argument("--runtime", choices=("onnx", "torch"), default="onnx",
+                   help="onnx: each domain's merged graph MODEL_DIR/onnx/model.onnx; torch: sentence-transformers")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores)")
     args = p.parse_args(argv)
     import uvicorn
-    app = create_app(dict(args.domain), args.embeddings, args.corpus)
+    app = create_app(dict(args.domain), args.embeddings, args.corpus, runtime=args.runtime, threads=args.threads)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
 

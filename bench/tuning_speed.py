@@ -41,6 +41,7 @@ from typing import Any
 from qswap import DEFAULT_MODEL
 from qswap.bench.results import ResultWriter, md_table, results_dir_for
 from qswap.bench.stats import interleaved, ratio_summary, summarize
+from qswap.bench import tuning_phases
 from qswap.bench.plots import plot_bars
 from qswap.errors import InvalidInputError
 
@@ -64,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sentence-transformers steps run (default 6; quick 2); its wall time to qswap's "
                         "stopping step is extrapolated from them")
     p.add_argument("--max-doc-chars", type=int, default=600, help="documents are cut to this many characters")
+    tuning_phases.add_arguments(p)
 
 
 def make_triplets(path: Path, n: int, seed: int = 0, max_doc_chars: int = 2000) -> dict[str, Any]:
@@ -185,6 +187,8 @@ def _timed(cmd: list[str], log: Path) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """``qswap bench tuning``."""
+    if args.e2e:
+        return tuning_phases.run(args)
     from qswap.bench.fixtures import qswap_command
     from qswap.encoders.bundled import BUNDLED, resolve_bundled
 

@@ -374,13 +374,16 @@ class EncoderRegistry:
                     raise NotFoundError(f"encoder {key} is not registered", "list encoders with GET /v1/encoders")
             art = load_encoder(self.store / key, self.space)   # re-verifies checksums of the stored copy
             self.pool.add(art)
+            # Prepared before it is counted: what the backend holds for it depends on how it is
+            # served (the shared runtime binds a LoRA adapter in place: 0 bytes; a merged export
+            # holds a whole transformer), and the budget must count the first, not the second.
+            self._prepare(key)
             with self._lock:
                 self._loaded[key] = self._footprint(key)
             if self.metrics is not None:
                 self.metrics.loads.inc()
             log.info("encoder loaded", extra={"encoder": key, "bytes": self._loaded.get(key)})
             self._evict(keep=key)
-        self._prepare(key)
         self._gauges()
 
     def _footprint(self, key: str) -> int:
@@ -505,6 +508,7 @@ class EncoderRegistry:
                         self.pool.remove(key)
                         shutil.rmtree(target, ignore_errors=True)
                         raise
+                    self._prepare(key)   # before counting it and before the guard encodes with it
                     with self._lock:
                         self._records = records
                         self._loaded[key] = self._footprint(key)
@@ -517,7 +521,6 @@ class EncoderRegistry:
                     shutil.rmtree(staging, ignore_errors=True)
         log.info("encoder registered", extra={"encoder": key, "kind": rec.kind, "source": source,
                                               "guard_status": rec.guard_status, "forced": force})
-        self._prepare(key)
         return rec, True, job
 
     def _register_again(self, existing: EncoderRecord, force: bool) -> tuple[EncoderRecord, bool, Future | None]:

@@ -84,12 +84,18 @@ class SentinelGuard:
                 return self._emb[key]
         out = []
         for s in self.sentinels:
-            parts = []
-            for i in range(0, len(s.texts), _ENCODE_CHUNK):
-                chunk = s.texts[i:i + _ENCODE_CHUNK]
-                parts.append(np.asarray(self.encode(chunk, [key] * len(chunk)), dtype=np.float32))
-                progress(len(chunk))
-            out.append(np.concatenate(parts))
+            # Chunks of similar length (longest first): each chunk is padded to its own longest
+            # query, so sorting the whole set once pads far less than chunks in file order.
+            order = sorted(range(len(s.texts)), key=lambda i: -len(s.texts[i]))
+            emb = np.empty((len(s.texts), 0), dtype=np.float32)
+            for i in range(0, len(order), _ENCODE_CHUNK):
+                rows = order[i:i + _ENCODE_CHUNK]
+                part = np.asarray(self.encode([s.texts[j] for j in rows], [key] * len(rows)), dtype=np.float32)
+                if emb.shape[1] == 0:
+                    emb = np.empty((len(s.texts), part.shape[1]), dtype=np.float32)
+                emb[rows] = part
+                progress(len(rows))
+            out.append(emb)
         with self._emb_lock:
             self._emb[key] = out
             while len(self._emb) > _CACHED_ENCODERS:

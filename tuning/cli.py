@@ -215,6 +215,9 @@ def _summary(r: dict[str, Any]) -> str:
         c = ml["counts"]
         lines.append(f"languages {c['improved']}/{c['worsened']} of {c['pairs']} pairs significantly improved/worsened")
     lines.append(f"guard     {'passed' if g['passed'] else 'FAILED'} ({len(g['checks'])} checks)")
+    if r.get("phases"):
+        lines.append(f"time      {r['wall_seconds_total']:.0f} s: "
+                     + ", ".join(f"{k} {v:.0f} s" for k, v in r["phases"].items()))
     lines.append(f"report    {Path(enc['path']) / 'report.md'}")
     return "\n".join(lines)
 

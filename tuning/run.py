@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -204,7 +205,7 @@ class _Prepared:
 
 
 def _prepare(cfg: RunConfig, base: BaseEncoder, samples: list[Sample], beir: BeirData | None,
-             splits: Any, index: Any, stored: StoredEmbeddings | None) -> _Prepared:
+             splits: Any, index: Any, stored: StoredEmbeddings | None, phase: "_Phases") -> _Prepared:
     """Embed every document once, mine negatives, and turn the splits into document rows."""
     by_id = beir is not None
     # The frozen text tower, used once: every document of the run is embedded (or read
@@ -217,7 +218,8 @@ def _prepare(cfg: RunConfig, base: BaseEncoder, samples: list[Sample], beir: Bei
         for s in samples:
             for t in s.positives + s.negatives:
                 table.add(t)
-    table.embed(base, cfg.cache_dir, progress=cfg.progress, stored=stored)
+    with phase("documents"):
+        table.embed(base, cfg.cache_dir, progress=cfg.progress, stored=stored)
     mining = None
     source = _mining_source(cfg, samples)
     if source != "none":
@@ -227,9 +229,11 @@ def _prepare(cfg: RunConfig, base: BaseEncoder, samples: list[Sample], beir: Bei
         common = dict(index=index if source == "index" else None, k=cfg.mine_k,
                       n_negatives=max(cfg.negatives, 1), cache_dir=cfg.cache_dir, by_id=by_id,
                       progress=cfg.progress, stored=stored)
-        mining = {"source": source, "train": mine_negatives(splits.train, base, table, cutoff=cfg.fn_cutoff, **common).to_dict(),
-                  "held_out": mine_negatives(splits.validation + splits.test, base, table, cutoff=None,
-                                             **common).to_dict()}
+        with phase("mining"):
+            mining = {"source": source,
+                      "train": mine_negatives(splits.train, base, table, cutoff=cfg.fn_cutoff, **common).to_dict(),
+                      "held_out": mine_negatives(splits.validation + splits.test, base, table, cutoff=None,
+                                                 **common).to_dict()}
     sets, dropped = {}, {}
     for split_name in ("train", "validation", "test"):
         part = getattr(splits, split_name)
@@ -291,9 +295,26 @@ def _evaluate(cfg: RunConfig, base: BaseEncoder, tower: QueryTower, prep: _Prepa
                                           exclude=exclude, progress=cfg.progress, extra_checks=own)
 
 
+class _Phases:
+    """Wall seconds per phase of a run (report.json ``phases``, the CLI summary's ``time`` line):
+    a user who waits wants to see where the time goes."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - t0, 3)
+
+
 def run_tuning(cfg: RunConfig) -> RunResult:
     """Run one tuning end to end and write the encoder directory ``cfg.out``."""
     t_start = time.perf_counter()
+    phase = _Phases()
     out = Path(cfg.out)
     name = cfg.name or out.name
     loss_fn = cfg.loss.build()
@@ -302,22 +323,25 @@ def run_tuning(cfg: RunConfig) -> RunResult:
     sentinels = [parse_sentinel(s) for s in cfg.sentinels]
     samples, beir, source = _load_samples(cfg)     # bad data fails before the model loads
     _check_inputs(cfg, sentinels)                  # so do unknown languages and missing sentinel files
-    base = load_base(cfg.base, device=cfg.device)
-    samples = _subsample(samples, cfg.max_samples, cfg.train.seed)
-    splits = split_samples(samples, cfg.validation, cfg.test, cfg.train.seed)
-    index = _open_index(cfg.index, base) if cfg.index is not None else None
-    stored = StoredEmbeddings.from_index(index) if index is not None else None
-    prep = _prepare(cfg, base, samples, beir, splits, index, stored)
+    with phase("load"):
+        base = load_base(cfg.base, device=cfg.device)
+        samples = _subsample(samples, cfg.max_samples, cfg.train.seed)
+        splits = split_samples(samples, cfg.validation, cfg.test, cfg.train.seed)
+        index = _open_index(cfg.index, base) if cfg.index is not None else None
+        stored = StoredEmbeddings.from_index(index) if index is not None else None
+    prep = _prepare(cfg, base, samples, beir, splits, index, stored, phase)
     docs = torch.from_numpy(np.ascontiguousarray(prep.table.emb)).to(base.device)
 
-    tower = QueryTower(base, cfg.method)
-    result = train(tower, loss_fn, _encoded(*prep.sets["train"], docs, cfg.negatives),
-                   _encoded(*prep.sets["validation"], docs, cfg.negatives), cfg.train, progress=cfg.progress)
+    with phase("training"):
+        tower = QueryTower(base, cfg.method)
+        result = train(tower, loss_fn, _encoded(*prep.sets["train"], docs, cfg.negatives),
+                       _encoded(*prep.sets["validation"], docs, cfg.negatives), cfg.train, progress=cfg.progress)
 
     workdir = Path(tempfile.mkdtemp(prefix=".tune-", dir=out.parent if out.parent.exists() else None))
     try:
         report_dir = workdir / "report"
-        evaluation, guard = _evaluate(cfg, base, tower, prep, beir, splits, sentinels, report_dir, stored)
+        with phase("evaluation"):
+            evaluation, guard = _evaluate(cfg, base, tower, prep, beir, splits, sentinels, report_dir, stored)
         original = dict(base.model.named_parameters())
         tuned = tower.tuned_tensors()
         layers = changes_report({n: original[n] for n in tuned}, tuned)
@@ -341,14 +365,15 @@ def run_tuning(cfg: RunConfig) -> RunResult:
             save_encoder(probe, name=name, version=cfg.version, kind=kind, space=base.space,
                          tensors=exported.tensors, lora_dir=exported.lora_dir)
             probe_queries = [s.query for s in (prep.sets["test"][0] or prep.sets["validation"][0])][:64]
-            check = _artifact_check(base, tower, probe, probe_queries)
+            with phase("artifact check"):
+                check = _artifact_check(base, tower, probe, probe_queries)
         report = {
             "encoder": {"name": name, "version": cfg.version, "kind": kind, "path": str(out)},
             "base": {"name": base.name, "fingerprint": base.space.fingerprint, "space": base.space.to_dict()},
             "method": cfg.method.to_dict(), "loss": loss_fn.config(),
             "data": {**data, "mining": prep.mining, "dropped_without_negative": prep.dropped},
             "training": result.to_dict(), "evaluation": evaluation, "guard": guard, "layers": layers,
-            "artifact_check": check, "config": cfg.to_dict(),
+            "artifact_check": check, "config": cfg.to_dict(), "phases": phase.seconds,
             "wall_seconds_total": time.perf_counter() - t_start,
         }
         files = write_report(report, report_dir)

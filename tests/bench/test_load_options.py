@@ -34,7 +34,7 @@ def test_each_command_keeps_its_flags():
                                 "--model", "--backend", "--query-precision", "--ray", "--replicas", "--no-mux",
                                 "--mux-only"]
     assert flags["baseline"] == ["--help", "--quick", "--out", "--concurrency", "--seconds", "--requests", "--rounds",
-                                 "--domains", "--model"]
+                                 "--domains", "--naive-runtime", "--model"]
     assert flags["hotswap"] == ["--help", "--quick", "--out", "--swaps", "--concurrency", "--pause", "--model"]
 
 

@@ -557,3 +557,36 @@ def test_register_by_path_refuses_hard_links(registry, tiny_base, tmp_path):
     assert "hl@1" not in r.keys()
     with pytest.raises(NotFoundError):
         resolve_under_root(root, "x" * 300)
+
+
+def test_registry_counts_a_shared_lora_encoder_at_its_adapter_bytes(registry, encoders_root):
+    # The shared runtime binds a LoRA adapter in place: the budget must count the adapter, not
+    # the merged transformer a per-encoder export would hold (else ~10 LoRA encoders of e5-small
+    # fill a 1 GiB budget and the LRU evicts the rest).
+    reg = registry(backend="shared")
+    reg.backend.wait(timeout=120)
+    key = reg.register(encoders_root / "ft1")[0].key
+    footprint = reg._loaded[key]
+    assert reg.backend.runtime(key) == "onnx-shared"
+    assert footprint == reg.pool.memory_bytes(key) < reg.backend.merged.memory_bytes(key)
+
+
+def test_guard_encodes_sentinels_length_sorted_but_keeps_query_order():
+    from qswap.server.sentinels import SentinelGuard, SentinelSet
+    texts = [("q" * n) + f" {i}" for i, n in enumerate([3, 40, 1, 17, 25, 2, 33] * 10)]
+    calls: list[list[str]] = []
+
+    def encode(chunk: list[str], keys: list[str]) -> np.ndarray:
+        calls.append(chunk)
+        return np.array([[len(t), float(t.split()[-1])] for t in chunk], dtype=np.float32)
+
+    s = SentinelSet("s", None, [str(i) for i in range(len(texts))], texts, [{"d": 1}] * len(texts))
+    guard = SentinelGuard([s], index=None, encode=encode)
+    try:
+        emb = guard._embeddings("k", lambda n: None)[0]
+    finally:
+        guard.close()
+    assert emb[:, 1].tolist() == list(range(len(texts)))          # row i is query i
+    assert [len(c) for c in calls] == [32, 32, 6]
+    lens = [len(t) for c in calls for t in c]
+    assert lens == sorted(lens, reverse=True)                      # chunks of similar length

@@ -68,3 +68,21 @@ def test_run_with_an_index(tiny_model_dir, tuning_data, beir_index, tmp_path):
     assert report["data"]["mining"]["source"] == "index" and report["data"]["mining"]["held_out"]["mined"] == 30
     # the whole corpus came from the index: nothing was embedded or cached
     assert not (tmp_path / "cache").exists()
+    # where the time went: every phase of the run, each within the run's own wall time
+    phases = report["phases"]
+    assert {"load", "documents", "mining", "training", "evaluation"} <= set(phases)
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= report["wall_seconds_total"]
+
+
+def test_bench_tuning_e2e_records_the_runs_phases(tiny_model_dir, tuning_data, beir_index, tmp_path):
+    from qswap.cli import main
+    out = tmp_path / "bench"
+    tune = (f"--base {tiny_model_dir} --mine index --fn-cutoff 1.0 --lr 3e-3 --batch-size 8 "
+            "--epoch-batches 3 --max-epochs 2")
+    assert main(["bench", "tuning", "--e2e", "--beir", str(tuning_data["beir"]), "--index", str(beir_index[0]),
+                 "--lang", "en", "--eval-langs", "en,de", "--tune-args", tune, "--before", "1920", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())["results"]
+    assert {"load", "documents", "mining", "training", "evaluation"} <= set(res["phases"])
+    assert res["steps"] > 0 and 0 < sum(res["phases"].values()) <= res["wall_seconds"]
+    assert res["command"][-2:] == ["--sentinel", f"de=beir:{tuning_data['beir']}:de"]
+    assert "| 1920 |" in (out / "README.md").read_text() and (out / "phases.png").is_file()
