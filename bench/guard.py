@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--subset", type=int, default=500, help="queries drawn from each sentinel per round")
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--parts", default="budget,alarms")
+    p.add_argument("--traffic", action=argparse.BooleanOptionalAction, default=True,
+                   help="budget: keep a search client running during the registration (its latency is "
+                        "reported); --no-traffic measures the evaluation on an otherwise idle server")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -104,8 +107,9 @@ def _budget(args: argparse.Namespace, base: Any, work: Path, quick: bool) -> dic
                 i += 1
 
         th = threading.Thread(target=client, daemon=True)
-        th.start()
-        time.sleep(3 if quick else 10)
+        if args.traffic:
+            th.start()
+            time.sleep(3 if quick else 10)
         phase["name"] = "evaluating"
         t_reg = time.perf_counter()
         status, body = http_json("POST", srv.url("/v1/encoders"), {"path": "probe"})
@@ -118,7 +122,9 @@ def _budget(args: argparse.Namespace, base: Any, work: Path, quick: bool) -> dic
             time.sleep(0.25)
         out["verdict_seconds_wall"] = round(time.perf_counter() - t_reg, 2)
         phase["stop"] = True
-        th.join(30)
+        if args.traffic:
+            th.join(30)
+        out["traffic"] = args.traffic
         ev = info.get("evaluation") or {}
         out.update({"guard_status": info.get("guard_status"), "evaluation_seconds": ev.get("seconds"),
                     "encode_seconds": ev.get("encode_seconds"), "index_documents": ev.get("index_documents"),
@@ -244,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
                   b["warm_up_seconds"], b["register_answer_seconds"], b["verdict_seconds_wall"], b["encode_seconds"],
                   b["progress_lines"],
                   f"{b['search_ms_idle']['p50']:.1f} → {b['search_ms_evaluating']['p50']:.1f} "
-                  f"({b['search_ms_idle']['n']} / {b['search_ms_evaluating']['n']} requests)"]]))
+                  f"({b['search_ms_idle']['n']} / {b['search_ms_evaluating']['n']} requests)"
+                  if b["traffic"] else "no search traffic (--no-traffic)"]]))
             # Written at once: the second part takes minutes more on a busy machine.
             writer.write(results, "\n\n".join(md))
         if "alarms" in parts:

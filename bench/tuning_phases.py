@@ -28,8 +28,7 @@ from qswap.errors import InvalidInputError
 
 NAME = "tuning"
 #: The README's recommended CPU settings for a 10,000-document English run (see "Tuning query encoders").
-RECOMMENDED = ("--method partial --lr 5e-7 --batch-size 14 --epoch-batches 100 --max-epochs 6 --patience 2 "
-               "--val-size 400 --test-size 1000 --negatives 3 --mine index")
+RECOMMENDED = "--method partial --recipe cpu --val-size 400 --test-size 1000 --negatives 3 --mine index"
 BUDGET_S = 600.0
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from qswap import DEFAULT_MODEL
+from qswap.tuning.recipes import RECIPES, resolve
 
 
 def _ints(s: str) -> list[int]:
@@ -125,8 +126,12 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--pair-alpha", type=float, default=0.1)
     g.add_argument("--matryoshka", type=_ints, default=[], metavar="DIMS",
                    help="comma-separated prefix dimensions, e.g. 384,256")
-    g = p.add_argument_group("optimisation (paper defaults)")
-    g.add_argument("--lr", type=float, default=5e-8)
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--recipe", choices=sorted(RECIPES), default="cpu",
+                   help="defaults of --lr/--epoch-batches/--max-epochs/--patience: cpu = lr 5e-7, 4 epochs of 100 "
+                        "batches, patience 2 (chosen by the Debian sweep; minutes on a CPU); paper = the adiabatic "
+                        "paper's lr 5e-8, 1000-batch epochs, patience 10 (hours on a CPU)")
+    g.add_argument("--lr", type=float, default=None, help="learning rate (default: the recipe's)")
     g.add_argument("--lr-rule", choices=("none", "sqrt"), default="none",
                    help="sqrt: scale --lr from batch 14 to --batch-size by the square-root rule")
     g.add_argument("--batch-size", type=int, default=14)
@@ -134,9 +139,9 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--no-momentum", action="store_true", help="beta1 = beta2 = 0 (Adamax without momentum)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--scheduler", default="none", choices=("none", "L", "Q", "E0.95", "E0.98"))
-    g.add_argument("--epoch-batches", type=int, default=1000)
-    g.add_argument("--max-epochs", type=int, default=100)
-    g.add_argument("--patience", type=int, default=10, help="stop after this many idle epochs")
+    g.add_argument("--epoch-batches", type=int, default=None, help="batches per epoch (default: the recipe's)")
+    g.add_argument("--max-epochs", type=int, default=None, help="epochs at most (default: the recipe's)")
+    g.add_argument("--patience", type=int, default=None, help="stop after this many idle epochs (default: the recipe's)")
     g.add_argument("--no-dropout", action="store_true", help="train in eval mode (no dropout)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("evaluation and guard")
@@ -163,7 +168,9 @@ def _run(args: argparse.Namespace) -> int:
     from qswap.tuning.run import LossConfig, RunConfig, run_tuning
     from qswap.tuning.trainer import TrainConfig
 
-    lr = sqrt_scaled_lr(args.batch_size, base_lr=args.lr) if args.lr_rule == "sqrt" else args.lr
+    sched = resolve(args.recipe, lr=args.lr, epoch_batches=args.epoch_batches, max_epochs=args.max_epochs,
+                    patience=args.patience)
+    lr = sqrt_scaled_lr(args.batch_size, base_lr=sched["lr"]) if args.lr_rule == "sqrt" else sched["lr"]
     cfg = RunConfig(
         out=args.out, base=args.base, train_file=args.train, beir_dir=args.beir, lang=args.lang,
         validation=args.val_size, test=args.test_size,
@@ -176,8 +183,8 @@ def _run(args: argparse.Namespace) -> int:
         loss=LossConfig(kind=args.loss, metric=args.metric, margin=args.margin, temperature=args.temperature,
                         in_batch=not args.no_in_batch, bidirectional=args.bidirectional,
                         doc_side=args.doc_side, pair_alpha=args.pair_alpha, matryoshka_dims=args.matryoshka),
-        train=TrainConfig(lr=lr, batch_size=args.batch_size, epoch_batches=args.epoch_batches,
-                          max_epochs=args.max_epochs, patience=args.patience, optimizer=args.optimizer,
+        train=TrainConfig(lr=lr, batch_size=args.batch_size, epoch_batches=int(sched["epoch_batches"]),
+                          max_epochs=int(sched["max_epochs"]), patience=int(sched["patience"]), optimizer=args.optimizer,
                           momentum=not args.no_momentum, weight_decay=args.weight_decay,
                           scheduler=args.scheduler, seed=args.seed, dropout=not args.no_dropout),
         eval_langs=args.eval_langs, sentinels=args.sentinel, name=args.name, version=args.version,

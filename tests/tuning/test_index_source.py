@@ -86,3 +86,20 @@ def test_bench_tuning_e2e_records_the_runs_phases(tiny_model_dir, tuning_data, b
     assert res["steps"] > 0 and 0 < sum(res["phases"].values()) <= res["wall_seconds"]
     assert res["command"][-2:] == ["--sentinel", f"de=beir:{tuning_data['beir']}:de"]
     assert "| 1920 |" in (out / "README.md").read_text() and (out / "phases.png").is_file()
+
+
+def test_recipes_set_the_schedule_and_flags_override_them(tiny_model_dir, tuning_data, beir_index, tmp_path):
+    from qswap.tuning.recipes import RECIPES, resolve
+    assert resolve("cpu") == RECIPES["cpu"] and resolve("cpu", lr=1e-3, patience=None)["lr"] == 1e-3
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    for recipe, extra in (("paper", []), ("cpu", ["--patience", "1"])):
+        out = tmp_path / recipe
+        args = parser.parse_args(["tune", "run", "--base", str(tiny_model_dir), "--beir", str(tuning_data["beir"]),
+                                  "--index", str(beir_index[0]), "--mine", "index", "--fn-cutoff", "1.0",
+                                  "--out", str(out), "--recipe", recipe, "--epoch-batches", "2", "--max-epochs", "1",
+                                  "--batch-size", "8", "--quiet", *extra])
+        assert args.func(args) == 0
+        cfg = json.loads((out / "report.json").read_text())["training"]["config"]
+        want = {**RECIPES[recipe], "epoch_batches": 2, "max_epochs": 1, **({"patience": 1} if extra else {})}
+        assert {k: cfg[k] for k in want} == want

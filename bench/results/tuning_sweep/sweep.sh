@@ -1,7 +1,7 @@
 #!/bin/bash
 # lr x method sweep on Debian (2,000 documents), English training, de/fr/it as sentinels and
 # evaluation languages. Data: qswap bench data debian --out DATA/deb2k --max-docs 2000 --seed 0
-# Usage: bench/results/tuning_sweep/sweep.sh DATA OUT   (then: cd OUT && python table.py */ > table.md)
+# Usage: bench/results/tuning_sweep/sweep.sh DATA OUT   (then: cd OUT && python REPO/bench/results/tuning_sweep/table.py *_lr*/)
 set -e
 data=${1:?BEIR parent dir}; out=${2:?output dir}
 mkdir -p "$out"
