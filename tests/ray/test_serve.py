@@ -28,6 +28,10 @@ def ray_url(ray_cluster, tmp_path_factory, tiny_model_dir, ray_index, ray_encode
     yield url
     serve.delete("qswap")
 
+# Replicas poll the shared registry every 0.2 s; the bound leaves room for a 2-core CI machine
+# running Ray, the load threads and the rest of the suite (1 s was exceeded there once).
+PROPAGATION_S = 3.0
+
 
 def test_single_process_server_refused_on_the_replicas_state_dir(ray_url, tmp_path, tiny_model_dir, ray_index):
     s = server_settings(tmp_path, tiny_model_dir, ray_index, read_only_index=True, state_dir=STATE_DIRS["ray"])
@@ -90,7 +94,7 @@ def test_registration_on_one_replica_is_served_by_the_other(ray_url):
     # Both replicas admitted requests for the encoder registered through one of them.
     assert all(n > 0 for n in admitted.values()), admitted
 
-    # A deletion through one replica: within 1 s no replica knows the encoder any more.
+    # A deletion through one replica: soon (PROPAGATION_S) no replica knows the encoder any more.
     import time
     with admin(ray_url) as c:
         assert c.delete("/v1/encoders/enc2@1").status_code == 200
@@ -100,7 +104,7 @@ def test_registration_on_one_replica_is_served_by_the_other(ray_url):
             if len(tables) == 2 and all(t["registered"] is not None and "enc2@1" not in t["registered"]
                                         for t in tables.values()):
                 break
-            assert time.monotonic() - t0 < 1.0, "deletion not seen by every replica within 1 s"
+            assert time.monotonic() - t0 < PROPAGATION_S, f"deletion not seen by every replica within {PROPAGATION_S} s"
         for _ in range(6):
             r = _search(c, encoder="enc2@1")
             assert r.status_code == 404 and r.json()["error"] == "not_found"
@@ -132,13 +136,13 @@ def test_alias_switch_seen_everywhere_and_fails_nothing_under_load(ray_url):
                 r = c.put("/v1/aliases/legal", json={"encoder": target})
                 assert r.status_code == 200, r.text
                 t0 = time.monotonic()
-                # every replica's alias table has the new target within 1 s
+                # every replica's alias table has the new target within PROPAGATION_S
                 while True:
                     ts = time.monotonic()
                     tables = replica_stats()
                     if len(tables) == 2 and all(t["aliases"].get("legal") == target for t in tables.values()):
                         break
-                    assert ts - t0 < 1.0, f"alias switch to {target} not seen by every replica within 1 s"
+                    assert ts - t0 < PROPAGATION_S, f"alias switch to {target} not seen by every replica within {PROPAGATION_S} s"
                 lags.append(ts - t0)
                 assert {_search(c, domain="legal").json()["results"][0]["encoder"]["key"] for _ in range(4)} == {target}
     finally:
@@ -162,7 +166,7 @@ def test_upsert_through_one_replica_is_visible_on_all(ray_url):
             gens = {s["index_generation"] for s in replica_stats().values()}
             if len(gens) == 1:
                 break
-            assert time.monotonic() - t0 < 1.0, gens
+            assert time.monotonic() - t0 < PROPAGATION_S, gens
             time.sleep(0.05)
         for _ in range(10):   # both replicas answer it
             hits = _search(c, query="puzzle puzzle puzzle chess chess", k=1).json()["results"][0]["hits"]
