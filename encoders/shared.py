@@ -5,7 +5,11 @@ factors and bias deltas as graph inputs. Each encoder served this way is only it
 tensors, converted once to the graph's layout (:func:`adapter_inputs`) and passed with its rows:
 N LoRA encoders cost the base once plus N x their adapter bytes. A batch runs one ONNX Runtime
 call per encoder group (rows of one encoder share its inputs), rows bucketed by real token
-length.
+length, each encoder's inputs bound once (:class:`qswap.encoders.shared_run.BoundFeed`). A batch
+of several encoder groups runs its calls side by side on a second, single-threaded session of
+the same graph, one worker per core (:func:`qswap.encoders.shared_run.spread_groups` says when);
+that session is built when the first such batch comes, so a server whose batches never mix
+encoders does not hold its weights.
 
 Encoders the shared graph cannot express (``partial`` tensors other than biases), and encoders
 pinned with :meth:`SharedBackend.pin` (one that serves most of the traffic may run a little
@@ -34,6 +38,7 @@ from qswap.encoders.onnx import OnnxBackend, available_providers, make_session
 from qswap.encoders.pool import EncoderPool
 from qswap.encoders.shared_export import (UNREACHED, SHARED_MODEL_FILE, Slots, export_shared, find_slots,
                                           shared_digest)
+from qswap.encoders.shared_run import BoundFeed, spread_groups
 from qswap.errors import InvalidInputError, NotFoundError
 
 log = logging.getLogger(__name__)
@@ -75,13 +80,15 @@ class SharedBackend:
     Same interface as :class:`~qswap.encoders.backend.TorchBackend`; thread-safe. ``threads``:
     intra-op threads (default: all cores); ``providers``: ONNX Runtime execution providers
     (default :func:`available_providers`: CUDA first where present); ``batch_size``: rows per
-    ONNX Runtime call.
+    ONNX Runtime call; ``group_workers``: how many encoder groups of one batch run side by side
+    (default: ``threads``; 1 runs them one after another; on CPU only).
     """
 
     name = "shared"
 
     def __init__(self, pool: EncoderPool, cache_dir: Path, threads: int | None = None,
-                 providers: list[str] | None = None, spin: bool = True, batch_size: int = 64) -> None:
+                 providers: list[str] | None = None, spin: bool = True, batch_size: int = 64,
+                 group_workers: int | None = None) -> None:
         if threads is not None and threads < 1:
             raise InvalidInputError(f"threads must be >= 1, got {threads}", "omit it to use all cores")
         self.pool = pool
@@ -91,18 +98,25 @@ class SharedBackend:
         self.batch_size = batch_size
         self.spin = spin
         self._threads = threads or os.cpu_count() or 1
+        # A GPU runs one call at a time anyway: groups side by side only pay on CPU cores.
+        self._group_workers = 1 if "CUDAExecutionProvider" in self.providers else (group_workers or self._threads)
         self._variant = "cuda" if "CUDAExecutionProvider" in self.providers else "cpu"
         self._table = self.base.model.get_input_embeddings().weight.detach().float().cpu().numpy()
         self.slots = find_slots(self.base.model)
         self._zeros = self.slots.zeros(rank=0)
         self._session: Any = None
         self._error: str | None = None
-        self._inputs: dict[str, dict[str, Any]] = {}     # key -> full feed (OrtValues) of its adapter
+        # key -> its adapter's full feed: numpy arrays until the session exists, then bound OrtValues
+        self._inputs: dict[str, dict[str, np.ndarray] | BoundFeed] = {}
         self._bytes: dict[str, int] = {}
         self._pinned: set[str] = set()
         self._lock = threading.RLock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qswap-shared-export")
         self._future: Future[None] = self._executor.submit(self._build)
+        # The single-threaded session for encoder groups run side by side, and its workers.
+        self._group_session: Any = None
+        self._group_future: Future[None] | None = None
+        self._workers = ThreadPoolExecutor(max_workers=self._group_workers, thread_name_prefix="qswap-shared-group")
         # Merged per-encoder exports: encoders the shared graph cannot express, and pinned ones.
         self.merged = OnnxBackend(pool, cache_dir, threads=threads, providers=self.providers, spin=spin,
                                   batch_size=batch_size)
@@ -122,8 +136,9 @@ class SharedBackend:
             raise
         with self._lock:
             self._session = sess
-            for key in list(self._inputs):
-                self._inputs[key] = self._feed(self._inputs[key])
+            for key, arrays in list(self._inputs.items()):
+                if not isinstance(arrays, BoundFeed):
+                    self._inputs[key] = self._feed(arrays)
 
     def _load_or_export(self) -> Any:
         target = self.directory()
@@ -145,13 +160,34 @@ class SharedBackend:
                      meta["probe_min_cosine"])
         return make_session(target / SHARED_MODEL_FILE, self._threads, self.providers, self.spin)
 
-    def _feed(self, arrays: dict[str, Any]) -> dict[str, Any]:
-        """Pre-built OrtValues: a run then copies nothing of the adapter (zero-copy on CPU)."""
+    def _feed(self, arrays: dict[str, np.ndarray]) -> BoundFeed:
+        """Pre-built OrtValues, bound once per session: a run copies nothing of the adapter
+        (zero-copy on CPU) and passes none of its inputs again."""
         import onnxruntime as ort
 
         if "CUDAExecutionProvider" in self.providers:
-            return {n: ort.OrtValue.ortvalue_from_numpy(np.asarray(a), "cuda", 0) for n, a in arrays.items()}
-        return {n: ort.OrtValue.ortvalue_from_numpy(np.asarray(a)) for n, a in arrays.items()}
+            return BoundFeed({n: ort.OrtValue.ortvalue_from_numpy(np.asarray(a), "cuda", 0) for n, a in arrays.items()})
+        return BoundFeed({n: ort.OrtValue.ortvalue_from_numpy(np.asarray(a)) for n, a in arrays.items()})
+
+    def _start_group_session(self) -> None:
+        """Build the single-threaded session for side-by-side groups in the background, once.
+
+        A second session because ONNX Runtime's intra-op threads are a session setting: two runs
+        at once on the multi-threaded session fight over its threads (8 one-row calls: 118 ms
+        side by side vs 104 ms in turn), while single-threaded runs side by side took 84 ms. It
+        costs the shared session's weights again (~85 MB for multilingual-e5-small: ONNX
+        Runtime pre-packs each session's weights), hence built only when a batch mixes encoders.
+        """
+        with self._lock:
+            if self._group_future is not None or self._group_workers < 2:
+                return
+            path = self.directory() / SHARED_MODEL_FILE
+
+            def build() -> None:
+                sess = make_session(path, 1, self.providers, self.spin)
+                with self._lock:
+                    self._group_session = sess
+            self._group_future = self._executor.submit(build)
 
     def prepare(self, key: str) -> None:
         """Convert ``key``'s adapter to graph inputs (or start its merged export); returns at once."""
@@ -164,7 +200,7 @@ class SharedBackend:
         if own is None:
             self.merged.prepare(key)
             return
-        full = {**self._zeros, **own}
+        full: dict[str, np.ndarray] = {**self._zeros, **own}
         # Bytes beyond the pool's: arrays that do not share the pool's tensors (bias deltas).
         pool_arrays = [t.detach().numpy() for t in self.pool.runtime_tensors(key).values() if t.device.type == "cpu"]
         extra = sum(a.nbytes for a in own.values() if not any(np.shares_memory(a, p) for p in pool_arrays))
@@ -221,8 +257,21 @@ class SharedBackend:
         return self.merged.memory_bytes(key)
 
     def shared_bytes(self) -> int:
-        """The one shared session's weights (the base without word embeddings, fp32)."""
+        """The one shared session's weights (the base without word embeddings, fp32); the
+        single-threaded session for mixed batches holds as much again once it is built
+        (:meth:`groups_side_by_side`)."""
         return sum(p.numel() * 4 for p in self.base.model.parameters()) - self._table.nbytes
+
+    def groups_side_by_side(self, wait: float | None = 0) -> bool:
+        """Whether batches mixing encoders can run their groups side by side now (the
+        single-threaded session is built); ``wait``: seconds to wait for it if it is being built."""
+        future = self._group_future
+        if future is not None and wait != 0:
+            try:
+                future.result(timeout=wait)
+            except Exception:   # a timeout or a failed build: groups keep running in turn
+                pass
+        return self._group_session is not None
 
     def discard(self, key: str) -> None:
         with self._lock:
@@ -233,9 +282,11 @@ class SharedBackend:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._workers.shutdown(wait=True)
         self.merged.close()
         with self._lock:
             self._session = None
+            self._group_session = None
             self._inputs.clear()
 
     # -- encoding -------------------------------------------------------------------------------
@@ -257,32 +308,40 @@ class SharedBackend:
         groups: dict[str, list[int]] = {}
         merged: list[int] = []
         with self._lock:
-            session = self._session
-            feeds = dict(self._inputs) if session is not None else {}
+            session, group_session = self._session, self._group_session
+            feeds = {k: f for k, f in self._inputs.items() if isinstance(f, BoundFeed)} if session is not None else {}
         for i, k in enumerate(keys):
             if k in feeds:
                 groups.setdefault(k, []).append(i)
             else:
                 merged.append(i)
+        calls: list[tuple[BoundFeed, list[int], np.ndarray, np.ndarray]] = []   # (feed, rows, ids, mask)
         for k, rows in groups.items():
             if k not in self.pool:
                 raise NotFoundError(f"encoder {k} is not loaded", "register it or use a loaded encoder")
-            out[rows] = self._run(session, feeds[k], [texts[i] for i in rows], [encs[i] for i in rows])
+            for idx, ids, mask in length_buckets(self.base.tokenizer, [texts[i] for i in rows],
+                                                 self.base.spec.query_prefix, self.batch_size,
+                                                 encodings=[encs[i] for i in rows]):
+                calls.append((feeds[k], [rows[j] for j in idx], ids, mask))
+        if len(groups) > 1 and group_session is None:
+            self._start_group_session()
+        if group_session is not None and spread_groups([ids.size for _, _, ids, _ in calls], len(groups),
+                                                       self._group_workers):
+            # Longest first, so the short calls fill the workers' gaps at the end.
+            calls.sort(key=lambda c: -c[2].size)
+            futures = [self._workers.submit(self._call, group_session, c[0], c[2], c[3]) for c in calls]
+            for (_, rows, _, _), f in zip(calls, futures):
+                out[rows] = f.result()
+        else:
+            for feed, rows, ids, mask in calls:
+                out[rows] = self._call(session, feed, ids, mask)
         if merged:
             out[merged] = self.merged.encode([texts[i] for i in merged], [keys[i] for i in merged])
         return out, flags
 
-    def _run(self, session: Any, feed: dict[str, Any], texts: list[str], encs: list[Any]) -> np.ndarray:
-        import onnxruntime as ort
-
-        out = np.empty((len(texts), self.base.dim), dtype=np.float32)
-        for idx, ids, mask in length_buckets(self.base.tokenizer, texts, self.base.spec.query_prefix,
-                                             self.batch_size, encodings=encs):
-            emb = np.take(self._table, ids, axis=0)
-            run = {"inputs_embeds": ort.OrtValue.ortvalue_from_numpy(emb),
-                   "attention_mask": ort.OrtValue.ortvalue_from_numpy(mask), **feed}
-            out[idx] = session.run_with_ort_values(["embedding"], run)[0].numpy()
-        return out
+    def _call(self, session: Any, feed: BoundFeed, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """One ONNX Runtime call: the rows' word embeddings gathered here, the adapter bound."""
+        return feed.run(session, np.take(self._table, ids, axis=0), mask)
 
 
 def _read_meta(directory: Path) -> dict[str, Any]:

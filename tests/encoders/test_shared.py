@@ -154,3 +154,64 @@ def test_truncation_flags_come_from_the_forward_tokenisation(backend, pool):
     vecs, flags = backend.encode_flagged([TEXTS[0], long], ["l1@1", "l1@1"])
     assert flags == [False, True]
     assert cosine(vecs, pool.encode([TEXTS[0], long], ["l1@1", "l1@1"])).min() >= MIN_COSINE
+
+
+@pytest.fixture(scope="module")
+def two_workers(pool, tmp_path_factory):
+    """A backend that runs a mixed batch's encoder groups side by side (two workers)."""
+    b = SharedBackend(pool, tmp_path_factory.mktemp("shared-groups"), threads=2)
+    for key in KINDS:
+        b.prepare(key)
+    for key in KINDS:
+        assert b.wait(key, timeout=120), b.error(key)
+    yield b
+    b.close()
+
+
+def test_mixed_groups_side_by_side_match_torch_per_row(two_workers, pool, monkeypatch):
+    # Three adapter kinds and ranks (LoRA r=4, LoRA r=8 on other layers, bias) plus identity on
+    # the shared graph, and a partial encoder on its merged export, interleaved.
+    keys = ["l1@1", BASE_KEY, "l2@1", "b1@1", "p1@1", "l2@1", "l1@1", "b1@1", BASE_KEY]
+    assert not two_workers.groups_side_by_side()       # built only once a batch mixes encoders
+    first = two_workers.encode(TEXTS, keys)            # runs the groups in turn meanwhile
+    assert two_workers.groups_side_by_side(wait=120)
+    used: list[object] = []
+    call = two_workers._call
+    monkeypatch.setattr(two_workers, "_call", lambda s, *a: (used.append(s), call(s, *a))[1])
+    got = two_workers.encode(TEXTS, keys)
+    assert used and all(s is two_workers._group_session for s in used)   # really side by side
+    assert len(used) >= 4                                                   # one call per group at least
+    alone = np.stack([pool.encode([t], [k])[0] for t, k in zip(TEXTS, keys)])
+    assert cosine(got, alone).min() >= MIN_COSINE
+    assert cosine(first, alone).min() >= MIN_COSINE
+    # Each row carries its own encoder: the same text under two encoders differs.
+    same = two_workers.encode([TEXTS[0]] * 4, ["l1@1", "l2@1", "b1@1", BASE_KEY])
+    assert cosine(same[:3], same[3:].repeat(3, 0)).max() < 0.999
+
+
+def test_one_encoder_stays_one_call_on_the_multithreaded_session(two_workers, monkeypatch):
+    used: list[object] = []
+    call = two_workers._call
+    monkeypatch.setattr(two_workers, "_call", lambda s, *a: (used.append(s), call(s, *a))[1])
+    two_workers.encode(TEXTS, ["l1@1"] * len(TEXTS))
+    assert used == [two_workers._session]
+
+
+def test_bound_inputs_survive_batch_sizes_and_concurrent_runs(two_workers, pool):
+    from concurrent.futures import ThreadPoolExecutor
+
+    ref = pool.encode(TEXTS, ["l2@1"] * len(TEXTS))
+    # A binding keeps its output's shape unless rebound: a 9-row run, then 1-row runs.
+    assert cosine(two_workers.encode(TEXTS, ["l2@1"] * len(TEXTS)), ref).min() >= MIN_COSINE
+    with ThreadPoolExecutor(4) as ex:   # four runs of one encoder at once: one binding each
+        outs = list(ex.map(lambda i: two_workers.encode([TEXTS[i]], ["l2@1"])[0], range(len(TEXTS))))
+    assert cosine(np.stack(outs), ref).min() >= MIN_COSINE
+
+
+def test_spread_groups_only_when_work_is_balanced():
+    from qswap.encoders.shared_run import spread_groups
+
+    assert spread_groups([16, 16, 16], groups=3, workers=2)
+    assert not spread_groups([16, 16, 16], groups=3, workers=1)     # one worker: in turn
+    assert not spread_groups([480, 16], groups=2, workers=2)        # one group dominates
+    assert not spread_groups([64, 64], groups=1, workers=2)         # one encoder: its own calls
