@@ -42,13 +42,19 @@ def pool(tiny_base, tmp_path_factory):
     return pool
 
 
-@pytest.fixture(scope="module")
-def backend(pool, tmp_path_factory):
-    b = SharedBackend(pool, tmp_path_factory.mktemp("shared-cache"), threads=1)
+def _ready_backend(pool, cache, threads: int) -> SharedBackend:
+    """A shared backend over ``pool`` with every encoder of ``KINDS`` prepared and ready."""
+    b = SharedBackend(pool, cache, threads=threads)
     for key in KINDS:
         b.prepare(key)
     for key in KINDS:
         assert b.wait(key, timeout=120), b.error(key)
+    return b
+
+
+@pytest.fixture(scope="module")
+def backend(pool, tmp_path_factory):
+    b = _ready_backend(pool, tmp_path_factory.mktemp("shared-cache"), threads=1)
     yield b
     b.close()
 
@@ -159,11 +165,7 @@ def test_truncation_flags_come_from_the_forward_tokenisation(backend, pool):
 @pytest.fixture(scope="module")
 def two_workers(pool, tmp_path_factory):
     """A backend that runs a mixed batch's encoder groups side by side (two workers)."""
-    b = SharedBackend(pool, tmp_path_factory.mktemp("shared-groups"), threads=2)
-    for key in KINDS:
-        b.prepare(key)
-    for key in KINDS:
-        assert b.wait(key, timeout=120), b.error(key)
+    b = _ready_backend(pool, tmp_path_factory.mktemp("shared-groups"), threads=2)
     yield b
     b.close()
 
