@@ -19,6 +19,7 @@ _FLAG_FIELDS = {
     "batch_window_ms": "batch_window_ms", "max_batch": "max_batch", "default_encoder": "default_encoder",
     "read_only_index": "read_only_index", "max_k": "max_k", "max_queries": "max_queries",
     "encoder_memory_mb": "encoder_memory_bytes", "sentinels": "sentinels", "guard_alpha": "guard_alpha",
+    "guard_min_queries": "guard_min_queries",
 }
 
 
@@ -48,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "served by name or alias (fails closed)")
     p.add_argument("--guard-alpha", type=float, metavar="P",
                    help="significance level of the server's guard, Holm-adjusted over the sentinels (default 0.05)")
+    p.add_argument("--guard-min-queries", type=int, metavar="N",
+                   help="judged queries a sentinel needs left in the index to judge an encoder (default 20); "
+                        "fewer: the verdict is 'insufficient_evidence', not 'passed'")
     p.add_argument("--state-dir", type=Path, metavar="DIR",
                    help="registry and the server's copies of encoders (default: DATA_DIR/server)")
     p.add_argument("--default-encoder", metavar="NAME[@VERSION]", help="encoder for requests naming none "

@@ -55,6 +55,8 @@ class ServerSettings(BaseSettings):
                                    "queries.jsonl + qrels/test.tsv); every registration is evaluated on them")
     guard_alpha: float = Field(0.05, gt=0, lt=1, description="significance level of the server's guard "
                                                              "(Holm-adjusted, over the sentinels)")
+    guard_min_queries: int = Field(20, ge=1, description="judged queries a sentinel needs left in the index "
+                                   "to judge an encoder; fewer: verdict 'insufficient_evidence'")
     # -- security
     admin_token: SecretStr | None = Field(None, description="bearer token for admin routes")
     search_token: SecretStr | None = Field(None, description="bearer token for search (none = open search)")

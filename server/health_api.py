@@ -24,7 +24,8 @@ async def healthz() -> Health:
 async def readyz(request: Request) -> Ready | JSONResponse:
     state = state_of(request)
     if not state.ready:
-        detail = f"failed to load: {state.load_error}" if state.load_error else "loading"
+        # Unauthenticated: the reason (paths, document ids) is in the server log, not here.
+        detail = "failed to load (the server log says why)" if state.load_error else "loading"
         return JSONResponse(error_body("not_ready", detail), status_code=503, headers={"Retry-After": "1"})
     reg = state.registry
     return Ready(ready=True, default_encoder=reg.default_key(), index_documents=state.index.count,

@@ -76,9 +76,10 @@ class Metrics:
         for c in record.get("checks") or []:
             lab = (key, str(c["name"]), str(c["against"]))
             labels.append(lab)
-            self.guard_ndcg.labels(*lab, "before").set(c["before"])
-            self.guard_ndcg.labels(*lab, "after").set(c["after"])
-            self.guard_p.labels(*lab).set(c["p_holm"])
+            if c.get("p_holm") is not None:   # None: too few queries left to compare (insufficient evidence)
+                self.guard_ndcg.labels(*lab, "before").set(c["before"])
+                self.guard_ndcg.labels(*lab, "after").set(c["after"])
+                self.guard_p.labels(*lab).set(c["p_holm"])
             self.guard_regressed.labels(*lab).set(1 if c["degraded"] else 0)
             self.guard_queries.labels(*lab).set(c["n"])
         self._guard_labels[key] = labels

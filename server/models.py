@@ -199,7 +199,7 @@ class RegisterByPath(_Strict):
                                           "registered) instead of at once (202, guard_status 'evaluating')")
 
 
-GuardStatus = Literal["evaluating", "passed", "refused", "failed", "unguarded"]
+GuardStatus = Literal["evaluating", "passed", "refused", "insufficient_evidence", "failed", "unguarded"]
 
 
 class EncoderInfo(BaseModel):
@@ -221,9 +221,11 @@ class EncoderInfo(BaseModel):
                                                            "(self-reported: informational)")
     guard_status: GuardStatus | None = Field(
         None, description="the server's own verdict (--sentinels): 'evaluating' until done, then 'passed', "
-                          "'refused' or 'failed'; 'unguarded' when the server has no sentinels. Only 'passed' "
-                          "and 'unguarded' encoders (or forced ones) serve by name or alias")
-    forced: bool = Field(False, description="registered with force: served whatever the verdict")
+                          "'refused', 'insufficient_evidence' (a sentinel has too few judged queries left) or "
+                          "'failed'; 'unguarded' when the server has no sentinels. Only 'passed' and "
+                          "'unguarded' encoders, or forced ones once their verdict is known, serve")
+    forced: bool = Field(False, description="force was given (registration or alias): served once the verdict "
+                                            "is known, whatever it is; never while evaluating")
     evaluation: dict[str, Any] | None = Field(
         None, description="the server's guard record: per sentinel and reference encoder (base, aliased "
                           "encoders) n, nDCG@10 before/after, Wilcoxon statistic, p (raw and Holm), "

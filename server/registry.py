@@ -24,6 +24,7 @@ serialises registrations, deletions and alias changes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
+from enum import StrEnum
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -46,7 +48,7 @@ from qswap.locks import try_lock_exclusive
 from qswap.errors import (ConflictError, GuardPendingError, GuardRefusedError, IntegrityError, InvalidInputError,
                           NotFoundError, QswapError)
 from qswap.space import EmbeddingSpace
-from qswap.tuning.guard import check_guard, guard_table
+from qswap.tuning.guard import check_guard, guard_table, insufficient_table
 
 log = logging.getLogger("qswap.server")
 
@@ -57,7 +59,28 @@ DEFAULT_ALIAS = "default"   # an alias with this name overrides the configured d
 _INCOMING = ".incoming-"
 
 
-SERVABLE = ("passed", "unguarded")   # guard statuses served without force
+class GuardStatus(StrEnum):
+    """The server's verdict on one encoder (str-valued: the registry file and JSON answers hold
+    the plain strings)."""
+
+    EVALUATING = "evaluating"       # queued or running: never served, not even when forced
+    PASSED = "passed"               # no sentinel significantly worse
+    REFUSED = "refused"             # a sentinel significantly worse
+    INSUFFICIENT = "insufficient_evidence"   # a sentinel has fewer judged queries left than the minimum
+    FAILED = "failed"               # the evaluation itself broke
+    UNGUARDED = "unguarded"         # the server has no sentinels
+
+
+SERVABLE = (GuardStatus.PASSED, GuardStatus.UNGUARDED)   # served without force
+
+
+def is_servable(rec: "EncoderRecord") -> bool:
+    """Whether ``rec`` may serve (by name, as the default, behind a new alias): its verdict passed
+    (or there is no guard), or it was forced and its verdict is known. Nothing serves while it
+    is evaluating."""
+    if rec.guard_status == GuardStatus.EVALUATING:
+        return False
+    return rec.forced or rec.guard_status in SERVABLE
 
 
 def check_manifest_guard(guard: dict[str, Any] | None, force: bool) -> None:
@@ -98,9 +121,19 @@ class EncoderRecord:
     created_at: float | None = None
     training: dict[str, Any] | None = None
     guard: dict[str, Any] | None = None          # the manifest's own record (informational)
-    guard_status: str = "unguarded"              # evaluating | passed | refused | failed | unguarded
-    forced: bool = False                         # registered with force: servable whatever the verdict
+    guard_status: GuardStatus = GuardStatus.UNGUARDED
+    forced: bool = False                         # force given: servable once its verdict is known
     evaluation: dict[str, Any] | None = None     # the server's own guard record (per-sentinel table)
+
+    def __post_init__(self) -> None:
+        self.guard_status = GuardStatus(self.guard_status)   # read back from JSON as a plain string
+
+    @property
+    def digest(self) -> str:
+        """What a verdict is about: the kind and the sha256 of every file (a re-registration of
+        the same key with other files has another digest)."""
+        blob = json.dumps([self.kind, sorted(self.files.items())]).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
 
     @classmethod
     def from_manifest(cls, m: EncoderManifest, source: str) -> "EncoderRecord":
@@ -270,11 +303,15 @@ class EncoderRegistry:
         if not versions:
             raise NotFoundError(f"no encoder named {ref!r} is registered",
                                 "list encoders with GET /v1/encoders, or register one with POST /v1/encoders")
-        # The highest version; equal orders (e.g. "1.0" and "1.00") fall back to the latest registered.
-        return max(versions, key=lambda r: (version_order(r.version), r.registered_at)).key
+        # The highest servable version (a newer one still evaluating or refused does not block
+        # the name); none servable: the highest, whose guard error the caller then reports.
+        # Equal orders (e.g. "1.0" and "1.00") fall back to the latest registered.
+        versions.sort(key=lambda r: (version_order(r.version), r.registered_at), reverse=True)
+        return next((r.key for r in versions if is_servable(r)), versions[0].key)
 
     def default_key(self) -> str:
-        """The encoder that answers requests naming none."""
+        """The encoder that answers requests naming none: the ``default`` alias, else the
+        configured default encoder resolved like a name (its highest servable version)."""
         with self._lock:
             return self._aliases.get(DEFAULT_ALIAS) or self._resolve_ref(self.default_ref)
 
@@ -295,8 +332,9 @@ class EncoderRegistry:
         """Resolve and hold a reference: the key stays registered and loaded until :meth:`release`."""
         with self._lock:
             key = self.resolve(encoder, domain)
-            if encoder is not None:
-                # An alias was checked when it was set; a name must pass the guard now.
+            if domain is None and (encoder is not None or DEFAULT_ALIAS not in self._aliases):
+                # An alias was checked when it was set; a name and the configured default must
+                # pass the guard now.
                 self._require_servable(key, force=False)
             self._refs[key] = self._refs.get(key, 0) + 1
             if key in self._loaded:
@@ -312,21 +350,23 @@ class EncoderRegistry:
 
     @staticmethod
     def _guard_error(rec: EncoderRecord, force: bool) -> QswapError | None:
-        """Why ``rec`` may not serve, or None: servable when the guard passed (or there is no
-        guard), or when forced; ``force`` accepts a refused or failed verdict, never a pending one."""
-        if rec.forced or rec.guard_status in SERVABLE:
-            return None
+        """Why ``rec`` may not serve, or None (see :func:`is_servable`); ``force`` accepts a
+        known verdict (refused, insufficient evidence, failed), never a pending one."""
         key = rec.key
-        if rec.guard_status == "evaluating":
+        if rec.guard_status == GuardStatus.EVALUATING:
             return GuardPendingError(f"encoder {key} is still being evaluated on the server's sentinels",
                                      f"retry when GET /v1/encoders/{key} shows guard_status 'passed'")
-        if force:
+        if force or is_servable(rec):
             return None
         ev = rec.evaluation or {}
-        if rec.guard_status == "failed":
+        if rec.guard_status == GuardStatus.FAILED:
             return GuardRefusedError(f"encoder {key} could not be evaluated on the server's sentinels: "
                                      f"{ev.get('error', 'unknown error')}",
                                      "register it again to retry the evaluation, or use force=true", guard=ev)
+        if rec.guard_status == GuardStatus.INSUFFICIENT:
+            return GuardRefusedError(f"encoder {key} could not be judged: {insufficient_table(ev)}",
+                                     "rebuild the sentinels over the current index (`qswap sentinels make "
+                                     "--index`) and restart, or use force=true to accept it unjudged", guard=ev)
         return GuardRefusedError(f"encoder {key} significantly degrades sentinel(s): "
                                  f"{guard_table(ev, only_bad=True) or 'see its evaluation'}",
                                  "re-tune it, or use force=true to accept it anyway", guard=ev)
@@ -480,8 +520,9 @@ class EncoderRegistry:
                 validate_name(manifest.name)
                 validate_name(manifest.version, "encoder version")
                 key = manifest.key
-                if manifest.name in (BASE_KEY, DEFAULT_ALIAS):
-                    raise ConflictError(f"encoder name {manifest.name!r} is reserved", "rename the encoder")
+                if manifest.name.lower() in (BASE_KEY, DEFAULT_ALIAS):   # "BASE" would read as the base
+                    raise ConflictError(f"encoder name {manifest.name!r} is reserved (in any case)",
+                                        "rename the encoder")
                 with self._lock:
                     existing = self._records.get(key)
                 if existing is not None:
@@ -492,7 +533,7 @@ class EncoderRegistry:
                 check_manifest_guard(manifest.guard, force)
                 rec = EncoderRecord.from_manifest(manifest, source)
                 rec.forced = force
-                rec.guard_status = "evaluating" if self.guard is not None else "unguarded"
+                rec.guard_status = GuardStatus.EVALUATING if self.guard is not None else GuardStatus.UNGUARDED
                 target = self.store / key
                 with self._load_lock:
                     self.pool.add(art)   # refuses an adapter that does not fit the base
@@ -527,14 +568,14 @@ class EncoderRegistry:
         """The identical encoder is registered already (holds ``_admin_lock``): ``force`` accepts
         a refused verdict; a failed evaluation is retried; a pending one is returned with its job."""
         key = existing.key
-        if existing.guard_status == "evaluating":
-            return existing, False, self._jobs.get(key)
         if force and not existing.forced and existing.guard_status not in SERVABLE:
-            return self._update_record(key, forced=True), False, None
-        if existing.guard_status == "failed" and self.guard is not None:
-            rec = self._update_record(key, guard_status="evaluating")
+            existing = self._update_record(key, forced=True)   # serves once its verdict is known
+        if existing.guard_status == GuardStatus.EVALUATING:
+            return existing, False, self._jobs.get(key)
+        if existing.guard_status == GuardStatus.FAILED and self.guard is not None:
+            rec = self._update_record(key, guard_status=GuardStatus.EVALUATING)
             return rec, False, self._schedule(key)
-        if not force and not existing.forced and existing.guard_status == "refused":
+        if not force:
             with self._lock:
                 self._require_servable(key, force=False)
         return existing, False, None
@@ -588,11 +629,12 @@ class EncoderRegistry:
             return
         with self._lock:
             todo = [k for k, r in self._records.items()
-                    if r.guard_status in ("unguarded", "evaluating", "failed")
+                    if r.guard_status in (GuardStatus.UNGUARDED, GuardStatus.EVALUATING, GuardStatus.FAILED)
                     or (r.evaluation or {}).get("sentinels") != self.guard.fingerprint]
         with self._lock:
             warm = [BASE_KEY, *sorted({k for k in self._aliases.values() if k != BASE_KEY})]
-        self.guard.submit(lambda: self._warm(warm))
+            versions = {k: self._records[k].digest if k in self._records else k for k in warm}
+        self.guard.submit(lambda: self._warm(warm, versions))
         if self.metrics is not None:
             with self._lock:
                 done = [(k, r) for k, r in self._records.items() if k not in todo and r.evaluation]
@@ -600,19 +642,19 @@ class EncoderRegistry:
                 self.metrics.export_guard(k, r.evaluation, r.guard_status)
         with self._admin_lock:
             for key in sorted(todo):
-                if self._records[key].guard_status in ("unguarded", "failed"):
-                    self._update_record(key, guard_status="evaluating")
+                if self._records[key].guard_status in (GuardStatus.UNGUARDED, GuardStatus.FAILED):
+                    self._update_record(key, guard_status=GuardStatus.EVALUATING)
                 self._schedule(key)
         if todo:
             log.info("guard re-evaluating encoders without a verdict on these sentinels", extra={"encoders": todo})
 
-    def _warm(self, keys: list[str]) -> None:
+    def _warm(self, keys: list[str], versions: dict[str, str]) -> None:
         for k in keys:
             self._hold(k)
         try:
             for k in keys:
                 self.ensure_loaded(k)
-            self.guard.warm(keys)
+            self.guard.warm(keys, versions)
         except Exception:   # only a head start: the evaluation encodes what is missing
             log.exception("guard warm-up failed")
         finally:
@@ -627,6 +669,9 @@ class EncoderRegistry:
                 return
             against = [BASE_KEY, *sorted({k for k in self._aliases.values()
                                           if k not in (BASE_KEY, key) and k in self._records})]
+            # The verdict is about these files: the cache of query embeddings and the final
+            # write both name them, so a re-registration with other files never inherits it.
+            versions = {k: self._records[k].digest if k in self._records else k for k in [key, *against]}
         held = [key, *against]
         for k in held:
             self._hold(k)
@@ -634,36 +679,47 @@ class EncoderRegistry:
         try:
             for k in held:
                 self.ensure_loaded(k)
-            record = self.guard.evaluate(key, against)
-            status = "passed" if record["passed"] else "refused"
+            record = self.guard.evaluate(key, against, versions)
+            status = GuardStatus(record["verdict"])
         except Exception as e:   # fail closed: an evaluation that breaks leaves the encoder unservable
             log.exception("guard evaluation failed", extra={"encoder": key})
             msg = e.message if isinstance(e, QswapError) else f"{type(e).__name__}: {e}"
-            record = {"source": "server", "passed": False, "error": msg, "checks": [],
-                      "sentinels": self.guard.fingerprint, "evaluated_at": time.time()}
-            status = "failed"
+            record = {"source": "server", "passed": False, "verdict": GuardStatus.FAILED.value, "error": msg,
+                      "checks": [], "sentinels": self.guard.fingerprint, "evaluated_at": time.time()}
+            status = GuardStatus.FAILED
         finally:
             for k in held:
                 self.release(k)
-        if self._stopping:
+        record["encoder_digest"] = versions[key]
+        if not self._store_verdict(key, versions[key], status, record):
             return
-        with self._admin_lock:
-            with self._lock:
-                if key not in self._records:
-                    return
-            try:
-                self._update_record(key, guard_status=status, evaluation=record)
-            except Exception:
-                log.exception("could not store the guard verdict", extra={"encoder": key})
-                return
         if self.metrics is not None:
             self.metrics.export_guard(key, record, status, time.perf_counter() - t0)
-        if status != "passed":
+        if status != GuardStatus.PASSED:
             with self._lock:
                 aliased = sorted(d for d, k in self._aliases.items() if k == key)
             if aliased:
                 log.error("an aliased encoder failed the guard; its aliases keep serving it",
                           extra={"encoder": key, "domains": aliased, "guard_status": status})
+
+    def _store_verdict(self, key: str, digest: str, status: GuardStatus, record: dict[str, Any]) -> bool:
+        """Write a verdict onto ``key`` if the record still holds the files it judged; False when
+        it was dropped (deleted, re-registered with other files, shutting down)."""
+        if self._stopping:
+            return False
+        with self._admin_lock:
+            with self._lock:
+                rec = self._records.get(key)
+            if rec is None or rec.digest != digest:
+                log.warning("guard verdict dropped: the encoder was deleted or replaced during its evaluation",
+                            extra={"encoder": key, "guard_status": status})
+                return False
+            try:
+                self._update_record(key, guard_status=status, evaluation=record)
+            except Exception:
+                log.exception("could not store the guard verdict", extra={"encoder": key})
+                return False
+        return True
 
     def stop_guard(self) -> None:
         """At shutdown: queued evaluations are dropped and a running one stores nothing (it
@@ -698,7 +754,7 @@ class EncoderRegistry:
                 if domains:
                     raise ConflictError(f"encoder {key} is the target of aliases {domains}",
                                         "point those aliases elsewhere or delete them first")
-                if self._default_or_none() == key:
+                if self._serving_default() == key:
                     raise ConflictError(f"encoder {key} is the default encoder",
                                         "configure another default encoder first")
                 self._deleting.add(key)
@@ -730,24 +786,35 @@ class EncoderRegistry:
         log.info("encoder deleted", extra={"encoder": key})
         self._gauges()
 
-    def _default_or_none(self) -> str | None:
+    def _serving_default(self) -> str | None:
+        """The key requests naming no encoder are served by now, if any (holds ``_lock``): a
+        default that may not serve (evaluating, refused) serves nothing, so it can be deleted."""
         try:
-            return self.default_key()
+            key = self.default_key()
         except NotFoundError:
             return None
+        rec = self._records.get(key)
+        return key if rec is None or DEFAULT_ALIAS in self._aliases or is_servable(rec) else None
 
     def set_alias(self, domain: str, ref: str, force: bool = False) -> tuple[str, str | None]:
         """Point ``domain`` at ``ref`` (loaded first, so the switch costs traffic nothing).
 
-        The guard fails closed: an encoder still under evaluation is refused; a refused or
-        failed one only with ``force``."""
+        The guard fails closed: an encoder still under evaluation is refused, even with
+        ``force``; a refused (insufficient evidence, failed) one only with ``force``, which
+        records the encoder as forced (it then serves by name too)."""
         validate_name(domain, "domain")
+        if domain.lower() == DEFAULT_ALIAS and domain != DEFAULT_ALIAS:
+            raise InvalidInputError(f"domain {domain!r} is a case variant of the reserved alias "
+                                    f"{DEFAULT_ALIAS!r}", f"use {DEFAULT_ALIAS!r} or another name")
         with self._admin_lock:
             with self._lock:
                 key = self.resolve(encoder=ref)
                 self._require_servable(key, force)
                 self._refs[key] = self._refs.get(key, 0) + 1   # held so it cannot be evicted before it is pinned
             try:
+                rec = self._records.get(key)
+                if rec is not None and not is_servable(rec):   # accepted by force: on record
+                    self._update_record(key, forced=True)
                 self.ensure_loaded(key)
                 with self._lock:
                     previous = self._aliases.get(domain)

@@ -26,16 +26,15 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from qswap.errors import InvalidInputError
 from qswap.tuning.evaluation import evaluate_retrieval
-from qswap.tuning.guard import guard_record, sentinel_check
-from qswap.tuning.sentinels import SentinelSet, check_sentinels_in_index, load_sentinels, sentinels_fingerprint
+from qswap.tuning.guard import guard_record, insufficient_check, sentinel_check
+from qswap.tuning.sentinels import SentinelSet, load_sentinels, sentinel_coverage, sentinels_fingerprint
 
-__all__ = ["SentinelGuard", "SentinelSet", "check_sentinels_in_index", "load_sentinels"]
+__all__ = ["SentinelGuard", "SentinelSet", "load_sentinels"]
 
 log = logging.getLogger("qswap.server")
 
@@ -50,12 +49,13 @@ class SentinelGuard:
     """Evaluates encoders on the sentinels with the server's own backend and index."""
 
     def __init__(self, sentinels: list[SentinelSet], index: Any, encode: Encode, metrics: Any = None,
-                 alpha: float = 0.05) -> None:
+                 alpha: float = 0.05, min_queries: int = 1) -> None:
         self.sentinels = sentinels
         self.index = index
         self.encode = encode
         self.metrics = metrics
         self.alpha = alpha
+        self.min_queries = min_queries
         self.fingerprint = sentinels_fingerprint(sentinels)
         self._emb: OrderedDict[str, list[np.ndarray]] = OrderedDict()
         self._emb_lock = threading.Lock()
@@ -68,6 +68,20 @@ class SentinelGuard:
     def summary(self) -> list[dict[str, Any]]:
         return [{"name": s.name, "lang": s.lang, "queries": len(s.qids)} for s in self.sentinels]
 
+    def check_coverage(self) -> None:
+        """Log a warning for every sentinel whose judged documents the index no longer holds
+        (deleted since the sentinels were built): its judgements are dropped, and a sentinel
+        left with fewer than ``min_queries`` judged queries makes every verdict
+        ``insufficient_evidence`` until it is rebuilt. The server starts either way."""
+        ids, _ = self.index.export_embeddings()
+        for c in sentinel_coverage(self.sentinels, set(ids)):
+            if c["judgements_dropped"]:
+                log.warning("sentinel judgements dropped: documents not in the index",
+                            extra={"sentinel": c["name"], "judgements_dropped": c["judgements_dropped"],
+                                   "queries": c["queries"], "queries_left": c["queries_left"],
+                                   "min_queries": self.min_queries,
+                                   "enough": c["queries_left"] >= self.min_queries})
+
     def submit(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` on the guard thread (evaluations never overlap)."""
         return self._pool.submit(fn)
@@ -77,11 +91,12 @@ class SentinelGuard:
 
     # -- evaluation -----------------------------------------------------------------------------
 
-    def _embeddings(self, key: str, progress: Callable[[int], None]) -> list[np.ndarray]:
+    def _embeddings(self, key: str, version: str, progress: Callable[[int], None]) -> list[np.ndarray]:
+        cache_id = f"{key}#{version}"   # the files, not the name: a key re-registered is another encoder
         with self._emb_lock:
-            if key in self._emb:
-                self._emb.move_to_end(key)
-                return self._emb[key]
+            if cache_id in self._emb:
+                self._emb.move_to_end(cache_id)
+                return self._emb[cache_id]
         out = []
         for s in self.sentinels:
             # Chunks of similar length (longest first): each chunk is padded to its own longest
@@ -97,32 +112,50 @@ class SentinelGuard:
                 progress(len(rows))
             out.append(emb)
         with self._emb_lock:
-            self._emb[key] = out
+            self._emb[cache_id] = out
             while len(self._emb) > _CACHED_ENCODERS:
                 self._emb.popitem(last=False)
         return out
 
-    def warm(self, keys: list[str]) -> None:
+    def warm(self, keys: list[str], versions: Mapping[str, str] | None = None) -> None:
         """Encode the sentinels' queries for ``keys`` now (at start: the base and the aliased
-        encoders), so a registration only encodes the new encoder."""
+        encoders), so a registration only encodes the new encoder.
+
+        Args:
+            keys: encoder keys.
+            versions: key -> digest of its files (what the cached embeddings belong to).
+        """
         t0 = time.perf_counter()
         for key in keys:
-            self._embeddings(key, lambda n: None)
+            self._embeddings(key, (versions or {}).get(key, key), lambda n: None)
         log.info("guard warmed up", extra={"encoders": keys, "queries": self.queries * len(keys),
                                            "seconds": round(time.perf_counter() - t0, 1)})
 
     def forget(self, key: str) -> None:
         """Drop the cached query embeddings of an encoder (deleted)."""
         with self._emb_lock:
-            self._emb.pop(key, None)
+            for cache_id in [c for c in self._emb if c.rpartition("#")[0] == key]:
+                del self._emb[cache_id]
 
-    def evaluate(self, key: str, against: list[str]) -> dict[str, Any]:
+    def evaluate(self, key: str, against: list[str], versions: Mapping[str, str] | None = None) -> dict[str, Any]:
         """The guard record of ``key`` against every encoder of ``against`` (base first), on
-        every sentinel, with the per-sentinel table, timings and the sentinels' fingerprint."""
+        every sentinel, with the per-sentinel table, timings and the sentinels' fingerprint.
+
+        Args:
+            key: the encoder judged.
+            against: reference encoders (base first).
+            versions: key -> digest of its files, naming cached query embeddings.
+
+        Returns:
+            The guard record; its ``verdict`` is ``passed``, ``refused`` or
+            ``insufficient_evidence`` (a sentinel left with fewer than ``min_queries`` judged
+            queries in the index).
+        """
         t0 = time.perf_counter()
         refs = list(dict.fromkeys(against))
+        ver = {k: (versions or {}).get(k, k) for k in [key, *refs]}
         with self._emb_lock:
-            to_encode = sum(k not in self._emb for k in [key, *refs])
+            to_encode = sum(f"{k}#{ver[k]}" not in self._emb for k in [key, *refs])
         total = to_encode * self.queries
         state = {"done": 0, "last": t0}
 
@@ -137,8 +170,8 @@ class SentinelGuard:
 
         log.info("guard evaluation started", extra={"encoder": key, "against": refs,
                                                     "sentinels": len(self.sentinels), "queries_total": total})
-        new = self._embeddings(key, progress)
-        ref_emb = {r: self._embeddings(r, progress) for r in refs}
+        new = self._embeddings(key, ver[key], progress)
+        ref_emb = {r: self._embeddings(r, ver[r], progress) for r in refs}
         t_enc = time.perf_counter() - t0
         ids, vectors = self.index.export_embeddings()
         rows = {d: i for i, d in enumerate(ids)}
@@ -151,18 +184,18 @@ class SentinelGuard:
                 if r:   # documents deleted from the index since start leave their queries out
                     keep.append(qi)
                     rel.append(r)
-            if not keep:
-                raise InvalidInputError(f"sentinel {s.name}: none of its judged documents is left in the index",
-                                        "rebuild the sentinels over the current index and restart")
+            if len(keep) < self.min_queries:   # judged documents deleted: too little left to judge
+                checks += [insufficient_check(s.name, len(keep), against=r, lang=s.lang) for r in refs]
+                continue
             after = evaluate_retrieval(new[si][keep], docs, rel, ks=(10,))
             for r in refs:
                 before = evaluate_retrieval(ref_emb[r][si][keep], docs, rel, ks=(10,))
                 checks.append(sentinel_check(s.name, before, after, against=r, lang=s.lang))
-        record = guard_record(checks, self.alpha)
+        record = guard_record(checks, self.alpha, self.min_queries)
         record.update({"source": "server", "sentinels": self.fingerprint, "against": refs,
                        "evaluated_at": time.time(), "seconds": round(time.perf_counter() - t0, 3),
                        "encode_seconds": round(t_enc, 3), "index_documents": len(ids)})
-        log.info("guard evaluation done", extra={"encoder": key, "passed": record["passed"],
+        log.info("guard evaluation done", extra={"encoder": key, "verdict": record["verdict"],
                                                  "seconds": record["seconds"],
                                                  "regressed": [f"{c['name']} vs {c['against']}"
                                                                for c in checks if c["degraded"]]})

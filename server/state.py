@@ -89,10 +89,11 @@ class ServerState:
                                     s.query_precision)
         guard = None
         if s.sentinels is not None:
-            from qswap.server.sentinels import SentinelGuard, check_sentinels_in_index, load_sentinels
+            from qswap.server.sentinels import SentinelGuard, load_sentinels
             sentinels = load_sentinels(s.sentinels)
-            check_sentinels_in_index(sentinels, set(index.export_embeddings()[0]))
-            guard = SentinelGuard(sentinels, index, self.backend.encode, self.metrics, s.guard_alpha)
+            guard = SentinelGuard(sentinels, index, self.backend.encode, self.metrics, s.guard_alpha,
+                                  s.guard_min_queries)
+            guard.check_coverage()
             log.info("sentinels loaded", extra={"sentinels": guard.summary(), "fingerprint": guard.fingerprint})
         self.guard = guard
         registry = self.make_registry(state_dir=s.state_dir, pool=pool, space=index.space, backend=self.backend,
@@ -196,7 +197,7 @@ class ServerState:
             raise NotReadyError("the server is shutting down", "retry against another instance")
         if not self.ready:
             if self.load_error:
-                raise NotReadyError(f"the server failed to load: {self.load_error}",
+                raise NotReadyError("the server failed to load (its log says why)",
                                     "fix the configuration and restart the server")
             raise NotReadyError("the server is still loading (index and default encoder)",
                                 "retry shortly; GET /readyz says when it is ready")

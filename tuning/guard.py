@@ -36,6 +36,7 @@ from qswap.tuning.stats import ALPHA, Z_CRITICAL, compare_counts, holm, paired_c
 
 SENTINEL_FORMS = "beir:DIR[:QLANG[-DLANG]] or triplets:FILE, optionally prefixed NAME="
 DECIDING_TEST = "wilcoxon signed-rank on per-query ndcg@10, holm over sentinels"
+INSUFFICIENT = "insufficient_evidence"
 
 
 def _finite(x: float | None) -> float | None:
@@ -48,7 +49,9 @@ def guard_table(record: dict[str, Any], only_bad: bool = False) -> str:
     for c in record.get("checks") or []:
         if not isinstance(c, dict) or (only_bad and not c.get("degraded")):
             continue
-        if "p_holm" in c:
+        if c.get("verdict") == INSUFFICIENT:
+            lines.append(f"{c.get('name')} vs {c.get('against')}: n={c.get('n')} {INSUFFICIENT}")
+        elif "p_holm" in c:
             lines.append(f"{c.get('name')} vs {c.get('against')}: n={c.get('n')} ndcg@10 "
                          f"{float(c.get('before', 0)):.4f}->{float(c.get('after', 0)):.4f} "
                          f"p_holm={float(c.get('p_holm', 1)):.2g} {c.get('verdict')}")
@@ -107,18 +110,47 @@ def sentinel_check(name: str, before: Any, after: Any, against: str = "base",
     return check
 
 
-def guard_record(checks: Sequence[dict[str, Any]], alpha: float = ALPHA) -> dict[str, Any]:
-    """The verdict: Holm over the sentinels of each comparison, failed on any regression."""
-    checks = [dict(c) for c in checks]
-    for against in {c["against"] for c in checks}:
-        group = [c for c in checks if c["against"] == against]
+def insufficient_check(name: str, n: int, against: str = "base", lang: str | None = None) -> dict[str, Any]:
+    """A check of a sentinel with too few judged queries left to compare anything (``n`` of them)."""
+    return {"name": name, "against": against, "lang": lang, "n": n, "metric": "ndcg_at_10",
+            "before": None, "after": None, "delta": None, "p_value": None, "p_holm": None,
+            "verdict": INSUFFICIENT, "degraded": False}
+
+
+def guard_record(checks: Sequence[dict[str, Any]], alpha: float = ALPHA, min_queries: int = 1) -> dict[str, Any]:
+    """The verdict: Holm over the sentinels of each comparison, failed on any regression.
+
+    A check scored on fewer than ``min_queries`` queries decides nothing (a Wilcoxon test on 5
+    queries cannot reach p < 0.05 whatever happened): its verdict is ``insufficient_evidence``,
+    it is left out of the Holm correction, and the record's verdict is ``insufficient_evidence``
+    unless another check regressed (``refused``). ``passed`` is true only for ``passed``.
+    """
+    checks = [dict(c, min_queries=min_queries) for c in checks]
+    for c in checks:
+        if c["n"] < min_queries:
+            c["verdict"], c["degraded"] = INSUFFICIENT, False
+    judged = [c for c in checks if c["verdict"] != INSUFFICIENT]
+    for against in {c["against"] for c in judged}:
+        group = [c for c in judged if c["against"] == against]
         for c, p in zip(group, holm([float(c["p_value"]) for c in group])):
             c["p_holm"] = p
             sig = p < alpha
             c["verdict"] = ("regressed" if c["delta"] < 0 else "improved") if sig and c["delta"] != 0 else "unchanged"
             c["degraded"] = c["verdict"] == "regressed"
-    return {"passed": not any(c["degraded"] for c in checks), "alpha": alpha, "test": DECIDING_TEST,
-            "z_critical": Z_CRITICAL, "checks": checks}
+    verdict = ("refused" if any(c["degraded"] for c in checks)
+               else INSUFFICIENT if len(judged) < len(checks) else "passed")
+    return {"passed": verdict == "passed", "verdict": verdict, "alpha": alpha, "min_queries": min_queries,
+            "test": DECIDING_TEST, "z_critical": Z_CRITICAL, "checks": checks}
+
+
+def insufficient_table(record: dict[str, Any]) -> str:
+    """The checks without enough evidence, as text ("sentinel x has 6 judged queries left, needs 20")."""
+    seen = {}
+    for c in record.get("checks") or []:
+        if isinstance(c, dict) and c.get("verdict") == INSUFFICIENT:
+            seen.setdefault(c.get("name"), c)
+    return "; ".join(f"sentinel {n} has {c.get('n')} judged queries left, needs {c.get('min_queries')}"
+                     for n, c in seen.items()) or "too few judged queries"
 
 
 @dataclass(frozen=True)

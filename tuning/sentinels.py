@@ -94,14 +94,23 @@ def sentinels_fingerprint(sentinels: list[SentinelSet]) -> str:
     return h.hexdigest()[:16]
 
 
-def check_sentinels_in_index(sentinels: list[SentinelSet], index_ids: set[str]) -> None:
-    """Refuse sentinels whose judged documents the index does not hold (they would score 0)."""
+def sentinel_coverage(sentinels: list[SentinelSet], index_ids: set[str]) -> list[dict[str, Any]]:
+    """How much of each sentinel the index still judges: per sentinel its name, its judged
+    queries, the queries left with a relevant document in the index, and the judgements dropped.
+
+    Args:
+        sentinels: the loaded sentinel sets.
+        index_ids: the document ids the served index holds.
+
+    Returns:
+        One ``{"name", "queries", "queries_left", "judgements_dropped"}`` per sentinel.
+    """
+    out = []
     for s in sentinels:
-        missing = sorted(s.doc_ids() - index_ids)
-        if missing:
-            raise InvalidInputError(
-                f"sentinel {s.name}: {len(missing)} judged document id(s) are not in the served index, "
-                f"e.g. {missing[0]!r}", "build the sentinels over this index (`qswap sentinels make --index`)")
+        left = sum(1 for r in s.qrels if any(d in index_ids for d in r))
+        dropped = sum(1 for r in s.qrels for d in r if d not in index_ids)
+        out.append({"name": s.name, "queries": len(s.qids), "queries_left": left, "judgements_dropped": dropped})
+    return out
 
 
 def from_beir(directory: Path, lang: str | None, split: str = "test") -> SentinelData:

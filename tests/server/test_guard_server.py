@@ -2,67 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import random
-import time
-
-import httpx
 import pytest
-import torch
 
-from qswap.encoders import save_encoder
-
-from .conftest import ADMIN, WORDS, LiveServer, server_settings
-
-N_DOCS = 160
-
-
-def _wait_verdict(c: httpx.Client, key: str, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = c.get(f"/v1/encoders/{key}").json()
-        if info["guard_status"] != "evaluating":
-            return info
-        assert time.monotonic() < deadline, f"{key} still evaluating"
-        time.sleep(0.05)
-
+from .conftest import ADMIN, LiveServer, server_settings
+from .guarding import GuardGate, build_guard_data, wait_verdict as _wait_verdict
 
 @pytest.fixture(scope="module")
 def guard_data(tmp_path_factory, tiny_base):
-    """A 160-document index, two sentinels over it (80 judged queries each), encoder directories."""
-    from qswap.index import build_index
-    from qswap.beir import write_jsonl, write_qrels
-
-    tmp = tmp_path_factory.mktemp("guarded")
-    rng = random.Random(7)
-    docs = [{"id": f"g{i:03d}", "text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 10)))}
-            for i in range(N_DOCS)]
-    (tmp / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    build_index(tmp / "corpus.jsonl", tmp / "idx", tiny_base.encode_documents, tiny_base.space,
-                progress=False).close()
-    sent = tmp / "sentinels"
-    for s, part in (("alpha", docs[:80]), ("beta", docs[80:])):
-        (sent / s / "qrels").mkdir(parents=True)
-        # A query is its document's text minus its last word: the base finds most of them.
-        write_jsonl(sent / s / "queries.jsonl",
-                    [{"_id": f"q{d['id']}", "text": d["text"].rsplit(" ", 1)[0]} for d in part])
-        write_qrels(sent / s / "qrels" / "test.tsv", [(f"q{d['id']}", d["id"], 1) for d in part])
-    root = tmp / "encroot"
-    root.mkdir()
-    g = torch.Generator().manual_seed(3)
-    biases = {n: p.detach() for n, p in tiny_base.model.named_parameters() if n.endswith(".bias")}
-    # Over-tuned: every bias pushed far off (what a too-high learning rate does), yet its
-    # manifest claims the tuning guard passed.
-    bad = {n: t + 3.0 * torch.randn(t.shape, generator=g) for n, t in biases.items()}
-    claims = {"passed": True, "checks": []}
-    for v in ("1", "2"):
-        save_encoder(root / f"bad{v}", name="bad", version=v, kind="bias", space=tiny_base.space, tensors=bad,
-                     guard=claims)
-    # A tiny, harmless change and the identity, both without any guard record.
-    mild = {n: t + 1e-4 * torch.randn(t.shape, generator=g) for n, t in biases.items()}
-    save_encoder(root / "mild1", name="mild", version="1", kind="bias", space=tiny_base.space, tensors=mild)
-    save_encoder(root / "ident1", name="ident", version="1", kind="identity", space=tiny_base.space)
-    return {"tmp": tmp, "index": tmp / "idx", "sentinels": sent, "root": root}
+    return build_guard_data(tmp_path_factory.mktemp("guarded"), tiny_base)
 
 
 @pytest.fixture(scope="module")
@@ -135,12 +82,14 @@ def test_identity_and_unrecorded_encoders_are_evaluated_and_pass(guarded):
                                     for x in checks)
     assert c.put("/v1/aliases/web", json={"encoder": "ident@1"}).status_code == 200
     # The next encoder is compared with the base and with what it may replace (the aliased one).
-    r = c.post("/v1/encoders", json={"path": "mild1"})
-    assert r.status_code == 202
-    r = c.put("/v1/aliases/web", json={"encoder": "mild@1"})
-    assert r.status_code in (200, 409)      # 409 guard_pending unless the (tiny) evaluation already ended
-    if r.status_code == 409:
-        assert r.json()["error"] == "guard_pending"
+    with GuardGate(srv.app.state.qs.guard) as gate:   # holds mild@1 in 'evaluating'
+        r = c.post("/v1/encoders", json={"path": "mild1"})
+        assert r.status_code == 202
+        assert gate.entered.wait(60)
+        for force in (False, True):        # nothing accepts a pending encoder, not even force
+            r = c.put("/v1/aliases/web", json={"encoder": "mild@1", "force": force})
+            assert r.status_code == 409 and r.json()["error"] == "guard_pending", r.text
+        assert c.get("/v1/aliases").json()["aliases"]["web"] == "ident@1"
     info = _wait_verdict(c, "mild@1")
     assert info["guard_status"] == "passed", info["evaluation"]
     assert info["evaluation"]["against"] == ["base", "ident@1"]
@@ -151,16 +100,26 @@ def test_identity_and_unrecorded_encoders_are_evaluated_and_pass(guarded):
         == "mild@1"
 
 
-def test_sentinels_with_unknown_documents_fail_the_start(tmp_path, tiny_model_dir, index_dir):
+def test_sentinels_with_unknown_documents_start_and_judge_nothing(tmp_path, tiny_model_dir, index_dir, caplog,
+                                                                  guard_data):
+    """A sentinel whose judged documents are not in the index does not stop the server: it starts
+    with a warning, and every verdict is 'insufficient_evidence' (never 'passed')."""
     from qswap.beir import write_jsonl, write_qrels
     (tmp_path / "s" / "x" / "qrels").mkdir(parents=True)
     write_jsonl(tmp_path / "s" / "x" / "queries.jsonl", [{"_id": "q1", "text": "chess"}])
     write_qrels(tmp_path / "s" / "x" / "qrels" / "test.tsv", [("q1", "no-such-doc", 1)])
-    s = server_settings(tmp_path, tiny_model_dir, index_dir, sentinels=tmp_path / "s")
-    srv = LiveServer(s)
-    with pytest.raises(RuntimeError, match="not in the served index"):
-        srv.start()
-    srv.stop()
+    s = server_settings(tmp_path, tiny_model_dir, index_dir, sentinels=tmp_path / "s", admin_token=ADMIN,
+                        encoders_root=guard_data["root"])
+    with caplog.at_level("WARNING", logger="qswap.server"), LiveServer(s) as srv, srv.client(ADMIN) as c:
+        ready = c.get("/readyz")
+        assert ready.status_code == 200 and "no-such-doc" not in ready.text
+        warned = [r for r in caplog.records if r.getMessage() == "sentinel judgements dropped: documents not in the index"]
+        assert warned and warned[0].sentinel == "x" and warned[0].queries_left == 0
+        info = _wait_verdict(c, c.post("/v1/encoders", json={"path": "ident1"}).json()["encoder"]["key"])
+        assert info["guard_status"] == "insufficient_evidence" and info["evaluation"]["passed"] is False
+        assert [(x["n"], x["verdict"]) for x in info["evaluation"]["checks"]] == [(0, "insufficient_evidence")]
+        r = c.post("/v1/search", json={"query": "chess", "encoder": "ident@1"})
+        assert r.status_code == 409 and "0 judged queries left, needs 20" in r.json()["detail"], r.text
 
 
 def test_restart_with_sentinels_evaluates_unguarded_encoders(guard_data, tiny_model_dir, tmp_path):

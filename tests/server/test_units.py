@@ -583,7 +583,7 @@ def test_guard_encodes_sentinels_length_sorted_but_keeps_query_order():
     s = SentinelSet("s", None, [str(i) for i in range(len(texts))], texts, [{"d": 1}] * len(texts))
     guard = SentinelGuard([s], index=None, encode=encode)
     try:
-        emb = guard._embeddings("k", lambda n: None)[0]
+        emb = guard._embeddings("k", "v1", lambda n: None)[0]
     finally:
         guard.close()
     assert emb[:, 1].tolist() == list(range(len(texts)))          # row i is query i
