@@ -20,7 +20,7 @@ import numpy as np
 
 from qswap.encoders import BASE_KEY, BaseEncoder, EncoderPool, load_base
 from qswap.errors import QswapError
-from qswap.server.archive import extract_encoder_archive
+from qswap.server.intake import extract_encoder_archive
 from qswap.server.backend import Backend, make_backend
 from qswap.server.batching import MicroBatcher
 from qswap.server.config import ServerSettings

@@ -14,7 +14,7 @@ import pytest
 
 from qswap.errors import (ConflictError, GuardRefusedError, IntegrityError, InvalidInputError, NotFoundError,
                           SpaceMismatchError)
-from qswap.server.archive import extract_encoder_archive
+from qswap.server.intake import extract_encoder_archive
 from qswap.server.batching import MicroBatcher
 from qswap.server.config import ServerSettings, is_loopback
 from qswap.server.errors import (DeadlineExceededError, ERROR_MAP, LimitExceededError, OverloadedError,
