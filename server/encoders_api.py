@@ -19,7 +19,8 @@ from qswap.server.backend import runtime_of
 from qswap.server.errors import ForbiddenError, UnsupportedMediaTypeError
 from qswap.server.models import (KEY_PATTERN, NAME_PATTERN, REF_PATTERN, Alias, AliasList, AliasSet, Deleted,
                                  EncoderInfo, EncoderList, RegisterByPath, RegisterResponse)
-from qswap.server.registry import resolve_under_root
+from qswap.server.intake import open_under_root
+from qswap.server.registry import EncoderRecord
 from qswap.server.responses import ADMIN_ERRORS, ERRORS, state_of
 from qswap.server.state import ServerState
 
@@ -107,9 +108,13 @@ async def register_encoder(request: Request, response: Response) -> RegisterResp
         if root is None:
             raise ForbiddenError("register-by-path is disabled: the server has no encoders root",
                                  "restart with --encoders-root DIR, or upload a .tar.gz archive")
-        src = resolve_under_root(root, payload.path)
-        rec, created = await asyncio.to_thread(state.registry.register, src, force=payload.force,
-                                               source=f"path:{payload.path}", wait=payload.wait)
+
+        def register_path() -> tuple[EncoderRecord, bool]:
+            with open_under_root(root, payload.path) as src:   # copied from what was checked
+                return state.registry.register(src, force=payload.force, source=f"path:{payload.path}",
+                                               wait=payload.wait)
+
+        rec, created = await asyncio.to_thread(register_path)
     else:
         raise UnsupportedMediaTypeError(f"cannot read a {ctype.split(';')[0]} body here",
                                         "send application/json (path) or multipart/form-data (archive)")

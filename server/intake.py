@@ -1,25 +1,39 @@
-"""Safe extraction of an uploaded encoder archive (``.tar.gz`` of one encoder directory).
+"""Intake: everything that brings encoder files from outside into the server's store.
 
-The archive comes from the network, so nothing in it is trusted: members are written one by
-one by this code (never ``extractall``), only regular files and directories are accepted, no
-absolute paths, no ``..``, no links or devices, a bounded number of members and bytes.
+Two ways in, nothing trusted on either:
 
-Work is bounded before it is done: an extended header (PAX, GNU long name) is refused by its
-declared size before tarfile reads and parses it (a 0.4 MB upload can declare a 400 MB PAX
-header), sparse members are refused (their size on disk is not their size in the archive), and
-extraction stops at a deadline or when the server shuts down.
+- **by path** (``{"path": ...}``, only under ``--encoders-root``): the directory is opened by
+  walking from the root one component at a time with ``O_NOFOLLOW | O_DIRECTORY`` (a link
+  anywhere in the path is refused), and every file is then opened *relative to that open
+  directory* (``dir_fd``), without following links, checked with ``fstat`` (a regular file
+  with one link) and copied from the same descriptor. What is checked is what is copied:
+  swapping the directory (or a file) for a link after the check changes nothing.
+- **by upload** (``.tar.gz``): members are written one by one by this code (never
+  ``extractall``), only regular files and directories are accepted, no absolute paths, no
+  ``..``, no links or devices, a bounded number of members and bytes. Work is bounded before
+  it is done: an extended header (PAX, GNU long name) is refused by its declared size before
+  tarfile reads and parses it (a 0.4 MB upload can declare a 400 MB PAX header), sparse
+  members are refused (their size on disk is not their size in the archive), and extraction
+  stops at a deadline or when the server shuts down.
+
+Error messages name files relative to what the caller gave (never the server's absolute paths).
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
+import stat
 import tarfile
-import zlib
-from pathlib import Path, PurePosixPath
 import time
-from typing import BinaryIO, Callable
+import zlib
+from pathlib import Path, PurePath, PurePosixPath
+from contextlib import contextmanager
+from typing import Any, BinaryIO, Callable, Iterator, Mapping
 
-from qswap.encoders.artifact import ENCODER_MANIFEST
-from qswap.errors import InvalidInputError
+from qswap.encoders.artifact import ENCODER_MANIFEST, EncoderManifest, read_encoder_manifest
+from qswap.errors import IntegrityError, InvalidInputError, NotFoundError, QswapError
 
 _CHUNK = 1 << 20
 _MAX_DEPTH = 2   # an encoder directory is flat; allow one enclosing folder
@@ -132,3 +146,177 @@ def extract_encoder_archive(fileobj: BinaryIO, dest: Path, *, max_bytes: int, ma
         return subdirs[0]
     raise InvalidInputError(f"the archive holds no encoder directory ({ENCODER_MANIFEST} not found)",
                             "archive the encoder directory itself: tar czf enc.tar.gz -C PARENT ENCODER_DIR")
+
+
+# ----------------------------------------------------------------------------- by path
+
+_NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO planted in the directory must not hang the registration.
+_NOFOLLOW_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+class EncoderDir:
+    """An encoder directory held open: its files are read relative to ``fd``, never by path.
+
+    ``label`` names it in messages (the path the caller gave, not the server's).
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, fd: int, label: str) -> None:
+        self.fd = fd
+        self.label = label
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "EncoderDir":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def open_dir(path: Path, label: str | None = None) -> EncoderDir:
+    """Open a directory the server itself made (an extracted upload), not following a link.
+
+    Args:
+        path: the directory.
+        label: how messages name it (default: its name).
+
+    Returns:
+        The open directory.
+    """
+    try:
+        return EncoderDir(os.open(path, _NOFOLLOW_DIR), label or Path(path).name)
+    except OSError as e:
+        raise NotFoundError(f"{label or Path(path).name} is not a directory: {e.strerror}",
+                            "give an encoder directory") from None
+
+
+def open_under_root(root: Path, given: str) -> EncoderDir:
+    """Open the encoder directory ``given`` names under ``root``, following no link on the way.
+
+    A path that cannot name an encoder directory under the root (outside it, through a link,
+    a component longer than a file name can be, no manifest) is "not found": 404.
+
+    Args:
+        root: the server's ``--encoders-root`` (configured by the operator: trusted).
+        given: the path from the request, relative to the root (or absolute inside it).
+
+    Returns:
+        The open directory, labelled with the path relative to the root.
+    """
+    if "\x00" in given:
+        raise InvalidInputError("the path contains a NUL byte", "give a plain directory path")
+    p = PurePath(given)
+    if ".." in p.parts:
+        raise InvalidInputError(f"path {given!r} contains '..'",
+                                "give the encoder directory relative to the encoders root")
+    hint = "give the path of an encoder directory relative to the encoders root"
+    too_long = next((part for part in p.parts if len(part.encode("utf-8", "surrogatepass")) > 255), None)
+    if too_long is not None:
+        raise NotFoundError(f"no encoder directory at {given!r}: a component is longer than 255 bytes", hint)
+    root = Path(root)
+    root_real = root.resolve()
+    if p.is_absolute():
+        for anchor in (root_real, root.absolute()):
+            if p.is_relative_to(anchor):
+                p = p.relative_to(anchor)
+                break
+        else:
+            raise NotFoundError(f"path {given!r} is outside the encoders root",
+                                "copy the encoder under the server's encoders root first")
+    parts = [part for part in p.parts if part not in ("", ".")]
+    label = "/".join(parts) or "."
+    fd = os.open(root_real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts:
+            try:
+                nfd = os.open(part, _NOFOLLOW_DIR, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise NotFoundError(f"{label!r}: {part!r} is a link or not a directory (links are not "
+                                        "followed under the encoders root)",
+                                        "copy the encoder directory itself under the encoders root") from None
+                raise NotFoundError(f"no encoder directory at {given!r} under the encoders root", hint) from None
+            os.close(fd)
+            fd = nfd
+        try:
+            st = os.stat(ENCODER_MANIFEST, dir_fd=fd, follow_symlinks=False)
+        except (OSError, ValueError):
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise NotFoundError(f"no encoder directory ({ENCODER_MANIFEST}) at {given!r} under the encoders root",
+                                hint)
+    except BaseException:
+        os.close(fd)
+        raise
+    return EncoderDir(fd, label)
+
+
+def _copy_file(src: EncoderDir, name: str, dst: Path) -> None:
+    """Copy ``name`` of ``src`` (a regular file with one link, opened without following a link)."""
+    where = f"{src.label}/{name}"
+    try:
+        fd = os.open(name, _NOFOLLOW_FILE, dir_fd=src.fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise InvalidInputError(f"{where} in the encoder directory is a link",
+                                    "copy the real files into the encoder directory") from None
+        raise IntegrityError(f"cannot read {where}: {e.strerror}", "copy the whole encoder directory again") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidInputError(f"{where} is not a regular file", "re-export the encoder")
+        if st.st_nlink > 1:
+            # A hard link can make a file from outside the encoders root appear inside it
+            # (the walk sees only names), so linked files are refused.
+            raise InvalidInputError(f"{where} has {st.st_nlink} hard links",
+                                    "copy the file into the encoder directory instead of linking it")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as fin, open(dst / name, "xb") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+    finally:
+        os.close(fd)
+
+
+def copy_encoder(src: EncoderDir, dst: Path) -> EncoderManifest:
+    """Copy the manifest and the files it lists from the open directory ``src`` into ``dst``.
+
+    The manifest is parsed from the copy, so what is checked is what was copied.
+
+    Args:
+        src: the open encoder directory.
+        dst: an empty directory of the server's store (staging).
+
+    Returns:
+        The manifest (of the copy).
+    """
+    _copy_file(src, ENCODER_MANIFEST, dst)
+    manifest = read_encoder_manifest(dst)
+    for name in manifest.files:
+        if "/" in name or "\\" in name or name in ("", ".", ".."):
+            raise IntegrityError(f"{src.label}: manifest lists a bad file name {name!r}", "re-export the encoder")
+        _copy_file(src, name, dst)
+    return manifest
+
+
+@contextmanager
+def server_paths_hidden(labels: Mapping[Path, str]) -> Iterator[None]:
+    """Rewrite the server's own paths in a :class:`QswapError` raised inside, to the names the
+    caller knows (an admin error must not disclose the state dir's absolute path).
+
+    Args:
+        labels: server path -> what to show instead (longest paths are replaced first).
+    """
+    try:
+        yield
+    except QswapError as e:
+        for path, label in sorted(labels.items(), key=lambda kv: -len(str(kv[0]))):
+            for p in {str(path), str(Path(path).resolve())}:
+                e.message = e.message.replace(p, label)
+                e.hint = e.hint.replace(p, label)
+        e.args = (e.message,)
+        raise

@@ -30,7 +30,6 @@ import logging
 import os
 import re
 import shutil
-import stat
 import tempfile
 import threading
 import time
@@ -38,12 +37,14 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any
 
 from qswap.atomic import atomic_write_json
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
-from qswap.encoders.artifact import ENCODER_MANIFEST, EncoderManifest, read_encoder_manifest, validate_name
+from qswap.encoders.artifact import ENCODER_MANIFEST, EncoderManifest, validate_name
+from qswap.server import intake
+from qswap.server.intake import EncoderDir
 from qswap.locks import try_lock_exclusive
 from qswap.errors import (ConflictError, GuardPendingError, GuardRefusedError, IntegrityError, InvalidInputError,
                           NotFoundError, QswapError)
@@ -141,69 +142,6 @@ class EncoderRecord:
                    space=str(m.space.get("fingerprint") or m.embedding_space().fingerprint),
                    files=dict(m.files), registered_at=time.time(), source=source,
                    created_at=m.created_at, training=m.training, guard=m.guard)
-
-
-def _open_nofollow(path: Path) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as e:
-        if path.is_symlink():
-            raise InvalidInputError(f"{path.name} in the encoder directory is a link",
-                                    "copy the real files into the encoder directory") from None
-        raise IntegrityError(f"cannot read {path}: {e.strerror}",
-                             "copy the whole encoder directory again") from None
-
-
-def copy_encoder_dir(src: Path, dst: Path) -> EncoderManifest:
-    """Copy the manifest and the files it lists (regular files only, no links) into ``dst``."""
-    manifest = read_encoder_manifest(src)
-    for name in [ENCODER_MANIFEST, *manifest.files]:
-        if "/" in name or "\\" in name or name in ("", ".", ".."):
-            raise IntegrityError(f"{src}: manifest lists a bad file name {name!r}", "re-export the encoder")
-        fd = _open_nofollow(src / name)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise InvalidInputError(f"{src / name} is not a regular file", "re-export the encoder")
-            if st.st_nlink > 1:
-                # A hard link can make a file from outside the encoders root appear inside it
-                # (the root check sees only the path), so linked files are refused.
-                raise InvalidInputError(f"{src / name} has {st.st_nlink} hard links",
-                                        "copy the file into the encoder directory instead of linking it")
-            with os.fdopen(fd, "rb", closefd=False) as fin, open(dst / name, "xb") as fout:
-                shutil.copyfileobj(fin, fout, 1 << 20)
-        finally:
-            os.close(fd)
-    return manifest
-
-
-def resolve_under_root(root: Path, given: str) -> Path:
-    """The real encoder directory ``given`` names, which must lie inside ``root`` (no '..', no
-    link escape). A path that cannot name an encoder directory under the root (outside it, a
-    component longer than a file name can be, no manifest) is "not found": 404."""
-    if "\x00" in given:
-        raise InvalidInputError("the path contains a NUL byte", "give a plain directory path")
-    p = PurePath(given)
-    if ".." in p.parts:
-        raise InvalidInputError(f"path {given!r} contains '..'",
-                                "give the encoder directory relative to the encoders root")
-    hint = "give the path of an encoder directory relative to the encoders root"
-    too_long = next((part for part in p.parts if len(part.encode("utf-8", "surrogatepass")) > 255), None)
-    if too_long is not None:
-        raise NotFoundError(f"no encoder directory at {given!r}: a component is longer than 255 bytes", hint)
-    root_real = Path(root).resolve()
-    try:
-        real = (Path(p) if p.is_absolute() else root_real / p).resolve()
-        is_dir = real.is_dir()
-        has_manifest = is_dir and (real / ENCODER_MANIFEST).is_file()
-    except (OSError, ValueError, RuntimeError):   # too long, a link loop, undecodable
-        raise NotFoundError(f"no encoder directory at {given!r} under the encoders root", hint) from None
-    if not real.is_relative_to(root_real):
-        raise NotFoundError(f"path {given!r} is outside the encoders root",
-                            "copy the encoder under the server's encoders root first")
-    if not has_manifest:
-        raise NotFoundError(f"no encoder directory ({ENCODER_MANIFEST}) at {given!r} under the encoders root", hint)
-    return real
 
 
 class EncoderRegistry:
@@ -412,7 +350,8 @@ class EncoderRegistry:
                     return
                 if key not in self._records:
                     raise NotFoundError(f"encoder {key} is not registered", "list encoders with GET /v1/encoders")
-            art = load_encoder(self.store / key, self.space)   # re-verifies checksums of the stored copy
+            with intake.server_paths_hidden({self.state_dir: "<state-dir>"}):
+                art = load_encoder(self.store / key, self.space)   # re-verifies checksums of the stored copy
             self.pool.add(art)
             # Prepared before it is counted: what the backend holds for it depends on how it is
             # served (the shared runtime binds a LoRA adapter in place: 0 bytes; a merged export
@@ -473,9 +412,12 @@ class EncoderRegistry:
 
     # -- administration ------------------------------------------------------------------------
 
-    def register(self, src: Path, *, force: bool = False, source: str = "",
+    def register(self, src: Path | EncoderDir, *, force: bool = False, source: str = "",
                  wait: bool = False) -> tuple[EncoderRecord, bool]:
         """Copy, verify and attach the encoder directory ``src``; returns (record, created).
+
+        ``src`` is a directory held open (:func:`qswap.server.intake.open_under_root`: what was
+        checked is what is copied) or a path the server trusts (opened here, no link followed).
 
         With sentinels the record comes back ``evaluating`` while the server's evaluation runs
         in the background, unless ``wait``: then this returns once the verdict is in, and a
@@ -483,7 +425,11 @@ class EncoderRegistry:
         carrying the table, so a refused request changes nothing.
         """
         try:
-            rec, created, job = self._register(Path(src), force, source)
+            if isinstance(src, EncoderDir):
+                rec, created, job = self._register(src, force, source)
+            else:
+                with intake.open_dir(Path(src)) as opened:
+                    rec, created, job = self._register(opened, force, source)
             if wait and job is not None:
                 rec = self._await_verdict(rec.key, job, drop=created)
         except QswapError:
@@ -508,14 +454,13 @@ class EncoderRegistry:
             raise err
         return rec
 
-    def _register(self, src: Path, force: bool, source: str) -> tuple[EncoderRecord, bool, Future | None]:
+    def _register(self, src: EncoderDir, force: bool, source: str) -> tuple[EncoderRecord, bool, Future | None]:
         with self._admin_lock:
             self.store.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=_INCOMING, dir=self.store))
             try:
-                copy_encoder_dir(src, staging)
-                # Everything below reads the copy: what is verified is what is stored and served.
-                art = load_encoder(staging, self.space)   # manifest, checksums, then the space
+                with intake.server_paths_hidden({staging: src.label, self.state_dir: "<state-dir>"}):
+                    art = self._copy_and_verify(src, staging)
                 manifest = art.manifest
                 validate_name(manifest.name)
                 validate_name(manifest.version, "encoder version")
@@ -563,6 +508,12 @@ class EncoderRegistry:
         log.info("encoder registered", extra={"encoder": key, "kind": rec.kind, "source": source,
                                               "guard_status": rec.guard_status, "forced": force})
         return rec, True, job
+
+    def _copy_and_verify(self, src: EncoderDir, staging: Path) -> Any:
+        """Copy ``src`` into ``staging`` and load the copy (manifest, checksums, then the space):
+        everything after this reads the copy, so what is verified is what is stored and served."""
+        intake.copy_encoder(src, staging)
+        return load_encoder(staging, self.space)
 
     def _register_again(self, existing: EncoderRecord, force: bool) -> tuple[EncoderRecord, bool, Future | None]:
         """The identical encoder is registered already (holds ``_admin_lock``): ``force`` accepts

@@ -543,7 +543,7 @@ def test_registry_name_resolves_to_the_highest_version(registry, tiny_base, tmp_
 def test_register_by_path_refuses_hard_links(registry, tiny_base, tmp_path):
     import os
 
-    from qswap.server.registry import resolve_under_root
+    from qswap.server.intake import open_under_root
 
     from ..encoders.adapters import make_overrides
     r = registry()
@@ -553,10 +553,11 @@ def test_register_by_path_refuses_hard_links(registry, tiny_base, tmp_path):
     for p in enc.iterdir():
         os.link(p, root / "hl" / p.name)   # the files live outside the root too
     with pytest.raises(InvalidInputError, match="hard links"):
-        r.register(resolve_under_root(root, "hl"))
+        with open_under_root(root, "hl") as src:
+            r.register(src)
     assert "hl@1" not in r.keys()
     with pytest.raises(NotFoundError):
-        resolve_under_root(root, "x" * 300)
+        open_under_root(root, "x" * 300)
 
 
 def test_registry_counts_a_shared_lora_encoder_at_its_adapter_bytes(registry, encoders_root):
