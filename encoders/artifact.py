@@ -149,6 +149,11 @@ def save_encoder(out_dir: Path, *, name: str, version: str, kind: str, space: Em
     return manifest
 
 
+def _no_constant(name: str) -> Any:
+    # Infinity / NaN are not JSON: kept, they would make every file that copies them invalid JSON.
+    raise ValueError(f"the number {name} is not valid JSON")
+
+
 def read_encoder_manifest(path: Path) -> EncoderManifest:
     """Parse ``manifest.json`` of an encoder directory (no checksum verification)."""
     path = Path(path)
@@ -157,13 +162,13 @@ def read_encoder_manifest(path: Path) -> EncoderManifest:
         raise NotFoundError(f"{path} is not an encoder directory (no {ENCODER_MANIFEST})",
                             "point to a directory written by `qswap tune run` or save_encoder")
     try:
-        return EncoderManifest.model_validate(json.loads(mf.read_text()))
+        return EncoderManifest.model_validate(json.loads(mf.read_text(), parse_constant=_no_constant))
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err.get("loc", ())) or "manifest"
         raise IntegrityError(f"{mf} is not a valid encoder manifest: {where}: {err.get('msg', '')}",
                              "restore the encoder directory from its source") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:   # JSONDecodeError is a ValueError
         first = str(e).splitlines()[0]
         raise IntegrityError(f"{mf} is not a valid encoder manifest: {first}",
                              "restore the encoder directory from its source") from None

@@ -4,6 +4,8 @@ Admin routes (encoders, aliases, document changes) are guarded by ``admin_token`
 they are switched off, unless the server runs ``--insecure`` (then they are open, but only to
 loopback clients, and the server refuses to listen on anything but loopback). Search is open
 unless ``search_token`` is set; the admin token is accepted wherever the search token is.
+``/metrics`` (encoder keys, sentinel names, their nDCG and p-values) needs ``metrics_token``
+when one is set (a scraper's own credential), else it follows the search rule.
 """
 
 from __future__ import annotations
@@ -61,13 +63,27 @@ async def require_admin(request: Request, creds: HTTPAuthorizationCredentials | 
                          "restart with --token / QSWAP_ADMIN_TOKEN (or --insecure for local use)")
 
 
+def _require_one_of(creds: HTTPAuthorizationCredentials | None, what: str, name: str,
+                    *secrets: SecretStr | None) -> None:
+    given = _given(creds)
+    if given is None:
+        raise UnauthorizedError(f"{what} needs a bearer token", f"send 'Authorization: Bearer <{name}>'")
+    if not any(token_matches(given, t) for t in secrets):
+        raise UnauthorizedError(f"the bearer token is not valid for {what}", "check the token")
+
+
 async def require_search(request: Request, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> None:
     """Dependency of search and read-only routes: open unless a search token is configured."""
     s = _settings(request)
-    if s.search_token is None:
-        return
-    given = _given(creds)
-    if given is None:
-        raise UnauthorizedError("search needs a bearer token", "send 'Authorization: Bearer <search token>'")
-    if not (token_matches(given, s.search_token) or token_matches(given, s.admin_token)):
-        raise UnauthorizedError("the bearer token is not valid for search", "check the token")
+    if s.search_token is not None:
+        _require_one_of(creds, "search", "search token", s.search_token, s.admin_token)
+
+
+async def require_metrics(request: Request, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> None:
+    """Dependency of ``/metrics``: the metrics token (or the admin token) when one is set, else
+    the search rule (open unless a search token is set)."""
+    s = _settings(request)
+    if s.metrics_token is not None:
+        _require_one_of(creds, "/metrics", "metrics token", s.metrics_token, s.admin_token)
+    elif s.search_token is not None:
+        _require_one_of(creds, "/metrics", "search token", s.search_token, s.admin_token)

@@ -14,7 +14,7 @@ from pathlib import Path
 _FLAG_FIELDS = {
     "host": "host", "port": "port", "index": "index", "model": "model", "device": "device",
     "encoders_root": "encoders_root", "state_dir": "state_dir", "token": "admin_token",
-    "search_token": "search_token", "insecure": "insecure", "backend": "backend",
+    "search_token": "search_token", "metrics_token": "metrics_token", "insecure": "insecure", "backend": "backend",
     "query_precision": "query_precision",
     "batch_window_ms": "batch_window_ms", "max_batch": "max_batch", "default_encoder": "default_encoder",
     "read_only_index": "read_only_index", "max_k": "max_k", "max_queries": "max_queries",
@@ -60,6 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "command lines are visible to other users)")
     p.add_argument("--search-token", metavar="TOKEN", help="require this bearer token for search "
                    "(or QSWAP_SEARCH_TOKEN)")
+    p.add_argument("--metrics-token", metavar="TOKEN", help="require this bearer token for /metrics "
+                   "(or QSWAP_METRICS_TOKEN; default: the search token when one is set, else open)")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="admin routes without a token, for local use (loopback host only)")
     p.add_argument("--backend", choices=("shared", "onnx", "torch"),   # qswap.encoders.backend.BACKENDS (not imported: torch loads after OMP_WAIT_POLICY)

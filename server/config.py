@@ -60,6 +60,8 @@ class ServerSettings(BaseSettings):
     # -- security
     admin_token: SecretStr | None = Field(None, description="bearer token for admin routes")
     search_token: SecretStr | None = Field(None, description="bearer token for search (none = open search)")
+    metrics_token: SecretStr | None = Field(None, description="bearer token for /metrics (Prometheus scrapers); "
+                                            "none: /metrics follows the search rule (the search token when set)")
     insecure: bool = Field(False, description="admin routes without a token, loopback only")
     # -- throughput
     backend: Literal["shared", "onnx", "torch"] = "shared"
@@ -105,7 +107,7 @@ class ServerSettings(BaseSettings):
             raise InvalidInputError(
                 f"--insecure opens admin routes without a token; refusing to listen on {self.host}",
                 "use --host 127.0.0.1 with --insecure, or set an admin token (--token / QSWAP_ADMIN_TOKEN)")
-        for name in ("admin_token", "search_token"):
+        for name in ("admin_token", "search_token", "metrics_token"):
             tok = getattr(self, name)
             if tok is not None and (not tok.get_secret_value().strip()
                                     or any(c.isspace() for c in tok.get_secret_value())):

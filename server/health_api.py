@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
 from qswap import __version__
-from qswap.server.auth import require_search
+from qswap.server.auth import require_metrics, require_search
 from qswap.server.errors import error_body
 from qswap.server.models import ErrorBody, Health, Ready, ServerInfo
 from qswap.server.responses import ERRORS, state_of
@@ -32,8 +32,8 @@ async def readyz(request: Request) -> Ready | JSONResponse:
                  encoders_loaded=sum(1 for k in reg.keys() if reg.is_loaded(k)) + 1)
 
 
-@router.get("/metrics", summary="Prometheus metrics",
-            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
+@router.get("/metrics", summary="Prometheus metrics", dependencies=[Depends(require_metrics)],
+            responses={**ERRORS, 200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
 async def metrics(request: Request) -> Response:
     data, ctype = state_of(request).metrics.render()
     return Response(content=data, media_type=ctype)
