@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from qswap.encoders import BASE_KEY
+from qswap.guard import GuardStatus
 from qswap.server.auth import require_admin, require_search
 from qswap.server.backend import runtime_of
 from qswap.server.errors import ForbiddenError, UnsupportedMediaTypeError
@@ -119,7 +120,7 @@ async def register_encoder(request: Request, response: Response) -> RegisterResp
         raise UnsupportedMediaTypeError(f"cannot read a {ctype.split(';')[0]} body here",
                                         "send application/json (path) or multipart/form-data (archive)")
     # 202: stored, but the server's own evaluation is still running (it is not served yet).
-    response.status_code = 202 if rec.guard_status == "evaluating" else 201 if created else 200
+    response.status_code = 202 if rec.guard_status == GuardStatus.EVALUATING else 201 if created else 200
     if response.status_code == 202:
         response.headers["Location"] = f"/v1/encoders/{rec.key}"
     return RegisterResponse(encoder=_info(state, rec.key), created=created)

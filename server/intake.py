@@ -303,6 +303,15 @@ def copy_encoder(src: EncoderDir, dst: Path) -> EncoderManifest:
     return manifest
 
 
+def keep_listed(directory: Path, manifest: EncoderManifest) -> None:
+    """Delete what ``directory`` holds beyond the manifest and the files it lists (an archive
+    may carry more): the store keeps exactly what was verified."""
+    keep = {ENCODER_MANIFEST, *manifest.files}
+    for p in Path(directory).iterdir():
+        if p.name not in keep:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
 @contextmanager
 def server_paths_hidden(labels: Mapping[Path, str]) -> Iterator[None]:
     """Rewrite the server's own paths in a :class:`QswapError` raised inside, to the names the

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
 
+from qswap.guard import GuardStatus
+
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _STAGE = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -69,7 +71,7 @@ class Metrics:
     def export_guard(self, key: str, record: dict, status: str, seconds: float | None = None) -> None:
         """Publish one encoder's guard verdict (replacing its previous series)."""
         self.unexport_guard(key)
-        self.guard_passed.labels(encoder=key).set(1 if status == "passed" else 0)
+        self.guard_passed.labels(encoder=key).set(1 if status == GuardStatus.PASSED else 0)
         if seconds is not None:
             self.guard_seconds.observe(seconds)
         labels = []

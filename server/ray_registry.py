@@ -27,17 +27,17 @@ once its in-flight requests on this replica are done.
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from qswap.encoders import BASE_KEY
-from qswap.errors import ConflictError, IntegrityError, NotFoundError
-from qswap.server.registry import STATE_LOCK_FILE, EncoderRecord, EncoderRegistry
+from qswap.errors import ConflictError, NotFoundError
+from qswap.server.records import Aliases, EncoderRecord, Records
+from qswap.server.registry import EncoderRegistry
 
 log = logging.getLogger("qswap.server")
 
@@ -62,7 +62,7 @@ class SharedRegistry(EncoderRegistry):
     # -- the cross-process admin lock ---------------------------------------------------------
 
     @contextmanager
-    def admin_lock(self) -> Iterator[None]:
+    def shared_admin_lock(self) -> Iterator[None]:
         """Exclusive across every process sharing the state dir (blocking)."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         with self._xlock:
@@ -76,16 +76,17 @@ class SharedRegistry(EncoderRegistry):
     def _lock_state_dir(self) -> None:
         # Shared: replicas coexist; a single-process server (exclusive) is refused, and so is
         # a replica while such a server runs.
-        if self._state_fd is not None:
-            return
-        fd = os.open(self.state_dir / STATE_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ConflictError(f"state dir {self.state_dir} is in use by a single-process server",
-                                "stop it, or give the Ray deployment its own --state-dir") from None
-        self._state_fd = fd
+        def take_shared(path: Path) -> int:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise ConflictError("the state dir is in use by a single-process server",
+                                    "stop it, or give the Ray deployment its own --state-dir") from None
+            return fd
+
+        self.table.lock_dir(take_shared)
 
     # -- reading the shared table -------------------------------------------------------------
 
@@ -99,7 +100,7 @@ class SharedRegistry(EncoderRegistry):
     def load_state(self) -> None:
         # Under the admin lock: the base class drops stored copies the table does not list,
         # which would remove the copy another replica has renamed in but not yet listed.
-        with self.admin_lock():
+        with self.shared_admin_lock():
             sig = self._signature()
             super().load_state()
             self._sig = sig
@@ -112,39 +113,30 @@ class SharedRegistry(EncoderRegistry):
         sig = self._signature()
         if sig == self._sig:
             return False
-        if sig is None:
-            records: dict[str, EncoderRecord] = {}
-            aliases: dict[str, str] = {}
-        else:
-            try:
-                data = json.loads(self.file.read_text())
-                records = {k: EncoderRecord(**v) for k, v in data.get("encoders", {}).items()}
-                aliases = {str(k): str(v) for k, v in data.get("aliases", {}).items()}
-            except FileNotFoundError:
-                return False   # replaced between stat and read: the next poll reads it
-            except (json.JSONDecodeError, TypeError, AttributeError, UnicodeDecodeError) as e:
-                raise IntegrityError(f"{self.file} is not a valid registry file: {e}",
-                                     "restore it from a backup") from None
+        records: Records
+        aliases: Aliases
+        try:
+            records, aliases = self.table.read()
+        except FileNotFoundError:
+            return False   # replaced between stat and read: the next poll reads it
         with self._lock:
             cur = self._sig
             if cur is not None and sig is not None and sig[1] < cur[1]:
                 return False
-            self._records, self._aliases, self._sig = records, aliases, sig
+            self.table.records, self.table.aliases, self._sig = records, aliases, sig
         self.reloads += 1
         self._gauges()
         return True
 
     def _unload_unregistered(self) -> None:
         """Detach encoders another replica deleted, once nothing here uses them."""
-        with self._load_lock:
+        with self.cache.load_lock:
             with self._lock:
-                gone = [k for k in self._loaded if k not in self._records and not self._refs.get(k)]
+                gone = [k for k in self.cache.loaded if k not in self.table.records and not self._refs.get(k)]
                 for k in gone:
-                    del self._loaded[k]
+                    del self.cache.loaded[k]
             for k in gone:
-                if k in self.pool:
-                    self.pool.remove(k)
-                self._discard(k)
+                self.cache.detach(k)
                 log.info("encoder unloaded: deleted by another replica", extra={"encoder": k})
 
     def start_polling(self, poll_s: float = POLL_S) -> None:
@@ -180,18 +172,19 @@ class SharedRegistry(EncoderRegistry):
     def ensure_loaded(self, key: str) -> None:
         if key != BASE_KEY:
             with self._lock:
-                known = key in self._records
+                known = key in self.table.records
             if not known:
                 self.reload_if_changed()
         super().ensure_loaded(key)
 
     # -- changes: re-read under the admin lock, then the single-process code path ------------
 
-    def register(self, src: Path, *, force: bool = False, source: str = "",
-                 wait: bool = False) -> tuple[EncoderRecord, bool]:
-        with self.admin_lock():
+    def _registered(self, fill: Callable[[Path], Path], label: str, force: bool, source: str,
+                    wait: bool) -> tuple[EncoderRecord, bool]:
+        # Both ways in (a directory, an extracted upload) end here.
+        with self.shared_admin_lock():
             self.reload_if_changed()
-            rec, created = super().register(src, force=force, source=source, wait=wait)
+            rec, created = super()._registered(fill, label, force, source, wait)
         if created and self.detach_after_register:
             # Registration attached it to check that it fits the base; which replicas hold it
             # is Ray Serve's multiplexing decision (its per-replica LRU), not this replica's.
@@ -199,22 +192,21 @@ class SharedRegistry(EncoderRegistry):
         return rec, created
 
     def delete(self, key: str, timeout_s: float = 30.0) -> None:
-        with self.admin_lock():
+        with self.shared_admin_lock():
             self.reload_if_changed()
             super().delete(key, timeout_s)
 
     def set_alias(self, domain: str, ref: str, force: bool = False) -> tuple[str, str | None]:
-        with self.admin_lock():
+        with self.shared_admin_lock():
             self.reload_if_changed()
             return super().set_alias(domain, ref, force)
 
     def delete_alias(self, domain: str) -> str:
-        with self.admin_lock():
+        with self.shared_admin_lock():
             self.reload_if_changed()
             return super().delete_alias(domain)
 
-    def _save(self, records: dict[str, EncoderRecord], aliases: dict[str, str]) -> None:
-        super()._save(records, aliases)
+    def _table_saved(self) -> None:
         self._sig = self._signature()   # our own write needs no re-read
 
     # -- the Ray Serve LRU ---------------------------------------------------------------------
@@ -223,14 +215,12 @@ class SharedRegistry(EncoderRegistry):
         """Detach ``key`` unless it is pinned (base, default, aliased) or in use; True if detached.
 
         Called when Ray Serve's per-replica LRU (``--max-encoders-per-replica``) drops it."""
-        with self._load_lock:
+        with self.cache.load_lock:
             with self._lock:
-                if key not in self._loaded or key in self._pinned() or self._refs.get(key):
+                if key not in self.cache.loaded or key in self._pinned() or self._refs.get(key):
                     return False
-                del self._loaded[key]
-            if key in self.pool:
-                self.pool.remove(key)
-            self._discard(key)
+                del self.cache.loaded[key]
+            self.cache.detach(key)
         if self.metrics is not None:
             self.metrics.evictions.inc()
         log.info("encoder evicted (replica LRU)", extra={"encoder": key})

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -217,16 +216,20 @@ class ServerState:
 
     def register_archive(self, fileobj: BinaryIO, force: bool, filename: str | None,
                          wait: bool = False) -> tuple[EncoderRecord, bool]:
-        """Safely extract an uploaded archive and register the encoder in it (blocking)."""
+        """Safely extract an uploaded archive straight into the store's staging folder and
+        register the encoder in it (blocking)."""
         assert self.registry is not None
         s = self.settings
-        s.state_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=UPLOAD_PREFIX, dir=s.state_dir) as tmp:
-            enc_dir = extract_encoder_archive(fileobj, Path(tmp), max_bytes=s.max_extracted_bytes,
-                                              max_members=s.max_archive_members,
-                                              deadline=time.monotonic() + s.upload_timeout_s,
-                                              cancelled=lambda: self._closed)
-            return self.registry.register(enc_dir, force=force, source=f"upload:{filename or 'archive'}", wait=wait)
+
+        def extract(work: Path) -> Path:
+            return extract_encoder_archive(fileobj, work, max_bytes=s.max_extracted_bytes,
+                                           max_members=s.max_archive_members,
+                                           deadline=time.monotonic() + s.upload_timeout_s,
+                                           cancelled=lambda: self._closed)
+
+        name = filename or "archive"
+        return self.registry.register_extracted(extract, label=f"upload {name}", force=force,
+                                                source=f"upload:{name}", wait=wait)
 
     def embed_and_upsert(self, docs: list[Any]) -> tuple[int, int]:
         """Embed documents with the base document tower and upsert them. Worker thread."""

@@ -114,7 +114,7 @@ def test_a_verdict_never_lands_on_other_files_of_the_same_key(server):
     files stay 'evaluating' until their own evaluation refuses them."""
     srv, c = server
     reg = srv.app.state.qs.registry
-    store = reg._store_verdict
+    store = reg.scheduler.store_verdict
     arrived = [threading.Event(), threading.Event()]
     go = [threading.Event(), threading.Event()]
     stored: list[bool] = []
@@ -129,7 +129,7 @@ def test_a_verdict_never_lands_on_other_files_of_the_same_key(server):
         first_done.set()
         return ok
 
-    reg._store_verdict = held_store
+    reg.scheduler.store_verdict = held_store
     try:
         assert c.post("/v1/encoders", json={"path": "staleA"}).status_code == 202
         assert arrived[0].wait(120)          # staleA judged (it passed); its verdict not yet stored
@@ -147,10 +147,10 @@ def test_a_verdict_never_lands_on_other_files_of_the_same_key(server):
     finally:
         for e in go:
             e.set()
-        del reg._store_verdict
+        del reg.scheduler.store_verdict
     assert stored == [False, True]
     assert info["guard_status"] == "refused" and info["evaluation"]["passed"] is False
-    assert info["evaluation"]["encoder_digest"] == reg._records["stale@1"].digest
+    assert info["evaluation"]["encoder_digest"] == reg.record("stale@1").digest
     assert c.delete("/v1/encoders/stale@1").status_code == 200
 
 

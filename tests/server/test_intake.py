@@ -95,3 +95,32 @@ def test_live_registration_raced_by_a_link_swap_never_registers_the_outside_enco
         r = c.post("/v1/encoders", json={"path": "race"})
         assert r.status_code == 404 and "link" in r.json()["detail"], r.text
         assert str(tmp_path) not in r.text
+
+
+def test_an_upload_is_extracted_once_into_the_store_and_keeps_only_listed_files(
+        root_and_outside, tiny_model_dir, index_dir, tmp_path, monkeypatch):
+    import io
+    import tarfile
+
+    root, _ = root_and_outside
+    (root / "race" / "notes.txt").write_text("not listed in the manifest")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        tar.add(root / "race", arcname="race")
+    made: list[Path] = []
+    real_extract = intake.extract_encoder_archive
+
+    def extract(fileobj, dest, **kw):
+        made.append(Path(dest))
+        return real_extract(fileobj, dest, **kw)
+
+    monkeypatch.setattr("qswap.server.state.extract_encoder_archive", extract)
+    s = server_settings(tmp_path, tiny_model_dir, index_dir, admin_token=ADMIN, read_only_index=True)
+    with LiveServer(s) as srv, srv.client(ADMIN) as c:
+        r = c.post("/v1/encoders", files={"archive": ("race.tar.gz", buf.getvalue(), "application/gzip")})
+        assert r.status_code == 201, r.text
+    store = tmp_path / "state" / "encoders"
+    assert [p.parent for p in made] == [store]                  # extracted into the store's staging folder
+    assert sorted(p.name for p in (store / "inside@1").iterdir()) == sorted(
+        p.name for p in (root / "race").iterdir() if p.name != "notes.txt")
+    assert sorted(p.name for p in store.iterdir()) == ["inside@1"]   # no staging folder left

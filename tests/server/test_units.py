@@ -567,7 +567,7 @@ def test_registry_counts_a_shared_lora_encoder_at_its_adapter_bytes(registry, en
     reg = registry(backend="shared")
     reg.backend.wait(timeout=120)
     key = reg.register(encoders_root / "ft1")[0].key
-    footprint = reg._loaded[key]
+    footprint = reg.cache.loaded[key]
     assert reg.backend.runtime(key) == "onnx-shared"
     assert footprint == reg.pool.memory_bytes(key) < reg.backend.merged.memory_bytes(key)
 

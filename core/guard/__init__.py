@@ -1,0 +1,9 @@
+"""The regression guard: sentinel sets, paired statistics, the evaluator and its typed record.
+
+Shared by tuning (``qswap tune run`` writes a guard record into the manifest) and the server
+(``qswap serve --sentinels`` evaluates every registration itself); it imports neither.
+"""
+
+from qswap.guard.status import GuardStatus
+
+__all__ = ["GuardStatus"]

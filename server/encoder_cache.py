@@ -1,0 +1,101 @@
+"""The loaded encoders: attached to the pool and prepared by the backend, in an LRU under a byte budget.
+
+What a loaded encoder costs is its pool bytes plus what the backend holds for it (the shared
+runtime binds a LoRA adapter in place: 0 bytes; a merged ONNX export holds a whole transformer,
+~8x a LoRA adapter for e5-small). Beyond the budget the least recently used encoder that is
+neither pinned (base, default, aliased) nor in use is detached; it loads again on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from typing import Any, Callable
+
+from qswap.encoders import BASE_KEY, EncoderPool
+
+log = logging.getLogger("qswap.server")
+
+
+class EncoderCache:
+    """Which encoders are attached, and what each costs.
+
+    ``lock`` is the registry's table lock (cheap bookkeeping only); ``load_lock`` serialises
+    pool changes (attach, detach), which do model work and never run under ``lock``.
+    """
+
+    def __init__(self, pool: EncoderPool, backend: Any, budget: int, lock: threading.RLock,
+                 metrics: Any = None) -> None:
+        self.pool = pool
+        self.backend = backend
+        self.budget = budget
+        self.lock = lock
+        self.load_lock = threading.Lock()
+        self.metrics = metrics
+        self.loaded: OrderedDict[str, int] = OrderedDict()   # key -> bytes, least recently used first
+
+    def __contains__(self, key: str) -> bool:
+        with self.lock:
+            return key == BASE_KEY or key in self.loaded
+
+    def touch(self, key: str) -> None:
+        """Mark ``key`` as just used (caller holds ``lock``)."""
+        if key in self.loaded:
+            self.loaded.move_to_end(key)
+
+    @property
+    def total_bytes(self) -> int:
+        with self.lock:
+            return sum(self.loaded.values())
+
+    def count(self, key: str) -> None:
+        """Count an encoder the pool now holds (caller holds ``load_lock``): prepared by the
+        backend first, since what the backend holds depends on how it serves it."""
+        self.prepare(key)
+        with self.lock:
+            self.loaded[key] = self.pool.memory_bytes(key) + self.backend.memory_bytes(key)
+        if self.metrics is not None:
+            self.metrics.loads.inc()
+
+    def evict(self, keep: str, busy: Callable[[], set[str]]) -> None:
+        """Detach least recently used encoders that are not in ``busy()`` (pinned or in use)
+        until under budget (caller holds ``load_lock``; ``busy`` is called under ``lock``)."""
+        while True:
+            with self.lock:
+                if sum(self.loaded.values()) <= self.budget:
+                    return
+                held = busy()
+                victim = next((k for k in self.loaded if k != keep and k not in held), None)
+                if victim is None:
+                    log.warning("loaded encoders exceed the memory budget; nothing can be evicted",
+                                extra={"bytes": sum(self.loaded.values()), "budget": self.budget})
+                    return
+                del self.loaded[victim]   # from now on a new request reloads it (after this lock)
+            self.detach(victim)
+            if self.metrics is not None:
+                self.metrics.evictions.inc()
+            log.info("encoder evicted", extra={"encoder": victim})
+
+    def forget(self, key: str) -> bool:
+        """Stop counting ``key`` (caller holds ``load_lock``, then calls :meth:`detach`)."""
+        with self.lock:
+            return self.loaded.pop(key, None) is not None
+
+    def detach(self, key: str) -> None:
+        """Remove ``key`` from the pool and the backend (caller holds ``load_lock``)."""
+        if key in self.pool:
+            self.pool.remove(key)
+        self.discard(key)   # an ONNX session would keep the memory the budget freed
+
+    def prepare(self, key: str) -> None:
+        try:
+            self.backend.prepare(key)
+        except Exception:   # an export failure must not fail the request: the pool still serves
+            log.exception("backend prepare failed", extra={"encoder": key})
+
+    def discard(self, key: str) -> None:
+        try:
+            self.backend.discard(key)
+        except Exception:
+            log.exception("backend discard failed", extra={"encoder": key})
