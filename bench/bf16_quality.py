@@ -41,7 +41,7 @@ ARMS = {"docs bf16": ("fp32", "bf16"), "queries bf16": ("bf16", "fp32"), "both b
 def main(args: argparse.Namespace) -> int:
     from qswap.encoders import load_base
     from qswap.encoders.precision import autocast_context
-    from qswap.tuning.evaluation import compare_metrics, evaluate_retrieval
+    from qswap.guard.evaluation import compare_metrics, evaluate_retrieval
 
     writer = ResultWriter("bf16_quality", args.out)
     base = load_base(args.model)

@@ -140,7 +140,7 @@ def _budget(args: argparse.Namespace, base: Any, work: Path, quick: bool) -> dic
 
 
 def _per_query(q: np.ndarray, docs: np.ndarray, rel: list[dict[int, int]]) -> dict[str, np.ndarray]:
-    from qswap.tuning.evaluation import evaluate_retrieval
+    from qswap.guard.evaluation import evaluate_retrieval
     m = evaluate_retrieval(q, docs, rel, ks=(10,))
     return {k: np.asarray(v, dtype=np.float64) for k, v in m.per_query.items()}
 
@@ -148,7 +148,7 @@ def _per_query(q: np.ndarray, docs: np.ndarray, rel: list[dict[int, int]]) -> di
 def _decide(before: list[dict[str, np.ndarray]], after: list[dict[str, np.ndarray]],
             subsets: list[np.ndarray], swaps: list[np.ndarray | None]) -> dict[str, bool]:
     """One round: the guard's paired decision and the pooled-Z decision over all sentinels."""
-    from qswap.tuning.stats import holm, paired_compare, z_test
+    from qswap.guard.stats import holm, paired_compare, z_test
     ps, deltas, sign_bad, z_bad, t_bad = [], [], False, False, False
     for b, a, idx, sw in zip(before, after, subsets, swaps):
         bb = {k: v[idx] for k, v in b.items()}
@@ -171,7 +171,7 @@ def _decide(before: list[dict[str, np.ndarray]], after: list[dict[str, np.ndarra
 def _alarms(args: argparse.Namespace, base: Any, work: Path, quick: bool) -> dict[str, Any]:
     from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
     from qswap.index import DocumentIndex
-    from qswap.tuning.sentinels import load_sentinels
+    from qswap.guard.sentinels import load_sentinels
 
     sentinels = load_sentinels(args.sentinels)
     with DocumentIndex.open(args.index, read_only=True) as idx:

@@ -45,8 +45,8 @@ def main(args: argparse.Namespace) -> int:
     from qswap.tuning.data import read_beir, split_samples
     from qswap.tuning.doc_cache import embed_documents
     from qswap.tuning.progress import encode_with_progress
-    from qswap.tuning.evaluation import evaluate_retrieval
-    from qswap.tuning.stats import compare_counts, improvement
+    from qswap.guard.evaluation import evaluate_retrieval
+    from qswap.guard.stats import compare_counts, improvement
 
     writer = ResultWriter("quality", args.out)
     art = load_encoder(args.encoder)

@@ -10,7 +10,7 @@ Package map (dependency arrows point one way):
 - ``qswap.index``: the FAISS document index on disk.
 - ``qswap.tuning``: adiabatic query-tower tuning -> ``qswap.encoders``, ``qswap.index``.
 - ``qswap.server``: the HTTP search service -> ``qswap.index``, ``qswap.encoders``.
-  Nothing imports it but the CLI. It may use ``qswap.tuning.guard`` (registration guard).
+  Nothing imports it but the CLI. It may use ``qswap.guard.checks`` (registration guard).
 - ``qswap.bench``: benchmarks -> every package but the server's code (servers run as processes).
 - ``qswap.cli`` (folder ``cli/``): the ``qswap`` command, above all packages; nothing imports it.
 """

@@ -55,7 +55,7 @@ from qswap.server.intake import EncoderDir
 from qswap.server.records import (REGISTRY_FILE, STATE_LOCK_FILE, EncoderRecord, RecordTable, split_key,
                                   version_order)
 from qswap.space import EmbeddingSpace
-from qswap.tuning.guard import check_guard, guard_table, insufficient_table
+from qswap.guard.checks import check_guard, guard_table, insufficient_table
 
 __all__ = ["DEFAULT_ALIAS", "REGISTRY_FILE", "STATE_LOCK_FILE", "EncoderRecord", "EncoderRegistry", "GuardStatus",
            "split_key", "version_order"]
@@ -113,7 +113,7 @@ class EncoderRegistry:
         self.backend = backend
         self.default_ref = default_encoder
         self.metrics = metrics
-        self.guard = guard                      # a qswap.server.sentinels.SentinelGuard, or None
+        self.guard = guard                      # a qswap.guard.evaluator.SentinelGuard, or None
         self._lock = threading.RLock()
         self._released = threading.Condition(self._lock)   # a reference was released (delete waits)
         self.admin_lock = threading.Lock()

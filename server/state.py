@@ -47,7 +47,7 @@ class ServerState:
         self.backend: Backend | None = None
         self.registry: EncoderRegistry | None = None
         self.batcher: MicroBatcher | None = None
-        self.guard: Any = None          # qswap.server.sentinels.SentinelGuard with --sentinels
+        self.guard: Any = None          # qswap.guard.evaluator.SentinelGuard with --sentinels
         self._closed = False
         self._close_lock = threading.Lock()
         self._loader: threading.Thread | None = None
@@ -88,7 +88,7 @@ class ServerState:
                                     s.query_precision)
         guard = None
         if s.sentinels is not None:
-            from qswap.server.sentinels import SentinelGuard, load_sentinels
+            from qswap.guard.evaluator import SentinelGuard, load_sentinels
             sentinels = load_sentinels(s.sentinels)
             guard = SentinelGuard(sentinels, index, self.backend.encode, self.metrics, s.guard_alpha,
                                   s.guard_min_queries)

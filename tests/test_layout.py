@@ -17,8 +17,8 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PACKAGES = ("qswap.encoders", "qswap.index", "qswap.tuning", "qswap.bench", "qswap.server", "qswap.cli")
 #: What the server may use from tuning: the registration guard, its sentinel sets, statistics and the
 #: retrieval evaluation they score with; nothing that trains (no trainer, losses, methods, mining).
-SERVER_FROM_TUNING = ("qswap.tuning.guard", "qswap.tuning.stats", "qswap.tuning.sentinels",
-                      "qswap.tuning.evaluation")
+SERVER_FROM_TUNING = ("qswap.guard.checks", "qswap.guard.stats", "qswap.guard.sentinels",
+                      "qswap.guard.evaluation")
 
 CONTRACTS = [
     ("qswap.index", "qswap.server", ()), ("qswap.encoders", "qswap.server", ()),

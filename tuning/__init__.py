@@ -4,9 +4,9 @@ Documents are embedded once by the frozen base (:mod:`~qswap.tuning.doc_cache`);
 trainable copy of the base encodes queries (:mod:`~qswap.tuning.methods`: partial, bias,
 LoRA, full) and is trained with the papers' losses (:mod:`~qswap.tuning.losses`) in
 fixed-size epochs with early stopping (:mod:`~qswap.tuning.trainer`). A run
-(:mod:`~qswap.tuning.run`) evaluates base vs tuned (:mod:`~qswap.tuning.evaluation`,
-:mod:`~qswap.tuning.stats`, :mod:`~qswap.tuning.multilingual`), checks sentinel sets
-(:mod:`~qswap.tuning.guard`) and writes an encoder directory with its report.
+(:mod:`~qswap.tuning.run`) evaluates base vs tuned (:mod:`~qswap.guard.evaluation`,
+:mod:`~qswap.guard.stats`, :mod:`~qswap.tuning.multilingual`), checks sentinel sets
+(:mod:`~qswap.guard.checks`) and writes an encoder directory with its report.
 
-Nothing is imported here, so ``qswap.tuning.guard`` stays light for the server.
+Nothing is imported here, so ``qswap.guard.checks`` stays light for the server.
 """

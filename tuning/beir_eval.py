@@ -18,7 +18,7 @@ from qswap.beir import read_corpus, read_qrels, read_queries
 from qswap.encoders import BaseEncoder
 from qswap.errors import InvalidInputError
 from qswap.tuning.doc_cache import StoredEmbeddings, embed_documents
-from qswap.tuning.evaluation import RankingMetrics, compare_metrics, evaluate_retrieval
+from qswap.guard.evaluation import RankingMetrics, compare_metrics, evaluate_retrieval
 from qswap.tuning.progress import encode_with_progress
 
 Encode = Callable[[list[str]], np.ndarray]

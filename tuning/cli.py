@@ -60,7 +60,7 @@ def _add_sentinels(subparsers: Any) -> None:
 
 def _sentinels_make(args: argparse.Namespace) -> int:
     from qswap.beir import resolve_language
-    from qswap.tuning.sentinels import from_beir, from_log, make_sentinel, read_qid_file
+    from qswap.guard.sentinels import from_beir, from_log, make_sentinel, read_qid_file
 
     exclude = read_qid_file(args.exclude_qids) if args.exclude_qids else set()
     if args.beir is not None:
@@ -288,8 +288,8 @@ def _eval(args: argparse.Namespace) -> int:
     from qswap.encoders import EncoderPool, load_base, load_encoder, read_encoder_manifest
     from qswap.errors import InvalidInputError
     from qswap.tuning.beir_eval import BeirEvaluator
-    from qswap.tuning.guard import evaluate_sentinels, parse_sentinel, triplet_metrics
-    from qswap.tuning.evaluation import compare_metrics
+    from qswap.guard.checks import evaluate_sentinels, parse_sentinel, triplet_metrics
+    from qswap.guard.evaluation import compare_metrics
     from qswap.tuning.multilingual import language_matrix, plot_heatmap
 
     if not (args.beir or args.triplets or args.sentinel):

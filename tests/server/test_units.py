@@ -573,7 +573,7 @@ def test_registry_counts_a_shared_lora_encoder_at_its_adapter_bytes(registry, en
 
 
 def test_guard_encodes_sentinels_length_sorted_but_keeps_query_order():
-    from qswap.server.sentinels import SentinelGuard, SentinelSet
+    from qswap.guard.evaluator import SentinelGuard, SentinelSet
     texts = [("q" * n) + f" {i}" for i, n in enumerate([3, 40, 1, 17, 25, 2, 33] * 10)]
     calls: list[list[str]] = []
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from qswap.tuning.evaluation import compare_metrics, evaluate_candidates, evaluate_retrieval
+from qswap.guard.evaluation import compare_metrics, evaluate_candidates, evaluate_retrieval
 
 # Query along x; documents at known cosines to it: 1.0, 0.8, 0.6, 0.0 (and a tie at 0.8).
 Q = np.array([[1.0, 0.0]], dtype=np.float32)

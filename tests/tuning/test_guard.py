@@ -10,9 +10,9 @@ import pytest
 import numpy as np
 
 from qswap.errors import GuardRefusedError, InvalidInputError
-from qswap.tuning.evaluation import RankingMetrics
-from qswap.tuning.guard import check_guard, guard_record, parse_sentinel, sentinel_check
-from qswap.tuning.stats import holm, paired_compare
+from qswap.guard.evaluation import RankingMetrics
+from qswap.guard.checks import check_guard, guard_record, parse_sentinel, sentinel_check
+from qswap.guard.stats import holm, paired_compare
 
 
 def _metrics(ndcg: np.ndarray) -> RankingMetrics:
@@ -74,7 +74,7 @@ def test_check_guard_refuses_only_a_failed_guard():
 
 
 def test_guard_module_imports_no_torch_or_numpy():
-    code = ("import sys, qswap.tuning.guard as g; g.check_guard(None);"
+    code = ("import sys, qswap.guard.checks as g; g.check_guard(None);"
             "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

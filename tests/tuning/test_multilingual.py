@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from qswap.tuning.beir_eval import BeirEvaluator, PairResult
-from qswap.tuning.evaluation import RankingMetrics
+from qswap.guard.evaluation import RankingMetrics
 from qswap.tuning.multilingual import LanguageMatrix, language_matrix, plot_heatmap
 
 

@@ -10,7 +10,7 @@ import pytest
 from qswap.encoders import EncoderPool, load_encoder, read_encoder_manifest
 from qswap.errors import GuardRefusedError, InvalidInputError
 from qswap.tuning.cli import register
-from qswap.tuning.guard import check_guard
+from qswap.guard.checks import check_guard
 
 FAST = ["--lr", "3e-3", "--batch-size", "8", "--epoch-batches", "10", "--max-epochs", "5",
         "--patience", "3", "--quiet"]

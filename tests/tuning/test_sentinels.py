@@ -8,7 +8,7 @@ import pytest
 
 from qswap.cli import main
 from qswap.errors import InvalidInputError
-from qswap.tuning.sentinels import load_sentinels
+from qswap.guard.sentinels import load_sentinels
 
 
 def test_make_from_beir_is_seeded_and_loads(tuning_data, tmp_path, capsys):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from qswap.tuning.stats import compare_counts, improvement, z_test
+from qswap.guard.stats import compare_counts, improvement, z_test
 
 
 def test_z_known_values():

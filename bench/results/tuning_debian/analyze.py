@@ -25,14 +25,14 @@ from qswap.beir import read_corpus, read_qrels, read_queries
 from qswap.encoders import EncoderPool, load_base, load_encoder
 from qswap.tuning.data import read_beir, split_samples
 from qswap.tuning.doc_cache import embed_documents
-from qswap.tuning.evaluation import evaluate_retrieval
-from qswap.tuning.stats import compare_counts, improvement
+from qswap.guard.evaluation import evaluate_retrieval
+from qswap.guard.stats import compare_counts, improvement
 
 KS = (1, 5, 10, 100)
 
 
 def per_query(q: np.ndarray, docs: np.ndarray, rel_rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(PND errors, reciprocal rank) of each query; ties count as errors, as in qswap.tuning.evaluation."""
+    """(PND errors, reciprocal rank) of each query; ties count as errors, as in qswap.guard.evaluation."""
     qn = q / np.linalg.norm(q, axis=1, keepdims=True)
     dn = docs / np.linalg.norm(docs, axis=1, keepdims=True)
     sims = qn.astype(np.float64) @ dn.astype(np.float64).T

@@ -11,7 +11,7 @@ Every registration then evaluates the new encoder on every sentinel against the 
 against each encoder currently behind an alias (the ones it may replace): queries encoded
 by the server's own backend (``Backend.encode``, what serves search), scored exactly against
 the index's stored document vectors (the vectors that re-rank every search), compared per
-query by :mod:`qswap.tuning.guard` (Wilcoxon on nDCG@10, Holm over the sentinels). Query
+query by :mod:`qswap.guard.checks` (Wilcoxon on nDCG@10, Holm over the sentinels). Query
 embeddings are cached per (encoder, sentinel): encoders are immutable, so the base and the
 incumbents cost one encoding each for the server's lifetime.
 
@@ -30,9 +30,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from qswap.tuning.evaluation import evaluate_retrieval
-from qswap.tuning.guard import guard_record, insufficient_check, sentinel_check
-from qswap.tuning.sentinels import SentinelSet, load_sentinels, sentinel_coverage, sentinels_fingerprint
+from qswap.guard.evaluation import evaluate_retrieval
+from qswap.guard.checks import guard_record, insufficient_check, sentinel_check
+from qswap.guard.sentinels import SentinelSet, load_sentinels, sentinel_coverage, sentinels_fingerprint
 
 __all__ = ["SentinelGuard", "SentinelSet", "load_sentinels"]
 

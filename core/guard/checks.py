@@ -2,7 +2,7 @@
 
 A sentinel set is queries with relevance judgements the new encoder must not make worse
 (other languages, other domains, the training language's held-out queries). Each one is
-scored per query under both encoders and compared with paired tests (:mod:`qswap.tuning.stats`):
+scored per query under both encoders and compared with paired tests (:mod:`qswap.guard.stats`):
 
 - **decides**: Wilcoxon signed-rank on per-query nDCG@10, Holm-corrected over the sentinels
   of one comparison; a check *regresses* when its adjusted p < ``alpha`` (0.05) and the mean
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 from qswap.errors import GuardRefusedError, InvalidInputError
-from qswap.tuning.stats import ALPHA, Z_CRITICAL, compare_counts, holm, paired_compare
+from qswap.guard.stats import ALPHA, Z_CRITICAL, compare_counts, holm, paired_compare
 
 SENTINEL_FORMS = "beir:DIR[:QLANG[-DLANG]] or triplets:FILE, optionally prefixed NAME="
 DECIDING_TEST = "wilcoxon signed-rank on per-query ndcg@10, holm over sentinels"
@@ -84,7 +84,7 @@ def check_guard(record: dict[str, Any] | None) -> None:
 
 def sentinel_check(name: str, before: Any, after: Any, against: str = "base",
                    lang: str | None = None) -> dict[str, Any]:
-    """One check from two :class:`~qswap.tuning.evaluation.RankingMetrics` of the same queries.
+    """One check from two :class:`~qswap.guard.evaluation.RankingMetrics` of the same queries.
 
     The verdict needs the other checks of its comparison (Holm): :func:`guard_record` sets it.
     """
@@ -214,10 +214,10 @@ def evaluate_sentinels(sentinels: Sequence[Sentinel], base: Any, encode_tuned: C
 
 def triplet_metrics(path: Path, base: Any, encode_tuned: Callable[[list[str]], Any],
                     cache_dir: Path | None = None, progress: bool = True) -> tuple[Any, Any]:
-    """(base, tuned) :class:`~qswap.tuning.evaluation.RankingMetrics` on a triplets file."""
+    """(base, tuned) :class:`~qswap.guard.evaluation.RankingMetrics` on a triplets file."""
     from qswap.tuning.data import read_triplets
     from qswap.tuning.doc_cache import DocTable
-    from qswap.tuning.evaluation import evaluate_candidates
+    from qswap.guard.evaluation import evaluate_candidates
 
     samples = read_triplets(path, require_negatives=True)
     table = DocTable()

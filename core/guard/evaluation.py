@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from qswap.errors import InvalidInputError
-from qswap.tuning.stats import compare_counts, improvement
+from qswap.guard.stats import compare_counts, improvement
 
 
 @dataclass
