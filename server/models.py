@@ -173,11 +173,21 @@ class Timings(BaseModel):
     search_ms: float = Field(description="the batch's index search")
 
 
+class ExperimentRef(BaseModel):
+    """The online experiment a query took part in (interleaved: hits come from both encoders)."""
+
+    id: str
+    mode: str = Field(description="shadow | interleave")
+    candidate: str = Field(description="name@version of the candidate encoder")
+
+
 class QueryResult(BaseModel):
     hits: list[Hit]
     encoder: EncoderRef
     truncated: bool = Field(description="the query was cut to the model's max tokens (or max_query_chars)")
     timings: Timings
+    experiment: ExperimentRef | None = Field(None, description="set when the query took part in an "
+                                             "interleaving experiment on its domain")
 
 
 class SearchResponse(BaseModel):
@@ -324,3 +334,73 @@ class ErrorBody(BaseModel):
     hint: str | None = None
     request_id: str | None = None
     guard: dict[str, Any] | None = Field(None, description="guard_refused: the guard record (per-sentinel table)")
+
+
+# ----------------------------------------------------------------------------- feedback and experiments
+
+class FeedbackRequest(_Strict):
+    """What the user did with one search's results: clicked ids, or graded judgements."""
+
+    request_id: str = Field(min_length=1, max_length=128, description="the X-Request-ID of the search response")
+    query_index: int = Field(0, ge=0, le=MAX_QUERIES, description="which query of the search (0 for one query)")
+    clicks: list[str] = Field(default_factory=list, max_length=1000,
+                              description="clicked document ids (must be among the hits shown)")
+    grades: dict[str, int] | None = Field(None, description="graded judgements instead of clicks: id -> grade "
+                                                            "(0 = not relevant)")
+
+    @model_validator(mode="after")
+    def _some(self) -> "FeedbackRequest":
+        if self.grades is not None and self.clicks:
+            raise ValueError("give 'clicks' or 'grades', not both")
+        if self.grades is not None and (len(self.grades) > 1000 or any(g < 0 or g > 100 for g in self.grades.values())):
+            raise ValueError("grades are at most 1000 ids with grades from 0 to 100")
+        return self
+
+
+class FeedbackRecorded(BaseModel):
+    request_id: str
+    query_index: int
+    outcome: int | None = Field(None, description="interleaved searches: +1 the candidate won, -1 the control "
+                                                  "won, 0 a tie")
+
+
+class ExperimentStart(_Strict):
+    """Start an online comparison on a domain alias."""
+
+    domain: str = Field(pattern=NAME_PATTERN, description="the domain alias; its current target is the control")
+    candidate: str = Field(pattern=REF_PATTERN, description="'name' (highest servable version) or 'name@version'")
+    mode: Literal["shadow", "interleave"] = "interleave"
+    fraction: float = Field(0.1, gt=0, le=1, description="share of the domain's searches in the experiment")
+    auto_promote_alpha: float | None = Field(None, gt=0, lt=1, description="promote on its own once the sign "
+                                             "test's p is below this with the candidate ahead")
+    min_decided: int = Field(100, ge=1, le=10_000_000, description="decided impressions (wins + losses) "
+                                                                  "before auto-promotion")
+
+
+class Experiment(BaseModel):
+    """An experiment with its live statistics."""
+
+    id: str
+    domain: str
+    mode: str
+    fraction: float
+    control: str
+    candidate: str
+    status: str = Field(description="running | stopped | promoted | rolled_back")
+    started_at: float
+    auto_promote_alpha: float | None = None
+    min_decided: int
+    previous: str | None = Field(None, description="what the alias pointed at before a promotion (rollback)")
+    impressions: int = Field(description="interleaved impressions served")
+    wins: int = Field(description="feedbacks crediting the candidate")
+    losses: int = Field(description="feedbacks crediting the control")
+    ties: int
+    p_value: float = Field(description="two-sided sign test of wins against losses")
+    shadow_runs: int
+    shadow_skipped: int = Field(description="shadow runs not done: the server was busy")
+    overlap: float | None = Field(None, description="mean rank-biased overlap of the two top-k lists (shadow)")
+    shadow_latency_ms: float | None = None
+
+
+class ExperimentList(BaseModel):
+    experiments: list[Experiment]
