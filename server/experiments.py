@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapError
-from qswap.feedback.interleave import CANDIDATE, CONTROL, credit, rank_biased_overlap, sign_test, team_draft
+from qswap.feedback.interleave import (CANDIDATE, CONTROL, credit, decided, rank_biased_overlap, sign_test,
+                                       team_draft)
 from qswap.feedback.interleave import Interleaving
 from qswap.feedback.store import FeedbackStore, ShadowRun
 
@@ -137,9 +138,11 @@ class Experiments:
             candidate: the encoder to compare (``name`` or ``name@version``), servable now.
             mode: ``shadow`` or ``interleave``.
             fraction: share of the domain's searches that take part, in (0, 1].
-            auto_promote_alpha: promote on its own once the sign test's p is below this with the
-                candidate ahead (and at least ``min_decided`` decided impressions).
-            min_decided: decided impressions (wins + losses) needed before auto-promotion.
+            auto_promote_alpha: promote on its own once the candidate is ahead and the sign test is
+                significant at this level, tested only at ``min_decided`` x 1, 2, 4, ... 512 decided
+                impressions, each look at alpha / 10 (:func:`qswap.feedback.interleave.decided`), so
+                repeated looks do not inflate the false-alarm rate.
+            min_decided: decided impressions (wins + losses) at the first look.
 
         Returns:
             The experiment as :meth:`view` shows it.
@@ -271,9 +274,7 @@ class Experiments:
             return
         st = self.store.stats(doc["id"])
         wins, losses = int(st["wins"]), int(st["losses"])
-        if wins + losses < int(doc.get("min_decided") or 0) or wins <= losses:
-            return
-        if sign_test(wins, losses) < float(doc["auto_promote_alpha"]):
+        if wins > losses and decided(wins, losses, float(doc["auto_promote_alpha"]), int(doc["min_decided"])):
             try:
                 self.promote(domain, reason="auto")
             except QswapError as e:   # e.g. the candidate's guard did not pass: keep running, say why

@@ -371,10 +371,12 @@ class ExperimentStart(_Strict):
     candidate: str = Field(pattern=REF_PATTERN, description="'name' (highest servable version) or 'name@version'")
     mode: Literal["shadow", "interleave"] = "interleave"
     fraction: float = Field(0.1, gt=0, le=1, description="share of the domain's searches in the experiment")
-    auto_promote_alpha: float | None = Field(None, gt=0, lt=1, description="promote on its own once the sign "
-                                             "test's p is below this with the candidate ahead")
-    min_decided: int = Field(100, ge=1, le=10_000_000, description="decided impressions (wins + losses) "
-                                                                  "before auto-promotion")
+    auto_promote_alpha: float | None = Field(None, gt=0, lt=1, description="promote on its own once the "
+                                             "candidate is ahead and the sign test is significant at this level "
+                                             "(tested at min_decided x 1, 2, 4 ... 512 decided impressions, each "
+                                             "look at alpha / 10)")
+    min_decided: int = Field(100, ge=1, le=10_000_000, description="decided impressions (wins + losses) at "
+                                                                  "the first look of auto-promotion")
 
 
 class Experiment(BaseModel):

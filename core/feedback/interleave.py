@@ -104,6 +104,22 @@ def sign_test(wins: int, losses: int) -> float:
     return float(binomtest(wins, n, 0.5, alternative="two-sided").pvalue)
 
 
+def looks(min_decided: int, n_looks: int = 10) -> list[int]:
+    """The sample sizes at which a running comparison is tested: ``min_decided`` doubled each time.
+
+    Testing after every impression and stopping at the first p < alpha ("peeking") would raise
+    the false-alarm rate far above alpha; testing only at these looks, each at ``alpha / n_looks``
+    (Bonferroni), keeps it at most alpha.
+    """
+    return [min_decided * 2 ** j for j in range(n_looks)]
+
+
+def decided(wins: int, losses: int, alpha: float, min_decided: int, n_looks: int = 10) -> bool:
+    """Whether the sign test is significant at a look (see :func:`looks`): ``wins + losses`` must
+    have just reached a look's size, and p must be below ``alpha / n_looks``."""
+    return (wins + losses) in looks(min_decided, n_looks) and sign_test(wins, losses) < alpha / n_looks
+
+
 def rank_biased_overlap(a: Sequence[str], b: Sequence[str], p: float = 0.9) -> float:
     """Rank-biased overlap of two rankings (Webber, Moffat & Zobel 2010), extrapolated.
 

@@ -16,8 +16,8 @@ import pytest
 from qswap.beir import read_qrels, read_queries
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError
 from qswap.feedback.export import export_beir, judgements, query_id
-from qswap.feedback.interleave import (CANDIDATE, CONTROL, Interleaving, credit, rank_biased_overlap, sign_test,
-                                       team_draft)
+from qswap.feedback.interleave import (CANDIDATE, CONTROL, Interleaving, credit, decided, looks,
+                                       rank_biased_overlap, sign_test, team_draft)
 from qswap.feedback.store import Feedback, FeedbackStore, Impression, ShadowRun
 
 
@@ -71,6 +71,26 @@ def test_credit_and_sign_test():
     assert sign_test(15, 0) < 0.001
     assert sign_test(10, 10) == 1.0
     assert abs(sign_test(9, 1) - 0.021484375) < 1e-9   # 2 * P(X >= 9), X ~ Bin(10, 0.5)
+
+
+def test_sequential_looks_keep_false_alarms_at_alpha():
+    assert looks(5, 4) == [5, 10, 20, 40]
+    assert not decided(5, 0, 0.05, 5) and decided(10, 0, 0.05, 5)
+    assert not decided(11, 0, 0.05, 5)           # 11 is not a look
+    # Under the null (fair coin), stopping at the first significant look happens <= alpha.
+    rng = random.Random(0)
+    alarms = 0
+    for _ in range(400):
+        w = l = 0
+        for _ in range(looks(20)[-1]):
+            if rng.random() < 0.5:
+                w += 1
+            else:
+                l += 1
+            if decided(w, l, 0.05, 20):
+                alarms += 1
+                break
+    assert alarms / 400 <= 0.05
 
 
 def test_rank_biased_overlap():
