@@ -159,7 +159,8 @@ class Experiments:
             if control is None:
                 raise NotFoundError(f"no domain alias {domain!r}", "an experiment runs on a domain alias: "
                                     "create it with PUT /v1/aliases/{domain}")
-            cand = self.registry.resolve(encoder=candidate)   # servable now, or a clear 4xx
+            cand = self.registry.acquire(encoder=candidate)   # servable now, or a clear 4xx
+            self.registry.release(cand)
             if cand == control:
                 raise InvalidInputError(f"the candidate {cand} is what domain {domain!r} already serves",
                                         "compare another encoder")

@@ -80,17 +80,17 @@ def test_sequential_looks_keep_false_alarms_at_alpha():
     # Under the null (fair coin), stopping at the first significant look happens <= alpha.
     rng = random.Random(0)
     alarms = 0
-    for _ in range(400):
+    for _ in range(300):
         w = l = 0
-        for _ in range(looks(20)[-1]):
+        for _ in range(looks(10, 6)[-1]):
             if rng.random() < 0.5:
                 w += 1
             else:
                 l += 1
-            if decided(w, l, 0.05, 20):
+            if decided(w, l, 0.05, 10, 6):
                 alarms += 1
                 break
-    assert alarms / 400 <= 0.05
+    assert alarms / 300 <= 0.05
 
 
 def test_rank_biased_overlap():
