@@ -69,6 +69,8 @@ class Metrics:
         self.feedback = Counter("qswap_feedback", "feedback received on captured searches, by result "
                                 "(recorded, refused)", ["result"], registry=r)
         self.captured = Counter("qswap_captured_impressions", "query impressions queued for capture", registry=r)
+        self.capture_dropped = Gauge("qswap_capture_dropped", "impressions not captured (the writer fell behind "
+                                     "or the disk failed)", registry=r)
         self.experiment_impressions = Gauge("qswap_experiment_impressions",
                                             "interleaved impressions of the domain's experiment", ["domain"], registry=r)
         self.experiment_outcomes = Gauge("qswap_experiment_outcomes", "feedback outcomes of the domain's "

@@ -123,6 +123,7 @@ class ServerState:
             self.feedback = FeedbackStore(s.feedback_dir, max_bytes=s.feedback_max_bytes,
                                           max_age_s=s.feedback_max_age_s)
             self.experiments = Experiments(self.feedback, registry, self.metrics)
+            self.metrics.capture_dropped.set_function(lambda: self.feedback.dropped)
             log.info("feedback capture on", extra={"dir": s.feedback_dir.name})
         with self._close_lock:
             if self._closed:
