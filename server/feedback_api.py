@@ -8,6 +8,7 @@ rolling back experiments are admin routes. Store work runs in threads, never on 
 from __future__ import annotations
 
 import asyncio
+from typing import Literal
 
 from fastapi import APIRouter, Depends, Path, Request
 
@@ -96,26 +97,14 @@ async def get_experiment(request: Request, domain: str = Path(pattern=NAME_PATTE
     return Experiment(**await asyncio.to_thread(state.experiments.get, domain))
 
 
-@router.post("/v1/experiments/{domain}/stop", response_model=Experiment, responses=ADMIN_ERRORS,
-             dependencies=[Depends(require_admin)], tags=["experiments"], summary="Stop a domain's experiment")
-async def stop_experiment(request: Request, domain: str = Path(pattern=NAME_PATTERN)) -> Experiment:
-    state = _capturing(request)
-    return Experiment(**await asyncio.to_thread(state.experiments.stop, domain))
-
-
-@router.post("/v1/experiments/{domain}/promote", response_model=Experiment, responses=ADMIN_ERRORS,
+@router.post("/v1/experiments/{domain}/{action}", response_model=Experiment, responses=ADMIN_ERRORS,
              dependencies=[Depends(require_admin)], tags=["experiments"],
-             summary="Point the domain at the candidate (atomic alias switch)")
-async def promote_experiment(request: Request, domain: str = Path(pattern=NAME_PATTERN)) -> Experiment:
-    """Refused (409) unless the candidate is servable without force (its guard passed, or the
-    server runs no guard), or when the alias changed during the experiment."""
+             summary="Stop an experiment, promote its candidate, or roll a promotion back")
+async def experiment_action(request: Request, action: Literal["stop", "promote", "rollback"],
+                            domain: str = Path(pattern=NAME_PATTERN)) -> Experiment:
+    """``stop``: no more traffic takes part (the record stays). ``promote``: point the domain at the
+    candidate (atomic alias switch); refused (409) unless the candidate is servable without force
+    (its guard passed, or the server runs no guard), or when the alias changed during the
+    experiment. ``rollback``: point the domain back at the encoder it served before the promotion."""
     state = _capturing(request)
-    return Experiment(**await asyncio.to_thread(state.experiments.promote, domain))
-
-
-@router.post("/v1/experiments/{domain}/rollback", response_model=Experiment, responses=ADMIN_ERRORS,
-             dependencies=[Depends(require_admin)], tags=["experiments"],
-             summary="Point the domain back at the encoder it served before the promotion")
-async def rollback_experiment(request: Request, domain: str = Path(pattern=NAME_PATTERN)) -> Experiment:
-    state = _capturing(request)
-    return Experiment(**await asyncio.to_thread(state.experiments.rollback, domain))
+    return Experiment(**await asyncio.to_thread(getattr(state.experiments, action), domain))
