@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sentinel-n", type=int, default=300, help="queries per sentinel (one per language)")
     p.add_argument("--sentinel-langs", help="languages with a sentinel (default: --langs)")
     p.add_argument("--seeds", type=int, default=200, help="simulated users replayed offline (phases 3, 5)")
+    p.add_argument("--replay-queries", type=int, default=2000, help="traffic queries whose rankings the "
+                   "offline replays draw from")
+    p.add_argument("--eval-n", type=int, default=1000, help="held-out queries per language for nDCG@10")
     p.add_argument("--min-decided", type=int, default=20, help="decided impressions at the first look")
     p.add_argument("--max-impressions", type=int, default=20 * 2 ** 9, help="stop a comparison undecided here")
     p.add_argument("--tune-args", default="", help="extra `qswap tune run` options (quoted)")
@@ -294,9 +297,10 @@ def _run(args: argparse.Namespace, work: Path, w: ResultWriter) -> dict[str, Any
         res["interleave_live"] = {"impressions": view["impressions"], "wins": view["wins"], "losses": view["losses"],
                                   "ties": view["ties"], "p_value": view["p_value"],
                                   "decided": live["sessions"] < args.max_impressions}
-        texts = [queries[q] for q in pool_q]
+        replay_q = pool_q[:args.replay_queries]
+        texts = [queries[q] for q in replay_q]
         ranks = {"base": api.rankings(texts, "base"), "cand": api.rankings(texts, cand)}
-        res["replay"] = _replay(pool_q, qrels, ranks, user, args)
+        res["replay"] = _replay(replay_q, qrels, ranks, user, args)
         # 4. promote, then held-out nDCG@10 per language with the guard's test
         promo = api.call("POST", f"/v1/experiments/{DOMAIN}/promote", ok=(200, 409))
         res["promotion"] = {"status": promo.get("status") or promo.get("error"),
@@ -354,7 +358,7 @@ def _held_out_ndcg(api: _Api, args: argparse.Namespace, held_q: list[str], langs
     rows = {}
     for lang in langs:
         _, q, rel = load_beir(args.beir, resolve_language(args.beir, lang), strict=False)
-        qs = [x for x in held_q if x in q and x in rel]
+        qs = [x for x in held_q if x in q and x in rel][:args.eval_n]
         texts = [q[x] for x in qs]
         before = [ndcg_at_10(r, rel[x]) for r, x in zip(api.rankings(texts, "base"), qs)]
         after = [ndcg_at_10(r, rel[x]) for r, x in zip(api.rankings(texts, cand), qs)]
