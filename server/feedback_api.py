@@ -48,10 +48,11 @@ async def feedback(body: FeedbackRequest, request: Request) -> FeedbackRecorded:
 
     def record() -> int | None:
         imp = store.impression(body.request_id, body.query_index)
-        clicks = list(body.clicks) if body.grades is None else [d for d, g in body.grades.items() if g > 0]
+        given = list(body.clicks or [])
+        clicks = given if body.grades is None else [d for d, g in body.grades.items() if g > 0]
         shown = Interleaving(imp.ids, imp.teams) if imp.teams is not None else None
         outcome = exps.credit_feedback(imp.experiment, shown, clicks)
-        store.add_feedback(body.request_id, body.query_index, Feedback(list(body.clicks), body.grades), outcome)
+        store.add_feedback(body.request_id, body.query_index, Feedback(given, body.grades), outcome)
         if outcome is not None:
             exps.after_outcome(imp.domain)
         return outcome

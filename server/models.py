@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
+from annotated_types import Ge, Le
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema,
                       model_validator)
 
@@ -341,19 +342,27 @@ class ErrorBody(BaseModel):
 class FeedbackRequest(_Strict):
     """What the user did with one search's results: clicked ids, or graded judgements."""
 
-    request_id: str = Field(min_length=1, max_length=128, description="the X-Request-ID of the search response")
-    query_index: int = Field(0, ge=0, le=MAX_QUERIES, description="which query of the search (0 for one query)")
-    clicks: list[str] = Field(default_factory=list, max_length=1000,
-                              description="clicked document ids (must be among the hits shown)")
-    grades: dict[str, int] | None = Field(None, description="graded judgements instead of clicks: id -> grade "
-                                                            "(0 = not relevant)")
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "not": {"required": ["clicks", "grades"]}})
+
+    request_id: Annotated[str, StringConstraints(min_length=1, max_length=128), AfterValidator(_no_surrogates)] = \
+        Field(description="the X-Request-ID of the search response")
+    query_index: Count = Field(0, ge=0, le=MAX_QUERIES, description="which query of the search (0 for one query)")
+    clicks: list[DocId] = Field(None, json_schema_extra=_no_default, max_length=1000,
+                                description="clicked document ids, among the hits shown (none: seen, not clicked)")
+    # The schema is spelled out: pydantic writes the value bounds of a pattern-keyed dict as
+    # "ge"/"le", which JSON Schema does not know.
+    grades: Annotated[dict[DocId, Annotated[int, BeforeValidator(_integral), Ge(0), Le(100)]], WithJsonSchema({
+        "type": "object", "maxProperties": 1000,
+        "propertyNames": {"minLength": 1, "maxLength": 512, "pattern": NOT_BLANK},
+        "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 100},
+        "description": "graded judgements instead of clicks: id -> grade (0 = not relevant)"})] = Field(
+        None, json_schema_extra=_no_default, max_length=1000)
 
     @model_validator(mode="after")
-    def _some(self) -> "FeedbackRequest":
-        if self.grades is not None and self.clicks:
+    def _one_of(self) -> "FeedbackRequest":
+        if self.grades is not None and self.clicks is not None:
             raise ValueError("give 'clicks' or 'grades', not both")
-        if self.grades is not None and (len(self.grades) > 1000 or any(g < 0 or g > 100 for g in self.grades.values())):
-            raise ValueError("grades are at most 1000 ids with grades from 0 to 100")
         return self
 
 
@@ -375,7 +384,7 @@ class ExperimentStart(_Strict):
                                              "candidate is ahead and the sign test is significant at this level "
                                              "(tested at min_decided x 1, 2, 4 ... 512 decided impressions, each "
                                              "look at alpha / 10)")
-    min_decided: int = Field(100, ge=1, le=10_000_000, description="decided impressions (wins + losses) at "
+    min_decided: Count = Field(100, ge=1, le=10_000_000, description="decided impressions (wins + losses) at "
                                                                   "the first look of auto-promotion")
 
 
