@@ -75,9 +75,9 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
         teams.append(team)
         row = {"hits": [{"id": h.id, "score": float(h.score), "text": h.text if body.with_text else None,
                          "metadata": h.metadata or {}} for h in hits],
-               "encoder": ref, "truncated": truncated, "timings": timings}
-        if team is not None:
-            row["experiment"] = {"id": arm.experiment, "mode": arm.mode, "candidate": arm.candidate}
+               "encoder": ref, "truncated": truncated, "timings": timings,
+               "experiment": None if team is None else {"id": arm.experiment, "mode": arm.mode,
+                                                        "candidate": arm.candidate}}
         results.append(row)
     if state.feedback is not None:
         exp = arm.experiment if cand is not None else None
