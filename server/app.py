@@ -20,7 +20,7 @@ from starlette.types import Scope
 
 from qswap import __version__
 from qswap.atomic import atomic_write_bytes
-from qswap.server import documents_api, encoders_api, health_api, search_api
+from qswap.server import documents_api, encoders_api, feedback_api, health_api, search_api
 from qswap.server.config import ServerSettings
 from qswap.server.errors import install_error_handlers
 from qswap.server.logs import RequestContextMiddleware
@@ -73,7 +73,7 @@ def create_app(settings: ServerSettings | None = None, *, check: bool = True,
     app.state.qs = state
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, limit_for=_limit_for(settings), metrics=lambda: state.metrics)
-    for module in (search_api, encoders_api, documents_api, health_api):
+    for module in (search_api, encoders_api, documents_api, feedback_api, health_api):
         app.include_router(module.router)
     plain_openapi = app.openapi
 

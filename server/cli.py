@@ -20,7 +20,9 @@ _FLAG_FIELDS = {
     "read_only_index": "read_only_index", "max_k": "max_k", "max_queries": "max_queries",
     "encoder_memory_mb": "encoder_memory_bytes", "sentinels": "sentinels", "guard_alpha": "guard_alpha",
     "guard_min_queries": "guard_min_queries",
+    "feedback_dir": "feedback_dir", "feedback_max_mb": "feedback_max_bytes", "feedback_max_days": "feedback_max_age_s",
 }
+_SCALE = {"encoder_memory_mb": 1 << 20, "feedback_max_mb": 1 << 20, "feedback_max_days": 86400}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -76,6 +78,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queries", type=int, help="queries per request at most (default 64)")
     p.add_argument("--encoder-memory-mb", type=int, help="memory budget of loaded adapters (default 1024)")
     p.add_argument("--log-format", choices=("json", "text"), default=None, help="log lines (default json)")
+    f = p.add_argument_group("learning from traffic (docs/feedback.md)")
+    f.add_argument("--feedback-dir", type=Path, metavar="DIR", help="capture searches (query text, hits) and "
+                   "feedback in DIR; enables POST /v1/feedback and experiments (default: off)")
+    f.add_argument("--feedback-max-mb", type=int, metavar="MB", help="capture store size bound (default 1024)")
+    f.add_argument("--feedback-max-days", type=float, metavar="D", help="captured impressions kept at most "
+                   "this long (default 30)")
     r = p.add_argument_group("scale-out on Ray (pip install 'qswap[ray]'; see docs/ray.md)")
     r.add_argument("--ray", action="store_true", help="serve with Ray Serve: replicas share the registry "
                    "(--state-dir) and the index (--index), encoders are multiplexed models")
@@ -104,7 +112,7 @@ def _settings(args: argparse.Namespace):
         v = getattr(args, flag, None)
         if v is None:
             continue
-        overrides[field] = v * (1 << 20) if flag == "encoder_memory_mb" else v
+        overrides[field] = v * _SCALE[flag] if flag in _SCALE else v
     if args.log_format is not None:
         overrides["log_json"] = args.log_format == "json"
     return ServerSettings(**overrides)

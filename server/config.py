@@ -91,6 +91,13 @@ class ServerSettings(BaseSettings):
     max_extracted_bytes: int = Field(1 << 30, ge=1024, description="uploaded encoder archives (extracted)")
     max_archive_members: int = Field(64, ge=1)
     max_documents: int = Field(1000, ge=1, description="documents per upsert request")
+    # -- learning from traffic (off by default: the capture store keeps query text)
+    feedback_dir: Path | None = Field(None, description="capture searches and feedback here (SQLite); "
+                                                        "enables POST /v1/feedback and experiments")
+    feedback_max_bytes: int = Field(1 << 30, ge=1 << 20, description="capture store size bound (oldest "
+                                                                     "impressions pruned first)")
+    feedback_max_age_s: float = Field(30 * 86400.0, gt=0, description="captured impressions older than this "
+                                                                      "are pruned, with their feedback")
     # -- logs
     log_json: bool = True
 

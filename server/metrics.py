@@ -67,6 +67,22 @@ class Metrics:
         self.guard_seconds = Histogram("qswap_guard_evaluation_seconds", "one encoder's sentinel evaluation",
                                        buckets=(1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 300, 600), registry=r)
         self._guard_labels: dict[str, list[tuple[str, str, str]]] = {}
+        # Learning from traffic (--feedback-dir): capture and online experiments per domain.
+        self.feedback = Counter("qswap_feedback", "feedback received on captured searches, by result "
+                                "(recorded, refused)", ["result"], registry=r)
+        self.captured = Counter("qswap_captured_impressions", "query impressions queued for capture", registry=r)
+        self.capture_dropped = Gauge("qswap_capture_dropped", "impressions not captured (the writer fell behind "
+                                     "or the disk failed)", registry=r)
+        self.experiment_impressions = Gauge("qswap_experiment_impressions",
+                                            "interleaved impressions of the domain's experiment", ["domain"], registry=r)
+        self.experiment_outcomes = Gauge("qswap_experiment_outcomes", "feedback outcomes of the domain's "
+                                         "experiment (wins: candidate credited)", ["domain", "outcome"], registry=r)
+        self.experiment_p_value = Gauge("qswap_experiment_p_value", "two-sided sign test of wins against losses",
+                                        ["domain"], registry=r)
+        self.experiment_shadow_runs = Gauge("qswap_experiment_shadow_runs", "shadow runs done", ["domain"],
+                                            registry=r)
+        self.experiment_overlap = Gauge("qswap_experiment_overlap", "mean rank-biased overlap of control and "
+                                        "candidate top-k (shadow)", ["domain"], registry=r)
 
     def export_guard(self, key: str, record: dict, status: str, seconds: float | None = None) -> None:
         """Publish one encoder's guard verdict (replacing its previous series)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
+from annotated_types import Ge, Le
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema,
                       model_validator)
 
@@ -173,11 +174,21 @@ class Timings(BaseModel):
     search_ms: float = Field(description="the batch's index search")
 
 
+class ExperimentRef(BaseModel):
+    """The online experiment a query took part in (interleaved: hits come from both encoders)."""
+
+    id: str
+    mode: str = Field(description="shadow | interleave")
+    candidate: str = Field(description="name@version of the candidate encoder")
+
+
 class QueryResult(BaseModel):
     hits: list[Hit]
     encoder: EncoderRef
     truncated: bool = Field(description="the query was cut to the model's max tokens (or max_query_chars)")
     timings: Timings
+    experiment: ExperimentRef | None = Field(None, description="set when the query took part in an "
+                                             "interleaving experiment on its domain")
 
 
 class SearchResponse(BaseModel):
@@ -326,3 +337,83 @@ class ErrorBody(BaseModel):
     hint: str | None = None
     request_id: str | None = None
     guard: dict[str, Any] | None = Field(None, description="guard_refused: the guard record (per-sentinel table)")
+
+
+# ----------------------------------------------------------------------------- feedback and experiments
+
+class FeedbackRequest(_Strict):
+    """What the user did with one search's results: clicked ids, or graded judgements."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "not": {"required": ["clicks", "grades"]}})
+
+    request_id: Annotated[str, StringConstraints(min_length=1, max_length=128), AfterValidator(_no_surrogates)] = \
+        Field(description="the X-Request-ID of the search response")
+    query_index: Count = Field(0, ge=0, le=MAX_QUERIES, description="which query of the search (0 for one query)")
+    clicks: list[DocId] = Field(None, json_schema_extra=_no_default, max_length=1000,
+                                description="clicked document ids, among the hits shown (none: seen, not clicked)")
+    # The schema is spelled out: pydantic writes the value bounds of a pattern-keyed dict as
+    # "ge"/"le", which JSON Schema does not know.
+    grades: Annotated[dict[DocId, Annotated[int, BeforeValidator(_integral), Ge(0), Le(100)]], WithJsonSchema({
+        "type": "object", "maxProperties": 1000,
+        "propertyNames": {"minLength": 1, "maxLength": 512, "pattern": NOT_BLANK},
+        "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 100},
+        "description": "graded judgements instead of clicks: id -> grade (0 = not relevant)"})] = Field(
+        None, json_schema_extra=_no_default, max_length=1000)
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "FeedbackRequest":
+        if self.grades is not None and self.clicks is not None:
+            raise ValueError("give 'clicks' or 'grades', not both")
+        return self
+
+
+class FeedbackRecorded(BaseModel):
+    request_id: str
+    query_index: int
+    outcome: int | None = Field(None, description="interleaved searches: +1 the candidate won, -1 the control "
+                                                  "won, 0 a tie")
+
+
+class ExperimentStart(_Strict):
+    """Start an online comparison on a domain alias."""
+
+    domain: str = Field(pattern=NAME_PATTERN, description="the domain alias; its current target is the control")
+    candidate: str = Field(pattern=REF_PATTERN, description="'name' (highest servable version) or 'name@version'")
+    mode: Literal["shadow", "interleave"] = "interleave"
+    fraction: float = Field(0.1, gt=0, le=1, description="share of the domain's searches in the experiment")
+    auto_promote_alpha: float | None = Field(None, gt=0, lt=1, description="promote on its own once the "
+                                             "candidate is ahead and the sign test is significant at this level "
+                                             "(tested at min_decided x 1, 2, 4 ... 512 decided impressions, each "
+                                             "look at alpha / 10)")
+    min_decided: Count = Field(100, ge=1, le=10_000_000, description="decided impressions (wins + losses) at "
+                                                                  "the first look of auto-promotion")
+
+
+class Experiment(BaseModel):
+    """An experiment with its live statistics."""
+
+    id: str
+    domain: str
+    mode: str
+    fraction: float
+    control: str
+    candidate: str
+    status: str = Field(description="running | stopped | promoted | rolled_back")
+    started_at: float
+    auto_promote_alpha: float | None = None
+    min_decided: int
+    previous: str | None = Field(None, description="what the alias pointed at before a promotion (rollback)")
+    impressions: int = Field(description="interleaved impressions served")
+    wins: int = Field(description="feedbacks crediting the candidate")
+    losses: int = Field(description="feedbacks crediting the control")
+    ties: int
+    p_value: float = Field(description="two-sided sign test of wins against losses")
+    shadow_runs: int
+    shadow_skipped: int = Field(description="shadow runs not done: the server was busy")
+    overlap: float | None = Field(None, description="mean rank-biased overlap of the two top-k lists (shadow)")
+    shadow_latency_ms: float | None = None
+
+
+class ExperimentList(BaseModel):
+    experiments: list[Experiment]

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 
 from qswap.encoders import BASE_KEY
+from qswap.errors import QswapError
+from qswap.feedback.store import Impression
 from qswap.server.auth import require_search
 from qswap.server.errors import LimitExceededError
+from qswap.server.experiments import interleave_hits
 from qswap.server.models import SearchRequest, SearchResponse
 from qswap.server.registry import split_key
 from qswap.server.responses import ERRORS, request_timeout, state_of
+
+log = logging.getLogger("qswap.server")
 
 router = APIRouter(tags=["search"])
 
@@ -38,30 +46,48 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
         raise LimitExceededError(f"k={k} exceeds the limit {s.max_k}", f"ask for at most {s.max_k} hits")
     cut = [len(t) > s.max_query_chars for t in texts]
     texts = [t[:s.max_query_chars] for t in texts]
-    reg = state.registry
-    key = reg.acquire(body.encoder, body.domain)
+    key = state.registry.acquire(body.encoder, body.domain)
     request.state.encoder = key
-    submitted = False
-    try:
-        await state.prepare_encoder(key)   # first use after start or eviction
-        submitted = True   # from here the batcher releases the reference, exactly once
-        out = await state.batcher.search(texts, key, k, body.filter, body.with_text,
-                                         on_done=lambda: reg.release(key), timeout_s=timeout_s)
-    finally:
-        if not submitted:
-            reg.release(key)
+    rid = getattr(request.state, "request_id", None) or ""
+    exps = state.experiments
+    arm = exps.assign(body.domain, rid) if exps is not None else None
+    if arm is not None and arm.mode == "interleave" and arm.control == key:
+        # Both encoders run in the same batch (mixed-encoder batching): no second round trip.
+        out, cand = await asyncio.gather(_run(state, key, texts, k, body, timeout_s),
+                                         _candidate(state, arm.candidate, texts, k, body, timeout_s))
+    else:
+        out, cand = await _run(state, key, texts, k, body, timeout_s), None
     name, version = (BASE_KEY, state.base_version) if key == BASE_KEY else split_key(key)
     ref = {"key": key, "name": name, "version": version}
     timings = {"queue_ms": round(out.queue_s * 1000, 3), "encode_ms": round(out.encode_s * 1000, 3),
                "search_ms": round(out.search_s * 1000, 3)}
     results = []
     n_trunc = 0
+    shown: list[list[str]] = []
+    teams: list[list[str] | None] = []
     for i, hits in enumerate(out.hits):
         truncated = bool(out.truncated[i] or cut[i])
         n_trunc += truncated
-        results.append({"hits": [{"id": h.id, "score": float(h.score), "text": h.text if body.with_text else None,
-                                  "metadata": h.metadata or {}} for h in hits],
-                        "encoder": ref, "truncated": truncated, "timings": timings})
+        team = None
+        if cand is not None:
+            hits, team = interleave_hits(hits, cand.hits[i], k, f"{rid}:{i}")
+        shown.append([h.id for h in hits])
+        teams.append(team)
+        row = {"hits": [{"id": h.id, "score": float(h.score), "text": h.text if body.with_text else None,
+                         "metadata": h.metadata or {}} for h in hits],
+               "encoder": ref, "truncated": truncated, "timings": timings,
+               "experiment": None if team is None else {"id": arm.experiment, "mode": arm.mode,
+                                                        "candidate": arm.candidate}}
+        results.append(row)
+    if state.feedback is not None:
+        exp = arm.experiment if cand is not None else None
+        state.feedback.record([Impression(request_id=rid, qi=i, domain=body.domain, encoder=key, query=texts[i],
+                                          ids=shown[i], teams=teams[i], experiment=exp) for i in range(len(texts))])
+        state.metrics.captured.inc(len(texts))
+    if arm is not None and arm.mode == "shadow" and arm.control == key:
+        # Off the response path, and only on an idle worker: live traffic never waits for it.
+        exps.spawn_shadow(arm, shown, lambda: _candidate(state, arm.candidate, texts, k, body, timeout_s, strict=True),
+                          idle=state.batcher.pending == 0)
     state.metrics.queries.labels(encoder=key).inc(len(texts))
     if n_trunc:
         state.metrics.truncated.inc(n_trunc)
@@ -71,3 +97,36 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
     payload = {"results": results, "took_ms": round((time.perf_counter() - t0) * 1000, 3)}
     return Response(json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode(),
                     media_type="application/json")
+
+
+async def _run(state: Any, key: str, texts: list[str], k: int, body: SearchRequest, timeout_s: float) -> Any:
+    """Search with an acquired encoder; the batcher releases the reference exactly once."""
+    reg = state.registry
+    submitted = False
+    try:
+        await state.prepare_encoder(key)   # first use after start or eviction
+        submitted = True   # from here the batcher releases the reference, exactly once
+        return await state.batcher.search(texts, key, k, body.filter, body.with_text,
+                                          on_done=lambda: reg.release(key), timeout_s=timeout_s)
+    finally:
+        if not submitted:
+            reg.release(key)
+
+
+async def _candidate(state: Any, ref: str, texts: list[str], k: int, body: SearchRequest, timeout_s: float,
+                     strict: bool = False) -> Any:
+    """The experiment candidate's search; ``None`` (the control alone answers) when it cannot run,
+    unless ``strict`` (shadow runs count the failure as skipped)."""
+    try:
+        key = state.registry.acquire(ref)
+    except QswapError:
+        if strict:
+            raise
+        log.warning("experiment candidate not servable", extra={"encoder": ref})
+        return None
+    try:
+        return await _run(state, key, texts, k, body, timeout_s)
+    except QswapError:
+        if strict:
+            raise
+        return None

@@ -48,6 +48,8 @@ class ServerState:
         self.registry: EncoderRegistry | None = None
         self.batcher: MicroBatcher | None = None
         self.guard: Any = None          # qswap.guard.evaluator.SentinelGuard with --sentinels
+        self.feedback: Any = None       # qswap.feedback.store.FeedbackStore with --feedback-dir
+        self.experiments: Any = None    # qswap.server.experiments.Experiments with --feedback-dir
         self._closed = False
         self._close_lock = threading.Lock()
         self._loader: threading.Thread | None = None
@@ -115,6 +117,14 @@ class ServerState:
                                     max_pending=s.max_pending, max_pending_per_encoder=s.max_pending_per_encoder,
                                     metrics=self.metrics)
         self.metrics.admitted.set_function(lambda: batcher.pending)
+        if s.feedback_dir is not None:
+            from qswap.feedback.store import FeedbackStore
+            from qswap.server.experiments import Experiments
+            self.feedback = FeedbackStore(s.feedback_dir, max_bytes=s.feedback_max_bytes,
+                                          max_age_s=s.feedback_max_age_s)
+            self.experiments = Experiments(self.feedback, registry, self.metrics)
+            self.metrics.capture_dropped.set_function(lambda: self.feedback.dropped)
+            log.info("feedback capture on", extra={"dir": s.feedback_dir.name})
         with self._close_lock:
             if self._closed:
                 index.close()
@@ -185,6 +195,8 @@ class ServerState:
             self._loader.join(timeout=0.1)
         if self.registry is not None:
             self.registry.close()
+        if self.feedback is not None:
+            self.feedback.close()
         if self.index is not None:
             try:
                 self.index.close()

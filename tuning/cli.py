@@ -34,6 +34,30 @@ def register(subparsers: Any) -> None:
     _add_eval(sub)
     _add_register(sub)
     _add_sentinels(subparsers)
+    _add_feedback(subparsers)
+
+
+def _add_feedback(subparsers: Any) -> None:
+    p = subparsers.add_parser("feedback", help="captured traffic as training data (qswap serve --feedback-dir)",
+                              description="Turn what the server captured (searches and their clicks) into "
+                                          "labelled data that `qswap tune run --beir` and `qswap sentinels make` read.")
+    sub = p.add_subparsers(dest="feedback_command", metavar="SUBCOMMAND", required=True)
+    e = sub.add_parser("export", help="write a domain's feedback as a BEIR directory",
+                       description="Clicked documents become relevant; documents skipped above a click, "
+                                   "judged non-relevant (training negatives).")
+    e.add_argument("--dir", type=Path, required=True, help="the server's --feedback-dir")
+    e.add_argument("--index", required=True, help="the served index (document texts)")
+    e.add_argument("--domain", help="only this domain alias's searches (default: all)")
+    e.add_argument("--out", type=Path, required=True, help="BEIR directory to write")
+    e.set_defaults(func=_feedback_export)
+
+
+def _feedback_export(args: argparse.Namespace) -> int:
+    from qswap.tuning.feedback import export_feedback
+    s = export_feedback(args.dir, args.index, args.out, args.domain)
+    print(f"wrote {args.out}: {s.queries} queries ({s.positives} relevant, {s.negatives} non-relevant judgements "
+          f"on {s.documents} documents) from {s.impressions} impressions with feedback")
+    return 0
 
 
 def _add_sentinels(subparsers: Any) -> None:
@@ -91,6 +115,10 @@ def _add_run(sub: Any) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--train", type=Path, help='triplets JSONL: {"query", "pos": [...], "neg": [...]}')
     g.add_argument("--beir", type=Path, help="BEIR directory: queries -> relevant documents (qrels)")
+    g.add_argument("--feedback", type=Path, metavar="DIR", help="captured traffic (the server's --feedback-dir): "
+                   "exported with `qswap feedback export` into <out>/feedback-data and used as --beir; "
+                   "needs --index")
+    g.add_argument("--domain", help="with --feedback: only this domain alias's searches")
     g.add_argument("--lang", help="BEIR training language (queries-<lang>.jsonl); default en when present")
     g.add_argument("--val-size", type=float, default=0.1, help="validation size: fraction (<1) or count")
     g.add_argument("--test-size", type=float, default=0.1, help="test size: fraction (<1) or count")
@@ -170,6 +198,15 @@ def _run(args: argparse.Namespace) -> int:
 
     sched = resolve(args.recipe, lr=args.lr, epoch_batches=args.epoch_batches, max_epochs=args.max_epochs,
                     patience=args.patience)
+    if args.feedback is not None:
+        from qswap.errors import InvalidInputError
+        from qswap.tuning.feedback import export_feedback
+        if args.beir is not None or args.train is not None or args.index is None:
+            raise InvalidInputError("--feedback replaces --beir / --train and needs --index",
+                                    "give --feedback DIR --index IDX [--domain D]")
+        args.beir = args.out.with_name(args.out.name + ".feedback-data")
+        s = export_feedback(args.feedback, args.index, args.beir, args.domain)
+        print(f"feedback: {s.queries} queries with clicks from {s.impressions} impressions -> {args.beir}")
     lr = sqrt_scaled_lr(args.batch_size, base_lr=sched["lr"]) if args.lr_rule == "sqrt" else sched["lr"]
     cfg = RunConfig(
         out=args.out, base=args.base, train_file=args.train, beir_dir=args.beir, lang=args.lang,

@@ -55,14 +55,21 @@ class BeirData:
     source: str = ""
 
     def samples(self) -> list[Sample]:
-        """One sample per query that has a relevant document in the corpus (grade > 0)."""
+        """One sample per query that has a relevant document in the corpus (grade > 0).
+
+        Documents judged non-relevant (grade 0: e.g. skipped above a click in captured feedback)
+        are the sample's negatives; a sample without any gets mined ones.
+        """
         text_of = dict(zip(self.corpus_ids, self.corpus_texts))
         out = []
         for qid, query in self.queries.items():
-            rel = [d for d, g in self.qrels.get(qid, {}).items() if g > 0 and d in text_of]
+            judged = self.qrels.get(qid, {})
+            rel = [d for d, g in judged.items() if g > 0 and d in text_of]
+            non = [d for d, g in judged.items() if g <= 0 and d in text_of]
             if rel:
                 out.append(Sample(query=query, positives=[text_of[d] for d in rel], qid=qid,
-                                  positive_ids=rel, negative_ids=[], where=f"{self.source} query {qid}"))
+                                  negatives=[text_of[d] for d in non], positive_ids=rel, negative_ids=non,
+                                  where=f"{self.source} query {qid}"))
         return out
 
 

@@ -192,11 +192,17 @@ def make_sentinel(data: SentinelData, out: Path, name: str, n: int, seed: int = 
 
 
 def read_qid_file(path: Path) -> set[str]:
-    """Query ids to leave out: one a line, or a JSON list."""
+    """Query ids to leave out: one a line, a JSON list, or a tune run's ``training_queries.json``
+    (``{"ids": [...]}``, the queries it trained and validated on)."""
     text = Path(path).read_text()
-    if text.lstrip().startswith("["):
+    if text.lstrip().startswith(("[", "{")):
         try:
-            return {str(x) for x in json.loads(text)}
+            obj = json.loads(text)
         except json.JSONDecodeError as e:
-            raise InvalidInputError(f"{path} is not a JSON list ({e})", "one id per line, or a JSON list") from None
+            raise InvalidInputError(f"{path} is not JSON ({e})", "one id per line, or a JSON list") from None
+        ids = obj.get("ids") if isinstance(obj, dict) else obj
+        if not isinstance(ids, list):
+            raise InvalidInputError(f"{path} holds no list of query ids",
+                                    'one id per line, a JSON list, or {"ids": [...]}')
+        return {str(x) for x in ids}
     return {ln.strip() for ln in text.splitlines() if ln.strip()}

@@ -1,0 +1,332 @@
+"""The feedback capture store: what each search showed, what the user clicked, experiments.
+
+One SQLite file (``feedback.sqlite`` in the feedback directory) in WAL mode: appends are
+crash-safe (a committed transaction survives a kill; an uncommitted one leaves no trace), and
+several processes (Ray replicas over shared storage) may write it. Searches never wait on the
+disk: impressions go through a bounded queue to one writer thread (when the queue is full the
+impression is dropped and counted, so memory stays bounded under any load). Retention is
+bounded by age and by file size; the oldest impressions go first, with their feedback.
+
+The store keeps query text: it is off unless the operator gives ``--feedback-dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from qswap.errors import ConflictError, InvalidInputError, NotFoundError
+
+log = logging.getLogger("qswap.feedback")
+
+DB_FILE = "feedback.sqlite"
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS impressions (
+    request_id TEXT NOT NULL, qi INTEGER NOT NULL, ts REAL NOT NULL, domain TEXT, encoder TEXT NOT NULL,
+    query TEXT NOT NULL, ids TEXT NOT NULL, teams TEXT, experiment TEXT, PRIMARY KEY (request_id, qi));
+CREATE INDEX IF NOT EXISTS impressions_ts ON impressions (ts);
+CREATE INDEX IF NOT EXISTS impressions_domain ON impressions (domain, ts);
+CREATE TABLE IF NOT EXISTS feedback (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, request_id TEXT NOT NULL, qi INTEGER NOT NULL, ts REAL NOT NULL,
+    clicks TEXT NOT NULL, grades TEXT, experiment TEXT, outcome INTEGER);
+CREATE INDEX IF NOT EXISTS feedback_request ON feedback (request_id, qi);
+CREATE TABLE IF NOT EXISTS experiments (
+    domain TEXT PRIMARY KEY, id TEXT NOT NULL, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS experiment_stats (
+    id TEXT PRIMARY KEY, impressions INTEGER NOT NULL DEFAULT 0, wins INTEGER NOT NULL DEFAULT 0,
+    losses INTEGER NOT NULL DEFAULT 0, ties INTEGER NOT NULL DEFAULT 0, shadow_runs INTEGER NOT NULL DEFAULT 0,
+    shadow_skipped INTEGER NOT NULL DEFAULT 0, overlap_sum REAL NOT NULL DEFAULT 0,
+    latency_ms_sum REAL NOT NULL DEFAULT 0);
+"""
+
+
+@dataclass(frozen=True)
+class Impression:
+    """One query of one search as the user saw it."""
+
+    request_id: str
+    qi: int                      # the query's position in the request
+    domain: str | None
+    encoder: str                 # name@version that served it (the control's, when interleaved)
+    query: str
+    ids: list[str]               # shown document ids, best first
+    teams: list[str] | None = None     # per position, A/B, when the list was interleaved
+    experiment: str | None = None
+    ts: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class ShadowRun:
+    """One shadow run of an experiment's candidate (``overlap`` None: skipped, the server was busy)."""
+
+    experiment: str
+    overlap: float | None
+    latency_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """A user's feedback on one impression: clicked ids, or graded judgements (id -> grade)."""
+
+    clicks: list[str]
+    grades: dict[str, int] | None = None
+
+
+class FeedbackStore:
+    """Append-only capture of impressions and feedback in one SQLite file.
+
+    Args:
+        directory: the feedback directory (created).
+        max_bytes: the file is pruned (oldest impressions first) beyond this size.
+        max_age_s: impressions older than this are pruned, with their feedback.
+        queue_size: impressions waiting for the writer at most; more are dropped and counted.
+    """
+
+    def __init__(self, directory: Path, *, max_bytes: int = 1 << 30, max_age_s: float = 30 * 86400,
+                 queue_size: int = 10000) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / DB_FILE
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        self.dropped = 0
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: a commit survives a process kill
+        self._db.executescript(_SCHEMA)
+        self._queue: queue.Queue[Impression | ShadowRun | None] = queue.Queue(maxsize=queue_size)
+        self._writes_since_prune = 0
+        self._writer = threading.Thread(target=self._write_loop, name="qswap-feedback", daemon=True)
+        self._writer.start()
+
+    # -- capture -----------------------------------------------------------------------------
+
+    def record(self, items: list[Impression | ShadowRun]) -> None:
+        """Queue impressions (or shadow runs) for the writer; never blocks (a full queue drops
+        and counts)."""
+        for item in items:
+            try:
+                self._queue.put_nowait(item)
+            except queue.Full:
+                self.dropped += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            batch = [item]
+            while len(batch) < 512:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = any(i is None for i in batch)
+            rows = [(i.request_id, i.qi, i.ts, i.domain, i.encoder, i.query, json.dumps(i.ids),
+                     json.dumps(i.teams) if i.teams is not None else None, i.experiment)
+                    for i in batch if isinstance(i, Impression)]
+            shadows = [i for i in batch if isinstance(i, ShadowRun)]
+            try:
+                if shadows:
+                    with self._lock:
+                        self._tx(lambda db: [self._bump(r.experiment, shadow_skipped=1) if r.overlap is None
+                                             else self._bump(r.experiment, shadow_runs=1, overlap_sum=r.overlap,
+                                                             latency_ms_sum=r.latency_ms or 0.0)
+                                             for r in shadows])
+                if rows:
+                    counts: dict[str, int] = {}
+                    for r in rows:   # interleaved impressions count towards their experiment
+                        if r[8] is not None and r[7] is not None:
+                            counts[r[8]] = counts.get(r[8], 0) + 1
+
+                    def write(db: sqlite3.Connection) -> None:
+                        db.executemany("INSERT OR IGNORE INTO impressions VALUES (?,?,?,?,?,?,?,?,?)", rows)
+                        for exp, n in counts.items():
+                            self._bump(exp, impressions=n)
+                    with self._lock:
+                        self._tx(write)
+                    self._writes_since_prune += len(rows)
+                    if self._writes_since_prune >= 1000:
+                        self._writes_since_prune = 0
+                        self.prune()
+            except sqlite3.Error as e:   # a full disk must not kill capture for good
+                self.dropped += len(rows)
+                log.error("feedback capture failed", extra={"error": str(e)})
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+            if stop:
+                return
+
+    def _tx(self, fn: Any) -> Any:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            out = fn(self._db)
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+        return out
+
+    def flush(self) -> None:
+        """Wait until every queued impression is written."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, stop the writer and close the file."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+        with self._lock:
+            self._db.close()
+
+    # -- feedback ----------------------------------------------------------------------------
+
+    def impression(self, request_id: str, qi: int = 0) -> Impression:
+        """The impression a request showed (raises :class:`NotFoundError` when unknown or pruned)."""
+        self.flush()
+        with self._lock:
+            row = self._db.execute("SELECT request_id, qi, domain, encoder, query, ids, teams, experiment, ts "
+                                   "FROM impressions WHERE request_id=? AND qi=?", (request_id, qi)).fetchone()
+        if row is None:
+            raise NotFoundError(f"no captured search with request id {request_id!r} (query {qi})",
+                                "send feedback for a search answered while capture was on, before it expires "
+                                "(the X-Request-ID header of the search response)")
+        return _impression(row)
+
+    def add_feedback(self, request_id: str, qi: int, fb: Feedback, outcome: int | None = None) -> None:
+        """Record feedback on an impression (appends; a second feedback on one impression is refused).
+
+        Args:
+            request_id: the search's request id.
+            qi: which query of the request.
+            fb: clicked ids or graded judgements; ids must be among those shown.
+            outcome: the interleaving outcome (+1 candidate, -1 control, 0 tie), when interleaved.
+        """
+        imp = self.impression(request_id, qi)
+        unknown = sorted((set(fb.clicks) | set(fb.grades or {})) - set(imp.ids))
+        if unknown:
+            raise InvalidInputError(f"{len(unknown)} clicked or graded ids were not shown by this search",
+                                    "send only ids from the search's hits")
+        with self._lock:
+            def write(db: sqlite3.Connection) -> None:
+                if db.execute("SELECT 1 FROM feedback WHERE request_id=? AND qi=?", (request_id, qi)).fetchone():
+                    raise ConflictError(f"feedback for request {request_id!r} (query {qi}) was already recorded",
+                                        "send one feedback per search result list")
+                db.execute("INSERT INTO feedback (request_id, qi, ts, clicks, grades, experiment, outcome) "
+                           "VALUES (?,?,?,?,?,?,?)",
+                           (request_id, qi, time.time(), json.dumps(fb.clicks),
+                            json.dumps(fb.grades) if fb.grades is not None else None,
+                            imp.experiment if outcome is not None else None, outcome))
+                if outcome is not None and imp.experiment is not None:
+                    self._bump(imp.experiment, **{{1: "wins", -1: "losses", 0: "ties"}[outcome]: 1})
+            self._tx(write)
+
+    def labelled(self, domain: str | None = None) -> Iterator[tuple[Impression, Feedback]]:
+        """Impressions with their feedback, oldest first (optionally one domain's)."""
+        self.flush()
+        sql = ("SELECT i.request_id, i.qi, i.domain, i.encoder, i.query, i.ids, i.teams, i.experiment, i.ts, "
+               "f.clicks, f.grades FROM impressions i JOIN feedback f ON f.request_id=i.request_id AND f.qi=i.qi")
+        args: tuple = ()
+        if domain is not None:
+            sql += " WHERE i.domain=?"
+            args = (domain,)
+        with self._lock:
+            rows = self._db.execute(sql + " ORDER BY i.ts", args).fetchall()
+        for row in rows:
+            grades = json.loads(row[10]) if row[10] is not None else None
+            yield _impression(row[:9]), Feedback(json.loads(row[9]), grades)
+
+    def counts(self) -> dict[str, int]:
+        """Rows kept and impressions dropped (queue full or write failed)."""
+        self.flush()
+        with self._lock:
+            imps = self._db.execute("SELECT count(*) FROM impressions").fetchone()[0]
+            fbs = self._db.execute("SELECT count(*) FROM feedback").fetchone()[0]
+        return {"impressions": imps, "feedback": fbs, "dropped": self.dropped}
+
+    # -- retention ---------------------------------------------------------------------------
+
+    def prune(self, now: float | None = None) -> int:
+        """Drop impressions past the age bound, then the oldest ones while the file is too big.
+
+        Returns:
+            Impressions removed.
+        """
+        now = time.time() if now is None else now
+        removed = 0
+        with self._lock:
+            removed += self._drop_before(now - self.max_age_s)
+            while self._size() > self.max_bytes:
+                row = self._db.execute("SELECT ts FROM impressions ORDER BY ts LIMIT 1 OFFSET "
+                                       "(SELECT max(count(*) / 10, 1) FROM impressions)").fetchone()
+                if row is None:
+                    removed += self._drop_before(float("inf"))
+                    break
+                removed += self._drop_before(row[0])
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                self._db.execute("VACUUM")
+        return removed
+
+    def _drop_before(self, ts: float) -> int:
+        def drop(db: sqlite3.Connection) -> int:
+            db.execute("DELETE FROM feedback WHERE (request_id, qi) IN "
+                       "(SELECT request_id, qi FROM impressions WHERE ts < ?)", (ts,))
+            return db.execute("DELETE FROM impressions WHERE ts < ?", (ts,)).rowcount
+        return self._tx(drop)
+
+    def _size(self) -> int:
+        total = 0
+        for suffix in ("", "-wal"):
+            p = self.path.with_name(self.path.name + suffix)
+            if p.exists():
+                total += p.stat().st_size
+        return total
+
+    # -- experiments -------------------------------------------------------------------------
+
+    def put_experiment(self, domain: str, exp_id: str, doc: dict[str, Any]) -> None:
+        """Create or replace the experiment of a domain (one at a time per domain)."""
+        with self._lock:
+            self._tx(lambda db: (db.execute("INSERT OR REPLACE INTO experiments VALUES (?,?,?)",
+                                            (domain, exp_id, json.dumps(doc))),
+                                 db.execute("INSERT OR IGNORE INTO experiment_stats (id) VALUES (?)", (exp_id,))))
+
+    def drop_experiment(self, domain: str) -> None:
+        """Forget a domain's experiment (its statistics stay, under its id)."""
+        with self._lock:
+            self._tx(lambda db: db.execute("DELETE FROM experiments WHERE domain=?", (domain,)))
+
+    def experiments(self) -> dict[str, dict[str, Any]]:
+        """Every domain's experiment document, as stored."""
+        with self._lock:
+            rows = self._db.execute("SELECT domain, doc FROM experiments").fetchall()
+        return {d: json.loads(doc) for d, doc in rows}
+
+    def stats(self, exp_id: str) -> dict[str, float]:
+        """An experiment's counters: impressions, wins, losses, ties, shadow runs and sums."""
+        self.flush()
+        with self._lock:
+            row = self._db.execute("SELECT impressions, wins, losses, ties, shadow_runs, shadow_skipped, "
+                                   "overlap_sum, latency_ms_sum FROM experiment_stats WHERE id=?",
+                                   (exp_id,)).fetchone()
+        names = ("impressions", "wins", "losses", "ties", "shadow_runs", "shadow_skipped", "overlap_sum",
+                 "latency_ms_sum")
+        return dict(zip(names, row)) if row else {n: 0 for n in names}
+
+    def _bump(self, exp_id: str, **delta: float) -> None:
+        sets = ", ".join(f"{k} = {k} + ?" for k in delta)
+        self._db.execute("INSERT OR IGNORE INTO experiment_stats (id) VALUES (?)", (exp_id,))
+        self._db.execute(f"UPDATE experiment_stats SET {sets} WHERE id=?", (*delta.values(), exp_id))
+
+
+def _impression(row: tuple) -> Impression:
+    return Impression(request_id=row[0], qi=row[1], domain=row[2], encoder=row[3], query=row[4],
+                      ids=json.loads(row[5]), teams=json.loads(row[6]) if row[6] is not None else None,
+                      experiment=row[7], ts=row[8])

@@ -1,0 +1,158 @@
+"""Learning from traffic over HTTP: capture, feedback, interleaving and shadow experiments, promotion."""
+
+from __future__ import annotations
+
+import pytest
+
+from qswap.feedback.interleave import CANDIDATE, CONTROL
+
+from .conftest import ADMIN, LiveServer, server_settings
+
+
+@pytest.fixture(scope="module")
+def fb_live(tmp_path_factory, tiny_model_dir, index_dir, encoders_root):
+    tmp = tmp_path_factory.mktemp("fb")
+    s = server_settings(tmp, tiny_model_dir, index_dir, encoders_root=encoders_root, admin_token=ADMIN,
+                        feedback_dir=tmp / "feedback")
+    with LiveServer(s) as srv:
+        with srv.client(ADMIN) as admin:
+            for d in ("ft1", "ft2", "bias1"):
+                r = admin.post("/v1/encoders", json={"path": d})
+                assert r.status_code in (200, 201), r.text
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def admin(fb_live):
+    with fb_live.client(ADMIN) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def anon(fb_live):
+    with fb_live.client() as c:
+        yield c
+
+
+def _search(client, **body):
+    r = client.post("/v1/search", json={"k": 6, **body})
+    assert r.status_code == 200, r.text
+    return r.headers["x-request-id"], r.json()["results"]
+
+
+def test_feedback_is_captured_and_checked(anon, fb_live):
+    rid, res = _search(anon, queries=["chess puzzle", "audio video"])
+    ids = [h["id"] for h in res[1]["hits"]]
+    r = anon.post("/v1/feedback", json={"request_id": rid, "query_index": 1, "clicks": [ids[2]]})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"request_id": rid, "query_index": 1, "outcome": None}
+    assert anon.post("/v1/feedback", json={"request_id": rid, "query_index": 1, "clicks": [ids[0]]}).status_code == 409
+    r = anon.post("/v1/feedback", json={"request_id": "never-seen", "clicks": []})
+    assert r.status_code == 404 and r.json()["error"] == "not_found"
+    shown0 = {h["id"] for h in res[0]["hits"]}
+    other = next(f"d{i:03d}" for i in range(50) if f"d{i:03d}" not in shown0)
+    r = anon.post("/v1/feedback", json={"request_id": rid, "query_index": 0, "clicks": [other]})
+    assert r.status_code == 400
+    r = anon.post("/v1/feedback", json={"request_id": rid, "clicks": ["x"], "grades": {"x": 1}})
+    assert r.status_code == 422
+    store = fb_live.app.state.qs.feedback
+    pairs = [(i.query, f.clicks) for i, f in store.labelled()]
+    assert ("audio video", [ids[2]]) in pairs
+
+
+def test_feedback_needs_capture(tmp_path, tiny_model_dir, index_dir):
+    s = server_settings(tmp_path, tiny_model_dir, index_dir, admin_token=ADMIN, read_only_index=True)
+    with LiveServer(s) as srv, srv.client(ADMIN) as c:
+        r = c.post("/v1/feedback", json={"request_id": "x", "clicks": []})
+        assert r.status_code == 409 and "--feedback-dir" in r.json()["hint"]
+        assert c.get("/v1/experiments").status_code == 409
+
+
+def test_interleave_experiment_credit_promote_rollback(admin, anon, fb_live):
+    assert admin.put("/v1/aliases/games", json={"encoder": "ft@1"}).status_code == 200
+    r = admin.post("/v1/experiments", json={"domain": "games", "candidate": "ft@2", "mode": "interleave",
+                                            "fraction": 1.0})
+    assert r.status_code == 201, r.text
+    exp = r.json()
+    assert (exp["control"], exp["candidate"], exp["status"]) == ("ft@1", "ft@2", "running")
+    assert admin.post("/v1/experiments", json={"domain": "games", "candidate": "bias"}).status_code == 409
+    # What the two encoders answer alone, for the same query.
+    q = "chess puzzle game"
+    alone = {key: [h["id"] for h in _search(anon, query=q, encoder=key)[1][0]["hits"]] for key in ("ft@1", "ft@2")}
+    rid, res = _search(anon, query=q, domain="games")
+    row = res[0]
+    assert row["experiment"] == {"id": exp["id"], "mode": "interleave", "candidate": "ft@2"}
+    shown = [h["id"] for h in row["hits"]]
+    assert len(shown) == len(set(shown)) == 6 and set(shown) <= set(alone["ft@1"]) | set(alone["ft@2"])
+    imp = fb_live.app.state.qs.feedback.impression(rid)
+    assert imp.teams is not None and imp.experiment == exp["id"]
+    # Click a document only the candidate's team contributed: the candidate wins.
+    b_doc = next(d for d, t in zip(imp.ids, imp.teams) if t == CANDIDATE)
+    r = anon.post("/v1/feedback", json={"request_id": rid, "clicks": [b_doc]})
+    assert r.status_code == 200 and r.json()["outcome"] == 1
+    rid2, _ = _search(anon, query="audio video", domain="games")
+    imp2 = fb_live.app.state.qs.feedback.impression(rid2)
+    a_doc = next(d for d, t in zip(imp2.ids, imp2.teams) if t == CONTROL)
+    assert anon.post("/v1/feedback", json={"request_id": rid2, "clicks": [a_doc]}).json()["outcome"] == -1
+    v = anon.get("/v1/experiments/games").json()
+    assert (v["impressions"], v["wins"], v["losses"], v["ties"]) == (2, 1, 1, 0) and v["p_value"] == 1.0
+    metrics = anon.get("/metrics").text
+    assert 'qswap_experiment_outcomes{domain="games",outcome="wins"} 1.0' in metrics
+    # Promote: the alias switches atomically; rollback restores the control.
+    r = admin.post("/v1/experiments/games/promote")
+    assert r.status_code == 200 and r.json()["status"] == "promoted" and r.json()["previous"] == "ft@1"
+    assert admin.get("/v1/aliases").json()["aliases"]["games"] == "ft@2"
+    assert _search(anon, query=q, domain="games")[1][0]["experiment"] is None
+    assert admin.post("/v1/experiments/games/promote").status_code == 409
+    r = admin.post("/v1/experiments/games/rollback")
+    assert r.status_code == 200 and r.json()["status"] == "rolled_back"
+    assert admin.get("/v1/aliases").json()["aliases"]["games"] == "ft@1"
+    # Admin only.
+    assert anon.post("/v1/experiments/games/stop").status_code in (401, 403)
+
+
+def test_auto_promotion_and_refusals(admin, anon, fb_live):
+    assert admin.put("/v1/aliases/sound", json={"encoder": "ft@1"}).status_code == 200
+    assert admin.post("/v1/experiments", json={"domain": "nosuch", "candidate": "ft@2"}).status_code == 404
+    assert admin.post("/v1/experiments", json={"domain": "sound", "candidate": "ft@1"}).status_code == 400
+    assert admin.post("/v1/experiments", json={"domain": "sound", "candidate": "zz@9"}).status_code == 404
+    r = admin.post("/v1/experiments", json={"domain": "sound", "candidate": "bias@1", "mode": "interleave",
+                                            "fraction": 1.0, "auto_promote_alpha": 0.05, "min_decided": 5})
+    assert r.status_code == 201, r.text
+    words = ["music", "sound", "audio", "video", "chess", "game", "science", "math", "network", "server"]
+    queries = [f"{a} {b}" for a in words for b in words if a != b][:14]
+    promoted_after = None
+    for n, q in enumerate(queries, 1):
+        rid, _ = _search(anon, query=q, domain="sound")
+        imp = fb_live.app.state.qs.feedback.impression(rid)
+        mine = [d for d, t in zip(imp.ids, imp.teams) if t == CANDIDATE]
+        assert anon.post("/v1/feedback", json={"request_id": rid, "clicks": mine[:1]}).status_code == 200
+        if admin.get("/v1/aliases").json()["aliases"]["sound"] == "bias@1":
+            promoted_after = n
+            break
+    # Looks at 5, 10, 20 ... decided impressions, each at 0.05 / 10: 5 straight wins give
+    # p = 2 / 2^5 = 0.0625 (no), 10 give 0.00195 < 0.005 (promoted at the second look).
+    assert promoted_after == 10
+    v = anon.get("/v1/experiments/sound").json()
+    assert v["status"] == "promoted" and (v["wins"], v["losses"]) == (10, 0)
+
+
+def test_shadow_runs_off_the_response_path(admin, anon, fb_live):
+    assert admin.put("/v1/aliases/science", json={"encoder": "ft@1"}).status_code == 200
+    r = admin.post("/v1/experiments", json={"domain": "science", "candidate": "ft@2", "mode": "shadow",
+                                            "fraction": 1.0})
+    assert r.status_code == 201
+    rid, res = _search(anon, query="physics chemistry", domain="science")
+    assert res[0]["experiment"] is None
+    assert res[0]["encoder"]["key"] == "ft@1"
+    # The shadow run was scheduled before the answer left: wait for it, then for its record.
+    exps, store = fb_live.app.state.qs.experiments, fb_live.app.state.qs.feedback
+    assert exps.wait_shadows(10)
+    store.flush()
+    v = anon.get("/v1/experiments/science").json()
+    assert v["shadow_runs"] == 1 and 0 <= v["overlap"] <= 1 and v["shadow_latency_ms"] > 0
+    assert admin.post("/v1/experiments/science/stop").json()["status"] == "stopped"
+    _search(anon, query="physics chemistry", domain="science")
+    assert exps.wait_shadows(10)
+    store.flush()
+    assert store.stats(r.json()["id"])["shadow_runs"] == 1     # stopped: no more shadow runs
