@@ -115,6 +115,8 @@ class ServerState:
                                     max_pending=s.max_pending, max_pending_per_encoder=s.max_pending_per_encoder,
                                     metrics=self.metrics)
         self.metrics.admitted.set_function(lambda: batcher.pending)
+        # Before ready: an encoder re-evaluated at start is 'evaluating' when the first request comes.
+        registry.start_guard()
         with self._close_lock:
             if self._closed:
                 index.close()
@@ -123,7 +125,6 @@ class ServerState:
             self.batcher = batcher
             self.ready = True
             self.metrics.ready.set(1)
-        registry.start_guard()
 
     def make_registry(self, **kw: Any) -> EncoderRegistry:
         """The encoder registry (a Ray replica makes one shared with the other replicas)."""
