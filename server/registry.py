@@ -501,6 +501,7 @@ class EncoderRegistry:
                     raise ConflictError(f"encoder {key} is the default encoder",
                                         "configure another default encoder first")
                 self._deleting.add(key)
+                self._released.notify_all()   # whoever waits for the delete to begin (tests)
                 try:
                     if not self._released.wait_for(lambda: not self._refs.get(key), timeout_s):
                         raise ConflictError(f"encoder {key} still has requests in flight after {timeout_s:.0f}s",
