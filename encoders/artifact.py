@@ -15,7 +15,6 @@ how they are read is the kind's plugin's business (:mod:`qswap.encoders.kinds`).
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import tempfile
 import time
@@ -31,12 +30,12 @@ from qswap.atomic import atomic_copy, atomic_write_json, replace_dir, sha256_fil
 from qswap.encoders.kinds import KINDS, get_kind
 from qswap.encoders.kinds.lora import CONFIG_FILE, WEIGHTS_FILE
 from qswap.encoders.kinds.partial import TENSOR_FILE  # noqa: F401  (re-exported: the bias/partial file name)
-from qswap.errors import IntegrityError, InvalidInputError, NotFoundError
+from qswap.errors import IntegrityError, NotFoundError
+from qswap.names import validate_name  # noqa: F401  (re-exported)
 from qswap.space import EmbeddingSpace
 
 ENCODER_MANIFEST = "manifest.json"
 LORA_FILES = (CONFIG_FILE, WEIGHTS_FILE)
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _MAX_FILE_NAME = 255   # bytes, as most file systems allow
 
 
@@ -111,14 +110,6 @@ class EncoderArtifact:
     @property
     def key(self) -> str:
         return self.manifest.key
-
-
-def validate_name(name: str, what: str = "encoder name") -> str:
-    """Names and versions are path- and URL-safe: letters, digits, ``.``, ``_``, ``-``."""
-    if not _NAME.match(name or ""):
-        raise InvalidInputError(f"invalid {what} {name!r}",
-                                "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
-    return name
 
 
 def save_encoder(out_dir: Path, *, name: str, version: str, kind: str, space: EmbeddingSpace,

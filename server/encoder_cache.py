@@ -44,11 +44,6 @@ class EncoderCache:
         if key in self.loaded:
             self.loaded.move_to_end(key)
 
-    @property
-    def total_bytes(self) -> int:
-        with self.lock:
-            return sum(self.loaded.values())
-
     def count(self, key: str) -> None:
         """Count an encoder the pool now holds (caller holds ``load_lock``): prepared by the
         backend first, since what the backend holds depends on how it serves it."""
@@ -89,12 +84,14 @@ class EncoderCache:
         self.discard(key)   # an ONNX session would keep the memory the budget freed
 
     def prepare(self, key: str) -> None:
+        """Let the backend get ready to serve ``key`` (an export failure leaves the pool serving it)."""
         try:
             self.backend.prepare(key)
         except Exception:   # an export failure must not fail the request: the pool still serves
             log.exception("backend prepare failed", extra={"encoder": key})
 
     def discard(self, key: str) -> None:
+        """Let the backend free what it holds for ``key``."""
         try:
             self.backend.discard(key)
         except Exception:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from qswap.encoders import BASE_KEY
 from qswap.errors import QswapError
-from qswap.guard import GuardStatus
+from qswap.guard import GuardRecord, GuardStatus
 
 if TYPE_CHECKING:
     from qswap.server.registry import EncoderRegistry
@@ -60,7 +60,7 @@ class GuardScheduler:
         self.guard.submit(lambda: self._warm(warm, versions))
         if reg.metrics is not None:
             for k, r in done:
-                reg.metrics.export_guard(k, r.evaluation, r.guard_status)
+                reg.metrics.export_guard(k, GuardRecord.of(r.evaluation), r.guard_status)
         with reg.admin_lock:
             for key in sorted(todo):
                 if table.records[key].guard_status in (GuardStatus.UNGUARDED, GuardStatus.FAILED):
@@ -116,7 +116,7 @@ class GuardScheduler:
         if not self.store_verdict(key, versions[key], status, record):
             return
         if reg.metrics is not None:
-            reg.metrics.export_guard(key, record, status, time.perf_counter() - t0)
+            reg.metrics.export_guard(key, GuardRecord.of(record), status, time.perf_counter() - t0)
         if status != GuardStatus.PASSED:
             with table.lock:
                 aliased = sorted(d for d, k in table.aliases.items() if k == key)

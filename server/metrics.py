@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
 
-from qswap.guard import GuardStatus
+from qswap.guard import GuardRecord, GuardStatus
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _STAGE = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -84,22 +84,22 @@ class Metrics:
         self.experiment_overlap = Gauge("qswap_experiment_overlap", "mean rank-biased overlap of control and "
                                         "candidate top-k (shadow)", ["domain"], registry=r)
 
-    def export_guard(self, key: str, record: dict, status: str, seconds: float | None = None) -> None:
+    def export_guard(self, key: str, record: GuardRecord, status: GuardStatus, seconds: float | None = None) -> None:
         """Publish one encoder's guard verdict (replacing its previous series)."""
         self.unexport_guard(key)
         self.guard_passed.labels(encoder=key).set(1 if status == GuardStatus.PASSED else 0)
         if seconds is not None:
             self.guard_seconds.observe(seconds)
         labels = []
-        for c in record.get("checks") or []:
-            lab = (key, str(c["name"]), str(c["against"]))
+        for c in record.checks:
+            lab = (key, c.name, c.against)
             labels.append(lab)
-            if c.get("p_holm") is not None:   # None: too few queries left to compare (insufficient evidence)
-                self.guard_ndcg.labels(*lab, "before").set(c["before"])
-                self.guard_ndcg.labels(*lab, "after").set(c["after"])
-                self.guard_p.labels(*lab).set(c["p_holm"])
-            self.guard_regressed.labels(*lab).set(1 if c["degraded"] else 0)
-            self.guard_queries.labels(*lab).set(c["n"])
+            if c.judged:   # else too few queries were left to compare (insufficient evidence)
+                self.guard_ndcg.labels(*lab, "before").set(c.before)
+                self.guard_ndcg.labels(*lab, "after").set(c.after)
+                self.guard_p.labels(*lab).set(c.p_holm)
+            self.guard_regressed.labels(*lab).set(1 if c.degraded else 0)
+            self.guard_queries.labels(*lab).set(c.n or 0)
         self._guard_labels[key] = labels
 
     def unexport_guard(self, key: str) -> None:

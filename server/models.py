@@ -17,6 +17,7 @@ from annotated_types import Ge, Le
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema,
                       model_validator)
 
+from qswap.guard import GuardStatus
 from qswap.index import Hit
 
 # Names, versions and domains (qswap.encoders.artifact.validate_name), and name@version keys.
@@ -208,9 +209,6 @@ class RegisterByPath(_Strict):
     wait: bool = Field(False, description="with sentinels: answer once the server's evaluation is done "
                                           "(201, or 409 guard_refused with the table, the encoder then not "
                                           "registered) instead of at once (202, guard_status 'evaluating')")
-
-
-GuardStatus = Literal["evaluating", "passed", "refused", "insufficient_evidence", "failed", "unguarded"]
 
 
 class EncoderInfo(BaseModel):

@@ -229,6 +229,7 @@ class EncoderRegistry:
             self._refs[key] = self._refs.get(key, 0) + 1
 
     def release(self, key: str) -> None:
+        """Drop one reference taken by :meth:`acquire` or :meth:`hold` (a waiting delete wakes)."""
         with self._lock:
             n = self._refs.get(key, 0) - 1
             if n > 0:
@@ -238,14 +239,17 @@ class EncoderRegistry:
                 self._released.notify_all()
 
     def in_flight(self, key: str) -> int:
+        """References held on ``key`` now (requests in flight, the guard's own use)."""
         with self._lock:
             return self._refs.get(key, 0)
 
     def is_deleting(self, key: str) -> bool:
+        """Whether a delete of ``key`` is waiting for its references (new requests are refused)."""
         with self._lock:
             return key in self._deleting
 
     def is_loaded(self, key: str) -> bool:
+        """Whether ``key`` is attached to the pool (the base always is)."""
         return key in self.cache
 
     def _pinned(self) -> set[str]:
@@ -497,6 +501,7 @@ class EncoderRegistry:
                     raise ConflictError(f"encoder {key} is the default encoder",
                                         "configure another default encoder first")
                 self._deleting.add(key)
+                self._released.notify_all()   # whoever waits for the delete to begin (tests)
                 try:
                     if not self._released.wait_for(lambda: not self._refs.get(key), timeout_s):
                         raise ConflictError(f"encoder {key} still has requests in flight after {timeout_s:.0f}s",
@@ -566,10 +571,12 @@ class EncoderRegistry:
     # -- views ---------------------------------------------------------------------------------
 
     def aliases(self) -> dict[str, str]:
+        """domain -> encoder key, a copy."""
         with self._lock:
             return dict(self.table.aliases)
 
     def keys(self) -> list[str]:
+        """Registered keys (the base not included), sorted."""
         with self._lock:
             return sorted(self.table.records)
 

@@ -125,6 +125,8 @@ class ServerState:
             self.experiments = Experiments(self.feedback, registry, self.metrics)
             self.metrics.capture_dropped.set_function(lambda: self.feedback.dropped)
             log.info("feedback capture on", extra={"dir": s.feedback_dir.name})
+        # Before ready: an encoder re-evaluated at start is 'evaluating' when the first request comes.
+        registry.start_guard()
         with self._close_lock:
             if self._closed:
                 index.close()
@@ -133,7 +135,6 @@ class ServerState:
             self.batcher = batcher
             self.ready = True
             self.metrics.ready.set(1)
-        registry.start_guard()
 
     def make_registry(self, **kw: Any) -> EncoderRegistry:
         """The encoder registry (a Ray replica makes one shared with the other replicas)."""

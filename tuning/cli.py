@@ -325,7 +325,8 @@ def _eval(args: argparse.Namespace) -> int:
     from qswap.encoders import EncoderPool, load_base, load_encoder, read_encoder_manifest
     from qswap.errors import InvalidInputError
     from qswap.tuning.beir_eval import BeirEvaluator
-    from qswap.guard.checks import evaluate_sentinels, parse_sentinel, triplet_metrics
+    from qswap.guard.sentinels import parse_sentinel
+    from qswap.tuning.guard import evaluate_sentinels, triplet_metrics
     from qswap.guard.evaluation import compare_metrics
     from qswap.tuning.multilingual import language_matrix, plot_heatmap
 

@@ -28,7 +28,9 @@ from qswap.tuning.beir_eval import BeirEvaluator
 from qswap.tuning.data import BeirData, Sample, read_beir, read_triplets, split_samples
 from qswap.tuning.doc_cache import DocTable, StoredEmbeddings
 from qswap.guard.evaluation import compare_metrics, evaluate_candidates
-from qswap.guard.checks import evaluate_sentinels, guard_record, parse_sentinel, sentinel_check
+from qswap.guard.checks import guard_record, sentinel_check
+from qswap.guard.sentinels import parse_sentinel
+from qswap.tuning.guard import evaluate_sentinels
 from qswap.tuning.layers import changes_report
 from qswap.tuning.losses import build_loss
 from qswap.tuning.methods import MethodConfig, QueryTower

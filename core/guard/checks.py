@@ -1,4 +1,4 @@
-"""The regression guard: sentinel sets evaluated for a reference and a new encoder.
+"""The guard's checks and verdict: per-query metrics of two encoders on a sentinel, compared.
 
 A sentinel set is queries with relevance judgements the new encoder must not make worse
 (other languages, other domains, the training language's held-out queries). Each one is
@@ -27,36 +27,46 @@ numpy at import time so the server can use it cheaply; evaluation imports happen
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Mapping, Sequence
+
+from pydantic import ValidationError
 
 from qswap.errors import GuardRefusedError, InvalidInputError
+from qswap.guard.record import INSUFFICIENT, GuardRecord
 from qswap.guard.stats import ALPHA, Z_CRITICAL, compare_counts, holm, paired_compare
 
-SENTINEL_FORMS = "beir:DIR[:QLANG[-DLANG]] or triplets:FILE, optionally prefixed NAME="
 DECIDING_TEST = "wilcoxon signed-rank on per-query ndcg@10, holm over sentinels"
-INSUFFICIENT = "insufficient_evidence"
 
 
 def _finite(x: float | None) -> float | None:
     return None if x is None or math.isnan(x) or math.isinf(x) else x
 
 
-def guard_table(record: dict[str, Any], only_bad: bool = False) -> str:
+def _read(record: GuardRecord | dict[str, Any]) -> GuardRecord:
+    if isinstance(record, GuardRecord):
+        return record
+    try:
+        return GuardRecord.of(record)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ())) or "record"
+        raise InvalidInputError(f"the encoder's guard record is malformed: {where}: {err.get('msg', '')}",
+                                "re-run the tuning, or register with force to skip the guard") from None
+
+
+def guard_table(record: GuardRecord | dict[str, Any], only_bad: bool = False) -> str:
     """The checks as a short text table (one line each), for error messages and logs."""
     lines = []
-    for c in record.get("checks") or []:
-        if not isinstance(c, dict) or (only_bad and not c.get("degraded")):
+    for c in _read(record).checks:
+        if only_bad and not c.degraded:
             continue
-        if c.get("verdict") == INSUFFICIENT:
-            lines.append(f"{c.get('name')} vs {c.get('against')}: n={c.get('n')} {INSUFFICIENT}")
-        elif "p_holm" in c:
-            lines.append(f"{c.get('name')} vs {c.get('against')}: n={c.get('n')} ndcg@10 "
-                         f"{float(c.get('before', 0)):.4f}->{float(c.get('after', 0)):.4f} "
-                         f"p_holm={float(c.get('p_holm', 1)):.2g} {c.get('verdict')}")
+        if c.verdict == INSUFFICIENT:
+            lines.append(f"{c.name} vs {c.against}: n={c.n} {INSUFFICIENT}")
+        elif c.p_holm is not None:
+            lines.append(f"{c.name} vs {c.against}: n={c.n} ndcg@10 {c.before or 0:.4f}->{c.after or 0:.4f} "
+                         f"p_holm={c.p_holm:.2g} {c.verdict}")
         else:   # a record written before the paired tests (pooled Z only)
-            lines.append(f"{c.get('name')} ({c.get('metric')}, Z={float(c.get('z', 0)):+.2f})")
+            lines.append(f"{c.name} ({c.metric}, Z={float((c.model_extra or {}).get('z', 0)):+.2f})")
     return "; ".join(lines)
 
 
@@ -71,10 +81,11 @@ def check_guard(record: dict[str, Any] | None) -> None:
     if not isinstance(record, dict) or not isinstance(record.get("passed"), bool):
         raise InvalidInputError("the encoder's guard record is malformed (needs a boolean 'passed')",
                                 "re-run the tuning, or register with force to skip the guard")
-    if record["passed"]:
+    rec = _read(record)
+    if rec.passed:
         return
-    bad = [c for c in record.get("checks") or [] if isinstance(c, dict) and c.get("degraded")]
-    table = guard_table({"checks": bad[:5]})
+    bad = rec.regressed()
+    table = guard_table(GuardRecord(passed=False, checks=bad[:5]))
     more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
     raise GuardRefusedError(
         f"encoder significantly degrades {len(bad)} sentinel check(s): {table or 'unspecified'}{more}",
@@ -117,6 +128,27 @@ def insufficient_check(name: str, n: int, against: str = "base", lang: str | Non
             "verdict": INSUFFICIENT, "degraded": False}
 
 
+def judge_sentinel(name: str, after: Any, before: Mapping[str, Any], n: int, lang: str | None = None,
+                   min_queries: int = 1) -> list[dict[str, Any]]:
+    """The checks of one sentinel: the one evaluator the server and ``qswap tune`` share.
+
+    Args:
+        name: the sentinel.
+        after: :class:`~qswap.guard.evaluation.RankingMetrics` of the evaluated encoder.
+        before: reference encoder -> its metrics on the same queries.
+        n: the sentinel's judged queries that were scored.
+        lang: the sentinel's query language.
+        min_queries: fewer than this many queries decide nothing.
+
+    Returns:
+        One check per reference; ``insufficient_evidence`` ones when ``n < min_queries``
+        (the metrics are not read then and may be None).
+    """
+    if n < min_queries or after is None:
+        return [insufficient_check(name, n, against=r, lang=lang) for r in before]
+    return [sentinel_check(name, b, after, against=r, lang=lang) for r, b in before.items()]
+
+
 def guard_record(checks: Sequence[dict[str, Any]], alpha: float = ALPHA, min_queries: int = 1) -> dict[str, Any]:
     """The verdict: Holm over the sentinels of each comparison, failed on any regression.
 
@@ -143,87 +175,8 @@ def guard_record(checks: Sequence[dict[str, Any]], alpha: float = ALPHA, min_que
             "test": DECIDING_TEST, "z_critical": Z_CRITICAL, "checks": checks}
 
 
-def insufficient_table(record: dict[str, Any]) -> str:
+def insufficient_table(record: GuardRecord | dict[str, Any]) -> str:
     """The checks without enough evidence, as text ("sentinel x has 6 judged queries left, needs 20")."""
-    seen = {}
-    for c in record.get("checks") or []:
-        if isinstance(c, dict) and c.get("verdict") == INSUFFICIENT:
-            seen.setdefault(c.get("name"), c)
-    return "; ".join(f"sentinel {n} has {c.get('n')} judged queries left, needs {c.get('min_queries')}"
-                     for n, c in seen.items()) or "too few judged queries"
-
-
-@dataclass(frozen=True)
-class Sentinel:
-    """A sentinel set: a BEIR (query language, document language) pair or a triplets file."""
-
-    name: str
-    kind: str                   # "beir" | "triplets"
-    path: Path
-    query_lang: str | None = None
-    doc_lang: str | None = None
-
-
-def parse_sentinel(spec: str) -> Sentinel:
-    """Parse ``[NAME=]beir:DIR[:QLANG[-DLANG]]`` or ``[NAME=]triplets:FILE``."""
-    name = None
-    if "=" in spec.split(":", 1)[0]:
-        name, spec = spec.split("=", 1)
-    kind, _, rest = spec.partition(":")
-    if kind not in ("beir", "triplets") or not rest:
-        raise InvalidInputError(f"bad sentinel {spec!r}", f"use {SENTINEL_FORMS}")
-    if kind == "triplets":
-        return Sentinel(name or f"triplets:{Path(rest).name}", kind, Path(rest))
-    path, ql, dl = rest, None, None
-    head, sep, tail = rest.rpartition(":")
-    if sep and head and not Path(rest).exists():
-        path, langs = head, tail
-        ql, _, dl = langs.partition("-")
-        ql, dl = ql or None, dl or None
-    label = f"{ql or 'queries'}->{dl or 'corpus'}"
-    return Sentinel(name or f"{Path(path).name}:{label}", kind, Path(path), ql, dl or None)
-
-
-def evaluate_sentinels(sentinels: Sequence[Sentinel], base: Any, encode_tuned: Callable[[list[str]], Any],
-                       evaluator: Any = None, cache_dir: Path | None = None,
-                       exclude: Mapping[Path, Collection[str]] | None = None,
-                       progress: bool = True, extra_checks: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
-    """Evaluate every sentinel for both encoders and return the manifest ``guard`` record.
-
-    ``exclude`` maps a BEIR directory to query ids to leave out there (the ones the tuning
-    trained on, when a sentinel shares the training directory). ``extra_checks`` are checks
-    already computed (the training language's held-out test queries).
-    """
-    from qswap.tuning.beir_eval import BeirEvaluator
-
-    evaluator = evaluator or BeirEvaluator(base, encode_tuned, cache_dir, progress)
-    checks = list(extra_checks)
-    for s in sentinels:
-        if s.kind == "beir":
-            skip = (exclude or {}).get(Path(s.path).resolve(), ())
-            r = evaluator.pair(s.path, s.query_lang, s.doc_lang or s.query_lang, exclude_qids=skip)
-            b, t = r.base, r.tuned
-        else:
-            b, t = triplet_metrics(s.path, base, encode_tuned, cache_dir, progress)
-        if b.queries == 0:
-            raise InvalidInputError(f"sentinel {s.name} has no query with a relevant document",
-                                    "give a sentinel with judged queries")
-        checks.append(sentinel_check(s.name, b, t, lang=s.query_lang))
-    return guard_record(checks)
-
-
-def triplet_metrics(path: Path, base: Any, encode_tuned: Callable[[list[str]], Any],
-                    cache_dir: Path | None = None, progress: bool = True) -> tuple[Any, Any]:
-    """(base, tuned) :class:`~qswap.guard.evaluation.RankingMetrics` on a triplets file."""
-    from qswap.tuning.data import read_triplets
-    from qswap.tuning.doc_cache import DocTable
-    from qswap.guard.evaluation import evaluate_candidates
-
-    samples = read_triplets(path, require_negatives=True)
-    table = DocTable()
-    pos = [[table.add(t) for t in s.positives] for s in samples]
-    neg = [[table.add(t) for t in s.negatives] for s in samples]
-    docs = table.embed(base, cache_dir, progress=progress)
-    queries = [s.query for s in samples]
-    return (evaluate_candidates(base.encode_queries(queries), docs, pos, neg),
-            evaluate_candidates(encode_tuned(queries), docs, pos, neg))
+    seen = {c.name: c for c in reversed(_read(record).insufficient())}
+    return "; ".join(f"sentinel {n} has {c.n} judged queries left, needs {c.min_queries}"
+                     for n, c in reversed(seen.items())) or "too few judged queries"

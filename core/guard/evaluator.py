@@ -1,4 +1,4 @@
-"""The server's own regression guard: sentinel sets over the served index.
+"""The guard's evaluator over a served index: encoders judged on sentinel folders.
 
 ``qswap serve --sentinels DIR`` loads one sentinel per sub-folder of ``DIR`` (BEIR layout
 without a corpus: the corpus is the served index)::
@@ -31,12 +31,12 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from qswap.guard.evaluation import evaluate_retrieval
-from qswap.guard.checks import guard_record, insufficient_check, sentinel_check
+from qswap.guard.checks import guard_record, judge_sentinel
 from qswap.guard.sentinels import SentinelSet, load_sentinels, sentinel_coverage, sentinels_fingerprint
 
 __all__ = ["SentinelGuard", "SentinelSet", "load_sentinels"]
 
-log = logging.getLogger("qswap.server")
+log = logging.getLogger("qswap.server")   # it runs inside the server: its log stream
 
 _ENCODE_CHUNK = 32          # queries per forward pass: small, so serving batches interleave
 _PROGRESS_EVERY_S = 5.0
@@ -185,12 +185,12 @@ class SentinelGuard:
                     keep.append(qi)
                     rel.append(r)
             if len(keep) < self.min_queries:   # judged documents deleted: too little left to judge
-                checks += [insufficient_check(s.name, len(keep), against=r, lang=s.lang) for r in refs]
+                checks += judge_sentinel(s.name, None, dict.fromkeys(refs), n=len(keep), lang=s.lang,
+                                         min_queries=self.min_queries)
                 continue
             after = evaluate_retrieval(new[si][keep], docs, rel, ks=(10,))
-            for r in refs:
-                before = evaluate_retrieval(ref_emb[r][si][keep], docs, rel, ks=(10,))
-                checks.append(sentinel_check(s.name, before, after, against=r, lang=s.lang))
+            before = {r: evaluate_retrieval(ref_emb[r][si][keep], docs, rel, ks=(10,)) for r in refs}
+            checks += judge_sentinel(s.name, after, before, n=len(keep), lang=s.lang, min_queries=self.min_queries)
         record = guard_record(checks, self.alpha, self.min_queries)
         record.update({"source": "server", "sentinels": self.fingerprint, "against": refs,
                        "evaluated_at": time.time(), "seconds": round(time.perf_counter() - t0, 3),

@@ -1,4 +1,9 @@
-"""The server's sentinel sets: their layout, loading them, and ``qswap sentinels make``.
+"""Sentinel sets, in both their forms, and ``qswap sentinels make``.
+
+- **Tuning** (``qswap tune run --sentinel``): a spec ``[NAME=]beir:DIR[:QLANG[-DLANG]]`` (a
+  BEIR directory with its own corpus, embedded by the base) or ``[NAME=]triplets:FILE``
+  (:func:`parse_sentinel`).
+- **Serving** (``qswap serve --sentinels``): the folders below (:func:`load_sentinels`).
 
 A sentinel is a folder ``OUT/<name>/`` in BEIR layout without a corpus (the corpus is the
 served index): ``queries.jsonl``, ``qrels/test.tsv`` and ``sentinel.json`` (language, source,
@@ -23,9 +28,10 @@ from typing import Any, Collection
 from qswap.atomic import atomic_write_json, fsync_dir, replace_dir
 from qswap.beir import LineErrors, iter_jsonl, load_beir, read_qrels, read_queries, write_jsonl, write_qrels
 from qswap.errors import InvalidInputError, NotFoundError
-from qswap.encoders.artifact import validate_name
+from qswap.names import validate_name
 
 META = "sentinel.json"
+SENTINEL_FORMS = "beir:DIR[:QLANG[-DLANG]] or triplets:FILE, optionally prefixed NAME="
 
 
 @dataclass
@@ -206,3 +212,34 @@ def read_qid_file(path: Path) -> set[str]:
                                     'one id per line, a JSON list, or {"ids": [...]}')
         return {str(x) for x in ids}
     return {ln.strip() for ln in text.splitlines() if ln.strip()}
+
+
+@dataclass(frozen=True)
+class Sentinel:
+    """A sentinel set: a BEIR (query language, document language) pair or a triplets file."""
+
+    name: str
+    kind: str                   # "beir" | "triplets"
+    path: Path
+    query_lang: str | None = None
+    doc_lang: str | None = None
+
+
+def parse_sentinel(spec: str) -> Sentinel:
+    """Parse ``[NAME=]beir:DIR[:QLANG[-DLANG]]`` or ``[NAME=]triplets:FILE``."""
+    name = None
+    if "=" in spec.split(":", 1)[0]:
+        name, spec = spec.split("=", 1)
+    kind, _, rest = spec.partition(":")
+    if kind not in ("beir", "triplets") or not rest:
+        raise InvalidInputError(f"bad sentinel {spec!r}", f"use {SENTINEL_FORMS}")
+    if kind == "triplets":
+        return Sentinel(name or f"triplets:{Path(rest).name}", kind, Path(rest))
+    path, ql, dl = rest, None, None
+    head, sep, tail = rest.rpartition(":")
+    if sep and head and not Path(rest).exists():
+        path, langs = head, tail
+        ql, _, dl = langs.partition("-")
+        ql, dl = ql or None, dl or None
+    label = f"{ql or 'queries'}->{dl or 'corpus'}"
+    return Sentinel(name or f"{Path(path).name}:{label}", kind, Path(path), ql, dl or None)

@@ -61,7 +61,7 @@ def test_default_and_names_resolve_to_the_highest_servable_version(server):
         assert c.get("/v1/encoders/mild").json()["key"] == "mild@1"
         r = c.post("/v1/search", json={"query": "chess", "encoder": "mild@3"})
         assert r.status_code == 409 and r.json()["error"] == "guard_pending"
-    assert wait_verdict(c, "mild@3")["guard_status"] == "refused"
+    assert wait_verdict(srv, c, "mild@3")["guard_status"] == "refused"
     assert _served_by(c) == "mild@1" and _served_by(c, encoder="mild") == "mild@1"
     # The refused version is not the default: it can be deleted; the served one cannot.
     assert c.delete("/v1/encoders/mild@1").status_code == 409
@@ -82,7 +82,7 @@ def test_force_never_serves_while_evaluating_and_accepts_a_known_verdict(server)
             r = c.put("/v1/aliases/games", json={"encoder": "bad@1", "force": force})
             assert r.status_code == 409 and r.json()["error"] == "guard_pending", r.text
         assert "games" not in c.get("/v1/aliases").json()["aliases"]
-    info = wait_verdict(c, "bad@1")
+    info = wait_verdict(srv, c, "bad@1")
     assert info["guard_status"] == "refused" and info["forced"] is True
     # Its verdict is known: the force given at registration now lets it serve, and says so.
     assert _served_by(c, encoder="bad@1") == "bad@1"
@@ -98,7 +98,7 @@ def test_alias_force_accepts_a_refused_verdict_and_records_it(server):
     srv, c = server
     r = c.post("/v1/encoders", json={"path": "bad2"})
     assert r.status_code == 202
-    assert wait_verdict(c, "bad@2")["guard_status"] == "refused"
+    assert wait_verdict(srv, c, "bad@2")["guard_status"] == "refused"
     r = c.put("/v1/aliases/games", json={"encoder": "bad@2"})
     assert r.status_code == 409 and r.json()["error"] == "guard_refused"
     assert c.put("/v1/aliases/games", json={"encoder": "bad@2", "force": True}).status_code == 200
@@ -143,7 +143,7 @@ def test_a_verdict_never_lands_on_other_files_of_the_same_key(server):
         assert r.status_code == 409 and r.json()["error"] == "guard_pending"
         assert arrived[1].wait(120)
         go[1].set()
-        info = wait_verdict(c, "stale@1")
+        info = wait_verdict(srv, c, "stale@1")
     finally:
         for e in go:
             e.set()
@@ -179,7 +179,7 @@ def test_sentinels_that_lost_judged_documents_give_insufficient_evidence(data, t
     with LiveServer(s) as srv, srv.client(ADMIN) as c:
         assert c.request("DELETE", "/v1/documents", json={"ids": gone}).json()["deleted"] == 70
         r = c.post("/v1/encoders", json={"path": "mild1"})
-        info = wait_verdict(c, r.json()["encoder"]["key"])
+        info = wait_verdict(srv, c, r.json()["encoder"]["key"])
         assert info["guard_status"] == "insufficient_evidence" and info["evaluation"]["passed"] is False
         rows = {x["name"]: x for x in info["evaluation"]["checks"]}
         assert rows["alpha"]["n"] == 10 and rows["alpha"]["min_queries"] == 20

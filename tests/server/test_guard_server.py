@@ -28,7 +28,7 @@ def test_overtuned_encoder_is_refused_on_the_servers_own_evaluation(guarded):
     assert r.status_code == 202, r.text
     assert r.json()["encoder"]["guard_status"] == "evaluating"
     assert r.headers["location"] == "/v1/encoders/bad@1"
-    info = _wait_verdict(c, "bad@1")
+    info = _wait_verdict(srv, c, "bad@1")
     assert info["guard_status"] == "refused", info
     assert info["guard"]["passed"] is True          # its own claim, kept but not believed
     ev = info["evaluation"]
@@ -90,7 +90,7 @@ def test_identity_and_unrecorded_encoders_are_evaluated_and_pass(guarded):
             r = c.put("/v1/aliases/web", json={"encoder": "mild@1", "force": force})
             assert r.status_code == 409 and r.json()["error"] == "guard_pending", r.text
         assert c.get("/v1/aliases").json()["aliases"]["web"] == "ident@1"
-    info = _wait_verdict(c, "mild@1")
+    info = _wait_verdict(srv, c, "mild@1")
     assert info["guard_status"] == "passed", info["evaluation"]
     assert info["evaluation"]["against"] == ["base", "ident@1"]
     assert {(x["name"], x["against"]) for x in info["evaluation"]["checks"]} == {
@@ -115,7 +115,7 @@ def test_sentinels_with_unknown_documents_start_and_judge_nothing(tmp_path, tiny
         assert ready.status_code == 200 and "no-such-doc" not in ready.text
         warned = [r for r in caplog.records if r.getMessage() == "sentinel judgements dropped: documents not in the index"]
         assert warned and warned[0].sentinel == "x" and warned[0].queries_left == 0
-        info = _wait_verdict(c, c.post("/v1/encoders", json={"path": "ident1"}).json()["encoder"]["key"])
+        info = _wait_verdict(srv, c, c.post("/v1/encoders", json={"path": "ident1"}).json()["encoder"]["key"])
         assert info["guard_status"] == "insufficient_evidence" and info["evaluation"]["passed"] is False
         assert [(x["n"], x["verdict"]) for x in info["evaluation"]["checks"]] == [(0, "insufficient_evidence")]
         r = c.post("/v1/search", json={"query": "chess", "encoder": "ident@1"})
@@ -134,7 +134,7 @@ def test_restart_with_sentinels_evaluates_unguarded_encoders(guard_data, tiny_mo
     guarded = server_settings(tmp_path, tiny_model_dir, d["index"], encoders_root=d["root"], admin_token=ADMIN,
                               sentinels=d["sentinels"], read_only_index=True)
     with LiveServer(guarded) as srv, srv.client(ADMIN) as c:
-        info = _wait_verdict(c, "bad@1")
+        info = _wait_verdict(srv, c, "bad@1")
         assert info["guard_status"] == "refused" and info["evaluation"]["passed"] is False
         # The existing alias keeps serving (a restart must not take a domain down) ...
         r = c.post("/v1/search", json={"query": "chess", "domain": "games"})

@@ -57,3 +57,20 @@ def test_non_finite_numbers_in_a_manifest_are_refused(tmp_path, tiny_model_dir, 
         assert c.post("/v1/encoders", json={"path": "ok"}).status_code == 201
     registry = _strict_json((tmp_path / "state" / "registry.json").read_text())
     assert list(registry["encoders"]) == ["ok@1"]
+
+
+def test_a_failed_load_says_so_without_its_reason(tmp_path, tiny_model_dir):
+    """The reason (here: a path) goes to the log; unauthenticated answers only say it failed."""
+    bogus = tmp_path / "not-an-index"
+    bogus.mkdir()
+    srv = LiveServer(server_settings(tmp_path, tiny_model_dir, bogus)).start(wait_ready=False)
+    try:
+        state = srv.app.state.qs
+        state._loader.join(120)
+        assert state.load_error and str(tmp_path) in state.load_error     # the real reason, kept for the log
+        with srv.client() as c:
+            for r in (c.get("/readyz"), c.post("/v1/search", json={"query": "x"})):
+                assert r.status_code == 503 and r.json()["error"] == "not_ready", r.text
+                assert "failed to load" in r.json()["detail"] and str(tmp_path) not in r.text
+    finally:
+        srv.stop()

@@ -379,7 +379,8 @@ def test_registry_delete_waits_for_in_flight(registry, encoders_root):
     key = reg.acquire(encoder="bias@1")
     t = threading.Thread(target=reg.delete, args=("bias@1", 10.0))
     t.start()
-    time.sleep(0.2)
+    with reg._released:                                          # the condition the delete waits on
+        assert reg._released.wait_for(lambda: reg.is_deleting(key), 10)
     assert t.is_alive()                                          # still waiting for our reference
     with pytest.raises(NotFoundError):
         reg.acquire(encoder="bias@1")                            # but new requests are refused

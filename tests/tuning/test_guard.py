@@ -11,7 +11,8 @@ import numpy as np
 
 from qswap.errors import GuardRefusedError, InvalidInputError
 from qswap.guard.evaluation import RankingMetrics
-from qswap.guard.checks import check_guard, guard_record, parse_sentinel, sentinel_check
+from qswap.guard.checks import check_guard, guard_record, sentinel_check
+from qswap.guard.sentinels import parse_sentinel
 from qswap.guard.stats import holm, paired_compare
 
 
@@ -92,3 +93,25 @@ def test_parse_sentinel_forms(tmp_path):
     assert (s.name, s.kind, str(s.path)) == ("arxiv", "triplets", "/data/arxiv.jsonl")
     with pytest.raises(InvalidInputError):
         parse_sentinel("xnli:/data")
+
+
+def test_too_few_queries_decide_nothing_and_the_record_reads_typed():
+    """Below the minimum a sentinel's check is 'insufficient_evidence' (left out of Holm), and
+    the record's verdict is too, unless another check regressed; readers get attributes."""
+    from qswap.guard import GuardRecord
+    from qswap.guard.checks import judge_sentinel
+
+    rng = np.random.default_rng(3)
+    base = rng.uniform(0.3, 1, 100)
+    few = judge_sentinel("few", _metrics(base[:6] - 0.3), {"base": _metrics(base[:6])}, n=6, min_queries=20)
+    fine = judge_sentinel("fine", _metrics(base), {"base": _metrics(base)}, n=100, min_queries=20)
+    rec = GuardRecord.of(guard_record(few + fine, min_queries=20))
+    assert rec.verdict == "insufficient_evidence" and rec.passed is False and rec.min_queries == 20
+    assert [(c.name, c.verdict, c.n, c.judged) for c in rec.checks] == [
+        ("few", "insufficient_evidence", 6, False), ("fine", "unchanged", 100, True)]
+    assert rec.checks[1].p_holm == rec.checks[1].p_value          # Holm over the one judged check
+    worse = judge_sentinel("worse", _metrics(base - 0.2), {"base": _metrics(base)}, n=100, min_queries=20)
+    assert GuardRecord.of(guard_record(few + worse, min_queries=20)).verdict == "refused"
+    assert GuardRecord.of(guard_record(fine, min_queries=20)).verdict == "passed"
+    with pytest.raises(InvalidInputError, match="checks.0.name"):
+        check_guard({"passed": False, "checks": [{"degraded": True}]})

@@ -1,0 +1,25 @@
+"""Names the server and the tools accept (encoders, versions, domains, sentinels)."""
+
+from __future__ import annotations
+
+import re
+
+from qswap.errors import InvalidInputError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def validate_name(name: str, what: str = "encoder name") -> str:
+    """Names and versions are path- and URL-safe: letters, digits, ``.``, ``_``, ``-``.
+
+    Args:
+        name: the name to check.
+        what: what it names, for the error message.
+
+    Returns:
+        ``name`` unchanged (raises :class:`InvalidInputError` otherwise).
+    """
+    if not _NAME.match(name or ""):
+        raise InvalidInputError(f"invalid {what} {name!r}",
+                                "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return name
