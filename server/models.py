@@ -77,8 +77,14 @@ def _check_metadata(meta: dict[str, Any]) -> dict[str, Any]:
             _no_surrogates(v)
         elif isinstance(v, bool) or v is None:
             pass
-        elif isinstance(v, (int, float)):
-            pass   # stored as JSON text: any size is kept exactly
+        elif isinstance(v, int):
+            # Every backend must store what one accepts: Milvus' JSON holds 64-bit integers only.
+            if not INT64_MIN <= v <= INT64_MAX:
+                raise ValueError(f"metadata integer {v} is outside the 64-bit range "
+                                 "(store it as a string or a float)")
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                raise ValueError(f"metadata: {v} is not a finite number")
         elif isinstance(v, list):
             for x in v:
                 walk(x, depth + 1)
