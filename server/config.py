@@ -82,6 +82,16 @@ class ServerSettings(BaseSettings):
     max_queries: int = Field(64, ge=1, description="queries per search request")
     max_k: int = Field(100, ge=1)
     max_query_chars: int = Field(2048, ge=1, description="longer queries are cut (and flagged truncated)")
+    max_request_tokens: int = Field(8192, ge=1, description="tokens of one search request (all its queries, "
+                                    "each counted up to the model's max length); beyond: 422 limit_exceeded")
+    max_batch_tokens: int = Field(4096, ge=1, description="rows x longest row of one forward pass at most; a "
+                                  "larger request is split into micro-batches that other requests interleave with")
+    max_hit_text_chars: int = Field(8192, ge=1, description="a hit's text is cut at this (the hit says "
+                                                          "truncated: true)")
+    max_hit_metadata_bytes: int = Field(8192, ge=2, description="a hit's metadata beyond this (as JSON) is "
+                                        "left out: {} and truncated: true")
+    max_response_bytes: int = Field(16 << 20, ge=1024, description="one search answer at most; beyond: 422 "
+                                    "limit_exceeded")
     max_body_bytes: int = Field(2 << 20, ge=1024, description="JSON request bodies")
     max_upload_bytes: int = Field(256 << 20, ge=1024, description="uploaded encoder archives (compressed)")
     max_extracted_bytes: int = Field(1 << 30, ge=1024, description="uploaded encoder archives (extracted)")

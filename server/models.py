@@ -16,7 +16,6 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema,
                       model_validator)
 
-from qswap.index import Hit
 
 # Names, versions and domains (qswap.encoders.artifact.validate_name), and name@version keys.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -179,8 +178,20 @@ class Timings(BaseModel):
     search_ms: float = Field(description="the batch's index search")
 
 
+class HitOut(BaseModel):
+    """One hit of a search answer."""
+
+    id: str
+    score: float
+    text: str | None = Field(description="the document text (null with with_text: false), cut at the server's "
+                                         "max_hit_text_chars")
+    metadata: dict[str, Any] = Field(description="the document metadata; {} when it exceeds the server's "
+                                                 "max_hit_metadata_bytes")
+    truncated: bool = Field(False, description="text or metadata was cut (see the server's limits)")
+
+
 class QueryResult(BaseModel):
-    hits: list[Hit]
+    hits: list[HitOut]
     encoder: EncoderRef
     truncated: bool = Field(description="the query was cut to the model's max tokens (or max_query_chars)")
     timings: Timings

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import asyncio
 import time
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -12,9 +12,37 @@ from qswap.server.auth import require_search
 from qswap.server.errors import LimitExceededError
 from qswap.server.models import SearchRequest, SearchResponse
 from qswap.server.registry import split_key
+from qswap.server.rendering import render_search_async
 from qswap.server.responses import ERRORS, request_timeout, state_of
+from qswap.server.state import ServerState
 
 router = APIRouter(tags=["search"])
+
+
+# A token covers at least half a character (a SentencePiece word marker plus one character);
+# prefix and special tokens come on top. Below this bound a request cannot exceed the limit.
+_TOKENS_PER_CHAR, _EXTRA_TOKENS = 2, 16
+
+
+async def request_tokens(state: ServerState, texts: list[str]) -> list[int] | None:
+    """The queries' token counts when the request may exceed ``max_request_tokens`` (counted off
+    the event loop), else None (a short request is not tokenised twice); refuses one over it.
+
+    Args:
+        state: the server (its settings and tokenizer).
+        texts: the request's queries, already cut to ``max_query_chars``.
+
+    Returns:
+        Token counts per query, or None when the request is certainly within the limit.
+    """
+    limit = state.settings.max_request_tokens
+    if sum(_TOKENS_PER_CHAR * len(t) + _EXTRA_TOKENS for t in texts) <= limit:
+        return None
+    tokens = await asyncio.to_thread(state.token_counts, texts)
+    if sum(tokens) > limit:
+        raise LimitExceededError(f"the queries hold {sum(tokens)} tokens; the limit per request is {limit}",
+                                 "send shorter queries, or split them over several requests")
+    return tokens
 
 
 @router.post("/v1/search", response_model=SearchResponse, responses=ERRORS,
@@ -38,6 +66,7 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
         raise LimitExceededError(f"k={k} exceeds the limit {s.max_k}", f"ask for at most {s.max_k} hits")
     cut = [len(t) > s.max_query_chars for t in texts]
     texts = [t[:s.max_query_chars] for t in texts]
+    tokens = await request_tokens(state, texts)
     reg = state.registry
     key = reg.acquire(body.encoder, body.domain)
     request.state.encoder = key
@@ -46,7 +75,7 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
         await state.prepare_encoder(key)   # first use after start or eviction
         submitted = True   # from here the batcher releases the reference, exactly once
         out = await state.batcher.search(texts, key, k, body.filter, body.with_text,
-                                         on_done=lambda: reg.release(key), timeout_s=timeout_s)
+                                         on_done=lambda: reg.release(key), timeout_s=timeout_s, tokens=tokens)
     finally:
         if not submitted:
             reg.release(key)
@@ -54,20 +83,14 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
     ref = {"key": key, "name": name, "version": version}
     timings = {"queue_ms": round(out.queue_s * 1000, 3), "encode_ms": round(out.encode_s * 1000, 3),
                "search_ms": round(out.search_s * 1000, 3)}
-    results = []
-    n_trunc = 0
-    for i, hits in enumerate(out.hits):
-        truncated = bool(out.truncated[i] or cut[i])
-        n_trunc += truncated
-        results.append({"hits": [{"id": h.id, "score": float(h.score), "text": h.text if body.with_text else None,
-                                  "metadata": h.metadata or {}} for h in hits],
-                        "encoder": ref, "truncated": truncated, "timings": timings})
+    flags = [bool(out.truncated[i] or cut[i]) for i in range(len(out.hits))]
+    n_trunc = sum(flags)
     state.metrics.queries.labels(encoder=key).inc(len(texts))
     if n_trunc:
         state.metrics.truncated.inc(n_trunc)
-    # The hot path answers with plain dicts in the SearchResponse shape (a test checks them
-    # against the model) instead of building pydantic objects for FastAPI to validate again:
-    # after a forward pass the caches are cold and that round trip costs ~0.1-0.2 ms a request.
-    payload = {"results": results, "took_ms": round((time.perf_counter() - t0) * 1000, 3)}
-    return Response(json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode(),
-                    media_type="application/json")
+    # The hot path answers with JSON written directly in the SearchResponse shape (a test checks
+    # it against the model) instead of building pydantic objects for FastAPI to validate again;
+    # texts, metadata and the whole answer are bounded there (qswap.server.rendering).
+    payload, _ = await render_search_async(out.hits, flags, ref, timings, body.with_text,
+                                           round((time.perf_counter() - t0) * 1000, 3), state.response_limits)
+    return Response(payload, media_type="application/json")

@@ -27,6 +27,7 @@ from qswap.server.config import ServerSettings
 from qswap.server.errors import NotReadyError
 from qswap.server.metrics import Metrics
 from qswap.server.registry import EncoderRecord, EncoderRegistry
+from qswap.server.rendering import ResponseLimits
 
 log = logging.getLogger("qswap.server")
 
@@ -113,7 +114,8 @@ class ServerState:
                                     encode_flagged=getattr(self.backend, "encode_flagged", None),
                                     window_s=s.batch_window_ms / 1000.0, max_batch=s.max_batch,
                                     max_pending=s.max_pending, max_pending_per_encoder=s.max_pending_per_encoder,
-                                    metrics=self.metrics)
+                                    metrics=self.metrics, count_tokens=self.token_counts,
+                                    max_batch_tokens=s.max_batch_tokens)
         self.metrics.admitted.set_function(lambda: batcher.pending)
         with self._close_lock:
             if self._closed:
@@ -204,6 +206,12 @@ class ServerState:
     # -- helpers for routes and the worker ---------------------------------------------------
 
     @property
+    def response_limits(self) -> ResponseLimits:
+        """What one search answer may hold (from the settings)."""
+        s = self.settings
+        return ResponseLimits(s.max_hit_text_chars, s.max_hit_metadata_bytes, s.max_response_bytes)
+
+    @property
     def base_version(self) -> str:
         """The version shown for the ``base`` encoder: its space fingerprint."""
         return self.base.space.fingerprint if self.base is not None else ""
@@ -213,6 +221,20 @@ class ServerState:
         assert self.base is not None
         encs = self.base.tokenizer.encode_batch([self.base.spec.query_prefix + t for t in texts])
         return [bool(e.overflowing) for e in encs]
+
+    def token_counts(self, texts: list[str]) -> list[int]:
+        """Tokens per query as the model sees them (prefix and special tokens included, cut at
+        its max length): what a query costs a forward pass.
+
+        Args:
+            texts: the queries, without the query prefix.
+
+        Returns:
+            One count per query.
+        """
+        assert self.base is not None
+        encs = self.base.tokenizer.encode_batch([self.base.spec.query_prefix + t for t in texts])
+        return [sum(e.attention_mask) for e in encs]   # the tokenizer pads: count real tokens only
 
     def register_archive(self, fileobj: BinaryIO, force: bool, filename: str | None,
                          wait: bool = False) -> tuple[EncoderRecord, bool]:
