@@ -121,9 +121,8 @@ def _serve(args: argparse.Namespace) -> int:
                                 "see `qswap serve --help`") from None
     # Checked here, before the model stack is imported, so a bad setting fails in a second.
     settings.check()
-    import uvicorn
-
     from qswap.server.app import DrainingServer, create_app
+    from qswap.server.connections import uvicorn_config
     from qswap.server.logs import configure_logging
 
     configure_logging(settings.log_json, logging.DEBUG if getattr(args, "verbose", False) else logging.INFO)
@@ -138,12 +137,9 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(settings, check=False)   # checked above
     log.info("starting", extra={"url": f"http://{settings.host}:{settings.port}", "admin": settings.admin_mode,
                                 "index": str(settings.index or "demo"), "model": settings.model})
-    # One worker: the model, index and encoder pool live in this process. uvicorn's "auto"
-    # picks uvloop and httptools when they are installed.
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, workers=1, loop="auto", http="auto",
-                            access_log=False, log_config=None, server_header=False,
-                            timeout_graceful_shutdown=settings.shutdown_timeout_s)
-    DrainingServer(config).run()
+    # One worker: the model, index and encoder pool live in this process; uvicorn's protocol
+    # with a request-head timeout and a connection cap (qswap.server.connections).
+    DrainingServer(uvicorn_config(app, settings)).run()
     # Work that ignores cancellation (a thread in a model call) must not hold the process past
     # the drain bound: the index and registry are closed and every write is atomic by now.
     stragglers = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]

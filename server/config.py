@@ -62,6 +62,8 @@ class ServerSettings(BaseSettings):
     # -- throughput
     backend: Literal["shared", "onnx", "torch"] = "shared"
     onnx_threads: int | None = Field(None, ge=1)
+    export_retry_s: float = Field(10.0, gt=0, description="a failed background ONNX export (EMFILE, full disk) is "
+                                  "tried again after this, doubling up to 5 minutes; torch serves meanwhile")
     query_precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="torch backend: bf16 runs batches of 16+ queries for one "
                             "encoder under bf16 autocast (1.16-1.33x faster forwards with AMX; see README)")
@@ -78,6 +80,15 @@ class ServerSettings(BaseSettings):
     upload_timeout_s: float = Field(120.0, gt=0, description="an uploaded archive must be extracted within this")
     shutdown_timeout_s: float = Field(10.0, gt=0, description="on SIGTERM: in-flight requests get this long, "
                                                               "then the process exits")
+    # -- connections
+    header_timeout_s: float = Field(10.0, gt=0, le=600, description="a connection must deliver a complete request "
+                                    "head within this of opening (or of its next request's first byte); else closed")
+    keep_alive_timeout_s: float = Field(30.0, gt=0, le=3600, description="an idle kept-alive connection is closed "
+                                        "after this (longer than common clients' pool expiry: no reuse race)")
+    max_connections: int | None = Field(None, ge=1, description="open client connections at most (default: the "
+                                        "open-file limit minus max(128, a quarter of it)); at the cap a new "
+                                        "connection closes the oldest idle one, or gets 429 when none is idle")
+    backlog: int = Field(2048, ge=1, description="listen backlog (the kernel caps it at net.core.somaxconn)")
     # -- limits
     max_queries: int = Field(64, ge=1, description="queries per search request")
     max_k: int = Field(100, ge=1)

@@ -87,7 +87,7 @@ class ServerState:
         pool = EncoderPool(base)
         self.pool = pool
         self.backend = make_backend(s.backend, pool, s.state_dir / "onnx", s.onnx_threads,
-                                    s.query_precision)
+                                    s.query_precision, retry_s=s.export_retry_s)
         guard = None
         if s.sentinels is not None:
             from qswap.server.sentinels import SentinelGuard, check_sentinels_in_index, load_sentinels
