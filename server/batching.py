@@ -54,7 +54,7 @@ class SearchOutcome:
     batch_requests: int
 
 
-@dataclass
+@dataclass(eq=False)   # identity: jobs live in a set
 class _Job:
     texts: list[str]
     key: str
@@ -85,7 +85,7 @@ class _Slice:
     hi: int
 
 
-@dataclass
+@dataclass(eq=False)
 class _Call:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
@@ -142,6 +142,7 @@ class MicroBatcher:
         self.metrics = metrics
         self._pending = 0
         self._pending_by_key: dict[str, int] = {}
+        self._live: set[Any] = set()   # admitted jobs and calls not finished (for abort)
         self._count_lock = threading.Lock()
         self._draining = False
         self._q: queue.Queue = queue.Queue()
@@ -173,6 +174,26 @@ class MicroBatcher:
     def drain(self) -> None:
         """Stop admitting (503 from now on); what is admitted still runs."""
         self._draining = True
+
+    def abort(self, exc: Callable[[], Exception]) -> int:
+        """Answer every admitted request that has not finished with ``exc()`` now (at the end of
+        a drain). The worker skips their remaining work; a batch or write already running ends
+        first on the worker, its result unused. Event loop side.
+
+        Args:
+            exc: makes the error each waiting caller gets.
+
+        Returns:
+            How many requests were answered.
+        """
+        with self._count_lock:
+            items = list(self._live)
+        n = 0
+        for item in items:
+            if not item.future.done():
+                item.future.set_exception(exc())
+                n += 1
+        return n
 
     @property
     def pending(self) -> int:
@@ -245,6 +266,8 @@ class MicroBatcher:
         deadline = now + timeout_s if timeout_s is not None else float("inf")
         job = _Job(list(texts), key, k, filter, with_text, loop.create_future(), loop, now, deadline, on_done,
                    tokens=list(tokens) if tokens is not None else None)
+        with self._count_lock:
+            self._live.add(job)
         self._q.put(job)
         return await self._wait(job.future, deadline)
 
@@ -258,6 +281,8 @@ class MicroBatcher:
         loop = asyncio.get_running_loop()
         deadline = time.perf_counter() + timeout_s if timeout_s is not None else float("inf")
         c = _Call(fn, args, loop.create_future(), loop, kwargs, deadline)
+        with self._count_lock:
+            self._live.add(c)
         self._q.put(c)
         return await self._wait(c.future, deadline)
 
@@ -345,7 +370,7 @@ class MicroBatcher:
 
     def _do_call(self, c: _Call) -> None:
         try:
-            if c.future.cancelled():
+            if c.future.done():   # cancelled, or answered by abort()
                 return
             if time.perf_counter() > c.deadline:
                 self._expire(c)
@@ -368,6 +393,8 @@ class MicroBatcher:
         if item.finished:
             return
         item.finished = True
+        with self._count_lock:
+            self._live.discard(item)
         self._release(item.key)
         on_done = getattr(item, "on_done", None)
         if on_done is not None:

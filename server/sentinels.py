@@ -31,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from qswap.errors import InvalidInputError
+from qswap.server.errors import NotReadyError
 from qswap.tuning.evaluation import evaluate_retrieval
 from qswap.tuning.guard import guard_record, sentinel_check
 from qswap.tuning.sentinels import SentinelSet, check_sentinels_in_index, load_sentinels, sentinels_fingerprint
@@ -60,6 +61,7 @@ class SentinelGuard:
         self._emb: OrderedDict[str, list[np.ndarray]] = OrderedDict()
         self._emb_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qswap-guard")
+        self._closing = threading.Event()
 
     @property
     def queries(self) -> int:
@@ -73,6 +75,8 @@ class SentinelGuard:
         return self._pool.submit(fn)
 
     def close(self) -> None:
+        """Drop queued evaluations and stop the running one at its next chunk (shutdown)."""
+        self._closing.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- evaluation -----------------------------------------------------------------------------
@@ -89,6 +93,9 @@ class SentinelGuard:
             order = sorted(range(len(s.texts)), key=lambda i: -len(s.texts[i]))
             emb = np.empty((len(s.texts), 0), dtype=np.float32)
             for i in range(0, len(order), _ENCODE_CHUNK):
+                if self._closing.is_set():
+                    raise NotReadyError("the guard evaluation was cancelled: the server is shutting down",
+                                        "a restart evaluates the encoder again")
                 rows = order[i:i + _ENCODE_CHUNK]
                 part = np.asarray(self.encode([s.texts[j] for j in rows], [key] * len(rows)), dtype=np.float32)
                 if emb.shape[1] == 0:

@@ -159,11 +159,27 @@ class ServerState:
                 log.info("removed an upload folder left by a killed server", extra={"path": str(p)})
 
     def begin_drain(self) -> None:
-        """Stop admitting requests (SIGTERM): new ones get 503, admitted ones finish."""
+        """Stop admitting requests (SIGTERM): new ones get 503, admitted ones finish; guard
+        evaluations are cancelled (a restart evaluates again)."""
         self.draining = True
         if self.batcher is not None:
             self.batcher.drain()
+        if self.registry is not None:
+            self.registry.stop_guard()
         log.info("draining: no new requests are admitted")
+
+    def abort_in_flight(self) -> int:
+        """End of the drain: every admitted request still waiting or running is answered 503
+        now (event loop side). Returns how many."""
+        if self.batcher is None:
+            return 0
+        n = self.batcher.abort(lambda: NotReadyError(
+            "the server is shutting down and this request could not finish in time",
+            "retry against another instance (a document change may or may not have been made; upserts "
+            "and deletes are idempotent)"))
+        if n:
+            log.warning("drain bound reached: in-flight requests answered 503", extra={"requests": n})
+        return n
 
     def close(self) -> None:
         """Stop the worker (in-flight batch finishes) and release the index."""
