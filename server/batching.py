@@ -97,6 +97,32 @@ class _Call:
     finished: bool = False
 
 
+def token_slices(tokens: list[int], max_tokens: int | None, max_rows: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive row ranges for forward passes: rows x longest row within ``max_tokens`` and
+    at most ``max_rows`` rows, at least one row each (a row alone may exceed the bound).
+
+    Args:
+        tokens: tokens per row.
+        max_tokens: the bound of one forward pass (None: none).
+        max_rows: rows per pass at most (None: none).
+
+    Returns:
+        ``(lo, hi)`` ranges covering every row, in order.
+    """
+    out: list[tuple[int, int]] = []
+    lo, longest = 0, 0
+    for i, t in enumerate(tokens):
+        top = max(longest, t)
+        n = i - lo + 1
+        if i > lo and ((max_tokens is not None and n * top > max_tokens) or (max_rows is not None and n > max_rows)):
+            out.append((lo, i))
+            lo, top = i, t
+        longest = top
+    if lo < len(tokens):
+        out.append((lo, len(tokens)))
+    return out
+
+
 def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
     if fut.done():
         return
@@ -349,14 +375,9 @@ class MicroBatcher:
         except Exception:   # a tokenizer failure: every row costs one; the encode reports the error
             job.tokens = [1] * len(job.texts)
         assert job.tokens is not None
-        lo = hi = job.next_row
-        longest = 1
-        while hi < len(job.texts) and hi - lo < self.max_batch:
-            top = max(longest, job.tokens[hi])
-            if hi > lo and not self._fits(hi - lo + 1, top):
-                break
-            hi, longest = hi + 1, top
-        return _Slice(job, lo, hi)
+        lo = job.next_row
+        _, n = token_slices(job.tokens[lo:], self.max_batch_tokens, self.max_batch)[0]
+        return _Slice(job, lo, lo + n)
 
     def _drain(self) -> None:
         while True:

@@ -108,6 +108,9 @@ class ServerSettings(BaseSettings):
     max_extracted_bytes: int = Field(1 << 30, ge=1024, description="uploaded encoder archives (extracted)")
     max_archive_members: int = Field(64, ge=1)
     max_documents: int = Field(1000, ge=1, description="documents per upsert request")
+    sync_upsert_documents: int = Field(32, ge=0, description="an upsert of more documents answers 202 at once with a "
+                                       "job to poll (GET /v1/documents/jobs/ID); smaller ones answer when written "
+                                       "(or 202 once their deadline passes)")
     # -- logs
     log_json: bool = True
 

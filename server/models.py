@@ -300,6 +300,27 @@ class UpsertResult(BaseModel):
     count: int = Field(description="documents in the index afterwards")
 
 
+class JobError(BaseModel):
+    status: int = Field(description="the HTTP status the error would have had as a direct answer")
+    error: str
+    detail: str
+    hint: str | None = None
+
+
+class DocumentJobInfo(BaseModel):
+    """An upsert running in the background (202), or finished."""
+
+    id: str
+    status: Literal["queued", "running", "done", "failed"]
+    documents: int = Field(description="documents to write (an id given twice counts once)")
+    embedded: int = Field(description="documents embedded so far")
+    created_at: float
+    finished_at: float | None = None
+    result: UpsertResult | None = Field(None, description="once done: written, and the index's count; the write "
+                                                          "is committed (durable) when the status says done")
+    error: JobError | None = Field(None, description="once failed: nothing of the job was written")
+
+
 class DeleteDocuments(_Strict):
     ids: list[DocId] = Field(min_length=1, max_length=MAX_DOCUMENTS)
 

@@ -25,6 +25,7 @@ from qswap.server.backend import Backend, make_backend
 from qswap.server.batching import MicroBatcher
 from qswap.server.config import ServerSettings
 from qswap.server.errors import NotReadyError
+from qswap.server.jobs import DocumentJobs
 from qswap.server.metrics import Metrics
 from qswap.server.registry import EncoderRecord, EncoderRegistry
 from qswap.server.rendering import ResponseLimits
@@ -50,6 +51,7 @@ class ServerState:
         self.registry: EncoderRegistry | None = None
         self.batcher: MicroBatcher | None = None
         self.guard: Any = None          # qswap.server.sentinels.SentinelGuard with --sentinels
+        self.jobs = DocumentJobs(self)  # document upserts (qswap.server.jobs)
         self._closed = False
         self._close_lock = threading.Lock()
         self._loader: threading.Thread | None = None
@@ -238,18 +240,20 @@ class ServerState:
         encs = self.base.tokenizer.encode_batch([self.base.spec.query_prefix + t for t in texts])
         return [bool(e.overflowing) for e in encs]
 
-    def token_counts(self, texts: list[str]) -> list[int]:
-        """Tokens per query as the model sees them (prefix and special tokens included, cut at
-        its max length): what a query costs a forward pass.
+    def token_counts(self, texts: list[str], documents: bool = False) -> list[int]:
+        """Tokens per text as the model sees them (prefix and special tokens included, cut at
+        its max length): what a text costs a forward pass.
 
         Args:
-            texts: the queries, without the query prefix.
+            texts: queries (or documents), without their prefix.
+            documents: count with the document prefix instead of the query prefix.
 
         Returns:
-            One count per query.
+            One count per text.
         """
         assert self.base is not None
-        encs = self.base.tokenizer.encode_batch([self.base.spec.query_prefix + t for t in texts])
+        prefix = self.base.spec.document_prefix if documents else self.base.spec.query_prefix
+        encs = self.base.tokenizer.encode_batch([prefix + t for t in texts])
         return [sum(e.attention_mask) for e in encs]   # the tokenizer pads: count real tokens only
 
     def register_archive(self, fileobj: BinaryIO, force: bool, filename: str | None,
@@ -265,10 +269,13 @@ class ServerState:
                                               cancelled=lambda: self._closed)
             return self.registry.register(enc_dir, force=force, source=f"upload:{filename or 'archive'}", wait=wait)
 
-    def embed_and_upsert(self, docs: list[Any]) -> tuple[int, int]:
-        """Embed documents with the base document tower and upsert them. Worker thread."""
+    def embed_documents(self, texts: list[str]) -> np.ndarray:
+        """Embed documents with the base document tower. Worker thread."""
         assert self.base is not None
-        emb = self.base.encode_documents([d.text for d in docs]).astype(np.float32)
+        return self.base.encode_documents(texts).astype(np.float32)
+
+    def upsert_embedded(self, docs: list[Any], emb: np.ndarray) -> tuple[int, int]:
+        """Write embedded documents in one index commit; (written, documents now). Worker thread."""
         n = self.index.upsert(docs, emb)
         count = self.index.count
         self.metrics.index_documents.set(count)

@@ -152,3 +152,53 @@ def test_an_answer_over_the_byte_bound_is_refused(tmp_path, tiny_model_dir, inde
         r = c.post("/v1/search", json={"queries": ["chess", "game", "music"], "k": 50})
         assert r.status_code == 422, r.text
         assert r.json()["error"] == "limit_exceeded" and "4096 bytes" in r.json()["detail"] and r.json()["hint"]
+
+
+def test_a_large_upsert_is_a_job_and_searches_run_between_its_slices(tmp_path, tiny_model_dir, index_dir):
+    """A large upsert answers 202 with a job; its embedding runs in slices on the batch worker
+    and a search that arrives meanwhile runs before the next slice, not after the whole job.
+    The first slices are gated (events) to order the worker's turns."""
+    import shutil
+    shutil.copytree(index_dir, tmp_path / "index")
+    s = server_settings(tmp_path, tiny_model_dir, tmp_path / "index", admin_token=ADMIN, backend="torch",
+                        sync_upsert_documents=4, max_batch_tokens=64)
+    with LiveServer(s) as srv, srv.client(ADMIN) as admin, srv.client() as anon:
+        state = srv.app.state.qs
+        real = state.embed_documents
+        entered, gate, sizes = threading.Event(), threading.Semaphore(0), []
+
+        def gated(texts):
+            sizes.append(len(texts))
+            entered.set()
+            assert gate.acquire(timeout=30)
+            return real(texts)
+        state.embed_documents = gated
+        docs = [{"id": f"job-{i}", "text": f"chess puzzle physics {i}", "metadata": {"job": True}} for i in range(40)]
+        r = admin.post("/v1/documents", json={"documents": docs})
+        assert r.status_code == 202, r.text
+        job = r.json()
+        assert job["status"] in ("queued", "running") and job["documents"] == 40 and job["result"] is None
+        assert r.headers["location"] == f"/v1/documents/jobs/{job['id']}"
+        assert entered.wait(30)                        # slice 1 is on the worker
+        result: list[httpx.Response] = []
+        searcher = threading.Thread(target=lambda: result.append(anon.post("/v1/search", json={"query": "chess"})))
+        searcher.start()
+        while state.batcher.pending < 2:               # the search is admitted and queued behind slice 1
+            assert searcher.is_alive()
+        gate.release()                                 # slice 1 ends; slice 2 queues behind the search
+        searcher.join(30)
+        assert result and result[0].status_code == 200
+        polled = admin.get(r.headers["location"]).json()
+        assert polled["status"] == "running" and 0 < polled["embedded"] < 40, polled   # slice 2 still gated
+        for _ in range(40):
+            gate.release()
+        while polled["status"] in ("queued", "running"):
+            polled = admin.get(r.headers["location"]).json()
+        assert polled["status"] == "done" and polled["result"] == {"upserted": 40, "count": 90}, polled
+        assert polled["embedded"] == 40 and len(sizes) > 2 and max(sizes) < 40
+        hits = anon.post("/v1/search", json={"query": "chess", "k": 40, "filter": {"job": True}}).json()
+        assert len(hits["results"][0]["hits"]) == 40
+        # A small upsert answers when written; an unknown job is a 404.
+        r = admin.post("/v1/documents", json={"documents": docs[:2]})
+        assert r.status_code == 200 and r.json() == {"upserted": 2, "count": 90}
+        assert admin.get("/v1/documents/jobs/" + "0" * 32).status_code == 404
