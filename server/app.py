@@ -24,6 +24,7 @@ from qswap.server import documents_api, encoders_api, health_api, search_api
 from qswap.server.config import ServerSettings
 from qswap.server.errors import install_error_handlers
 from qswap.server.logs import RequestContextMiddleware
+from qswap.server.models import METADATA_VALUE_SCHEMA
 from qswap.server.state import ServerState
 
 OPENAPI_FILE = Path(__file__).with_name("openapi.json")
@@ -89,6 +90,7 @@ def create_app(settings: ServerSettings | None = None, *, check: bool = True,
 def _write_limits(schema: dict[str, Any], settings: ServerSettings) -> None:
     """Put the configured limits into the schema, so that it says what this server refuses."""
     models = schema.get("components", {}).get("schemas", {})
+    models["MetadataValue"] = METADATA_VALUE_SCHEMA   # recursive: referenced, not inlined
     for model, field, key, value in (("SearchRequest", "k", "maximum", settings.max_k),
                                      ("SearchRequest", "queries", "maxItems", settings.max_queries),
                                      ("UpsertDocuments", "documents", "maxItems", settings.max_documents),

@@ -6,7 +6,8 @@ descriptors until the process ran out (EMFILE) and normal clients failed. The pr
 (uvicorn's own, subclassed) closes a connection that has not delivered a complete request
 head within ``header_timeout_s`` of opening or of the first byte of its next request, and caps open
 connections below the process's open-file limit: at the cap, a new connection first closes the
-oldest idle one (no request running); only when every connection is busy is it refused.
+idle one (no request running; one that was never served first, then the oldest); only when
+every connection is busy is it refused.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyn
     class GuardedProtocol(base):   # type: ignore[misc, valid-type]
         _header_timer: asyncio.TimerHandle | None = None
         _opened: float = 0.0
+        _served = 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -95,7 +97,9 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyn
             idle = [c for c in self.connections if c is not self and _idle(c)]
             if not idle:
                 return False
-            victim = min(idle, key=lambda c: getattr(c, "_opened", 0.0))
+            # Connections that never completed a request go first (a slow client's), oldest
+            # first; kept-alive connections of clients that were served go last.
+            victim = min(idle, key=lambda c: (getattr(c, "_served", 0) > 0, getattr(c, "_opened", 0.0)))
             victim.transport.close()
             return True
 
@@ -122,6 +126,7 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyn
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._served += 1
             self._disarm()
 
         def connection_lost(self, exc: Exception | None) -> None:

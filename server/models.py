@@ -76,14 +76,10 @@ def _check_metadata(meta: dict[str, Any]) -> dict[str, Any]:
             _no_surrogates(v)
         elif isinstance(v, bool) or v is None:
             pass
-        elif isinstance(v, int):
-            # Every backend must store what one accepts: Milvus' JSON holds 64-bit integers only.
-            if not INT64_MIN <= v <= INT64_MAX:
-                raise ValueError(f"metadata integer {v} is outside the 64-bit range "
-                                 "(store it as a string or a float)")
-        elif isinstance(v, float):
-            if not math.isfinite(v):
-                raise ValueError(f"metadata: {v} is not a finite number")
+        elif isinstance(v, (int, float)):
+            # Every backend must store what one accepts: Milvus' JSON holds 64-bit integers
+            # only; numbers are bounded as in filters (and as the schema says, at every depth).
+            _check_number(v, "metadata")
         elif isinstance(v, list):
             for x in v:
                 walk(x, depth + 1)
@@ -116,9 +112,17 @@ Text = Annotated[str, AfterValidator(_no_surrogates)]
 Query = Annotated[str, StringConstraints(min_length=1, pattern=NOT_BLANK), AfterValidator(_no_surrogates)]
 Filter = Annotated[dict[str, Any] | None, AfterValidator(_check_filter),
                    WithJsonSchema({"anyOf": [FILTER_SCHEMA, {"type": "null"}]})]
+# A metadata value, recursively (the app puts it into the schema's components).
+METADATA_VALUE_REF = "#/components/schemas/MetadataValue"
+METADATA_VALUE_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"type": "string"}, {"type": "number", "minimum": INT64_MIN, "maximum": INT64_MAX}, {"type": "boolean"},
+    {"type": "null"}, {"type": "array", "items": {"$ref": METADATA_VALUE_REF}},
+    {"type": "object", "additionalProperties": {"$ref": METADATA_VALUE_REF}}],
+    "description": "JSON; numbers within the 64-bit integer range"}
 Metadata = Annotated[dict[str, Any], AfterValidator(_check_metadata),
-                     WithJsonSchema({"type": "object", "description": "JSON metadata (nesting at most "
-                                     f"{MAX_METADATA_DEPTH} levels)"})]
+                     WithJsonSchema({"type": "object", "additionalProperties": {"$ref": METADATA_VALUE_REF},
+                                     "description": "JSON metadata (nesting at most "
+                                     f"{MAX_METADATA_DEPTH} levels; numbers within the 64-bit integer range)"})]
 DocId = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=NOT_BLANK),
                   AfterValidator(_no_surrogates)]
 

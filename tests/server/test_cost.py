@@ -161,7 +161,7 @@ def test_a_large_upsert_is_a_job_and_searches_run_between_its_slices(tmp_path, t
     import shutil
     shutil.copytree(index_dir, tmp_path / "index")
     s = server_settings(tmp_path, tiny_model_dir, tmp_path / "index", admin_token=ADMIN, backend="torch",
-                        sync_upsert_documents=4, max_batch_tokens=64)
+                        sync_upsert_documents=4, upsert_slice_tokens=64)
     with LiveServer(s) as srv, srv.client(ADMIN) as admin, srv.client() as anon:
         state = srv.app.state.qs
         real = state.embed_documents
