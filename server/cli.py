@@ -19,6 +19,9 @@ _FLAG_FIELDS = {
     "batch_window_ms": "batch_window_ms", "max_batch": "max_batch", "default_encoder": "default_encoder",
     "read_only_index": "read_only_index", "max_k": "max_k", "max_queries": "max_queries",
     "encoder_memory_mb": "encoder_memory_bytes", "sentinels": "sentinels", "guard_alpha": "guard_alpha",
+    "max_request_tokens": "max_request_tokens", "max_batch_tokens": "max_batch_tokens",
+    "max_response_bytes": "max_response_bytes", "max_connections": "max_connections",
+    "header_timeout": "header_timeout_s", "shutdown_timeout": "shutdown_timeout_s",
 }
 
 
@@ -69,6 +72,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-k", type=int, help="hits per query at most (default 100)")
     p.add_argument("--max-queries", type=int, help="queries per request at most (default 64)")
     p.add_argument("--encoder-memory-mb", type=int, help="memory budget of loaded adapters (default 1024)")
+    lim = p.add_argument_group("what one request may cost (all limits: docs/reliability.md)")
+    lim.add_argument("--max-request-tokens", type=int, metavar="N",
+                     help="tokens of one search request; beyond: 422 (default 8192)")
+    lim.add_argument("--max-batch-tokens", type=int, metavar="N",
+                     help="rows x longest row of one forward pass; larger requests are split (default 2048)")
+    lim.add_argument("--max-response-bytes", type=int, metavar="N", help="one search answer at most (default 16 MiB)")
+    lim.add_argument("--max-connections", type=int, metavar="N",
+                     help="open client connections (default: the open-file limit minus max(128, a quarter))")
+    lim.add_argument("--header-timeout", type=float, metavar="S",
+                     help="seconds to deliver a request head (default 10)")
+    lim.add_argument("--shutdown-timeout", type=float, metavar="S",
+                     help="on SIGTERM, in-flight requests get this long, then 503 (default 10)")
     p.add_argument("--log-format", choices=("json", "text"), default=None, help="log lines (default json)")
     r = p.add_argument_group("scale-out on Ray (pip install 'qswap[ray]'; see docs/ray.md)")
     r.add_argument("--ray", action="store_true", help="serve with Ray Serve: replicas share the registry "
