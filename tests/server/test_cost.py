@@ -202,3 +202,29 @@ def test_a_large_upsert_is_a_job_and_searches_run_between_its_slices(tmp_path, t
         r = admin.post("/v1/documents", json={"documents": docs[:2]})
         assert r.status_code == 200 and r.json() == {"upserted": 2, "count": 90}
         assert admin.get("/v1/documents/jobs/" + "0" * 32).status_code == 404
+
+
+def test_closing_the_guard_stops_a_running_evaluation_at_its_next_chunk():
+    """SIGTERM cancels guard evaluations: close() (called when the drain begins) stops the
+    one running at its next chunk of sentinel queries instead of letting it run on."""
+    from qswap.server.errors import NotReadyError
+    from qswap.server.sentinels import SentinelGuard, SentinelSet
+
+    texts = [f"query {i}" for i in range(100)]   # several chunks
+    entered, go, calls = threading.Event(), threading.Event(), []
+
+    def encode(chunk, keys):
+        calls.append(len(chunk))
+        entered.set()
+        assert go.wait(30)
+        return np.zeros((len(chunk), 2), dtype=np.float32)
+
+    s = SentinelSet("s", None, [str(i) for i in range(len(texts))], texts, [{"d": 1}] * len(texts))
+    guard = SentinelGuard([s], index=None, encode=encode)
+    job = guard.submit(lambda: guard.evaluate("k", ["base"]))
+    assert entered.wait(30)   # the first chunk is being encoded
+    guard.close()
+    go.set()
+    with pytest.raises(NotReadyError, match="cancelled"):
+        job.result(30)
+    assert len(calls) == 1    # no chunk after the close
