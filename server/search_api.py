@@ -19,8 +19,9 @@ from qswap.server.state import ServerState
 router = APIRouter(tags=["search"])
 
 
-# A token covers at least half a character (a SentencePiece word marker plus one character);
-# prefix and special tokens come on top. Below this bound a request cannot exceed the limit.
+# A token covers at most one word and at least half a character (a SentencePiece word marker
+# plus one character); prefix and special tokens come on top. Between these bounds the
+# tokenizer decides; outside them it need not run.
 _TOKENS_PER_CHAR, _EXTRA_TOKENS = 2, 16
 
 
@@ -36,11 +37,16 @@ async def request_tokens(state: ServerState, texts: list[str]) -> list[int] | No
         Token counts per query, or None when the request is certainly within the limit.
     """
     limit = state.settings.max_request_tokens
-    if sum(_TOKENS_PER_CHAR * len(t) + _EXTRA_TOKENS for t in texts) <= limit:
+    most = state.max_text_tokens
+    if sum(min(_TOKENS_PER_CHAR * len(t) + _EXTRA_TOKENS, most) for t in texts) <= limit:
         return None
-    tokens = await asyncio.to_thread(state.token_counts, texts)
-    if sum(tokens) > limit:
-        raise LimitExceededError(f"the queries hold {sum(tokens)} tokens; the limit per request is {limit}",
+    at_least = sum(min(len(t.split()) + 2, most) for t in texts)   # words, [CLS] and [SEP]
+    tokens = None
+    if at_least <= limit:
+        tokens = await asyncio.to_thread(state.token_counts, texts)
+    if tokens is None or sum(tokens) > limit:
+        n = f"at least {at_least}" if tokens is None else str(sum(tokens))
+        raise LimitExceededError(f"the queries hold {n} tokens; the limit per request is {limit}",
                                  "send shorter queries, or split them over several requests")
     return tokens
 

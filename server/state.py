@@ -240,6 +240,12 @@ class ServerState:
         encs = self.base.tokenizer.encode_batch([self.base.spec.query_prefix + t for t in texts])
         return [bool(e.overflowing) for e in encs]
 
+    @property
+    def max_text_tokens(self) -> int:
+        """Tokens the model reads of one text at most (longer ones are cut)."""
+        assert self.base is not None
+        return int(self.base.tokenizer.truncation["max_length"])
+
     def token_counts(self, texts: list[str], documents: bool = False) -> list[int]:
         """Tokens per text as the model sees them (prefix and special tokens included, cut at
         its max length): what a text costs a forward pass.
