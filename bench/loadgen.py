@@ -195,8 +195,13 @@ async def run_load(host: str, port: int, make_request: Callable[[int], Request] 
                    concurrency: int, max_requests: int, duration_s: float, timeout_s: float = 30.0,
                    keep_bodies: bool = False,
                    on_response: Callable[[Sample], None] | None = None,
-                   should_stop: Callable[[], bool] | None = None) -> LoadResult:
+                   should_stop: Callable[[], bool] | None = None,
+                   interval_s: float | None = None) -> LoadResult:
     """Drive ``concurrency`` keep-alive connections until ``max_requests`` or ``duration_s``.
+
+    ``interval_s`` paces the run at a steady rate: request ``i`` is not sent before
+    ``i * interval_s`` seconds into the run (None: each connection sends as fast as it is
+    answered). Latency is measured from the actual send.
 
     ``make_request`` is a function of the request index, or a sequence used round-robin.
     ``keep_bodies`` keeps each response body on its sample (for server-side timings).
@@ -237,6 +242,10 @@ async def run_load(host: str, port: int, make_request: Callable[[int], Request] 
                     return
                 i = counter
                 counter += 1
+                if interval_s is not None:
+                    wait = t0 + i * interval_s - time.perf_counter()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
                 req = make(i)
                 start = time.perf_counter()
                 status, err, body = 0, "", None

@@ -7,15 +7,48 @@ only what the manifest lists (with sha256), so a half-written set is never loade
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import sqlite3
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
+
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_TEXTS = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
+_SQLITE_FULL = 13
+
+
+def disk_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an error it was raised from) says the disk or quota is full.
+
+    Writes fail in three dialects: ``OSError`` with ENOSPC/EDQUOT (Python file I/O), SQLite's
+    SQLITE_FULL, and libraries that turn ``errno`` into text (FAISS: "write error ... No space
+    left on device").
+
+    Args:
+        exc: the exception to inspect (its ``__cause__`` / ``__context__`` chain included).
+
+    Returns:
+        True when a full disk or quota caused it.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+            return True
+        if isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL:
+            return True
+        if isinstance(exc, RuntimeError) and any(t in str(exc) for t in _FULL_TEXTS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def fsync_dir(path: Path) -> None:

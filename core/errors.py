@@ -59,3 +59,7 @@ class GuardRefusedError(ConflictError):
 
 class GuardPendingError(ConflictError):
     """The encoder is still being evaluated on the server's sentinels: not servable yet."""
+
+
+class InsufficientStorageError(QswapError):
+    """The server's disk (or the user's quota) is full: a write could not be made, nothing was changed."""

@@ -26,6 +26,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from qswap.errors import InvalidInputError, NotFoundError
 
 log = logging.getLogger(__name__)
 META_FILE = "export.json"
+RETRY_MAX_S = 300.0   # the longest wait between two export attempts
 SHARED_DIR = "_shared"
 
 
@@ -88,7 +90,7 @@ class SharedBackend:
 
     def __init__(self, pool: EncoderPool, cache_dir: Path, threads: int | None = None,
                  providers: list[str] | None = None, spin: bool = True, batch_size: int = 64,
-                 group_workers: int | None = None) -> None:
+                 group_workers: int | None = None, retry_s: float | None = None) -> None:
         if threads is not None and threads < 1:
             raise InvalidInputError(f"threads must be >= 1, got {threads}", "omit it to use all cores")
         self.pool = pool
@@ -111,6 +113,13 @@ class SharedBackend:
         self._bytes: dict[str, int] = {}
         self._pinned: set[str] = set()
         self._lock = threading.RLock()
+        # A failed export (EMFILE, a full disk) is tried again after retry_s, doubling up to
+        # RETRY_MAX_S, instead of leaving every encoder on torch until a restart.
+        self._retry_s = retry_s
+        self._failures = 0
+        self._retry_timer: threading.Timer | None = None
+        self._retried = threading.Condition(self._lock)
+        self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qswap-shared-export")
         self._future: Future[None] = self._executor.submit(self._build)
         # The single-threaded session for encoder groups run side by side, and its workers.
@@ -130,15 +139,40 @@ class SharedBackend:
         try:
             sess = self._load_or_export()
         except Exception as e:   # any failure leaves every encoder on torch, with the reason kept
-            log.warning("shared ONNX export failed; encoders stay on torch: %s", e)
             with self._lock:
                 self._error = f"{type(e).__name__}: {e}"
+                self._failures += 1
+                delay = self._schedule_retry()
+            log.warning("shared ONNX export failed; encoders stay on torch%s: %s",
+                        f" (retry in {delay:.0f}s)" if delay is not None else "", e)
             raise
         with self._lock:
+            self._error = None
             self._session = sess
             for key, arrays in list(self._inputs.items()):
                 if not isinstance(arrays, BoundFeed):
                     self._inputs[key] = self._feed(arrays)
+
+    def _schedule_retry(self) -> float | None:
+        """Start the timer of the next export attempt (holds the lock); its delay, or None."""
+        if self._retry_s is None or self._closed:
+            return None
+        delay = min(self._retry_s * 2 ** (self._failures - 1), RETRY_MAX_S)
+        self._retry_timer = threading.Timer(delay, self._retry)
+        self._retry_timer.daemon = True
+        self._retry_timer.start()
+        return delay
+
+    def _retry(self) -> None:
+        with self._lock:
+            self._retry_timer = None
+            if self._closed:
+                return
+            try:
+                self._future = self._executor.submit(self._build)
+            except RuntimeError:   # shut down meanwhile
+                return
+            self._retried.notify_all()
 
     def _load_or_export(self) -> Any:
         target = self.directory()
@@ -224,11 +258,23 @@ class SharedBackend:
         return self.merged.ready(key)
 
     def wait(self, key: str | None = None, timeout: float | None = None) -> bool:
-        """Wait up to ``timeout`` s for the shared export (and ``key``'s merged one, if it has one)."""
-        try:
-            self._future.result(timeout=timeout)
-        except Exception:   # a timeout or a failed export: both answer "not ready"
-            pass
+        """Wait up to ``timeout`` s for the shared export (and ``key``'s merged one, if it has one);
+        with retries on, a failed attempt is followed by the next one while time is left."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            future = self._future
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                future.result(timeout=left)
+                break
+            except Exception:   # a timeout or a failed export: both answer "not ready"
+                pass
+            with self._lock:
+                if not future.done() or self._retry_timer is None and self._future is future:
+                    break   # timed out, or no retry to come
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if self._future is future and not self._retried.wait(left):
+                    break
         if key is None:
             return self._session is not None
         with self._lock:
@@ -281,6 +327,12 @@ class SharedBackend:
         self.merged.discard(key)
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._retry_timer is not None:
+                self._retry_timer.cancel()
+                self._retry_timer = None
+            self._retried.notify_all()
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._workers.shutdown(wait=True)
         self.merged.close()

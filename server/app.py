@@ -24,6 +24,7 @@ from qswap.server import documents_api, encoders_api, feedback_api, health_api, 
 from qswap.server.config import ServerSettings
 from qswap.server.errors import install_error_handlers
 from qswap.server.logs import RequestContextMiddleware
+from qswap.server.models import METADATA_VALUE_SCHEMA
 from qswap.server.state import ServerState
 
 OPENAPI_FILE = Path(__file__).with_name("openapi.json")
@@ -89,6 +90,7 @@ def create_app(settings: ServerSettings | None = None, *, check: bool = True,
 def _write_limits(schema: dict[str, Any], settings: ServerSettings) -> None:
     """Put the configured limits into the schema, so that it says what this server refuses."""
     models = schema.get("components", {}).get("schemas", {})
+    models["MetadataValue"] = METADATA_VALUE_SCHEMA   # recursive: referenced, not inlined
     for model, field, key, value in (("SearchRequest", "k", "maximum", settings.max_k),
                                      ("SearchRequest", "queries", "maxItems", settings.max_queries),
                                      ("UpsertDocuments", "documents", "maxItems", settings.max_documents),
@@ -100,14 +102,34 @@ def _write_limits(schema: dict[str, Any], settings: ServerSettings) -> None:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn that, on SIGTERM/SIGINT, first makes the app stop admitting requests (503 with
-    ``Connection: close`` from then on); uvicorn then stops accepting connections and waits for
-    the requests in flight, at most ``timeout_graceful_shutdown`` seconds."""
+    ``Connection: close`` from then on) and cancels guard evaluations; then stops accepting
+    connections and waits for the requests in flight, at most ``timeout_graceful_shutdown``
+    seconds. Requests still running then are answered 503 JSON (not cancelled into a bare
+    500), and uvicorn gets a short grace to write those answers."""
+
+    ANSWER_GRACE_S = 1.0
+
+    def _state(self) -> Any:
+        return getattr(getattr(self.config.app, "state", None), "qs", None)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        state = getattr(getattr(self.config.app, "state", None), "qs", None)
+        state = self._state()
         if state is not None:
             state.begin_drain()
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        state = self._state()
+        if state is not None and state.batcher is not None:
+            for server in self.servers:
+                server.close()   # no new connections while the admitted requests finish
+            loop = asyncio.get_running_loop()
+            end = loop.time() + self.config.timeout_graceful_shutdown
+            while state.batcher.pending and loop.time() < end:
+                await asyncio.sleep(0.05)
+            state.abort_in_flight()
+            self.config.timeout_graceful_shutdown = self.ANSWER_GRACE_S
+        await super().shutdown(sockets)
 
 
 def openapi_schema() -> dict[str, Any]:

@@ -7,6 +7,12 @@ encoders together) and searches them with one index call per distinct filter. Th
 never runs model code. Other model work (embedding documents) is serialised on the same
 thread through :meth:`MicroBatcher.call`.
 
+Work is bounded in tokens as well as rows: a batch holds at most ``max_batch_tokens`` (rows
+times its longest row, padding included: what the forward pass computes). A request larger
+than that is split into micro-batches; after each one its remainder goes to the back of the
+queue, so other requests' batches interleave with it, and a request past its deadline (or
+whose caller went away) stops between micro-batches instead of holding the worker.
+
 Admission is bounded: at most ``max_pending`` requests wait or run overall and at most
 ``max_pending_per_encoder`` for one encoder; beyond that a request is refused at once with
 :class:`OverloadedError` (429 + ``Retry-After``) instead of joining a queue whose wait would
@@ -48,7 +54,7 @@ class SearchOutcome:
     batch_requests: int
 
 
-@dataclass
+@dataclass(eq=False)   # identity: jobs live in a set
 class _Job:
     texts: list[str]
     key: str
@@ -61,9 +67,25 @@ class _Job:
     deadline: float = float("inf")
     on_done: Callable[[], None] | None = None
     finished: bool = False
+    tokens: list[int] | None = None      # per row, counted on the worker when first taken
+    next_row: int = 0                    # rows before it are encoded (a split request)
+    parts: list[np.ndarray] = field(default_factory=list)
+    trunc: list[bool] = field(default_factory=list)
+    started: float | None = None
+    encode_s: float = 0.0
+    failed: bool = False                 # its error is posted; nothing more runs for it
 
 
 @dataclass
+class _Slice:
+    """Rows ``lo:hi`` of one job in one micro-batch."""
+
+    job: _Job
+    lo: int
+    hi: int
+
+
+@dataclass(eq=False)
 class _Call:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
@@ -73,6 +95,32 @@ class _Call:
     deadline: float = float("inf")
     key: str = ""
     finished: bool = False
+
+
+def token_slices(tokens: list[int], max_tokens: int | None, max_rows: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive row ranges for forward passes: rows x longest row within ``max_tokens`` and
+    at most ``max_rows`` rows, at least one row each (a row alone may exceed the bound).
+
+    Args:
+        tokens: tokens per row.
+        max_tokens: the bound of one forward pass (None: none).
+        max_rows: rows per pass at most (None: none).
+
+    Returns:
+        ``(lo, hi)`` ranges covering every row, in order.
+    """
+    out: list[tuple[int, int]] = []
+    lo, longest = 0, 0
+    for i, t in enumerate(tokens):
+        top = max(longest, t)
+        n = i - lo + 1
+        if i > lo and ((max_tokens is not None and n * top > max_tokens) or (max_rows is not None and n > max_rows)):
+            out.append((lo, i))
+            lo, top = i, t
+        longest = top
+    if lo < len(tokens):
+        out.append((lo, len(tokens)))
+    return out
 
 
 def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
@@ -101,7 +149,10 @@ class MicroBatcher:
                  max_pending_per_encoder: int | None = None, metrics: Any = None,
                  name: str = "qswap-batcher", adaptive: bool = True,
                  encode_flagged: Callable[[list[str], list[str]], tuple[np.ndarray, list[bool]]] | None = None,
-                 ) -> None:
+                 count_tokens: Callable[[list[str]], list[int]] | None = None,
+                 max_batch_tokens: int | None = None) -> None:
+        # count_tokens: tokens per query as the model sees them (None: every row costs one);
+        # max_batch_tokens: rows x longest row per forward pass at most (None: no bound).
         # encode_flagged: vectors and truncation flags from one tokenisation (replaces both
         # ``encode`` and ``truncated`` when the backend offers it).
         self._encode_flagged = encode_flagged
@@ -110,11 +161,14 @@ class MicroBatcher:
         self._truncated = truncated
         self.window_s = window_s
         self.max_batch = max_batch
+        self._count_tokens = count_tokens
+        self.max_batch_tokens = max_batch_tokens
         self.max_pending = max_pending
         self.max_pending_per_encoder = max_pending_per_encoder or max_pending
         self.metrics = metrics
         self._pending = 0
         self._pending_by_key: dict[str, int] = {}
+        self._live: set[Any] = set()   # admitted jobs and calls not finished (for abort)
         self._count_lock = threading.Lock()
         self._draining = False
         self._q: queue.Queue = queue.Queue()
@@ -146,6 +200,26 @@ class MicroBatcher:
     def drain(self) -> None:
         """Stop admitting (503 from now on); what is admitted still runs."""
         self._draining = True
+
+    def abort(self, exc: Callable[[], Exception]) -> int:
+        """Answer every admitted request that has not finished with ``exc()`` now (at the end of
+        a drain). The worker skips their remaining work; a batch or write already running ends
+        first on the worker, its result unused. Event loop side.
+
+        Args:
+            exc: makes the error each waiting caller gets.
+
+        Returns:
+            How many requests were answered.
+        """
+        with self._count_lock:
+            items = list(self._live)
+        n = 0
+        for item in items:
+            if not item.future.done():
+                item.future.set_exception(exc())
+                n += 1
+        return n
 
     @property
     def pending(self) -> int:
@@ -202,10 +276,11 @@ class MicroBatcher:
 
     async def search(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None = None,
                      with_text: bool = True, on_done: Callable[[], None] | None = None,
-                     timeout_s: float | None = None) -> SearchOutcome:
+                     timeout_s: float | None = None, tokens: list[int] | None = None) -> SearchOutcome:
         """Encode ``texts`` with encoder ``key`` and search; ``on_done`` runs exactly once,
         on the worker thread, when the job is finished, failed or found cancelled (or here,
-        at once, when the job is refused). ``timeout_s`` is the request's deadline from now."""
+        at once, when the job is refused). ``timeout_s`` is the request's deadline from now;
+        ``tokens``: the queries' token counts when the caller has them (else the worker counts)."""
         try:
             self._admit(key)
         except (NotReadyError, OverloadedError):
@@ -215,7 +290,10 @@ class MicroBatcher:
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
         deadline = now + timeout_s if timeout_s is not None else float("inf")
-        job = _Job(list(texts), key, k, filter, with_text, loop.create_future(), loop, now, deadline, on_done)
+        job = _Job(list(texts), key, k, filter, with_text, loop.create_future(), loop, now, deadline, on_done,
+                   tokens=list(tokens) if tokens is not None else None)
+        with self._count_lock:
+            self._live.add(job)
         self._q.put(job)
         return await self._wait(job.future, deadline)
 
@@ -229,6 +307,8 @@ class MicroBatcher:
         loop = asyncio.get_running_loop()
         deadline = time.perf_counter() + timeout_s if timeout_s is not None else float("inf")
         c = _Call(fn, args, loop.create_future(), loop, kwargs, deadline)
+        with self._count_lock:
+            self._live.add(c)
         self._q.put(c)
         return await self._wait(c.future, deadline)
 
@@ -245,7 +325,8 @@ class MicroBatcher:
                 if isinstance(item, _Call):
                     self._do_call(item)
                     continue
-                batch, rows = [item], len(item.texts)
+                batch = [self._first_slice(item)]
+                rows, longest = batch[0].hi - batch[0].lo, self._longest(batch[0])
                 # Adaptive window: after a batch of one (no concurrency), waiting only adds
                 # latency, so take what is already queued and go; under load batches hold
                 # several requests and the window lets more join.
@@ -257,16 +338,46 @@ class MicroBatcher:
                         nxt = self._q.get(timeout=wait) if wait > 0 else self._q.get_nowait()
                     except queue.Empty:
                         break
-                    if not isinstance(nxt, _Job) or rows + len(nxt.texts) > self.max_batch:
+                    # Only whole requests join a batch; the first one is the one that is split.
+                    if not isinstance(nxt, _Job) or nxt.next_row or rows + len(nxt.texts) > self.max_batch:
                         carry = nxt
                         break
-                    batch.append(nxt)
-                    rows += len(nxt.texts)
+                    self._counted(nxt)
+                    n, top = len(nxt.texts), max(nxt.tokens or [1])
+                    if not self._fits(rows + n, max(longest, top)):
+                        carry = nxt
+                        break
+                    batch.append(_Slice(nxt, 0, n))
+                    rows, longest = rows + n, max(longest, top)
                 self._last_requests = len(batch)
                 self._process(batch)
             except Exception:   # never let the worker die: requests would hang
                 log.exception("batch worker error")
         self._drain()
+
+    # -- token budget (worker thread) ---------------------------------------------------------
+
+    def _counted(self, job: _Job) -> None:
+        if job.tokens is None:
+            job.tokens = self._count_tokens(job.texts) if self._count_tokens is not None else [1] * len(job.texts)
+
+    def _fits(self, rows: int, longest: int) -> bool:
+        return self.max_batch_tokens is None or rows * longest <= self.max_batch_tokens
+
+    @staticmethod
+    def _longest(sl: _Slice) -> int:
+        return max(sl.job.tokens[sl.lo:sl.hi]) if sl.job.tokens else 1
+
+    def _first_slice(self, job: _Job) -> _Slice:
+        """The next rows of ``job`` that fit one batch (at least one row)."""
+        try:
+            self._counted(job)
+        except Exception:   # a tokenizer failure: every row costs one; the encode reports the error
+            job.tokens = [1] * len(job.texts)
+        assert job.tokens is not None
+        lo = job.next_row
+        _, n = token_slices(job.tokens[lo:], self.max_batch_tokens, self.max_batch)[0]
+        return _Slice(job, lo, lo + n)
 
     def _drain(self) -> None:
         while True:
@@ -280,7 +391,7 @@ class MicroBatcher:
 
     def _do_call(self, c: _Call) -> None:
         try:
-            if c.future.cancelled():
+            if c.future.done():   # cancelled, or answered by abort()
                 return
             if time.perf_counter() > c.deadline:
                 self._expire(c)
@@ -303,6 +414,8 @@ class MicroBatcher:
         if item.finished:
             return
         item.finished = True
+        with self._count_lock:
+            self._live.discard(item)
         self._release(item.key)
         on_done = getattr(item, "on_done", None)
         if on_done is not None:
@@ -311,27 +424,37 @@ class MicroBatcher:
             except Exception:
                 log.exception("on_done callback failed")
 
-    def _process(self, batch: list[_Job]) -> None:
+    def _process(self, batch: list[_Slice]) -> None:
         start = time.perf_counter()
-        live = []
-        for j in batch:
-            if j.future.cancelled():   # the client went away (or stopped waiting) while queued
+        live: list[_Slice] = []
+        for sl in batch:
+            j = sl.job
+            if j.future.cancelled() or j.future.done():   # the client went away or stopped waiting
                 self._finish(j)
-            elif start > j.deadline:
+            elif start > j.deadline:   # before its first micro-batch, or between two of them
                 self._expire(j)
                 self._finish(j)
             else:
-                live.append(j)
-        if live:
-            try:
-                self._run_batch(live, start)
-            finally:
-                for j in live:
+                if j.started is None:
+                    j.started = start
+                live.append(sl)
+        if not live:
+            return
+        try:
+            self._run_batch(live, start)
+        finally:
+            for sl in live:
+                j = sl.job
+                if j.next_row < len(j.texts) and not j.failed:
+                    self._q.put(j)   # its next micro-batch waits behind the requests queued meanwhile
+                else:
                     self._finish(j)
 
-    def _run_batch(self, jobs: list[_Job], start: float) -> None:
-        texts = [t for j in jobs for t in j.texts]
-        keys = [j.key for j in jobs for _ in j.texts]
+    def _encode_slices(self, slices: list[_Slice]) -> bool:
+        """Encode the rows of ``slices`` into their jobs; False when the encode failed (posted)."""
+        texts = [t for sl in slices for t in sl.job.texts[sl.lo:sl.hi]]
+        keys = [sl.job.key for sl in slices for _ in range(sl.lo, sl.hi)]
+        t0 = time.perf_counter()
         try:
             if self._encode_flagged is not None:
                 emb, trunc = self._encode_flagged(texts, keys)
@@ -339,14 +462,34 @@ class MicroBatcher:
                 trunc = self._truncated(texts) if self._truncated else [False] * len(texts)
                 emb = self._encode(texts, keys)
         except Exception as e:
-            if len(jobs) > 1:
+            if len(slices) > 1:
                 # One bad row must not fail its neighbours: retry each request alone.
-                for j in jobs:
-                    self._run_batch([j], start)
-                return
-            _post(jobs[0].loop, jobs[0].future, exc=e)
+                return all([self._encode_slices([sl]) for sl in slices])
+            _post(slices[0].job.loop, slices[0].job.future, exc=e)
+            slices[0].job.failed = True
+            return False
+        took = time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.batch_size.observe(len(texts))
+            self.metrics.batch_requests.observe(len(slices))
+            self.metrics.encode_seconds.observe(took)
+        o = 0
+        for sl in slices:
+            n = sl.hi - sl.lo
+            sl.job.parts.append(emb[o:o + n])
+            sl.job.trunc.extend(trunc[o:o + n])
+            sl.job.next_row = sl.hi
+            sl.job.encode_s += took
+            o += n
+        return True
+
+    def _run_batch(self, slices: list[_Slice], start: float) -> None:
+        """Encode the slices; search (one call per distinct filter) the requests they complete."""
+        self._encode_slices(slices)
+        jobs = [sl.job for sl in slices if sl.job.next_row == len(sl.job.texts) and not sl.job.failed]
+        if not jobs:
             return
-        encode_s = time.perf_counter() - start
+        emb = np.concatenate([p for j in jobs for p in j.parts])
         offsets, o = [], 0
         for j in jobs:
             offsets.append(o)
@@ -355,10 +498,6 @@ class MicroBatcher:
         for i, j in enumerate(jobs):
             groups.setdefault(json.dumps(j.filter, sort_keys=True, default=str), []).append(i)
         m = self.metrics
-        if m is not None:
-            m.batch_size.observe(len(texts))
-            m.batch_requests.observe(len(jobs))
-            m.encode_seconds.observe(encode_s)
         for members in groups.values():
             rows = [offsets[i] + r for i in members for r in range(len(jobs[i].texts))]
             kmax = max(jobs[i].k for i in members)
@@ -377,11 +516,11 @@ class MicroBatcher:
             for i in members:
                 j = jobs[i]
                 n = len(j.texts)
-                queue_s = max(0.0, start - j.enqueued)
+                queue_s = max(0.0, (j.started or start) - j.enqueued)
                 if m is not None:
                     m.queue_seconds.observe(queue_s)
-                off = offsets[i]
                 _post(j.loop, j.future, SearchOutcome(
-                    hits=[list(h[:j.k]) for h in hits[pos:pos + n]], truncated=trunc[off:off + n],
-                    queue_s=queue_s, encode_s=encode_s, search_s=search_s, batch_requests=len(jobs)))
+                    hits=[list(h[:j.k]) for h in hits[pos:pos + n]], truncated=list(j.trunc),
+                    queue_s=queue_s, encode_s=j.encode_s, search_s=search_s, batch_requests=len(slices)))
+                j.parts.clear()
                 pos += n

@@ -21,6 +21,9 @@ _FLAG_FIELDS = {
     "encoder_memory_mb": "encoder_memory_bytes", "sentinels": "sentinels", "guard_alpha": "guard_alpha",
     "guard_min_queries": "guard_min_queries",
     "feedback_dir": "feedback_dir", "feedback_max_mb": "feedback_max_bytes", "feedback_max_days": "feedback_max_age_s",
+    "max_request_tokens": "max_request_tokens", "max_batch_tokens": "max_batch_tokens",
+    "max_response_bytes": "max_response_bytes", "max_connections": "max_connections",
+    "header_timeout": "header_timeout_s", "shutdown_timeout": "shutdown_timeout_s",
 }
 _SCALE = {"encoder_memory_mb": 1 << 20, "feedback_max_mb": 1 << 20, "feedback_max_days": 86400}
 
@@ -77,6 +80,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-k", type=int, help="hits per query at most (default 100)")
     p.add_argument("--max-queries", type=int, help="queries per request at most (default 64)")
     p.add_argument("--encoder-memory-mb", type=int, help="memory budget of loaded adapters (default 1024)")
+    lim = p.add_argument_group("what one request may cost (all limits: docs/reliability.md)")
+    lim.add_argument("--max-request-tokens", type=int, metavar="N",
+                     help="tokens of one search request; beyond: 422 (default 8192)")
+    lim.add_argument("--max-batch-tokens", type=int, metavar="N",
+                     help="rows x longest row of one forward pass; larger requests are split (default 2048)")
+    lim.add_argument("--max-response-bytes", type=int, metavar="N", help="one search answer at most (default 16 MiB)")
+    lim.add_argument("--max-connections", type=int, metavar="N",
+                     help="open client connections (default: the open-file limit minus max(128, a quarter))")
+    lim.add_argument("--header-timeout", type=float, metavar="S",
+                     help="seconds to deliver a request head (default 10)")
+    lim.add_argument("--shutdown-timeout", type=float, metavar="S",
+                     help="on SIGTERM, in-flight requests get this long, then 503 (default 10)")
     p.add_argument("--log-format", choices=("json", "text"), default=None, help="log lines (default json)")
     f = p.add_argument_group("learning from traffic (docs/feedback.md)")
     f.add_argument("--feedback-dir", type=Path, metavar="DIR", help="capture searches (query text, hits) and "
@@ -135,9 +150,8 @@ def _serve(args: argparse.Namespace) -> int:
                                 "see `qswap serve --help`") from None
     # Checked here, before the model stack is imported, so a bad setting fails in a second.
     settings.check()
-    import uvicorn
-
     from qswap.server.app import DrainingServer, create_app
+    from qswap.server.connections import uvicorn_config
     from qswap.server.logs import configure_logging
 
     configure_logging(settings.log_json, logging.DEBUG if getattr(args, "verbose", False) else logging.INFO)
@@ -152,12 +166,9 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(settings, check=False)   # checked above
     log.info("starting", extra={"url": f"http://{settings.host}:{settings.port}", "admin": settings.admin_mode,
                                 "index": str(settings.index or "demo"), "model": settings.model})
-    # One worker: the model, index and encoder pool live in this process. uvicorn's "auto"
-    # picks uvloop and httptools when they are installed.
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, workers=1, loop="auto", http="auto",
-                            access_log=False, log_config=None, server_header=False,
-                            timeout_graceful_shutdown=settings.shutdown_timeout_s)
-    DrainingServer(config).run()
+    # One worker: the model, index and encoder pool live in this process; uvicorn's protocol
+    # with a request-head timeout and a connection cap (qswap.server.connections).
+    DrainingServer(uvicorn_config(app, settings)).run()
     # Work that ignores cancellation (a thread in a model call) must not hold the process past
     # the drain bound: the index and registry are closed and every write is atomic by now.
     stragglers = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]

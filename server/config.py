@@ -66,6 +66,8 @@ class ServerSettings(BaseSettings):
     # -- throughput
     backend: Literal["shared", "onnx", "torch"] = "shared"
     onnx_threads: int | None = Field(None, ge=1)
+    export_retry_s: float = Field(10.0, gt=0, description="a failed background ONNX export (EMFILE, full disk) is "
+                                  "tried again after this, doubling up to 5 minutes; torch serves meanwhile")
     query_precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="torch backend: bf16 runs batches of 16+ queries for one "
                             "encoder under bf16 autocast (1.16-1.33x faster forwards with AMX; see README)")
@@ -82,10 +84,30 @@ class ServerSettings(BaseSettings):
     upload_timeout_s: float = Field(120.0, gt=0, description="an uploaded archive must be extracted within this")
     shutdown_timeout_s: float = Field(10.0, gt=0, description="on SIGTERM: in-flight requests get this long, "
                                                               "then the process exits")
+    # -- connections
+    header_timeout_s: float = Field(10.0, gt=0, le=600, description="a connection must deliver a complete request "
+                                    "head within this of opening (or of its next request's first byte); else closed")
+    keep_alive_timeout_s: float = Field(30.0, gt=0, le=3600, description="an idle kept-alive connection is closed "
+                                        "after this (longer than common clients' pool expiry: no reuse race)")
+    max_connections: int | None = Field(None, ge=1, description="open client connections at most (default: the "
+                                        "open-file limit minus max(128, a quarter of it)); at the cap a new "
+                                        "connection closes an idle one (one never served first, then the oldest), or gets 429 "
+                                        "when none is idle")
+    backlog: int = Field(2048, ge=1, description="listen backlog (the kernel caps it at net.core.somaxconn)")
     # -- limits
     max_queries: int = Field(64, ge=1, description="queries per search request")
     max_k: int = Field(100, ge=1)
     max_query_chars: int = Field(2048, ge=1, description="longer queries are cut (and flagged truncated)")
+    max_request_tokens: int = Field(8192, ge=1, description="tokens of one search request (all its queries, "
+                                    "each counted up to the model's max length); beyond: 422 limit_exceeded")
+    max_batch_tokens: int = Field(2048, ge=1, description="rows x longest row of one forward pass at most; a "
+                                  "larger request is split into micro-batches that other requests interleave with")
+    max_hit_text_chars: int = Field(8192, ge=1, description="a hit's text is cut at this (the hit says "
+                                                          "truncated: true)")
+    max_hit_metadata_bytes: int = Field(8192, ge=2, description="a hit's metadata beyond this (as JSON) is "
+                                        "left out: {} and truncated: true")
+    max_response_bytes: int = Field(16 << 20, ge=1024, description="one search answer at most; beyond: 422 "
+                                    "limit_exceeded")
     max_body_bytes: int = Field(2 << 20, ge=1024, description="JSON request bodies")
     max_upload_bytes: int = Field(256 << 20, ge=1024, description="uploaded encoder archives (compressed)")
     max_extracted_bytes: int = Field(1 << 30, ge=1024, description="uploaded encoder archives (extracted)")
@@ -98,6 +120,11 @@ class ServerSettings(BaseSettings):
                                                                      "impressions pruned first)")
     feedback_max_age_s: float = Field(30 * 86400.0, gt=0, description="captured impressions older than this "
                                                                       "are pruned, with their feedback")
+    upsert_slice_tokens: int = Field(512, ge=1, description="document embedding runs in slices of at most this many "
+                                     "tokens (rows x longest), each between two search batches")
+    sync_upsert_documents: int = Field(32, ge=0, description="an upsert of more documents answers 202 at once with a "
+                                       "job to poll (GET /v1/documents/jobs/ID); smaller ones answer when written "
+                                       "(or 202 once their deadline passes)")
     # -- logs
     log_json: bool = True
 

@@ -1,27 +1,39 @@
 """Index changes (admin): upsert documents embedded by the base document tower, delete by id.
 
-The embedding runs on the batch worker thread, between search batches, so model work stays
-on one thread and the event loop never runs it.
+An upsert is a job (:mod:`qswap.server.jobs`): its embedding runs on the batch worker in
+token-bounded slices between search batches, then one index commit writes it. A small upsert
+answers when written (200); a large one (more than ``sync_upsert_documents``), or one still
+running at its deadline, answers 202 with the job to poll.
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+import asyncio
+
+from fastapi import APIRouter, Depends, Path, Request, Response
+from fastapi.responses import JSONResponse
 
 from qswap.server.auth import require_admin
 from qswap.server.errors import LimitExceededError
-from qswap.server.models import DeleteDocuments, DeleteResult, UpsertDocuments, UpsertResult
+from qswap.server.models import DeleteDocuments, DeleteResult, DocumentJobInfo, UpsertDocuments, UpsertResult
 from qswap.server.responses import ADMIN_ERRORS, request_timeout, state_of
 
 router = APIRouter(tags=["documents"])
 
 
-@router.post("/v1/documents", response_model=UpsertResult, responses=ADMIN_ERRORS,
+@router.post("/v1/documents", response_model=UpsertResult, responses={
+                 **ADMIN_ERRORS, 202: {"model": DocumentJobInfo, "description": "large upsert (or past its deadline): "
+                                       "written in the background; poll the Location"}},
              dependencies=[Depends(require_admin)], summary="Add or replace documents")
 async def upsert_documents(body: UpsertDocuments, request: Request,
-                           timeout_s: float = Depends(request_timeout)) -> UpsertResult:
+                           timeout_s: float = Depends(request_timeout)) -> Response:
     """Embed and add documents; an id given twice in one request is written once, with its
-    last occurrence (as if the request were applied in order)."""
+    last occurrence (as if the request were applied in order).
+
+    Up to ``sync_upsert_documents`` documents: 200 once they are written. More, or when the
+    write is still running at the request's deadline: 202 with the job (``Location:
+    /v1/documents/jobs/ID``); it is acknowledged (durable) when the job's status is ``done``.
+    """
     from qswap.index import Document
 
     state = state_of(request)
@@ -32,8 +44,24 @@ async def upsert_documents(body: UpsertDocuments, request: Request,
                                  "split the documents over several requests")
     last = {d.id: d for d in body.documents}
     docs = [Document(id=d.id, text=d.text, metadata=d.metadata) for d in last.values()]
-    n, count = await state.batcher.call(state.embed_and_upsert, docs, timeout_s=timeout_s)
-    return UpsertResult(upserted=n, count=count)
+    job = state.jobs.submit(docs)
+    assert job.task is not None
+    if len(docs) <= s.sync_upsert_documents:
+        done, _ = await asyncio.wait({job.task}, timeout=timeout_s)
+        if done:
+            if job.exception is not None:
+                raise job.exception
+            return JSONResponse(UpsertResult(**(job.result or {})).model_dump())
+    return JSONResponse(DocumentJobInfo.model_validate(job.info()).model_dump(), status_code=202,
+                        headers={"Location": f"/v1/documents/jobs/{job.id}"})
+
+
+@router.get("/v1/documents/jobs/{job_id}", response_model=DocumentJobInfo, responses=ADMIN_ERRORS,
+            dependencies=[Depends(require_admin)], summary="Progress and result of an upsert job")
+async def document_job(request: Request, job_id: str = Path(pattern=r"^[0-9a-f]{32}$")) -> DocumentJobInfo:
+    """``queued``/``running`` (with ``embedded`` so far), then ``done`` (``result``) or ``failed``
+    (``error``, with the status the error would have had; nothing of a failed job is written)."""
+    return DocumentJobInfo.model_validate(state_of(request).jobs.get(job_id).info())
 
 
 @router.delete("/v1/documents", response_model=DeleteResult, responses=ADMIN_ERRORS,

@@ -9,6 +9,7 @@ route, wrong method, unreadable body) take their code from it by status.
 from __future__ import annotations
 
 import logging
+import sqlite3
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,9 +17,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from qswap.atomic import disk_full
 from qswap.index.errors import IndexCorruptError
-from qswap.errors import (ConflictError, GuardPendingError, GuardRefusedError, IntegrityError, InvalidInputError,
-                          NotFoundError, QswapError, SpaceMismatchError)
+from qswap.errors import (ConflictError, GuardPendingError, GuardRefusedError, InsufficientStorageError, IntegrityError,
+                          InvalidInputError, NotFoundError, QswapError, SpaceMismatchError)
 
 log = logging.getLogger("qswap.server")
 
@@ -67,6 +69,9 @@ class DeadlineExceededError(QswapError):
 # specific first: the first isinstance match wins. Framework errors (unknown route, wrong method,
 # unreadable body) find their code and hint here by status; the OpenAPI responses are made from it.
 ERROR_MAP: tuple[tuple[type[QswapError], int, str, str], ...] = (
+    # a full disk is the server's fault and nothing was changed: the operator frees space, the client retries
+    (InsufficientStorageError, 507, "insufficient_storage",
+     "the server's disk or quota is full; nothing was changed (retry once the operator has freed space)"),
     (SpaceMismatchError, 409, "space_mismatch", "conflict: space mismatch (names the field), guard refusal, in use"),
     (GuardRefusedError, 409, "guard_refused", ""),
     (GuardPendingError, 409, "guard_pending", ""),
@@ -134,7 +139,18 @@ def _respond(request: Request, status: int, body: dict[str, Any],
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def storage_error(exc: BaseException) -> InsufficientStorageError | None:
+    """The 507 error for an exception a full disk caused (any library's dialect), else None."""
+    if isinstance(exc, InsufficientStorageError):
+        return exc
+    if not disk_full(exc):
+        return None
+    return InsufficientStorageError("the server's disk is full: the change was not made",
+                                    "free disk space on the server (state dir, index), then retry")
+
+
 async def _qswap_error(request: Request, exc: QswapError) -> JSONResponse:
+    exc = storage_error(exc) or exc   # e.g. an index error raised from a full disk
     status, code = status_for(exc)
     extra: dict[str, Any] = {}
     if isinstance(exc, SpaceMismatchError):
@@ -167,6 +183,14 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return _respond(request, exc.status_code, error_body(code, detail, hint), dict(exc.headers or {}) or None)
 
 
+async def _write_error(request: Request, exc: Exception) -> JSONResponse:
+    """A library's write error: 507 when a full disk caused it; anything else is a bug (500)."""
+    full = storage_error(exc)
+    if full is None:
+        raise exc
+    return await _qswap_error(request, full)
+
+
 def _jsonable(v: object) -> object:
     return v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
 
@@ -176,5 +200,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(QswapError, _qswap_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    for write_error in (OSError, sqlite3.Error, RuntimeError):
+        app.add_exception_handler(write_error, _write_error)  # type: ignore[arg-type]
     # Anything else is a bug: RequestContextMiddleware (qswap.server.logs) logs it and answers
     # the one JSON 500, with the request id.

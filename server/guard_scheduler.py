@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from qswap.encoders import BASE_KEY
 from qswap.errors import QswapError
 from qswap.guard import GuardRecord, GuardStatus
+from qswap.guard.evaluator import EvaluationCancelled
 
 if TYPE_CHECKING:
     from qswap.server.registry import EncoderRegistry
@@ -103,6 +104,9 @@ class GuardScheduler:
                 reg.ensure_loaded(k)
             record = self.guard.evaluate(key, against, versions)
             status = GuardStatus(record["verdict"])
+        except EvaluationCancelled:   # shutdown: no verdict stored, the encoder stays 'evaluating'
+            log.info("guard evaluation cancelled", extra={"encoder": key})
+            return   # (the finally below releases what it held)
         except Exception as e:   # fail closed: an evaluation that breaks leaves the encoder unservable
             log.exception("guard evaluation failed", extra={"encoder": key})
             msg = e.message if isinstance(e, QswapError) else f"{type(e).__name__}: {e}"

@@ -33,7 +33,9 @@ from contextlib import contextmanager
 from typing import Any, BinaryIO, Callable, Iterator, Mapping
 
 from qswap.encoders.artifact import ENCODER_MANIFEST, EncoderManifest, read_encoder_manifest
-from qswap.errors import IntegrityError, InvalidInputError, NotFoundError, QswapError
+from qswap.atomic import disk_full
+from qswap.errors import (InsufficientStorageError, IntegrityError, InvalidInputError, NotFoundError,
+                          QswapError)
 
 _CHUNK = 1 << 20
 _MAX_DEPTH = 2   # an encoder directory is flat; allow one enclosing folder
@@ -137,6 +139,9 @@ def extract_encoder_archive(fileobj: BinaryIO, dest: Path, *, max_bytes: int, ma
                 except FileExistsError:
                     raise _refuse(f"member {m.name!r} appears twice") from None
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+        if disk_full(e):   # the server's disk, not the client's archive
+            raise InsufficientStorageError("the server's disk is full: the archive could not be extracted",
+                                           "free disk space on the server (state dir), then retry") from e
         raise InvalidInputError(f"not a readable .tar.gz archive: {e}",
                                 "upload a gzip-compressed tar of one encoder directory") from None
     if (dest / ENCODER_MANIFEST).is_file():

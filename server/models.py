@@ -18,7 +18,6 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 
 from qswap.guard import GuardStatus
-from qswap.index import Hit
 
 # Names, versions and domains (qswap.encoders.artifact.validate_name), and name@version keys.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -80,7 +79,9 @@ def _check_metadata(meta: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(v, bool) or v is None:
             pass
         elif isinstance(v, (int, float)):
-            pass   # stored as JSON text: any size is kept exactly
+            # Every backend must store what one accepts: Milvus' JSON holds 64-bit integers
+            # only; numbers are bounded as in filters (and as the schema says, at every depth).
+            _check_number(v, "metadata")
         elif isinstance(v, list):
             for x in v:
                 walk(x, depth + 1)
@@ -113,9 +114,17 @@ Text = Annotated[str, AfterValidator(_no_surrogates)]
 Query = Annotated[str, StringConstraints(min_length=1, pattern=NOT_BLANK), AfterValidator(_no_surrogates)]
 Filter = Annotated[dict[str, Any] | None, AfterValidator(_check_filter),
                    WithJsonSchema({"anyOf": [FILTER_SCHEMA, {"type": "null"}]})]
+# A metadata value, recursively (the app puts it into the schema's components).
+METADATA_VALUE_REF = "#/components/schemas/MetadataValue"
+METADATA_VALUE_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"type": "string"}, {"type": "number", "minimum": INT64_MIN, "maximum": INT64_MAX}, {"type": "boolean"},
+    {"type": "null"}, {"type": "array", "items": {"$ref": METADATA_VALUE_REF}},
+    {"type": "object", "additionalProperties": {"$ref": METADATA_VALUE_REF}}],
+    "description": "JSON; numbers within the 64-bit integer range"}
 Metadata = Annotated[dict[str, Any], AfterValidator(_check_metadata),
-                     WithJsonSchema({"type": "object", "description": "JSON metadata (nesting at most "
-                                     f"{MAX_METADATA_DEPTH} levels)"})]
+                     WithJsonSchema({"type": "object", "additionalProperties": {"$ref": METADATA_VALUE_REF},
+                                     "description": "JSON metadata (nesting at most "
+                                     f"{MAX_METADATA_DEPTH} levels; numbers within the 64-bit integer range)"})]
 DocId = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=NOT_BLANK),
                   AfterValidator(_no_surrogates)]
 
@@ -183,8 +192,20 @@ class ExperimentRef(BaseModel):
     candidate: str = Field(description="name@version of the candidate encoder")
 
 
+class HitOut(BaseModel):
+    """One hit of a search answer."""
+
+    id: str
+    score: float
+    text: str | None = Field(description="the document text (null with with_text: false), cut at the server's "
+                                         "max_hit_text_chars")
+    metadata: dict[str, Any] = Field(description="the document metadata; {} when it exceeds the server's "
+                                                 "max_hit_metadata_bytes")
+    truncated: bool = Field(False, description="text or metadata was cut (see the server's limits)")
+
+
 class QueryResult(BaseModel):
-    hits: list[Hit]
+    hits: list[HitOut]
     encoder: EncoderRef
     truncated: bool = Field(description="the query was cut to the model's max tokens (or max_query_chars)")
     timings: Timings
@@ -292,6 +313,27 @@ class UpsertDocuments(_Strict):
 class UpsertResult(BaseModel):
     upserted: int
     count: int = Field(description="documents in the index afterwards")
+
+
+class JobError(BaseModel):
+    status: int = Field(description="the HTTP status the error would have had as a direct answer")
+    error: str
+    detail: str
+    hint: str | None = None
+
+
+class DocumentJobInfo(BaseModel):
+    """An upsert running in the background (202), or finished."""
+
+    id: str
+    status: Literal["queued", "running", "done", "failed"]
+    documents: int = Field(description="documents to write (an id given twice counts once)")
+    embedded: int = Field(description="documents embedded so far")
+    created_at: float
+    finished_at: float | None = None
+    result: UpsertResult | None = Field(None, description="once done: written, and the index's count; the write "
+                                                          "is committed (durable) when the status says done")
+    error: JobError | None = Field(None, description="once failed: nothing of the job was written")
 
 
 class DeleteDocuments(_Strict):

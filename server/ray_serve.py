@@ -95,7 +95,7 @@ class RoutingBatcher:
 
     async def search(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None = None,
                      with_text: bool = True, on_done: Callable[[], None] | None = None,
-                     timeout_s: float | None = None) -> SearchOutcome:
+                     timeout_s: float | None = None, tokens: list[int] | None = None) -> SearchOutcome:
         r = self.replica
         resident = key == BASE_KEY or r.state.registry.is_loaded(key)
         if resident or r.forwarding >= r.max_forwarding:
@@ -111,7 +111,8 @@ class RoutingBatcher:
                         on_done()   # the batcher never saw it: release the reference here
                     raise
             r.stats["local" if resident else "overflow_local"] += 1
-            return await self.local.search(texts, key, k, filter, with_text, on_done, timeout_s=timeout_s)
+            return await self.local.search(texts, key, k, filter, with_text, on_done, timeout_s=timeout_s,
+                                           tokens=tokens)
         r.stats["forwarded"] += 1
         r.forwarding += 1
         try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any
@@ -18,11 +17,45 @@ from qswap.server.errors import LimitExceededError
 from qswap.server.experiments import interleave_hits
 from qswap.server.models import SearchRequest, SearchResponse
 from qswap.server.registry import split_key
+from qswap.server.rendering import render_search_async
 from qswap.server.responses import ERRORS, request_timeout, state_of
+from qswap.server.state import ServerState
 
 log = logging.getLogger("qswap.server")
 
 router = APIRouter(tags=["search"])
+
+
+# A token covers at most one word and at least half a character (a SentencePiece word marker
+# plus one character); prefix and special tokens come on top. Between these bounds the
+# tokenizer decides; outside them it need not run.
+_TOKENS_PER_CHAR, _EXTRA_TOKENS = 2, 16
+
+
+async def request_tokens(state: ServerState, texts: list[str]) -> list[int] | None:
+    """The queries' token counts when the request may exceed ``max_request_tokens`` (counted off
+    the event loop), else None (a short request is not tokenised twice); refuses one over it.
+
+    Args:
+        state: the server (its settings and tokenizer).
+        texts: the request's queries, already cut to ``max_query_chars``.
+
+    Returns:
+        Token counts per query, or None when the request is certainly within the limit.
+    """
+    limit = state.settings.max_request_tokens
+    most = state.max_text_tokens
+    if sum(min(_TOKENS_PER_CHAR * len(t) + _EXTRA_TOKENS, most) for t in texts) <= limit:
+        return None
+    at_least = sum(min(len(t.split()) + 2, most) for t in texts)   # words, [CLS] and [SEP]
+    tokens = None
+    if at_least <= limit:
+        tokens = await asyncio.to_thread(state.token_counts, texts)
+    if tokens is None or sum(tokens) > limit:
+        n = f"at least {at_least}" if tokens is None else str(sum(tokens))
+        raise LimitExceededError(f"the queries hold {n} tokens; the limit per request is {limit}",
+                                 "send shorter queries, or split them over several requests")
+    return tokens
 
 
 @router.post("/v1/search", response_model=SearchResponse, responses=ERRORS,
@@ -46,6 +79,7 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
         raise LimitExceededError(f"k={k} exceeds the limit {s.max_k}", f"ask for at most {s.max_k} hits")
     cut = [len(t) > s.max_query_chars for t in texts]
     texts = [t[:s.max_query_chars] for t in texts]
+    tokens = await request_tokens(state, texts)
     key = state.registry.acquire(body.encoder, body.domain)
     request.state.encoder = key
     rid = getattr(request.state, "request_id", None) or ""
@@ -53,32 +87,24 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
     arm = exps.assign(body.domain, rid) if exps is not None else None
     if arm is not None and arm.mode == "interleave" and arm.control == key:
         # Both encoders run in the same batch (mixed-encoder batching): no second round trip.
-        out, cand = await asyncio.gather(_run(state, key, texts, k, body, timeout_s),
-                                         _candidate(state, arm.candidate, texts, k, body, timeout_s))
+        out, cand = await asyncio.gather(_run(state, key, texts, tokens, k, body, timeout_s),
+                                         _candidate(state, arm.candidate, texts, tokens, k, body, timeout_s))
     else:
-        out, cand = await _run(state, key, texts, k, body, timeout_s), None
+        out, cand = await _run(state, key, texts, tokens, k, body, timeout_s), None
     name, version = (BASE_KEY, state.base_version) if key == BASE_KEY else split_key(key)
     ref = {"key": key, "name": name, "version": version}
     timings = {"queue_ms": round(out.queue_s * 1000, 3), "encode_ms": round(out.encode_s * 1000, 3),
                "search_ms": round(out.search_s * 1000, 3)}
-    results = []
-    n_trunc = 0
-    shown: list[list[str]] = []
-    teams: list[list[str] | None] = []
-    for i, hits in enumerate(out.hits):
-        truncated = bool(out.truncated[i] or cut[i])
-        n_trunc += truncated
-        team = None
-        if cand is not None:
-            hits, team = interleave_hits(hits, cand.hits[i], k, f"{rid}:{i}")
-        shown.append([h.id for h in hits])
-        teams.append(team)
-        row = {"hits": [{"id": h.id, "score": float(h.score), "text": h.text if body.with_text else None,
-                         "metadata": h.metadata or {}} for h in hits],
-               "encoder": ref, "truncated": truncated, "timings": timings,
-               "experiment": None if team is None else {"id": arm.experiment, "mode": arm.mode,
-                                                        "candidate": arm.candidate}}
-        results.append(row)
+    flags = [bool(out.truncated[i] or cut[i]) for i in range(len(out.hits))]
+    hits = list(out.hits)
+    teams: list[list[str] | None] = [None] * len(hits)
+    experiment: list[dict[str, Any] | None] = [None] * len(hits)
+    if cand is not None:
+        ref_exp = {"id": arm.experiment, "mode": arm.mode, "candidate": arm.candidate}
+        for i in range(len(hits)):
+            hits[i], teams[i] = interleave_hits(hits[i], cand.hits[i], k, f"{rid}:{i}")
+            experiment[i] = ref_exp
+    shown = [[h.id for h in q] for q in hits]
     if state.feedback is not None:
         exp = arm.experiment if cand is not None else None
         state.feedback.record([Impression(request_id=rid, qi=i, domain=body.domain, encoder=key, query=texts[i],
@@ -86,20 +112,24 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
         state.metrics.captured.inc(len(texts))
     if arm is not None and arm.mode == "shadow" and arm.control == key:
         # Off the response path, and only on an idle worker: live traffic never waits for it.
-        exps.spawn_shadow(arm, shown, lambda: _candidate(state, arm.candidate, texts, k, body, timeout_s, strict=True),
+        exps.spawn_shadow(arm, shown, lambda: _candidate(state, arm.candidate, texts, tokens, k, body, timeout_s,
+                                                         strict=True),
                           idle=state.batcher.pending == 0)
+    n_trunc = sum(flags)
     state.metrics.queries.labels(encoder=key).inc(len(texts))
     if n_trunc:
         state.metrics.truncated.inc(n_trunc)
-    # The hot path answers with plain dicts in the SearchResponse shape (a test checks them
-    # against the model) instead of building pydantic objects for FastAPI to validate again:
-    # after a forward pass the caches are cold and that round trip costs ~0.1-0.2 ms a request.
-    payload = {"results": results, "took_ms": round((time.perf_counter() - t0) * 1000, 3)}
-    return Response(json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode(),
-                    media_type="application/json")
+    # The hot path answers with JSON written directly in the SearchResponse shape (a test checks
+    # it against the model) instead of building pydantic objects for FastAPI to validate again;
+    # texts, metadata and the whole answer are bounded there (qswap.server.rendering).
+    payload, _ = await render_search_async(hits, flags, ref, timings, body.with_text,
+                                           round((time.perf_counter() - t0) * 1000, 3), state.response_limits,
+                                           experiment)
+    return Response(payload, media_type="application/json")
 
 
-async def _run(state: Any, key: str, texts: list[str], k: int, body: SearchRequest, timeout_s: float) -> Any:
+async def _run(state: Any, key: str, texts: list[str], tokens: Any, k: int, body: SearchRequest,
+               timeout_s: float) -> Any:
     """Search with an acquired encoder; the batcher releases the reference exactly once."""
     reg = state.registry
     submitted = False
@@ -107,14 +137,14 @@ async def _run(state: Any, key: str, texts: list[str], k: int, body: SearchReque
         await state.prepare_encoder(key)   # first use after start or eviction
         submitted = True   # from here the batcher releases the reference, exactly once
         return await state.batcher.search(texts, key, k, body.filter, body.with_text,
-                                          on_done=lambda: reg.release(key), timeout_s=timeout_s)
+                                          on_done=lambda: reg.release(key), timeout_s=timeout_s, tokens=tokens)
     finally:
         if not submitted:
             reg.release(key)
 
 
-async def _candidate(state: Any, ref: str, texts: list[str], k: int, body: SearchRequest, timeout_s: float,
-                     strict: bool = False) -> Any:
+async def _candidate(state: Any, ref: str, texts: list[str], tokens: Any, k: int, body: SearchRequest,
+                     timeout_s: float, strict: bool = False) -> Any:
     """The experiment candidate's search; ``None`` (the control alone answers) when it cannot run,
     unless ``strict`` (shadow runs count the failure as skipped)."""
     try:
@@ -125,7 +155,7 @@ async def _candidate(state: Any, ref: str, texts: list[str], k: int, body: Searc
         log.warning("experiment candidate not servable", extra={"encoder": ref})
         return None
     try:
-        return await _run(state, key, texts, k, body, timeout_s)
+        return await _run(state, key, texts, tokens, k, body, timeout_s)
     except QswapError:
         if strict:
             raise

@@ -24,8 +24,10 @@ from qswap.server.backend import Backend, make_backend
 from qswap.server.batching import MicroBatcher
 from qswap.server.config import ServerSettings
 from qswap.server.errors import NotReadyError
+from qswap.server.jobs import DocumentJobs
 from qswap.server.metrics import Metrics
 from qswap.server.registry import EncoderRecord, EncoderRegistry
+from qswap.server.rendering import ResponseLimits
 
 log = logging.getLogger("qswap.server")
 
@@ -50,6 +52,7 @@ class ServerState:
         self.guard: Any = None          # qswap.guard.evaluator.SentinelGuard with --sentinels
         self.feedback: Any = None       # qswap.feedback.store.FeedbackStore with --feedback-dir
         self.experiments: Any = None    # qswap.server.experiments.Experiments with --feedback-dir
+        self.jobs = DocumentJobs(self)  # document upserts (qswap.server.jobs)
         self._closed = False
         self._close_lock = threading.Lock()
         self._loader: threading.Thread | None = None
@@ -87,7 +90,7 @@ class ServerState:
         pool = EncoderPool(base)
         self.pool = pool
         self.backend = make_backend(s.backend, pool, s.state_dir / "onnx", s.onnx_threads,
-                                    s.query_precision)
+                                    s.query_precision, retry_s=s.export_retry_s)
         guard = None
         if s.sentinels is not None:
             from qswap.guard.evaluator import SentinelGuard, load_sentinels
@@ -115,7 +118,8 @@ class ServerState:
                                     encode_flagged=getattr(self.backend, "encode_flagged", None),
                                     window_s=s.batch_window_ms / 1000.0, max_batch=s.max_batch,
                                     max_pending=s.max_pending, max_pending_per_encoder=s.max_pending_per_encoder,
-                                    metrics=self.metrics)
+                                    metrics=self.metrics, count_tokens=self.token_counts,
+                                    max_batch_tokens=s.max_batch_tokens)
         self.metrics.admitted.set_function(lambda: batcher.pending)
         if s.feedback_dir is not None:
             from qswap.feedback.store import FeedbackStore
@@ -168,11 +172,27 @@ class ServerState:
                 log.info("removed an upload folder left by a killed server", extra={"path": str(p)})
 
     def begin_drain(self) -> None:
-        """Stop admitting requests (SIGTERM): new ones get 503, admitted ones finish."""
+        """Stop admitting requests (SIGTERM): new ones get 503, admitted ones finish; guard
+        evaluations are cancelled (a restart evaluates again)."""
         self.draining = True
         if self.batcher is not None:
             self.batcher.drain()
+        if self.registry is not None:
+            self.registry.stop_guard()
         log.info("draining: no new requests are admitted")
+
+    def abort_in_flight(self) -> int:
+        """End of the drain: every admitted request still waiting or running is answered 503
+        now (event loop side). Returns how many."""
+        if self.batcher is None:
+            return 0
+        n = self.batcher.abort(lambda: NotReadyError(
+            "the server is shutting down and this request could not finish in time",
+            "retry against another instance (a document change may or may not have been made; upserts "
+            "and deletes are idempotent)"))
+        if n:
+            log.warning("drain bound reached: in-flight requests answered 503", extra={"requests": n})
+        return n
 
     def close(self) -> None:
         """Stop the worker (in-flight batch finishes) and release the index."""
@@ -217,6 +237,12 @@ class ServerState:
     # -- helpers for routes and the worker ---------------------------------------------------
 
     @property
+    def response_limits(self) -> ResponseLimits:
+        """What one search answer may hold (from the settings)."""
+        s = self.settings
+        return ResponseLimits(s.max_hit_text_chars, s.max_hit_metadata_bytes, s.max_response_bytes)
+
+    @property
     def base_version(self) -> str:
         """The version shown for the ``base`` encoder: its space fingerprint."""
         return self.base.space.fingerprint if self.base is not None else ""
@@ -226,6 +252,28 @@ class ServerState:
         assert self.base is not None
         encs = self.base.tokenizer.encode_batch([self.base.spec.query_prefix + t for t in texts])
         return [bool(e.overflowing) for e in encs]
+
+    @property
+    def max_text_tokens(self) -> int:
+        """Tokens the model reads of one text at most (longer ones are cut)."""
+        assert self.base is not None
+        return int(self.base.tokenizer.truncation["max_length"])
+
+    def token_counts(self, texts: list[str], documents: bool = False) -> list[int]:
+        """Tokens per text as the model sees them (prefix and special tokens included, cut at
+        its max length): what a text costs a forward pass.
+
+        Args:
+            texts: queries (or documents), without their prefix.
+            documents: count with the document prefix instead of the query prefix.
+
+        Returns:
+            One count per text.
+        """
+        assert self.base is not None
+        prefix = self.base.spec.document_prefix if documents else self.base.spec.query_prefix
+        encs = self.base.tokenizer.encode_batch([prefix + t for t in texts])
+        return [sum(e.attention_mask) for e in encs]   # the tokenizer pads: count real tokens only
 
     def register_archive(self, fileobj: BinaryIO, force: bool, filename: str | None,
                          wait: bool = False) -> tuple[EncoderRecord, bool]:
@@ -244,10 +292,13 @@ class ServerState:
         return self.registry.register_extracted(extract, label=f"upload {name}", force=force,
                                                 source=f"upload:{name}", wait=wait)
 
-    def embed_and_upsert(self, docs: list[Any]) -> tuple[int, int]:
-        """Embed documents with the base document tower and upsert them. Worker thread."""
+    def embed_documents(self, texts: list[str]) -> np.ndarray:
+        """Embed documents with the base document tower. Worker thread."""
         assert self.base is not None
-        emb = self.base.encode_documents([d.text for d in docs]).astype(np.float32)
+        return self.base.encode_documents(texts).astype(np.float32)
+
+    def upsert_embedded(self, docs: list[Any], emb: np.ndarray) -> tuple[int, int]:
+        """Write embedded documents in one index commit; (written, documents now). Worker thread."""
         n = self.index.upsert(docs, emb)
         count = self.index.count
         self.metrics.index_documents.set(count)

@@ -30,11 +30,12 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from qswap.errors import QswapError
 from qswap.guard.evaluation import evaluate_retrieval
 from qswap.guard.checks import guard_record, judge_sentinel
 from qswap.guard.sentinels import SentinelSet, load_sentinels, sentinel_coverage, sentinels_fingerprint
 
-__all__ = ["SentinelGuard", "SentinelSet", "load_sentinels"]
+__all__ = ["EvaluationCancelled", "SentinelGuard", "SentinelSet", "load_sentinels"]
 
 log = logging.getLogger("qswap.server")   # it runs inside the server: its log stream
 
@@ -43,6 +44,10 @@ _PROGRESS_EVERY_S = 5.0
 _CACHED_ENCODERS = 16       # query-embedding sets kept (base + incumbents + recent)
 
 Encode = Callable[[list[str], list[str]], np.ndarray]
+
+
+class EvaluationCancelled(QswapError):
+    """The server is shutting down: the evaluation stopped without a verdict (a restart runs it again)."""
 
 
 class SentinelGuard:
@@ -60,6 +65,7 @@ class SentinelGuard:
         self._emb: OrderedDict[str, list[np.ndarray]] = OrderedDict()
         self._emb_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qswap-guard")
+        self._closing = threading.Event()
 
     @property
     def queries(self) -> int:
@@ -87,6 +93,8 @@ class SentinelGuard:
         return self._pool.submit(fn)
 
     def close(self) -> None:
+        """Drop queued evaluations and stop the running one at its next chunk (shutdown)."""
+        self._closing.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- evaluation -----------------------------------------------------------------------------
@@ -104,6 +112,9 @@ class SentinelGuard:
             order = sorted(range(len(s.texts)), key=lambda i: -len(s.texts[i]))
             emb = np.empty((len(s.texts), 0), dtype=np.float32)
             for i in range(0, len(order), _ENCODE_CHUNK):
+                if self._closing.is_set():
+                    raise EvaluationCancelled("the guard evaluation was cancelled: the server is shutting down",
+                                              "a restart evaluates the encoder again")
                 rows = order[i:i + _ENCODE_CHUNK]
                 part = np.asarray(self.encode([s.texts[j] for j in rows], [key] * len(rows)), dtype=np.float32)
                 if emb.shape[1] == 0:

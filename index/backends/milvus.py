@@ -187,7 +187,14 @@ def _rescoring(cfg: IndexConfig, full_dim: int) -> bool:
     return bool(cfg.rescore) and not (cfg.is_exact and cfg.dim == full_dim)
 
 
+# pymilvus' names for "this row does not fit the schema": the caller's data, not a damaged index.
+_INPUT_ERRORS = ("DataNotMatchException", "ParamError", "DataTypeNotSupportException")
+
+
 def _milvus_error(e: Exception, what: str) -> QswapError:
+    if type(e).__name__ in _INPUT_ERRORS:
+        return InvalidInputError(f"Milvus refused the data of {what} ({str(e)[:300]})",
+                                 "metadata must be JSON with 64-bit integers; see the request schema")
     return IndexCorruptError(f"Milvus refused {what} ({type(e).__name__}: {str(e)[:300]})",
                              "check that the Milvus server is up and the collection is loaded")
 

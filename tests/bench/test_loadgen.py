@@ -178,3 +178,17 @@ def test_should_stop_ends_the_run_and_on_response_sees_every_sample():
     assert res.stopped_by == "signal"
     assert 25 <= res.sent <= 25 + 3 and res.sent == server.count == len(seen)
     assert sorted(s.index for s in seen) == list(range(res.sent))
+
+
+def test_interval_paces_the_run_at_a_steady_rate():
+    server = CountingServer()
+
+    async def go(port):
+        return await run_load("127.0.0.1", port, [Request("GET", "/x")], concurrency=4, max_requests=10,
+                              duration_s=30, interval_s=0.05)
+
+    res = asyncio.run(_with_server(server, go))
+    assert res.sent == server.count == 10
+    # request i is not sent before i x 50 ms (an unpaced run of 10 takes a few ms)
+    assert all(s.start_s >= s.index * 0.05 for s in res.samples)
+    assert res.elapsed_s >= 9 * 0.05

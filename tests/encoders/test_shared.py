@@ -4,6 +4,8 @@ torch fallback while the export is missing or failed."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -217,3 +219,32 @@ def test_spread_groups_only_when_work_is_balanced():
     assert not spread_groups([16, 16, 16], groups=3, workers=1)     # one worker: in turn
     assert not spread_groups([480, 16], groups=2, workers=2)        # one group dominates
     assert not spread_groups([64, 64], groups=1, workers=2)         # one encoder: its own calls
+
+
+def test_a_failed_export_is_retried_and_then_serves_on_onnx(pool, tmp_path, monkeypatch):
+    """An export that fails (here: out of file descriptors) is tried again later: once the
+    cause is gone, encoders move from torch to the shared session without a restart."""
+    import errno
+
+    real = shared_mod.export_shared
+    failing = threading.Event()
+    failing.set()
+    attempts: list[bool] = []
+
+    def flaky(*a, **kw):
+        attempts.append(failing.is_set())
+        if failing.is_set():
+            failing.clear()   # the cause goes away after the first attempt (fds freed)
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(*a, **kw)
+    monkeypatch.setattr(shared_mod, "export_shared", flaky)
+    b = SharedBackend(pool, tmp_path, threads=1, retry_s=0.01)
+    try:
+        b.prepare("l1@1")
+        assert b.wait("l1@1", timeout=300), b.error("l1@1")   # waits through the retry
+        assert attempts == [True, False]
+        assert b.runtime("l1@1") == "onnx-shared" and b.error("l1@1") is None
+        got = b.encode(TEXTS, ["l1@1"] * len(TEXTS))
+        assert cosine(got, pool.encode(TEXTS, ["l1@1"] * len(TEXTS))).min() >= MIN_COSINE
+    finally:
+        b.close()

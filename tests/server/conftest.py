@@ -42,8 +42,8 @@ class LiveServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="on")
-        self.server = uvicorn.Server(cfg)
+        from qswap.server.connections import uvicorn_config
+        self.server = uvicorn.Server(uvicorn_config(self.app, settings, lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def start(self, wait_ready: bool = True, timeout: float = 60.0) -> "LiveServer":

@@ -246,3 +246,45 @@ def test_unusable_settings_stop_the_start_with_one_line(tmp_path, tiny_model_dir
     assert p.returncode == 2
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_answers_long_requests_503_json_and_exits_within_its_bound(tmp_path, tiny_model_dir, private_index):
+    """Requests that cannot finish within the drain bound get a 503 JSON (not a 500 from a
+    cancelled task) and the process exits within the bound (plus the answer grace)."""
+    bound = 2.0
+    # One row per forward pass and 4096-query requests: each needs thousands of passes, far
+    # more than the bound, and the micro-batches of all of them interleave.
+    srv = ServerProcess(tmp_path, tiny_model_dir, private_index, "--max-queries", "4096",
+                        env={"QSWAP_SHUTDOWN_TIMEOUT_S": str(bound), "QSWAP_MAX_BATCH_TOKENS": "1",
+                             "QSWAP_MAX_REQUEST_TOKENS": "100000", "QSWAP_REQUEST_TIMEOUT_S": "600",
+                             "QSWAP_MAX_BODY_BYTES": str(8 << 20)}).wait_ready()
+    n = 4
+    answers: list[httpx.Response] = []
+
+    def long_request(i: int) -> None:
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            answers.append(c.post("/v1/search", json={"queries": [f"chess game {i} {j}" for j in range(4096)],
+                                                      "k": 1, "with_text": False}))
+
+    with ThreadPoolExecutor(n) as ex:
+        futures = [ex.submit(long_request, i) for i in range(n)]
+        with httpx.Client(base_url=srv.url, timeout=30) as c:   # handshake: all n are admitted
+            while not any(ln.startswith("qswap_admitted_requests ") and float(ln.split()[-1]) >= n
+                          for ln in c.get("/metrics").text.splitlines()):
+                assert not any(f.done() for f in futures), [r.text[:200] for r in answers]
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        for f in futures:
+            f.result(timeout=120)
+    srv.proc.wait(60)
+    took = time.monotonic() - t0
+    srv.log.close()
+    log = srv.log_path.read_text()
+    assert [r.status_code for r in answers] == [503] * n, [r.text[:300] for r in answers]
+    for r in answers:
+        body = r.json()
+        assert body["error"] == "not_ready" and "shutting down" in body["detail"] and body["hint"]
+    assert took < bound + 5, f"exit took {took:.1f}s"
+    assert srv.proc.returncode in (0, -signal.SIGTERM), log[-2000:]
+    assert "drain bound reached" in log and "Traceback" not in log, log[-3000:]

@@ -1,0 +1,370 @@
+"""Adversarial benchmark: what one attacker costs the normal clients of a server.
+
+``qswap serve`` runs as a child process under ``ulimit -n 1024`` (a common service default)
+with its default limits, over a writable copy of the benchmark index (the demo corpus,
+synthetic vectors in the model's space, as in ``qswap bench serving``) plus two ~1.9 MB
+documents (metadata ``section: huge``). Normal clients send single-query searches at a steady
+rate on keep-alive connections (the raw asyncio client, :mod:`qswap.bench.loadgen`). For each
+attack, a window without the attacker is followed by one with it; the attacker loops, one
+request at a time:
+
+- ``long_queries``: 64 queries of ~300 words in one request (~130 kB, the issue's item 7);
+- ``huge_answers``: 64 queries x k 100 over the two huge documents (the 973-byte request of
+  item 8; ``filter`` keeps the hits on them);
+- ``big_upsert``: 850 documents in one upsert (item 9), polled to the end before the next;
+- ``slow_connections``: 1,000 connections that send half a request head and stall, each
+  reopened when the server closes it (item 10).
+
+Per attack: the normal clients' p50/p99 and failures with and without the attacker, the
+attacker's own answers, ``/healthz`` latency, and the server's RSS before and after
+(targets: p99 within 2x, 0 failed, RSS within 10 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import selectors
+import shlex
+import shutil
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from qswap.bench.fixtures import MODEL, load_space_base, load_workload, qswap_command, stamped_index, wait_for_runtime
+from qswap.bench.load_options import LOAD_HOST, ByMode, RunDirs, add_model_argument, warm_up
+from qswap.bench.loadgen import Request, run_load_sync
+from qswap.bench.plots import plot_bars
+from qswap.bench.processes import ServerProcess, free_port, http_json
+from qswap.bench.results import md_table
+from qswap.bench.stats import percentile
+from qswap.errors import InvalidInputError
+
+NAME = "adversarial"
+PHASE_S = ByMode(20.0, 4.0)
+RATE = ByMode(20.0, 10.0)          # normal requests per second
+CONNECTIONS = 4                     # normal clients' keep-alive connections
+SLOW = ByMode(1000, 100)
+NOFILE = 1024
+HUGE_CHARS = 1_900_000
+UPSERT_DOCS = ByMode(850, 100)
+ATTACKS = ("long_queries", "huge_answers", "big_upsert", "slow_connections")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``qswap bench adversarial``."""
+    p.add_argument("--phase-seconds", type=float, default=None,
+                   help=f"seconds of each window, with and without the attacker ({PHASE_S.describe()})")
+    p.add_argument("--rate", type=float, default=None, help=f"normal requests per second ({RATE.describe()})")
+    p.add_argument("--slow-connections", type=int, default=None, help=f"stalled connections ({SLOW.describe()})")
+    p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated subset of {', '.join(ATTACKS)}")
+    add_model_argument(p, MODEL)
+
+
+class _Http:
+    """One keep-alive connection for the attacker (one request at a time)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.conn = http.client.HTTPConnection(LOAD_HOST, port, timeout=600)
+
+    def call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        try:
+            self.conn.request(method, path, body=data, headers=headers)
+            r = self.conn.getresponse()
+            return r.status, r.read()
+        except (OSError, http.client.HTTPException):
+            self.conn.close()
+            self.conn = http.client.HTTPConnection(LOAD_HOST, self.port, timeout=600)
+            return 0, b""
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class Attacker:
+    """Loops one attack on its own thread until stopped; counts what the server answered."""
+
+    def __init__(self, name: str, port: int, payloads: dict[str, Any], slow: int) -> None:
+        self.name, self.port, self.payloads, self.slow = name, port, payloads, slow
+        self.stop = threading.Event()
+        self.statuses: Counter[str] = Counter()
+        self.answer_bytes: list[int] = []
+        self.jobs_done = 0
+        self.closed_by_server = 0
+        self.thread = threading.Thread(target=self._run, name=f"attack-{name}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def finish(self) -> None:
+        """Stop sending; a running upsert job is waited for (it must not spill into the next window)."""
+        self.stop.set()
+        self.thread.join(900)
+
+    def _run(self) -> None:
+        {"long_queries": self._requests, "huge_answers": self._requests, "big_upsert": self._upserts,
+         "slow_connections": self._slow}[self.name]()
+
+    def _requests(self) -> None:
+        c = _Http(self.port)
+        body = self.payloads[self.name]
+        while not self.stop.is_set():
+            status, data = c.call("POST", "/v1/search", body)
+            self.statuses[str(status)] += 1
+            self.answer_bytes.append(len(data))
+        c.close()
+
+    def _upserts(self) -> None:
+        c = _Http(self.port)
+        while not self.stop.is_set():
+            status, data = c.call("POST", "/v1/documents", self.payloads["big_upsert"])
+            self.statuses[str(status)] += 1
+            if status != 202:
+                continue
+            location = json.loads(data)["id"]
+            while True:   # one job at a time, polled to its end (also after stop: no spill-over)
+                st, info = c.call("GET", f"/v1/documents/jobs/{location}")
+                job = json.loads(info) if st == 200 else {"status": f"http {st}"}
+                if job["status"] not in ("queued", "running"):
+                    self.statuses[f"job {job['status']}"] += 1
+                    self.jobs_done += 1
+                    break
+                self.stop.wait(0.2)
+        c.close()
+
+    def _slow(self) -> None:
+        sel = selectors.DefaultSelector()
+        head = b"GET /healthz HTTP/1.1\r\nHost: x\r\n"   # never ends
+        socks: set[socket.socket] = set()
+
+        def open_one() -> None:
+            s = socket.socket()
+            s.setblocking(False)
+            try:
+                s.connect_ex((LOAD_HOST, self.port))
+            except OSError:
+                s.close()
+                self.statuses["connect_error"] += 1
+                return
+            sel.register(s, selectors.EVENT_WRITE)
+            socks.add(s)
+
+        for _ in range(self.slow):
+            open_one()
+        while not self.stop.is_set():
+            for key, ev in sel.select(timeout=0.2):
+                s = key.fileobj
+                if ev & selectors.EVENT_WRITE:
+                    try:
+                        s.send(head)
+                        self.statuses["stalled"] += 1
+                        sel.modify(s, selectors.EVENT_READ)
+                    except OSError:
+                        self._drop(sel, socks, s)
+                        open_one()
+                    continue
+                try:
+                    data = s.recv(4096)
+                except OSError:
+                    data = b""
+                if not data:   # closed by the server: the attacker opens another
+                    self.closed_by_server += 1
+                    self._drop(sel, socks, s)
+                    open_one()
+                else:
+                    self.statuses[data.split(b"\r\n", 1)[0].decode(errors="replace")[:40]] += 1
+        for s in list(socks):
+            self._drop(sel, socks, s)
+
+    @staticmethod
+    def _drop(sel: selectors.BaseSelector, socks: set[socket.socket], s: Any) -> None:
+        try:
+            sel.unregister(s)
+        except (KeyError, ValueError):
+            pass
+        socks.discard(s)
+        s.close()
+
+
+class HealthProbe:
+    """``GET /healthz`` every 0.1 s on a fresh connection: how responsive the event loop is."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.ms: list[float] = []
+        self.failed = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="healthz", daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.1):
+            t0 = time.perf_counter()
+            try:
+                c = http.client.HTTPConnection(LOAD_HOST, self.port, timeout=30)
+                c.request("GET", "/healthz")
+                ok = c.getresponse().status == 200
+                c.close()
+            except (OSError, http.client.HTTPException):
+                ok = False
+            if ok:
+                self.ms.append((time.perf_counter() - t0) * 1000)
+            else:
+                self.failed += 1
+
+    def __enter__(self) -> "HealthProbe":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(60)
+
+
+def _payloads(work: Any, quick: bool) -> dict[str, Any]:
+    rng = random.Random(0)
+    words = " ".join(d.text for d in work.docs[:200]).split()
+    long_query = " ".join(rng.choice(words) for _ in range(300))
+    n = UPSERT_DOCS.pick(quick)
+    docs = [{"id": f"attack-{i}", "text": work.docs[i % len(work.docs)].text, "metadata": {"section": "attack"}}
+            for i in range(n)]
+    return {"long_queries": {"queries": [long_query] * 64, "k": 10},
+            "huge_answers": {"queries": [q for q in work.queries[:64]], "k": 100, "filter": {"section": "huge"}},
+            "big_upsert": {"documents": docs}}
+
+
+def _window(port: int, reqs: list[Request], seconds: float, rate: float,
+            attacker: Attacker | None) -> dict[str, Any]:
+    """Normal load for ``seconds`` (with ``attacker`` running meanwhile)."""
+    with HealthProbe(port) as probe:
+        if attacker is not None:
+            attacker.start()
+        try:
+            res = run_load_sync(LOAD_HOST, port, reqs, concurrency=CONNECTIONS, max_requests=10 ** 7,
+                                duration_s=seconds, interval_s=1.0 / rate, timeout_s=60.0)
+        finally:
+            if attacker is not None:
+                attacker.finish()
+    lat = res.latencies_ms()
+    out = {"sent": res.sent, "ok": len(res.ok), "failed": res.failed, "statuses": res.summary()["statuses"],
+           "errors": res.errors(), "p50_ms": percentile(lat, 50) if lat else None,
+           "p99_ms": percentile(lat, 99) if lat else None,
+           "healthz_p99_ms": percentile(probe.ms, 99) if probe.ms else None,
+           "healthz_max_ms": max(probe.ms) if probe.ms else None, "healthz_failed": probe.failed}
+    if attacker is not None:
+        out["attacker"] = {"answers": dict(attacker.statuses), "jobs_done": attacker.jobs_done,
+                           "closed_by_server": attacker.closed_by_server,
+                           "answer_bytes_max": max(attacker.answer_bytes) if attacker.answer_bytes else None}
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """``qswap bench adversarial``."""
+    quick = bool(args.quick)
+    seconds = args.phase_seconds or PHASE_S.pick(quick)
+    rate = args.rate or RATE.pick(quick)
+    slow = args.slow_connections or SLOW.pick(quick)
+    attacks = [a.strip() for a in args.attacks.split(",") if a.strip()]
+    unknown = sorted(set(attacks) - set(ATTACKS))
+    if unknown or not attacks:
+        raise InvalidInputError(f"unknown attacks: {', '.join(unknown) or '(none given)'}",
+                                f"choose from {', '.join(ATTACKS)}")
+    if seconds <= 0 or rate <= 0 or slow < 1:
+        raise InvalidInputError("--phase-seconds, --rate and --slow-connections must be positive",
+                                "e.g. --phase-seconds 20 --rate 20")
+    dirs = RunDirs.create(NAME, quick, args.out)
+    tmp = dirs.tmp
+    work = load_workload(True)   # the demo corpus in both modes: the attacks, not the corpus, are measured
+    base = load_space_base(args.model)
+    src, _, _ = stamped_index(work, base, tag="default")
+    del base
+    index = tmp / "index"
+    shutil.rmtree(index, ignore_errors=True)
+    shutil.copytree(src, index)
+    shutil.rmtree(tmp / "state", ignore_errors=True)
+    port = free_port()
+    serve = qswap_command() + ["serve", "--host", LOAD_HOST, "--port", str(port), "--index", str(index),
+                               "--model", args.model, "--device", "cpu", "--state-dir", str(tmp / "state"),
+                               "--insecure", "--log-format", "text"]
+    cmd = ["bash", "-c", f"ulimit -n {NOFILE} && exec {shlex.join(serve)}"]
+    srv = ServerProcess(cmd, port, ready_path="/readyz", log_path=tmp / "server.log")
+    payloads = _payloads(work, quick)
+    reqs = [Request.post_json("/v1/search", {"query": q, "k": 10}) for q in work.queries]
+    res: dict[str, Any] = {"workload": work.source, "phase_s": seconds, "rate_per_s": rate,
+                           "connections": CONNECTIONS, "nofile": NOFILE, "slow_connections": slow,
+                           "upsert_documents": len(payloads["big_upsert"]["documents"]), "attacks": {}}
+    with srv:
+        res["server"] = {"command": srv.command, "start_s": srv.start_seconds}
+        try:
+            res["server"]["shared_runtime_wait_s"] = wait_for_runtime(srv, ["base"], "onnx-shared", 900)
+        except InvalidInputError as e:   # torch serves meanwhile: recorded, the run goes on
+            res["server"]["shared_runtime_error"] = str(e)
+        huge = "chess game " * (HUGE_CHARS // 11)
+        for i in range(2):
+            st, body = http_json("POST", srv.url("/v1/documents"), {"documents": [
+                {"id": f"huge-{i}", "text": huge + str(i), "metadata": {"section": "huge"}}]}, timeout=600)
+            if st != 200:
+                raise InvalidInputError(f"adding a huge document failed ({st}): {body}", "see " + str(tmp))
+        warm_up(port, reqs, concurrency=CONNECTIONS, requests=8 * CONNECTIONS, duration_s=30)
+        res["rss_start_bytes"] = srv.rss()
+        for name in attacks:
+            rss_before = srv.rss()
+            quiet = _window(port, reqs, seconds, rate, None)
+            attacked = _window(port, reqs, seconds, rate, Attacker(name, port, payloads, slow))
+            rss_after = srv.rss()
+            ratio = (attacked["p99_ms"] / quiet["p99_ms"]) if quiet["p99_ms"] and attacked["p99_ms"] else None
+            res["attacks"][name] = {"quiet": quiet, "attacked": attacked, "p99_ratio": ratio,
+                                    "rss_before_bytes": rss_before, "rss_after_bytes": rss_after,
+                                    "rss_change": rss_after / rss_before - 1}
+            print(f"{name}: p99 {quiet['p99_ms']:.1f} -> {attacked['p99_ms'] or float('nan'):.1f} ms "
+                  f"(x{ratio or float('nan'):.2f}), failed {attacked['failed']}, RSS "
+                  f"{rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB", file=sys.stderr)
+        res["rss_end_bytes"] = srv.rss()
+    _write(dirs, res)
+    dirs.clean_scratch()
+    ok = all(a["attacked"]["failed"] == 0 and (a["p99_ratio"] or 99) <= 2.0 and abs(a["rss_change"]) <= 0.10
+             for a in res["attacks"].values())
+    print(f"wrote {dirs.out}: {'all targets met' if ok else 'targets missed (see README.md)'}")
+    return 0
+
+
+def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
+    w = dirs.writer
+    names = list(res["attacks"])
+    A = res["attacks"]
+    plot_bars(w.plot_path("p99.png"), names,
+              {"p99 without attacker": [A[n]["quiet"]["p99_ms"] or 0 for n in names],
+               "p99 with attacker": [A[n]["attacked"]["p99_ms"] or 0 for n in names],
+               "p50 without": [A[n]["quiet"]["p50_ms"] or 0 for n in names],
+               "p50 with": [A[n]["attacked"]["p50_ms"] or 0 for n in names]},
+              ylabel="normal clients' latency (ms)", title="What one attacker costs the normal clients")
+
+    def f(v: Any, nd: int = 1) -> str:
+        return "-" if v is None else f"{v:.{nd}f}"
+    rows = []
+    for n in names:
+        q, a = A[n]["quiet"], A[n]["attacked"]
+        rows.append([n, f(q["p50_ms"]), f(a["p50_ms"]), f(q["p99_ms"]), f(a["p99_ms"]), f(A[n]["p99_ratio"], 2),
+                     f"{a['failed']} / {a['sent']}", f(a["healthz_max_ms"]),
+                     f"{A[n]['rss_before_bytes'] / 2**20:.0f} -> {A[n]['rss_after_bytes'] / 2**20:.0f} "
+                     f"({100 * A[n]['rss_change']:+.1f} %)",
+                     ", ".join(f"{k}: {v}" for k, v in sorted(a["attacker"]["answers"].items()))])
+    md = (f"Server: `qswap serve` with its default limits under `ulimit -n {res['nofile']}`; workload "
+          f"{res['workload']} plus two {HUGE_CHARS / 1e6:.1f} MB documents. Normal clients: "
+          f"{res['rate_per_s']:g} single-query searches/s (k 10) on {res['connections']} keep-alive "
+          f"connections; each window {res['phase_s']:g} s, without then with the attacker. Slow connections: "
+          f"{res['slow_connections']}; upsert: {res['upsert_documents']} documents.\n\n"
+          + md_table(["attack", "p50 ms (without)", "p50 ms (with)", "p99 ms (without)", "p99 ms (with)",
+                      "p99 ratio", "normal failed", "/healthz max ms (with)", "server RSS MiB",
+                      "attacker's answers"], rows)
+          + f"\n\nTargets: p99 ratio <= 2, 0 failed, RSS within 10 %. Server RSS at start "
+          f"{res['rss_start_bytes'] / 2**20:.0f} MiB, at the end {res['rss_end_bytes'] / 2**20:.0f} MiB.\n")
+    w.write(res, md)
