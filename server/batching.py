@@ -49,6 +49,16 @@ class SearchOutcome:
 
 
 @dataclass
+class EmbedOutcome:
+    """What an embedding request gets back: one vector per text, as the encoder returns it."""
+
+    vectors: np.ndarray
+    truncated: list[bool]
+    queue_s: float
+    encode_s: float
+
+
+@dataclass
 class _Job:
     texts: list[str]
     key: str
@@ -61,6 +71,7 @@ class _Job:
     deadline: float = float("inf")
     on_done: Callable[[], None] | None = None
     finished: bool = False
+    vectors_only: bool = False   # an embedding request: encoded in the batch, not searched
 
 
 @dataclass
@@ -206,6 +217,28 @@ class MicroBatcher:
         """Encode ``texts`` with encoder ``key`` and search; ``on_done`` runs exactly once,
         on the worker thread, when the job is finished, failed or found cancelled (or here,
         at once, when the job is refused). ``timeout_s`` is the request's deadline from now."""
+        return await self._submit(texts, key, k, filter, with_text, on_done, timeout_s, vectors_only=False)
+
+    async def embed(self, texts: list[str], key: str, on_done: Callable[[], None] | None = None,
+                    timeout_s: float | None = None) -> EmbedOutcome:
+        """Encode ``texts`` with encoder ``key`` and return the vectors (no search).
+
+        The rows join search batches like any query (same admission, deadline and forward
+        pass); ``on_done`` and ``timeout_s`` as in :meth:`search`.
+
+        Args:
+            texts: the inputs (at most ``max_batch`` make one pass; callers chunk larger lists).
+            key: the exact encoder key (held by the caller until ``on_done``).
+            on_done: runs exactly once when the job is finished, failed, dropped or refused.
+            timeout_s: the request's deadline in seconds from now.
+
+        Returns:
+            The vectors (float32, one row per text) and which texts the tokenizer cut.
+        """
+        return await self._submit(texts, key, 0, None, False, on_done, timeout_s, vectors_only=True)
+
+    async def _submit(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None, with_text: bool,
+                      on_done: Callable[[], None] | None, timeout_s: float | None, vectors_only: bool) -> Any:
         try:
             self._admit(key)
         except (NotReadyError, OverloadedError):
@@ -215,7 +248,8 @@ class MicroBatcher:
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
         deadline = now + timeout_s if timeout_s is not None else float("inf")
-        job = _Job(list(texts), key, k, filter, with_text, loop.create_future(), loop, now, deadline, on_done)
+        job = _Job(list(texts), key, k, filter, with_text, loop.create_future(), loop, now, deadline, on_done,
+                   vectors_only=vectors_only)
         self._q.put(job)
         return await self._wait(job.future, deadline)
 
@@ -352,13 +386,21 @@ class MicroBatcher:
             offsets.append(o)
             o += len(j.texts)
         groups: dict[str, list[int]] = {}
-        for i, j in enumerate(jobs):
-            groups.setdefault(json.dumps(j.filter, sort_keys=True, default=str), []).append(i)
         m = self.metrics
         if m is not None:
             m.batch_size.observe(len(texts))
             m.batch_requests.observe(len(jobs))
             m.encode_seconds.observe(encode_s)
+        for i, j in enumerate(jobs):
+            if j.vectors_only:   # an embedding request: its rows are its answer
+                off, n = offsets[i], len(j.texts)
+                queue_s = max(0.0, start - j.enqueued)
+                if m is not None:
+                    m.queue_seconds.observe(queue_s)
+                _post(j.loop, j.future, EmbedOutcome(np.array(emb[off:off + n], dtype=np.float32),
+                                                     list(trunc[off:off + n]), queue_s, encode_s))
+            else:
+                groups.setdefault(json.dumps(j.filter, sort_keys=True, default=str), []).append(i)
         for members in groups.values():
             rows = [offsets[i] + r for i in members for r in range(len(jobs[i].texts))]
             kmax = max(jobs[i].k for i in members)

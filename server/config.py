@@ -87,6 +87,8 @@ class ServerSettings(BaseSettings):
     max_extracted_bytes: int = Field(1 << 30, ge=1024, description="uploaded encoder archives (extracted)")
     max_archive_members: int = Field(64, ge=1)
     max_documents: int = Field(1000, ge=1, description="documents per upsert request")
+    max_embedding_inputs: int = Field(2048, ge=1, description="inputs per embeddings request (OpenAI's limit; "
+                                                              "encoded max_batch at a time)")
     # -- logs
     log_json: bool = True
 

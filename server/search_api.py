@@ -36,6 +36,9 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
     k = body.k if "k" in body.model_fields_set else min(body.k, s.max_k)   # the default fits any limit
     if k > s.max_k:
         raise LimitExceededError(f"k={k} exceeds the limit {s.max_k}", f"ask for at most {s.max_k} hits")
+    if body.offset > s.max_k:
+        raise LimitExceededError(f"offset={body.offset} exceeds the limit {s.max_k}",
+                                 f"page through at most {s.max_k} hits past the first ones")
     cut = [len(t) > s.max_query_chars for t in texts]
     texts = [t[:s.max_query_chars] for t in texts]
     reg = state.registry
@@ -45,7 +48,7 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
     try:
         await state.prepare_encoder(key)   # first use after start or eviction
         submitted = True   # from here the batcher releases the reference, exactly once
-        out = await state.batcher.search(texts, key, k, body.filter, body.with_text,
+        out = await state.batcher.search(texts, key, k + body.offset, body.filter, body.with_text,
                                          on_done=lambda: reg.release(key), timeout_s=timeout_s)
     finally:
         if not submitted:
@@ -56,7 +59,9 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
                "search_ms": round(out.search_s * 1000, 3)}
     results = []
     n_trunc = 0
+    threshold = body.score_threshold
     for i, hits in enumerate(out.hits):
+        hits = [h for h in hits[body.offset:] if threshold is None or h.score >= threshold]
         truncated = bool(out.truncated[i] or cut[i])
         n_trunc += truncated
         results.append({"hits": [{"id": h.id, "score": float(h.score), "text": h.text if body.with_text else None,

@@ -227,10 +227,21 @@ class ServerState:
                                               cancelled=lambda: self._closed)
             return self.registry.register(enc_dir, force=force, source=f"upload:{filename or 'archive'}", wait=wait)
 
+    def embed_documents(self, texts: list[str]) -> np.ndarray:
+        """Embed texts with the frozen document tower, as the index's documents are. Worker thread.
+
+        Args:
+            texts: document texts.
+
+        Returns:
+            float32 vectors, one row per text.
+        """
+        assert self.base is not None
+        return self.base.encode_documents(texts).astype(np.float32)
+
     def embed_and_upsert(self, docs: list[Any]) -> tuple[int, int]:
         """Embed documents with the base document tower and upsert them. Worker thread."""
-        assert self.base is not None
-        emb = self.base.encode_documents([d.text for d in docs]).astype(np.float32)
+        emb = self.embed_documents([d.text for d in docs])
         n = self.index.upsert(docs, emb)
         count = self.index.count
         self.metrics.index_documents.set(count)

@@ -460,8 +460,11 @@ def test_openapi_committed_copy_matches(anon):
     assert (req["k"]["maximum"], req["queries"]["maxItems"]) == (20, 8)
     committed_req = committed["components"]["schemas"]["SearchRequest"]["properties"]
     assert (committed_req["k"]["maximum"], committed_req["queries"]["maxItems"]) == (100, 64)
+    emb = served["components"]["schemas"]["EmbeddingRequest"]["properties"]
+    assert emb["dimensions"]["maximum"] == 32   # the loaded model's dimension
     for schema in (served, committed):
-        schema["components"]["schemas"]["SearchRequest"]["properties"] = {}
+        for model in ("SearchRequest", "EmbeddingRequest", "TeiEmbedRequest"):
+            schema["components"]["schemas"][model]["properties"] = {}
     assert served == committed
 
 
