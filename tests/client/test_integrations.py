@@ -168,3 +168,23 @@ def test_rag_with_each_retriever(e5_server):
     q, expected = next(iter(QUERIES.items()))
     assert asyncio.run(lc.ainvoke(q))[0].id == expected
     assert asyncio.run(li.aretrieve(q))[0].node.node_id == expected
+
+
+def test_docs_page_snippets_run(e5_server):
+    """Every python and bash block of docs/integrations.md, run as written (the URL swapped for
+    this server's) from a folder holding encoders/legal."""
+    import os
+    import re
+    import subprocess
+    import sys
+    page = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    blocks = re.findall(r"```(python|bash)\n(.*?)```", page, flags=re.S)
+    assert [lang for lang, _ in blocks].count("python") >= 4 and ("bash" in dict(blocks))
+    cwd = Path(e5_server.app.state.qs.settings.encoders_root).parent
+    env = {**os.environ, "QSWAP_ADMIN_TOKEN": ADMIN}
+    for lang, code in blocks:
+        code = code.replace("http://127.0.0.1:8000", e5_server.url)
+        cmd = [sys.executable, "-c", code] if lang == "python" else ["bash", "-euo", "pipefail", "-c", code]
+        r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"{lang} block failed:\n{code}\n{r.stderr[-2000:]}"
+        assert r.stdout.strip(), code
