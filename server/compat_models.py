@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema
 
-from qswap.server.models import REF_PATTERN, _no_default, _no_surrogates, _Strict
+from qswap.server.models import REF_PATTERN, Count, _no_default, _no_surrogates, _Strict
 
 # The reserved model id of the frozen document tower (the index's own embeddings).
 DOCUMENTS_MODEL = "qswap/documents"
@@ -47,7 +47,7 @@ class EmbeddingRequest(_Strict):
                                    "'base'), or 'qswap/documents' for the frozen document tower")
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="'base64': each embedding is the base64 of its little-endian float32 bytes")
-    dimensions: int = Field(None, json_schema_extra=_no_default, ge=1, le=MAX_DIMENSIONS,
+    dimensions: Count = Field(None, json_schema_extra=_no_default, ge=1, le=MAX_DIMENSIONS,
                             description="keep the first N coordinates (Matryoshka) and renormalise")
     user: str = Field(None, json_schema_extra=_no_default, max_length=256, description="ignored")
 
@@ -100,7 +100,7 @@ class TeiEmbedRequest(_Strict):
     truncate: bool = Field(False, description="cut inputs longer than the model's max tokens (else they "
                                               "are refused: 422 limit_exceeded)")
     truncation_direction: Literal["right", "Right"] = Field("right", description="only 'right' is supported")
-    dimensions: int = Field(None, json_schema_extra=_no_default, ge=1, le=MAX_DIMENSIONS,
+    dimensions: Count = Field(None, json_schema_extra=_no_default, ge=1, le=MAX_DIMENSIONS,
                             description="keep the first N coordinates (Matryoshka) and renormalise")
     prompt_name: Literal["query", "passage"] = Field(
         "query", description="'query': the encoder in the path; 'passage': the frozen document tower")
