@@ -19,6 +19,7 @@ from qswap.server.backend import runtime_of
 from qswap.server.compat_models import (DOCUMENTS_MODEL, MODEL_PATTERN, EmbeddingRequest, EmbeddingResponse,
                                         ModelCard, ModelList)
 from qswap.server.embeddings import embed_texts, encode_vector, model_ref, texts_of
+from qswap.server.registry import SERVABLE
 from qswap.server.responses import ERRORS, request_timeout, state_of
 from qswap.server.state import ServerState
 
@@ -76,10 +77,15 @@ def _documents_card(state: ServerState) -> ModelCard:
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS, dependencies=[Depends(require_search)],
             summary="List what 'model' may name (OpenAI-compatible): document tower, encoders, aliases")
 async def list_models(request: Request) -> ModelList:
+    """The document tower, every servable encoder (guard passed, unguarded, or forced) and every alias."""
     state = state_of(request)
     state.require_ready()
     reg = state.registry
-    cards = [_documents_card(state)] + [_card(state, k, k) for k in [BASE_KEY, *reg.keys()]]
+    encoders = [_card(state, k, k) for k in [BASE_KEY, *reg.keys()]]
+    # Servable ones only: an encoder still evaluated or refused by the guard answers 409 (unless forced).
+    servable = {k for k in reg.keys() if reg.info(k, state.base_version).get("forced")}
+    encoders = [c for c in encoders if c.guard_status in (None, *SERVABLE) or c.encoder in servable]
+    cards = [_documents_card(state), *encoders]
     cards += [_card(state, domain, key, alias=True) for domain, key in sorted(reg.aliases().items())]
     return ModelList(data=cards)
 

@@ -33,3 +33,6 @@ def test_guard_refusal_and_verdicts(guarded_client):
         c.search("chess game", encoder="bad@1")
     assert c.register_path("mild1").encoder.key == "mild@1"
     assert c.wait_for_verdict("mild@1", timeout=120, poll_s=0.05).guard_status == "passed"
+    ids = {m.id for m in c.models()}
+    assert "mild@1" in ids and "bad@1" not in ids       # only servable encoders are listed
+    assert c.model("bad@1").guard_status == "refused"   # but each can be looked up
