@@ -86,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
         res["server"]["rss_bytes_end"] = srv.rss()
     res["arms"] = {a: {str(c): {"qps_rounds": [r.qps for r in rs], "qps": summarize([r.qps for r in rs], (50,))["p50"],
                                 "latency_ms": summarize([x for r in rs for x in r.latencies_ms()]),
-                                "failed": sum(r.failed for r in rs)} for c, rs in by_c.items()}
+                                "failed": sum(r.failed for r in rs),
+                                "errors": LoadResult([x for r in rs for x in r.samples], 0.0, c, "").errors()}
+                            for c, rs in by_c.items()}
                    for a, by_c in per.items()}
     _write(dirs, res, levels)
     dirs.clean_scratch()
