@@ -11,7 +11,7 @@ $(BIN)/qswap: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,ray,milvus]'
+	$(BIN)/pip install -q -e '.[dev,ray,milvus,langchain,llamaindex]'
 	touch $@
 
 setup: $(BIN)/qswap

@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or onnx, timing starts once every encoder runs on ONNX Runtime")
     p.add_argument("--query-precision", choices=("fp32", "bf16"), default="fp32",
                    help="the server's --query-precision (torch backend; default: fp32)")
+    p.add_argument("--embeddings", action="store_true",
+                   help="measure POST /v1/embeddings beside /v1/search instead (1 and 32 texts per call, "
+                        "concurrency 1/8/32 by default; results in bench/results/serving/embeddings)")
     from qswap.bench import ray_serving
     ray_serving.add_arguments(p)
 
@@ -65,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "ray", False):
         from qswap.bench import ray_serving
         return ray_serving.run(args)
+    if getattr(args, "embeddings", False):
+        from qswap.bench import serving_embeddings
+        return serving_embeddings.run(args)
     opts = LoadOptions.from_args(args, LOAD)
     quick, levels = opts.quick, opts.levels
     dirs = RunDirs.create(NAME, quick, args.out)

@@ -20,7 +20,7 @@ from starlette.types import Scope
 
 from qswap import __version__
 from qswap.atomic import atomic_write_bytes
-from qswap.server import documents_api, encoders_api, feedback_api, health_api, search_api
+from qswap.server import documents_api, embeddings_api, encoders_api, feedback_api, health_api, search_api, tei_api
 from qswap.server.config import ServerSettings
 from qswap.server.errors import install_error_handlers
 from qswap.server.logs import RequestContextMiddleware
@@ -74,30 +74,46 @@ def create_app(settings: ServerSettings | None = None, *, check: bool = True,
     app.state.qs = state
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, limit_for=_limit_for(settings), metrics=lambda: state.metrics)
-    for module in (search_api, encoders_api, documents_api, feedback_api, health_api):
+    for module in (search_api, embeddings_api, tei_api, encoders_api, documents_api, feedback_api, health_api):
         app.include_router(module.router)
     plain_openapi = app.openapi
 
+    with_dim = False   # the model's dimension is known once it is loaded: write it then
+
     def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            _write_limits(plain_openapi(), settings)
+        nonlocal with_dim
+        dim = state.base.dim if state.base is not None else None
+        if app.openapi_schema is None or (dim is not None and not with_dim):
+            app.openapi_schema = None
+            _write_limits(plain_openapi(), settings, dim)
+            with_dim = dim is not None
         return app.openapi_schema  # type: ignore[return-value]
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 
-def _write_limits(schema: dict[str, Any], settings: ServerSettings) -> None:
-    """Put the configured limits into the schema, so that it says what this server refuses."""
+def _write_limits(schema: dict[str, Any], settings: ServerSettings, dim: int | None = None) -> None:
+    """Put the configured limits (and, once loaded, the model's dimension) into the schema, so
+    that it says what this server refuses."""
     models = schema.get("components", {}).get("schemas", {})
     models["MetadataValue"] = METADATA_VALUE_SCHEMA   # recursive: referenced, not inlined
-    for model, field, key, value in (("SearchRequest", "k", "maximum", settings.max_k),
-                                     ("SearchRequest", "queries", "maxItems", settings.max_queries),
-                                     ("UpsertDocuments", "documents", "maxItems", settings.max_documents),
-                                     ("DeleteDocuments", "ids", "maxItems", settings.max_documents)):
+    limits: list[tuple[str, str, str, int]] = [
+        ("SearchRequest", "k", "maximum", settings.max_k),
+        ("SearchRequest", "offset", "maximum", settings.max_k),
+        ("SearchRequest", "queries", "maxItems", settings.max_queries),
+        ("UpsertDocuments", "documents", "maxItems", settings.max_documents),
+        ("DeleteDocuments", "ids", "maxItems", settings.max_documents)]
+    if dim is not None:
+        limits += [("EmbeddingRequest", "dimensions", "maximum", dim), ("TeiEmbedRequest", "dimensions", "maximum", dim)]
+    for model, field, key, value in limits:
         prop = models.get(model, {}).get("properties", {}).get(field)
         if prop is not None:
             prop[key] = value
+    for model, field in (("EmbeddingRequest", "input"), ("TeiEmbedRequest", "inputs")):
+        for alt in models.get(model, {}).get("properties", {}).get(field, {}).get("anyOf", []):
+            if alt.get("type") == "array":
+                alt["maxItems"] = settings.max_embedding_inputs
 
 
 class DrainingServer(uvicorn.Server):

@@ -54,6 +54,16 @@ class SearchOutcome:
     batch_requests: int
 
 
+@dataclass
+class EmbedOutcome:
+    """What an embedding request gets back: one vector per text, as the encoder returns it."""
+
+    vectors: np.ndarray
+    truncated: list[bool]
+    queue_s: float
+    encode_s: float
+
+
 @dataclass(eq=False)   # identity: jobs live in a set
 class _Job:
     texts: list[str]
@@ -74,6 +84,7 @@ class _Job:
     started: float | None = None
     encode_s: float = 0.0
     failed: bool = False                 # its error is posted; nothing more runs for it
+    vectors_only: bool = False           # an embedding request: encoded in the batch, not searched
 
 
 @dataclass
@@ -281,6 +292,30 @@ class MicroBatcher:
         on the worker thread, when the job is finished, failed or found cancelled (or here,
         at once, when the job is refused). ``timeout_s`` is the request's deadline from now;
         ``tokens``: the queries' token counts when the caller has them (else the worker counts)."""
+        return await self._submit(texts, key, k, filter, with_text, on_done, timeout_s, tokens, vectors_only=False)
+
+    async def embed(self, texts: list[str], key: str, on_done: Callable[[], None] | None = None,
+                    timeout_s: float | None = None, tokens: list[int] | None = None) -> EmbedOutcome:
+        """Encode ``texts`` with encoder ``key`` and return the vectors (no search).
+
+        The rows join search batches like any query (same admission, deadline, token budget and
+        forward pass); ``on_done``, ``timeout_s`` and ``tokens`` as in :meth:`search`.
+
+        Args:
+            texts: the inputs (callers chunk long lists).
+            key: the exact encoder key (held by the caller until ``on_done``).
+            on_done: runs exactly once when the job is finished, failed, dropped or refused.
+            timeout_s: the request's deadline in seconds from now.
+            tokens: the inputs' token counts, when the caller has them.
+
+        Returns:
+            The vectors (float32, one row per text) and which texts the tokenizer cut.
+        """
+        return await self._submit(texts, key, 0, None, False, on_done, timeout_s, tokens, vectors_only=True)
+
+    async def _submit(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None, with_text: bool,
+                      on_done: Callable[[], None] | None, timeout_s: float | None, tokens: list[int] | None,
+                      vectors_only: bool) -> Any:
         try:
             self._admit(key)
         except (NotReadyError, OverloadedError):
@@ -291,7 +326,7 @@ class MicroBatcher:
         now = time.perf_counter()
         deadline = now + timeout_s if timeout_s is not None else float("inf")
         job = _Job(list(texts), key, k, filter, with_text, loop.create_future(), loop, now, deadline, on_done,
-                   tokens=list(tokens) if tokens is not None else None)
+                   tokens=list(tokens) if tokens is not None else None, vectors_only=vectors_only)
         with self._count_lock:
             self._live.add(job)
         self._q.put(job)
@@ -495,9 +530,18 @@ class MicroBatcher:
             offsets.append(o)
             o += len(j.texts)
         groups: dict[str, list[int]] = {}
-        for i, j in enumerate(jobs):
-            groups.setdefault(json.dumps(j.filter, sort_keys=True, default=str), []).append(i)
         m = self.metrics
+        for i, j in enumerate(jobs):
+            if j.vectors_only:   # an embedding request: its rows are its answer
+                off, n = offsets[i], len(j.texts)
+                queue_s = max(0.0, (j.started or start) - j.enqueued)
+                if m is not None:
+                    m.queue_seconds.observe(queue_s)
+                _post(j.loop, j.future, EmbedOutcome(np.array(emb[off:off + n], dtype=np.float32),
+                                                     list(j.trunc), queue_s, j.encode_s))
+                j.parts.clear()
+            else:
+                groups.setdefault(json.dumps(j.filter, sort_keys=True, default=str), []).append(i)
         for members in groups.values():
             rows = [offsets[i] + r for i in members for r in range(len(jobs[i].texts))]
             kmax = max(jobs[i].k for i in members)

@@ -125,6 +125,8 @@ class ServerSettings(BaseSettings):
     sync_upsert_documents: int = Field(32, ge=0, description="an upsert of more documents answers 202 at once with a "
                                        "job to poll (GET /v1/documents/jobs/ID); smaller ones answer when written "
                                        "(or 202 once their deadline passes)")
+    max_embedding_inputs: int = Field(2048, ge=1, description="inputs per embeddings request (OpenAI's limit; "
+                                                              "encoded max_batch at a time)")
     # -- logs
     log_json: bool = True
 

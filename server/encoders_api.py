@@ -144,14 +144,16 @@ async def get_encoder(request: Request, ref: str = Path(pattern=REF_PATTERN)) ->
     return _info(state, state.registry.resolve(encoder=ref))
 
 
-@router.delete("/v1/encoders/{key}", response_model=Deleted, responses=ADMIN_ERRORS,
+# One resource, one path template: GET reads any reference, DELETE needs the exact version.
+@router.delete("/v1/encoders/{ref}", response_model=Deleted, responses=ADMIN_ERRORS,
                dependencies=[Depends(require_admin)], summary="Delete an encoder version")
-async def delete_encoder(request: Request, key: str = Path(pattern=KEY_PATTERN)) -> Deleted:
+async def delete_encoder(request: Request, ref: str = Path(pattern=KEY_PATTERN,
+                                                           description="the exact name@version")) -> Deleted:
     """Refused (409) while an alias or the default points at it; waits for in-flight requests."""
     state = state_of(request)
     state.require_ready()
-    await asyncio.to_thread(state.registry.delete, key, state.settings.delete_timeout_s)
-    return Deleted(deleted=key)
+    await asyncio.to_thread(state.registry.delete, ref, state.settings.delete_timeout_s)
+    return Deleted(deleted=ref)
 
 
 @router.get("/v1/aliases", response_model=AliasList, responses=ERRORS,

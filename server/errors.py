@@ -1,9 +1,10 @@
 """The one place where errors become HTTP responses.
 
 Every error leaves the server as ``{"error": code, "detail": message, "hint": ...}`` with a 4xx
-status (5xx only for the server's own faults, overload and deadlines). qswap errors map by
-class, most specific first, in the one table :data:`ERROR_MAP`; framework errors (unknown
-route, wrong method, unreadable body) take their code from it by status.
+status (5xx only for the server's own faults, overload and deadlines). Status and code come
+from the error's class, in the one table of named errors (:mod:`qswap.errors`, which the
+client reads too); errors raised by the framework (unknown route, wrong method, unreadable or
+too large body) become the named error of their status first.
 """
 
 from __future__ import annotations
@@ -18,81 +19,40 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qswap.atomic import disk_full
-from qswap.index.errors import IndexCorruptError
-from qswap.errors import (ConflictError, GuardPendingError, GuardRefusedError, InsufficientStorageError, IntegrityError,
-                          InvalidInputError, NotFoundError, QswapError, SpaceMismatchError)
+from qswap.errors import (ERRORS, ConflictError, DeadlineExceededError, ForbiddenError, GuardPendingError,
+                          GuardRefusedError, IndexCorruptError, InsufficientStorageError, IntegrityError,
+                          InternalServerError,
+                          InvalidInputError, InvalidRequestError, LimitExceededError, MethodNotAllowedError,
+                          NotFoundError, NotReadyError, OverloadedError, PayloadTooLargeError, QswapError,
+                          SpaceMismatchError, UnauthorizedError, UnsupportedMediaTypeError, error_class)
+
+__all__ = ["ConflictError", "DeadlineExceededError", "ForbiddenError", "GuardPendingError", "GuardRefusedError",
+           "IndexCorruptError", "IntegrityError", "InternalServerError", "InvalidInputError", "InvalidRequestError",
+           "LimitExceededError", "MethodNotAllowedError", "NotFoundError", "NotReadyError", "OverloadedError",
+           "PayloadTooLargeError", "QswapError", "SpaceMismatchError", "UnauthorizedError",
+           "UnsupportedMediaTypeError", "documented_errors", "error_body", "error_body_of", "install_error_handlers",
+           "status_for"]
 
 log = logging.getLogger("qswap.server")
 
-
-class LimitExceededError(InvalidInputError):
-    """A request exceeds a configured limit (k, queries per request, documents per request)."""
-
-
-class UnauthorizedError(QswapError):
-    """No or a wrong bearer token."""
-
-
-class ForbiddenError(QswapError):
-    """The caller may not use this route (admin disabled, insecure mode from a remote address)."""
-
-
-class PayloadTooLargeError(QswapError):
-    """The request body exceeds the configured size."""
-
-
-class UnsupportedMediaTypeError(InvalidInputError):
-    """The body's content type is not one the route reads."""
-
-
-class MethodNotAllowedError(QswapError):
-    """The route exists, the method does not (raised by the framework; here for the table)."""
-
-
-class NotReadyError(QswapError):
-    """The index or the default encoder is still loading, or the server is shutting down."""
-
-
-class OverloadedError(QswapError):
-    """The admission queue (overall or the encoder's) is full: retry after ``retry_after`` seconds."""
-
-    def __init__(self, message: str, hint: str = "", retry_after: int = 1) -> None:
-        super().__init__(message, hint)
-        self.retry_after = retry_after
-
-
-class DeadlineExceededError(QswapError):
-    """The request's deadline (``X-Request-Timeout`` or the server default) passed before it ran."""
-
-
-# THE table: (class, HTTP status, error code, what the status means in the API docs), most
-# specific first: the first isinstance match wins. Framework errors (unknown route, wrong method,
-# unreadable body) find their code and hint here by status; the OpenAPI responses are made from it.
-ERROR_MAP: tuple[tuple[type[QswapError], int, str, str], ...] = (
+# What each status means, for the OpenAPI responses of every route (the codes are in the table).
+_STATUS_DOCS = {
+    400: "invalid input (e.g. an unsafe or malformed encoder archive, token ids instead of text)",
+    401: "missing or wrong bearer token",
+    403: "admin routes (or register-by-path) disabled",
+    404: "unknown route, encoder, alias or encoder directory",
+    405: "the route does not take this method",
+    409: "conflict: space mismatch (names the field), guard refusal, in use",
+    413: "request body too large",
+    415: "the body's content type is not read here",
+    422: "validation error, limit exceeded, or corrupt encoder (integrity)",
+    429: "admission queue full: retry after the Retry-After seconds",
+    500: "the server's document index is damaged (restore or rebuild it), or a server bug",
+    503: "not ready yet (loading) or shutting down",
+    504: "the request waited past its deadline (X-Request-Timeout or the server default) and was dropped",
     # a full disk is the server's fault and nothing was changed: the operator frees space, the client retries
-    (InsufficientStorageError, 507, "insufficient_storage",
-     "the server's disk or quota is full; nothing was changed (retry once the operator has freed space)"),
-    (SpaceMismatchError, 409, "space_mismatch", "conflict: space mismatch (names the field), guard refusal, in use"),
-    (GuardRefusedError, 409, "guard_refused", ""),
-    (GuardPendingError, 409, "guard_pending", ""),
-    (ConflictError, 409, "conflict", ""),
-    (NotFoundError, 404, "not_found", "unknown route, encoder, alias or encoder directory"),
-    # the server's own index is damaged: not the client's fault, so a server error (with a hint to the operator)
-    (IndexCorruptError, 500, "index_corrupt", "the server's document index is damaged (restore or rebuild it)"),
-    (IntegrityError, 422, "integrity_error", "validation error, limit exceeded, or corrupt encoder (integrity)"),
-    (LimitExceededError, 422, "limit_exceeded", ""),
-    (UnsupportedMediaTypeError, 415, "unsupported_media_type", "the body's content type is not read here"),
-    (InvalidInputError, 400, "invalid_input", "invalid input (e.g. an unsafe or malformed encoder archive)"),
-    (UnauthorizedError, 401, "unauthorized", "missing or wrong bearer token"),
-    (ForbiddenError, 403, "forbidden", "admin routes (or register-by-path) disabled"),
-    (MethodNotAllowedError, 405, "method_not_allowed", "the route does not take this method"),
-    (PayloadTooLargeError, 413, "payload_too_large", "request body too large"),
-    (OverloadedError, 429, "overloaded", "admission queue full: retry after the Retry-After seconds"),
-    (NotReadyError, 503, "not_ready", "not ready yet (loading) or shutting down"),
-    (DeadlineExceededError, 504, "deadline_exceeded",
-     "the request waited past its deadline (X-Request-Timeout or the server default) and was dropped"),
-    (QswapError, 400, "error", ""),
-)
+    507: "the server's disk or quota is full; nothing was changed (retry once the operator has freed space)",
+}
 
 # What to do, for errors raised by the framework (they carry no hint of their own).
 _FRAMEWORK_HINTS = {
@@ -105,18 +65,21 @@ _FRAMEWORK_HINTS = {
 
 
 def status_for(exc: QswapError) -> tuple[int, str]:
-    """HTTP status and error code of a qswap error (``QswapError`` itself closes the table)."""
-    return next((status, code) for cls, status, code, _ in ERROR_MAP if isinstance(exc, cls))
+    """HTTP status and error code of a qswap error (from its class in :mod:`qswap.errors`).
 
+    Args:
+        exc: any qswap error.
 
-def code_for_status(status: int) -> str:
-    """The error code of a status raised by the framework (the table's first entry with it)."""
-    return next((code for _, st, code, _ in ERROR_MAP if st == status), "http_error")
+    Returns:
+        ``(status, code)``.
+    """
+    return type(exc).status, type(exc).code
 
 
 def documented_errors() -> dict[int, str]:
     """Status -> description, for the OpenAPI responses of every route."""
-    return {status: doc for _, status, _, doc in ERROR_MAP if doc}
+    statuses = {cls.status for cls in ERRORS}
+    return {status: doc for status, doc in _STATUS_DOCS.items() if status in statuses}
 
 
 def error_body(code: str, detail: str, hint: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -126,6 +89,30 @@ def error_body(code: str, detail: str, hint: str | None = None, **extra: Any) ->
         body["hint"] = hint
     body.update(extra)
     return body
+
+
+def error_body_of(exc: QswapError, **extra: Any) -> tuple[int, dict[str, Any], dict[str, str] | None]:
+    """Status, JSON body and headers of the response that answers ``exc``.
+
+    Args:
+        exc: the named error.
+        **extra: more body fields (e.g. ``request_id``).
+
+    Returns:
+        ``(status, body, headers or None)``.
+    """
+    status, code = status_for(exc)
+    fields: dict[str, Any] = {}
+    if isinstance(exc, SpaceMismatchError):
+        fields = {"field": exc.field, "expected": _jsonable(exc.expected), "got": _jsonable(exc.got)}
+    elif isinstance(exc, GuardRefusedError) and exc.guard is not None:
+        fields = {"guard": exc.guard}   # the per-sentinel table the refusal rests on
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if isinstance(exc, OverloadedError):
+        headers = {"Retry-After": str(exc.retry_after)}
+    elif status == 503:
+        headers = {"Retry-After": "1"}
+    return status, error_body(code, exc.message, exc.hint, **fields, **extra), headers
 
 
 def _respond(request: Request, status: int, body: dict[str, Any],
@@ -151,19 +138,9 @@ def storage_error(exc: BaseException) -> InsufficientStorageError | None:
 
 async def _qswap_error(request: Request, exc: QswapError) -> JSONResponse:
     exc = storage_error(exc) or exc   # e.g. an index error raised from a full disk
-    status, code = status_for(exc)
-    extra: dict[str, Any] = {}
-    if isinstance(exc, SpaceMismatchError):
-        extra = {"field": exc.field, "expected": _jsonable(exc.expected), "got": _jsonable(exc.got)}
-    elif isinstance(exc, GuardRefusedError) and exc.guard is not None:
-        extra = {"guard": exc.guard}   # the per-sentinel table the refusal rests on
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    if isinstance(exc, OverloadedError):
-        headers = {"Retry-After": str(exc.retry_after)}
-    elif status == 503:
-        headers = {"Retry-After": "1"}
-    log.info("request refused", extra={"status": status, "error": code, "detail": exc.message})
-    return _respond(request, status, error_body(code, exc.message, exc.hint, **extra), headers)
+    status, body, headers = error_body_of(exc)
+    log.info("request refused", extra={"status": status, "error": body["error"], "detail": exc.message})
+    return _respond(request, status, body, headers)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -171,16 +148,20 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
                "type": str(e.get("type", ""))} for e in exc.errors()]
     detail = "; ".join(f"{'.'.join(e['loc'][1:] if e['loc'][:1] == ['body'] else e['loc']) or 'body'}: "
                        f"{e['msg']}" for e in errors[:5]) or "invalid request"
-    return _respond(request, 422, error_body("validation_error", detail,
-                                             "see the request schema at /docs or /openapi.json",
-                                             errors=errors))
+    status, body, _ = error_body_of(InvalidRequestError(detail, "see the request schema at /docs or /openapi.json"),
+                                    errors=errors)
+    return _respond(request, status, body)
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = code_for_status(exc.status_code)
+    # The framework's own refusals (404 route, 405 method, 400 unreadable body, 413 from the
+    # body limit) become the named error of their status, answered like any other.
     detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-    hint = _FRAMEWORK_HINTS.get(exc.status_code, "see the API description at /docs")
-    return _respond(request, exc.status_code, error_body(code, detail, hint), dict(exc.headers or {}) or None)
+    named = error_class(None, exc.status_code)(detail, _FRAMEWORK_HINTS.get(exc.status_code,
+                                                                            "see the API description at /docs"))
+    _, body, headers = error_body_of(named)
+    headers = {**(headers or {}), **dict(exc.headers or {})} or None
+    return _respond(request, exc.status_code, body, headers)
 
 
 async def _write_error(request: Request, exc: Exception) -> JSONResponse:

@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 
 from qswap import __version__
 from qswap.server.auth import require_metrics, require_search
-from qswap.server.errors import error_body
+from qswap.server.errors import NotReadyError, error_body_of
 from qswap.server.models import ErrorBody, Health, Ready, ServerInfo
 from qswap.server.responses import ERRORS, state_of
 
@@ -26,7 +26,10 @@ async def readyz(request: Request) -> Ready | JSONResponse:
     if not state.ready:
         # Unauthenticated: the reason (paths, document ids) is in the server log, not here.
         detail = "failed to load (the server log says why)" if state.load_error else "loading"
-        return JSONResponse(error_body("not_ready", detail), status_code=503, headers={"Retry-After": "1"})
+        status, body, headers = error_body_of(NotReadyError(detail, "retry shortly; the server is loading"
+                                                            if not state.load_error else
+                                                            "fix the configuration and restart the server"))
+        return JSONResponse(body, status_code=status, headers=headers)
     reg = state.registry
     return Ready(ready=True, default_encoder=reg.default_key(), index_documents=state.index.count,
                  encoders_loaded=sum(1 for k in reg.keys() if reg.is_loaded(k)) + 1)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from qswap.server.errors import error_body
+from qswap.server.errors import InternalServerError, PayloadTooLargeError, QswapError, error_body_of
 
 REQUEST_ID_HEADER = "X-Request-ID"
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -76,10 +76,11 @@ def new_request_id(given: str | None) -> str:
 
 
 class _BodyTooLarge(HTTPException):
-    """Raised from ``receive``; FastAPI re-raises HTTPExceptions met while reading the body."""
+    """Raised from ``receive``; FastAPI re-raises HTTPExceptions met while reading the body (and
+    would turn any other exception there into a 400); the handler answers PayloadTooLargeError."""
 
     def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body exceeds {limit} bytes")
+        super().__init__(PayloadTooLargeError.status, f"request body exceeds {limit} bytes")
 
 
 class RequestContextMiddleware:
@@ -138,12 +139,8 @@ class RequestContextMiddleware:
             logging.getLogger("qswap.server").exception("unhandled error", extra={"request_id": rid})
             if started:
                 raise
-            await self._send_json(send_wrapped, 500, error_body(
-                "internal_error", "internal server error",
-                "the server logs have the details (search for the request id)", request_id=rid))
-            m = self.metrics()
-            if m is not None:
-                m.errors.labels(code="internal_error", status="500").inc()
+            await self._send_error(send_wrapped, InternalServerError(
+                "internal server error", "the server logs have the details (search for the request id)"), rid)
         finally:
             elapsed = time.perf_counter() - start
             route = scope.get("route")
@@ -160,13 +157,17 @@ class RequestContextMiddleware:
             request_id_var.reset(token)
 
     async def _too_large(self, scope: Scope, send: Send, limit: int, rid: str) -> None:
-        body = error_body("payload_too_large", f"request body exceeds {limit} bytes",
-                          "send a smaller body (see the server's max_body_bytes / max_upload_bytes)",
-                          request_id=rid)
+        await self._send_error(send, PayloadTooLargeError(
+            f"request body exceeds {limit} bytes",
+            "send a smaller body (see the server's max_body_bytes / max_upload_bytes)"), rid, close=True)
+
+    async def _send_error(self, send: Send, exc: QswapError, rid: str, close: bool = False) -> None:
+        """Answer ``exc`` from here, outside the app's exception handlers (same body, same metric)."""
+        status, body, _ = error_body_of(exc, request_id=rid)
         m = self.metrics()
         if m is not None:
-            m.errors.labels(code="payload_too_large", status="413").inc()
-        await self._send_json(send, 413, body, close=True)
+            m.errors.labels(code=body["error"], status=str(status)).inc()
+        await self._send_json(send, status, body, close=close)
 
     @staticmethod
     async def _send_json(send: Send, status: int, body: dict[str, Any], close: bool = False) -> None:

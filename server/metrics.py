@@ -34,6 +34,8 @@ class Metrics:
         self.batch_requests = Histogram("qswap_batch_requests", "requests merged into one batch",
                                         buckets=_BATCH, registry=r)
         self.queries = Counter("qswap_queries", "queries searched, by encoder", ["encoder"], registry=r)
+        self.embedded = Counter("qswap_embedded_inputs", "inputs embedded (/v1/embeddings, /tei), by encoder "
+                                "('qswap/documents' for the document tower)", ["encoder"], registry=r)
         self.truncated = Counter("qswap_truncated_queries", "queries cut to the model's max tokens", registry=r)
         self.encoders_loaded = Gauge("qswap_encoders_loaded", "query encoders attached to the base", registry=r)
         self.encoders_loaded_bytes = Gauge("qswap_encoders_loaded_bytes",

@@ -154,6 +154,10 @@ class SearchRequest(_Strict):
                                                                 "default encoder when absent")
     domain: str = Field(None, json_schema_extra=_no_default, pattern=NAME_PATTERN, description="resolved through the alias table to name@version")
     k: Count = Field(10, ge=1, le=MAX_K, description="hits per query (at most the server's max_k)")
+    offset: Count = Field(0, ge=0, le=MAX_K, description="skip this many best hits first (pagination; at most "
+                                                          "the server's max_k)")
+    score_threshold: float = Field(None, json_schema_extra=_no_default, allow_inf_nan=False,
+                                   description="drop hits scoring below this (cosine similarity)")
     filter: Filter = None
     with_text: bool = Field(True, description="return document texts with the hits")
 

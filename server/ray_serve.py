@@ -30,7 +30,7 @@ from typing import Any, Callable
 from qswap.encoders import BASE_KEY
 from qswap.errors import InvalidInputError, QswapError
 from qswap.index.ray_build import init_ray
-from qswap.server.batching import MicroBatcher, SearchOutcome
+from qswap.server.batching import EmbedOutcome, MicroBatcher, SearchOutcome
 from qswap.server.config import ServerSettings
 from qswap.server.errors import DeadlineExceededError, NotReadyError
 from qswap.server.ray_index import SharedIndex, get_or_create_writer
@@ -92,6 +92,18 @@ class RoutingBatcher:
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await self.local.call(fn, *args, **kwargs)
+
+    async def embed(self, texts: list[str], key: str, on_done: Callable[[], None] | None = None,
+                    timeout_s: float | None = None) -> EmbedOutcome:
+        """Embeddings run on this replica (the encoder is loaded here first if it is not)."""
+        if key != BASE_KEY:
+            try:
+                await self.replica.touch(key)
+            except BaseException:
+                if on_done is not None:
+                    on_done()   # the batcher never saw it: release the reference here
+                raise
+        return await self.local.embed(texts, key, on_done, timeout_s=timeout_s)
 
     async def search(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None = None,
                      with_text: bool = True, on_done: Callable[[], None] | None = None,

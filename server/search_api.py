@@ -77,6 +77,9 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
     k = body.k if "k" in body.model_fields_set else min(body.k, s.max_k)   # the default fits any limit
     if k > s.max_k:
         raise LimitExceededError(f"k={k} exceeds the limit {s.max_k}", f"ask for at most {s.max_k} hits")
+    if body.offset > s.max_k:
+        raise LimitExceededError(f"offset={body.offset} exceeds the limit {s.max_k}",
+                                 f"page through at most {s.max_k} hits past the first ones")
     cut = [len(t) > s.max_query_chars for t in texts]
     texts = [t[:s.max_query_chars] for t in texts]
     tokens = await request_tokens(state, texts)
@@ -87,23 +90,28 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
     arm = exps.assign(body.domain, rid) if exps is not None else None
     if arm is not None and arm.mode == "interleave" and arm.control == key:
         # Both encoders run in the same batch (mixed-encoder batching): no second round trip.
-        out, cand = await asyncio.gather(_run(state, key, texts, tokens, k, body, timeout_s),
-                                         _candidate(state, arm.candidate, texts, tokens, k, body, timeout_s))
+        out, cand = await asyncio.gather(_run(state, key, texts, tokens, k + body.offset, body, timeout_s),
+                                         _candidate(state, arm.candidate, texts, tokens, k + body.offset, body,
+                                                    timeout_s))
     else:
-        out, cand = await _run(state, key, texts, tokens, k, body, timeout_s), None
+        out, cand = await _run(state, key, texts, tokens, k + body.offset, body, timeout_s), None
     name, version = (BASE_KEY, state.base_version) if key == BASE_KEY else split_key(key)
     ref = {"key": key, "name": name, "version": version}
     timings = {"queue_ms": round(out.queue_s * 1000, 3), "encode_ms": round(out.encode_s * 1000, 3),
                "search_ms": round(out.search_s * 1000, 3)}
     flags = [bool(out.truncated[i] or cut[i]) for i in range(len(out.hits))]
-    hits = list(out.hits)
-    teams: list[list[str] | None] = [None] * len(hits)
-    experiment: list[dict[str, Any] | None] = [None] * len(hits)
-    if cand is not None:
-        ref_exp = {"id": arm.experiment, "mode": arm.mode, "candidate": arm.candidate}
-        for i in range(len(hits)):
-            hits[i], teams[i] = interleave_hits(hits[i], cand.hits[i], k, f"{rid}:{i}")
-            experiment[i] = ref_exp
+    hits: list[list[Any]] = []
+    teams: list[list[str] | None] = []
+    experiment: list[dict[str, Any] | None] = [None] * len(out.hits)
+    threshold = body.score_threshold
+    for i, qhits in enumerate(out.hits):
+        team: list[str] | None = None
+        if cand is not None:
+            qhits, team = interleave_hits(qhits, cand.hits[i], k + body.offset, f"{rid}:{i}")
+            experiment[i] = {"id": arm.experiment, "mode": arm.mode, "candidate": arm.candidate}
+        keep = [j for j in range(body.offset, len(qhits)) if threshold is None or qhits[j].score >= threshold]
+        hits.append([qhits[j] for j in keep])
+        teams.append([team[j] for j in keep] if team is not None else None)
     shown = [[h.id for h in q] for q in hits]
     if state.feedback is not None:
         exp = arm.experiment if cand is not None else None
@@ -112,8 +120,8 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
         state.metrics.captured.inc(len(texts))
     if arm is not None and arm.mode == "shadow" and arm.control == key:
         # Off the response path, and only on an idle worker: live traffic never waits for it.
-        exps.spawn_shadow(arm, shown, lambda: _candidate(state, arm.candidate, texts, tokens, k, body, timeout_s,
-                                                         strict=True),
+        exps.spawn_shadow(arm, shown, lambda: _candidate(state, arm.candidate, texts, tokens, k + body.offset, body,
+                                                         timeout_s, strict=True),
                           idle=state.batcher.pending == 0)
     n_trunc = sum(flags)
     state.metrics.queries.labels(encoder=key).inc(len(texts))

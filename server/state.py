@@ -293,7 +293,14 @@ class ServerState:
                                                 source=f"upload:{name}", wait=wait)
 
     def embed_documents(self, texts: list[str]) -> np.ndarray:
-        """Embed documents with the base document tower. Worker thread."""
+        """Embed texts with the frozen document tower, as the index's documents are. Worker thread.
+
+        Args:
+            texts: document texts.
+
+        Returns:
+            float32 vectors, one row per text.
+        """
         assert self.base is not None
         return self.base.encode_documents(texts).astype(np.float32)
 

@@ -14,7 +14,8 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # Dependency direction. import-linter (grimp) cannot follow a package-dir mapping that
 # spreads one import name over several root folders, so the rule is checked from the source
 # with ast: (importer prefix, forbidden prefix, allowed exceptions).
-PACKAGES = ("qswap.encoders", "qswap.index", "qswap.tuning", "qswap.bench", "qswap.server", "qswap.cli")
+PACKAGES = ("qswap.encoders", "qswap.index", "qswap.tuning", "qswap.bench", "qswap.server", "qswap.cli",
+            "qswap.client")
 CONTRACTS = [
     ("qswap.index", "qswap.server", ()), ("qswap.encoders", "qswap.server", ()),
     ("qswap.tuning", "qswap.server", ()), ("qswap.bench", "qswap.server", ()),
@@ -27,6 +28,11 @@ CONTRACTS = [
     # the guard (statistics, checks, sentinels, the evaluator) sits below both of its users
     ("qswap.guard", "qswap.server", ()), ("qswap.guard", "qswap.tuning", ()),
     ("qswap.server", "qswap.bench", ()),
+    # the client talks HTTP only: it uses the core (qswap.errors) and nothing of the server side
+    *[("qswap.client", pkg, ()) for pkg in ("qswap.server", "qswap.tuning", "qswap.bench", "qswap.encoders",
+                                            "qswap.index")],
+    # the server never calls itself through the client (tuning may: `qswap tune register`)
+    ("qswap.server", "qswap.client", ()), ("qswap.index", "qswap.client", ()), ("qswap.encoders", "qswap.client", ()),
     # the CLI sits above every package: none of them imports it
     *[(pkg, "qswap.cli", ()) for pkg in PACKAGES if pkg != "qswap.cli"],
 ]
@@ -141,10 +147,12 @@ def test_cli_help_lists_every_command():
 
 #: The bench library every benchmark may import; a benchmark never imports another benchmark
 #: (exceptions: a benchmark's own arm kept in a second file — `bench serving --ray` in ray_serving,
+#: `bench serving --embeddings` in serving_embeddings,
 #: `bench forward`'s adapter rows in forward_adapters, `bench tuning --e2e` in tuning_phases).
 BENCH_LIBRARY = ("provenance", "stats", "results", "plots", "processes", "load_options", "fixtures", "loadgen",
                  "data")
 BENCH_ALLOWED = {("qswap.bench.serving", "qswap.bench.ray_serving"),
+                 ("qswap.bench.serving", "qswap.bench.serving_embeddings"),
                  ("qswap.bench.forward", "qswap.bench.forward_adapters"),
                  ("qswap.bench.tuning_speed", "qswap.bench.tuning_phases")}
 
@@ -161,3 +169,20 @@ def test_benchmarks_import_the_library_not_each_other():
             if target and target != name and (name, target) not in BENCH_ALLOWED:
                 broken.append(f"{name} imports {target}")
     assert not broken, "benchmarks import each other: " + "; ".join(sorted(set(broken)))
+
+
+#: Optional frameworks: only their integration modules import them (extras qswap[langchain], ...).
+FRAMEWORKS = {"langchain_core": "qswap.client.langchain", "llama_index": "qswap.client.llamaindex",
+              "openai": None, "langchain_openai": None}
+
+
+def test_frameworks_are_imported_only_by_their_integration():
+    mods = _modules()
+    broken = [f"{name} imports {imp}" for name, path in mods.items() for imp in _imports(name, path)
+              for fw, owner in FRAMEWORKS.items() if _under(imp, fw) and name != owner]
+    assert not broken, "framework imported outside its integration: " + "; ".join(sorted(set(broken)))
+    code = ("import sys, qswap.client, qswap.server.app;"
+            "print([m for m in sys.modules if m.split('.')[0] in ('langchain_core', 'llama_index', 'openai')])")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

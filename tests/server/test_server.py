@@ -460,8 +460,11 @@ def test_openapi_committed_copy_matches(anon):
     assert (req["k"]["maximum"], req["queries"]["maxItems"]) == (20, 8)
     committed_req = committed["components"]["schemas"]["SearchRequest"]["properties"]
     assert (committed_req["k"]["maximum"], committed_req["queries"]["maxItems"]) == (100, 64)
+    emb = served["components"]["schemas"]["EmbeddingRequest"]["properties"]
+    assert emb["dimensions"]["maximum"] == 32   # the loaded model's dimension
     for schema in (served, committed):
-        schema["components"]["schemas"]["SearchRequest"]["properties"] = {}
+        for model in ("SearchRequest", "EmbeddingRequest", "TeiEmbedRequest"):
+            schema["components"]["schemas"][model]["properties"] = {}
     assert served == committed
 
 
@@ -474,10 +477,15 @@ def test_auth_modes_and_read_only(tmp_path, tiny_model_dir, index_dir):
         with srv.client() as c:
             assert c.post("/v1/search", json={"query": "x"}).status_code == 401
             assert c.get("/v1/encoders").status_code == 401
+            emb = {"input": "x", "model": "base"}
+            for method, path, body in (("POST", "/v1/embeddings", emb), ("POST", "/embeddings", emb),
+                                       ("GET", "/v1/models", None), ("POST", "/tei/base/embed", {"inputs": "x"})):
+                assert c.request(method, path, json=body).status_code == 401, path
             # /metrics lists encoder keys and sentinel scores: behind the search token too
             assert c.get("/healthz").status_code == 200 and c.get("/metrics").status_code == 401
         with srv.client(SEARCH) as c:
             assert c.post("/v1/search", json={"query": "x"}).status_code == 200
+            assert c.post("/v1/embeddings", json={"input": "x", "model": "base"}).status_code == 200
             r = c.put("/v1/aliases/x", json={"encoder": "base"})
             assert r.status_code == 403 and r.json()["error"] == "forbidden"   # no admin token: admin off
     s = server_settings(tmp_path / "b", tiny_model_dir, index_dir, insecure=True, read_only_index=True)
