@@ -207,8 +207,8 @@ def test_a_large_upsert_is_a_job_and_searches_run_between_its_slices(tmp_path, t
 def test_closing_the_guard_stops_a_running_evaluation_at_its_next_chunk():
     """SIGTERM cancels guard evaluations: close() (called when the drain begins) stops the
     one running at its next chunk of sentinel queries instead of letting it run on."""
-    from qswap.server.errors import NotReadyError
-    from qswap.server.sentinels import SentinelGuard, SentinelSet
+    from qswap.guard.evaluator import EvaluationCancelled, SentinelGuard
+    from qswap.guard.sentinels import SentinelSet
 
     texts = [f"query {i}" for i in range(100)]   # several chunks
     entered, go, calls = threading.Event(), threading.Event(), []
@@ -225,6 +225,6 @@ def test_closing_the_guard_stops_a_running_evaluation_at_its_next_chunk():
     assert entered.wait(30)   # the first chunk is being encoded
     guard.close()
     go.set()
-    with pytest.raises(NotReadyError, match="cancelled"):
+    with pytest.raises(EvaluationCancelled, match="cancelled"):
         job.result(30)
     assert len(calls) == 1    # no chunk after the close
