@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ MARKER = re.compile(r"<!--\s*generated:\s*([a-z-]+)\s*-->")
 #: Rows of one benchmark's figure table shown at most; the rest stay in its results.json.
 MAX_FIGURE_ROWS = 160
 _METHODS = ("get", "put", "post", "delete", "patch")
+_BOUNDS = {"Ge": "≥", "Gt": ">", "Le": "≤", "Lt": "<"}   # annotated_types bounds pydantic keeps in metadata
 
 
 # --------------------------------------------------------------------------------------- helpers
@@ -175,8 +177,8 @@ def settings_markdown() -> str:
             default = "required"
         else:
             default = f"`{json.dumps(f.default) if not isinstance(f.default, str) else f.default}`"
-        bounds = ", ".join(f"{type(m).__name__.lower()} {next(iter(vars(m).values()))}" for m in f.metadata
-                           if type(m).__name__ in ("Ge", "Gt", "Le", "Lt"))
+        bounds = ", ".join(f"{_BOUNDS[type(m).__name__]} {getattr(m, type(m).__name__.lower())}"
+                           for m in f.metadata if type(m).__name__ in _BOUNDS)
         typ = re.sub(r"\b(typing|pathlib|pydantic\.types)\.", "", str(f.annotation).replace("<class '", "")
                      .replace("'>", ""))
         what = (f.description or "") + (f" ({bounds})" if bounds else "")
@@ -201,6 +203,45 @@ def _flatten(o: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield from _flatten(v, f"{prefix}[{i}]")
     else:
         yield prefix, o
+
+
+def figure_tables(results: Any) -> list[str]:
+    """Markdown tables of a results object: its scalars as figure | value, each list of records as a table.
+
+    Args:
+        results: the ``results`` member of a results file.
+
+    Returns:
+        Markdown lines; at most :data:`MAX_FIGURE_ROWS` rows a table, the rest named as left out.
+    """
+    scalars: list[tuple[str, Any]] = []
+    records: list[tuple[str, list[dict[str, Any]]]] = []
+
+    def walk(o: Any, prefix: str) -> None:
+        if isinstance(o, Mapping):
+            for k, v in o.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        elif isinstance(o, list) and o and all(isinstance(x, Mapping) for x in o):
+            records.append((prefix, [dict(_flatten(x)) for x in o]))
+        else:
+            scalars.append((prefix, o))
+
+    walk(results, "")
+    out: list[str] = []
+    if scalars:
+        out += ["| figure | value |", "|---|---|"]
+        out += [f"| `{k}` | {_value(v)} |" for k, v in scalars[:MAX_FIGURE_ROWS]]
+        if len(scalars) > MAX_FIGURE_ROWS:
+            out.append(f"| ... | {len(scalars) - MAX_FIGURE_ROWS} more in its results.json |")
+        out.append("")
+    for name, rows in records:
+        cols = list(dict.fromkeys(c for r in rows for c in r))
+        out += [f"`{name}`:", "", "| " + " | ".join(f"`{c}`" for c in cols) + " |", "|" + "---|" * len(cols)]
+        out += ["| " + " | ".join(_value(r.get(c, "")) for c in cols) + " |" for r in rows[:MAX_FIGURE_ROWS]]
+        if len(rows) > MAX_FIGURE_ROWS:
+            out.append(f"\n{len(rows) - MAX_FIGURE_ROWS} more rows in its results.json")
+        out.append("")
+    return out
 
 
 def _value(v: Any) -> str:
@@ -236,11 +277,7 @@ def benchmark_section(path: Path, root: Path = RESULTS) -> tuple[str, list[Path]
     plots = sorted(path.parent.glob("*.png"))
     for p in plots:
         out += [f"![{name}: {p.stem}](bench/{name}/{p.name})", ""]
-    rows = list(_flatten(results))
-    out += ["| figure | value |", "|---|---|"]
-    out += [f"| `{k}` | {_value(v)} |" for k, v in rows[:MAX_FIGURE_ROWS]]
-    if len(rows) > MAX_FIGURE_ROWS:
-        out.append(f"| ... | {len(rows) - MAX_FIGURE_ROWS} more in `bench/results/{name}/results.json` |")
+    out += figure_tables(results)
     return "\n".join(out) + "\n", plots
 
 
@@ -274,8 +311,40 @@ def _listed(nav: Any) -> set[str]:
     return set()
 
 
+def source_tree(dest: Path = REPO / "build" / "docs-src") -> Path:
+    """A ``qswap/`` folder of links laid out as the installed package, for mkdocstrings to read.
+
+    pyproject's ``package-dir`` spreads the one import name over several root folders
+    (``core/`` is ``qswap``, ``index/`` is ``qswap.index``, ...), which static analysis cannot
+    follow. ``mkdocs.yml`` points mkdocstrings at this tree instead.
+
+    Args:
+        dest: the folder to (re)build; ``build/`` is git-ignored.
+
+    Returns:
+        ``dest``, holding ``qswap/``.
+    """
+    import tomllib
+
+    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    # Real folders and linked .py files: griffe does not walk into linked folders.
+    shutil.rmtree(dest, ignore_errors=True)
+    roots = {"qswap": REPO / mapping["qswap"]}
+    roots.update({name: REPO / folder for name, folder in mapping.items() if name.count(".") == 1})
+    for name, folder in roots.items():
+        for src in folder.rglob("*.py"):
+            rel = src.relative_to(folder)
+            if "__pycache__" in rel.parts or (name == "qswap" and rel.parts[0] in mapping):
+                continue
+            link = dest.joinpath(*name.split("."), rel)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(src.resolve())
+    return dest
+
+
 def on_config(config: Any) -> Any:
-    """Add every ``docs/*.md`` page the nav does not list under "More topics"."""
+    """Lay out the package for mkdocstrings; add every ``docs/*.md`` page the nav lacks under "More topics"."""
+    source_tree()
     nav = config.get("nav")
     if nav is None:
         return config
