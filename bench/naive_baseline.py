@@ -37,21 +37,16 @@ after loading each domain (``/proc/self/status``).
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from qswap.bench.processes import rss_bytes
 from qswap.bench.load_options import ByMode, LoadDefaults, add_load_arguments, add_model_argument
 
 QUERY_PREFIX = "query: "
-
-
-def _rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def _load_docs(path: Path | None, n: int) -> tuple[list[str], list[str]]:
@@ -108,8 +103,6 @@ def create_app(domains: dict[str, Path], embeddings: Path, corpus: Path | None =
                query_prefix: str = QUERY_PREFIX, runtime: str = "onnx", threads: int | None = None) -> Any:
     """The naive FastAPI app: ``domains`` maps a name to a full model dir (see :func:`merged_models`);
     ``runtime``: ``onnx`` (its merged ONNX graph) or ``torch`` (sentence-transformers)."""
-    import os
-
     import faiss
     import numpy as np
     from fastapi import FastAPI, HTTPException
@@ -120,7 +113,7 @@ def create_app(domains: dict[str, Path], embeddings: Path, corpus: Path | None =
     index.add(vectors)
     del vectors
     ids, texts = _load_docs(corpus, index.ntotal)
-    rss = {"after_index": _rss_bytes()}
+    rss = {"after_index": rss_bytes(os.getpid())}
     models: dict[str, Any] = {}
     load_seconds: dict[str, float] = {}
     for name, path in domains.items():
@@ -133,7 +126,7 @@ def create_app(domains: dict[str, Path], embeddings: Path, corpus: Path | None =
             models[name] = SentenceTransformer(str(path), device="cpu")
         load_seconds[name] = time.perf_counter() - t0
         gc.collect()
-        rss[f"after_{name}"] = _rss_bytes()
+        rss[f"after_{name}"] = rss_bytes(os.getpid())
 
     app = FastAPI(title="naive baseline")
 
@@ -148,7 +141,7 @@ def create_app(domains: dict[str, Path], embeddings: Path, corpus: Path | None =
 
     @app.get("/stats")
     def stats() -> dict[str, Any]:
-        return {"rss_bytes": _rss_bytes(), "rss_after": rss, "load_seconds": load_seconds,
+        return {"rss_bytes": rss_bytes(os.getpid()), "rss_after": rss, "load_seconds": load_seconds,
                 "domains": list(models), "docs": int(index.ntotal), "runtime": runtime}
 
     # A plain ``def`` endpoint: FastAPI runs it in its thread pool, as most such apps do.
