@@ -47,6 +47,8 @@ from qswap.bench.processes import rss_bytes
 from qswap.bench.load_options import ByMode, LoadDefaults, add_load_arguments, add_model_argument
 
 QUERY_PREFIX = "query: "
+#: How the naive server runs each domain's merged model: its ONNX graph, or sentence-transformers.
+RUNTIMES = ("onnx", "torch")
 
 
 def _load_docs(path: Path | None, n: int) -> tuple[list[str], list[str]]:
@@ -234,7 +236,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from qswap.bench.fixtures import MODEL
     add_load_arguments(p, LOAD)
     p.add_argument("--domains", type=int, default=None, help=f"domains ({DOMAINS.describe()})")
-    p.add_argument("--naive-runtime", choices=("onnx", "torch"), default="onnx",
+    p.add_argument("--naive-runtime", choices=RUNTIMES, default="onnx",
                    help="the naive server's runtime: one merged ONNX Runtime graph per domain (the fast runtime "
                         "qswap uses, so the comparison is fair) or one sentence-transformers model per domain")
     add_model_argument(p, MODEL)
@@ -444,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--embeddings", type=Path, required=True, help=".npy (n_docs, dim) float32 document vectors")
     p.add_argument("--corpus", type=Path, default=None, help="JSONL whose line i is document i (for hit texts)")
     p.add_argument("--domain", type=_domain, action="append", required=True, metavar="NAME=MODEL_DIR")
-    p.add_argument("--runtime", choices=("onnx", "torch"), default="onnx",
+    p.add_argument("--runtime", choices=RUNTIMES, default="onnx",
                    help="onnx: each domain's merged graph MODEL_DIR/onnx/model.onnx; torch: sentence-transformers")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores)")
     args = p.parse_args(argv)
