@@ -222,8 +222,8 @@ def test_killed_replica_loses_no_registration_and_fails_only_its_in_flight(ray_u
     t_kill = time.monotonic()
     os.kill(victim["pid"], signal.SIGKILL)
     reg.join()
-    # Traffic goes on after the kill and the registrations: 10 more answered requests.
-    assert answered.wait_for(answered.value + 10)
+    # Traffic goes on after the kill and the registrations: 20 more answered requests.
+    assert answered.wait_for(answered.value + 20)
     stop.set()
     for t in threads:
         t.join()
