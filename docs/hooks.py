@@ -68,7 +68,7 @@ def _schema_type(s: Mapping[str, Any]) -> str:
 def _constraints(s: Mapping[str, Any]) -> str:
     keys = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength",
             "minItems", "maxItems", "maxProperties", "pattern", "default")
-    return ", ".join(f"{k} `{s[k]}`" for k in keys if k in s)
+    return ", ".join(f"{k} `{s[k] if isinstance(s[k], str) else json.dumps(s[k])}`" for k in keys if k in s)
 
 
 def _schema_section(name: str, s: Mapping[str, Any]) -> list[str]:
@@ -113,7 +113,8 @@ def http_api_markdown(spec: Mapping[str, Any]) -> str:
         if op.get("description"):
             out += [op["description"].strip(), ""]
         if op.get("security"):
-            out += ["Needs a bearer token (`Authorization: Bearer ...`).", ""]
+            out += ["Takes a bearer token (`Authorization: Bearer ...`): the admin token on admin routes, "
+                    "the search token on the others when the server has one ([Operations](operations.md)).", ""]
         params = op.get("parameters") or []
         if params:
             out += ["| parameter | in | type | required | description |", "|---|---|---|---|---|"]
