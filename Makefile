@@ -5,13 +5,13 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PORT ?= 8000
 
-.PHONY: setup serve test test-fast debian-lists clean
+.PHONY: setup serve test test-fast docs debian-lists clean
 
 $(BIN)/qswap: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,ray,milvus,langchain,llamaindex]'
+	$(BIN)/pip install -q -e '.[dev,ray,milvus,langchain,llamaindex,docs]'
 	touch $@
 
 setup: $(BIN)/qswap
@@ -30,8 +30,12 @@ debian-lists:
 test: setup debian-lists
 	$(BIN)/python -m pytest -q
 
+# The documentation site (docs/, mkdocs.yml) into site/; strict: broken links and references fail.
+docs: setup
+	$(BIN)/mkdocs build --strict
+
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site build/docs-src

@@ -15,6 +15,7 @@ Memory: bytes each extra LoRA encoder adds (pool + backend) and the process RSS 
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -22,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from qswap.bench.processes import rss_bytes
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder, save_encoder
 from qswap.encoders.base import BaseEncoder
 
@@ -53,14 +55,6 @@ def make_bias_dir(base: BaseEncoder, out: Path, name: str, seed: int) -> Path:
                for n, p in base.model.named_parameters() if n.endswith(".bias")}
     save_encoder(out, name=name, version="1", kind="bias", space=base.space, tensors=tensors)
     return out
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, reps: int, count: int,
@@ -118,7 +112,7 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, reps:
     # Memory: extra LoRA encoders of the same rank (fresh factors each), RSS before and after.
     import gc
     gc.collect()
-    rss_one = rss_bytes()
+    rss_one = rss_bytes(os.getpid())
     per = []
     for i in range(count):
         key = f"extra{i}@1"
@@ -127,7 +121,7 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, reps:
         per.append(pool.memory_bytes(key) + shared.memory_bytes(key))
         shared.encode(queries[:1], [key])
     gc.collect()
-    rss_many = rss_bytes()
+    rss_many = rss_bytes(os.getpid())
     adapter_file = (root / "lora" / "adapter_model.safetensors").stat().st_size
     shared.close()
     tmp.cleanup()

@@ -37,21 +37,18 @@ after loading each domain (``/proc/self/status``).
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from qswap.bench.processes import rss_bytes
 from qswap.bench.load_options import ByMode, LoadDefaults, add_load_arguments, add_model_argument
 
 QUERY_PREFIX = "query: "
-
-
-def _rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+#: How the naive server runs each domain's merged model: its ONNX graph, or sentence-transformers.
+RUNTIMES = ("onnx", "torch")
 
 
 def _load_docs(path: Path | None, n: int) -> tuple[list[str], list[str]]:
@@ -108,8 +105,6 @@ def create_app(domains: dict[str, Path], embeddings: Path, corpus: Path | None =
                query_prefix: str = QUERY_PREFIX, runtime: str = "onnx", threads: int | None = None) -> Any:
     """The naive FastAPI app: ``domains`` maps a name to a full model dir (see :func:`merged_models`);
     ``runtime``: ``onnx`` (its merged ONNX graph) or ``torch`` (sentence-transformers)."""
-    import os
-
     import faiss
     import numpy as np
     from fastapi import FastAPI, HTTPException
@@ -120,7 +115,7 @@ def create_app(domains: dict[str, Path], embeddings: Path, corpus: Path | None =
     index.add(vectors)
     del vectors
     ids, texts = _load_docs(corpus, index.ntotal)
-    rss = {"after_index": _rss_bytes()}
+    rss = {"after_index": rss_bytes(os.getpid())}
     models: dict[str, Any] = {}
     load_seconds: dict[str, float] = {}
     for name, path in domains.items():
@@ -133,7 +128,7 @@ def create_app(domains: dict[str, Path], embeddings: Path, corpus: Path | None =
             models[name] = SentenceTransformer(str(path), device="cpu")
         load_seconds[name] = time.perf_counter() - t0
         gc.collect()
-        rss[f"after_{name}"] = _rss_bytes()
+        rss[f"after_{name}"] = rss_bytes(os.getpid())
 
     app = FastAPI(title="naive baseline")
 
@@ -148,7 +143,7 @@ def create_app(domains: dict[str, Path], embeddings: Path, corpus: Path | None =
 
     @app.get("/stats")
     def stats() -> dict[str, Any]:
-        return {"rss_bytes": _rss_bytes(), "rss_after": rss, "load_seconds": load_seconds,
+        return {"rss_bytes": rss_bytes(os.getpid()), "rss_after": rss, "load_seconds": load_seconds,
                 "domains": list(models), "docs": int(index.ntotal), "runtime": runtime}
 
     # A plain ``def`` endpoint: FastAPI runs it in its thread pool, as most such apps do.
@@ -241,7 +236,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from qswap.bench.fixtures import MODEL
     add_load_arguments(p, LOAD)
     p.add_argument("--domains", type=int, default=None, help=f"domains ({DOMAINS.describe()})")
-    p.add_argument("--naive-runtime", choices=("onnx", "torch"), default="onnx",
+    p.add_argument("--naive-runtime", choices=RUNTIMES, default="onnx",
                    help="the naive server's runtime: one merged ONNX Runtime graph per domain (the fast runtime "
                         "qswap uses, so the comparison is fair) or one sentence-transformers model per domain")
     add_model_argument(p, MODEL)
@@ -451,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--embeddings", type=Path, required=True, help=".npy (n_docs, dim) float32 document vectors")
     p.add_argument("--corpus", type=Path, default=None, help="JSONL whose line i is document i (for hit texts)")
     p.add_argument("--domain", type=_domain, action="append", required=True, metavar="NAME=MODEL_DIR")
-    p.add_argument("--runtime", choices=("onnx", "torch"), default="onnx",
+    p.add_argument("--runtime", choices=RUNTIMES, default="onnx",
                    help="onnx: each domain's merged graph MODEL_DIR/onnx/model.onnx; torch: sentence-transformers")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores)")
     args = p.parse_args(argv)

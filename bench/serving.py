@@ -27,6 +27,8 @@ import argparse
 import sys
 from typing import Any
 
+from qswap.encoders.backend import BACKENDS
+from qswap.encoders.precision import PRECISIONS
 from qswap.bench.load_options import ByMode, LoadDefaults, LoadOptions, RunDirs, add_load_arguments, add_model_argument, warm_up
 from qswap.bench.results import ResultWriter, md_table
 from qswap.bench.stats import interleaved, ratio_summary, summarize
@@ -49,10 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``qswap bench serving``."""
     add_load_arguments(p, LOAD)
     add_model_argument(p, MODEL)
-    p.add_argument("--backend", choices=("shared", "onnx", "torch"), default="shared",
+    p.add_argument("--backend", choices=BACKENDS, default="shared",
                    help="the server's query-encoder backend (default: shared, the server's default); with shared "
                         "or onnx, timing starts once every encoder runs on ONNX Runtime")
-    p.add_argument("--query-precision", choices=("fp32", "bf16"), default="fp32",
+    p.add_argument("--query-precision", choices=PRECISIONS, default="fp32",
                    help="the server's --query-precision (torch backend; default: fp32)")
     p.add_argument("--embeddings", action="store_true",
                    help="measure POST /v1/embeddings beside /v1/search instead (1 and 32 texts per call, "

@@ -13,24 +13,25 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from qswap.errors import InvalidInputError
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) with linear interpolation between order statistics.
+    """The ``q``-th percentile (0..100) of a sample: ``numpy.percentile`` (linear interpolation).
 
-    Same definition as ``numpy.percentile``'s default (Hyndman & Fan type 7): the value at
-    rank ``(n - 1) * q / 100`` of the sorted sample. NaN for an empty sample.
+    Args:
+        values: the sample.
+        q: the percentile, 0..100.
+
+    Returns:
+        The percentile; NaN for an empty sample.
     """
     if not 0 <= q <= 100:
         raise InvalidInputError(f"percentile {q} is outside 0..100", "use e.g. 50, 95, 99")
-    xs = sorted(float(v) for v in values)
-    if not xs:
-        return math.nan
-    rank = (len(xs) - 1) * q / 100.0
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
+    xs = np.asarray(values, dtype=float)
+    return float(np.percentile(xs, q)) if xs.size else math.nan
 
 
 def summarize(values: Sequence[float], qs: Sequence[float] = (50, 95, 99)) -> dict[str, float]:

@@ -165,6 +165,34 @@ def replace_dir(staging: Path, target: Path) -> None:
         shutil.rmtree(old)
 
 
+@contextmanager
+def staged_dir(target: Path, prefix: str | None = None) -> Iterator[Path]:
+    """A fresh staging directory beside ``target``: filled by the block, swapped in when it exits cleanly.
+
+    The one way qswap writes a whole directory (an encoder, an export, a sentinel set, a data
+    set): readers see the old directory or the complete new one (:func:`replace_dir`), and a
+    block that raises leaves ``target`` as it was and no staging directory behind.
+
+    Args:
+        target: the directory to create or replace; its parent is created if needed.
+        prefix: the staging directory's name prefix (default ``.<target name>.``), so that a
+            caller can find and remove the leftovers of a killed writer.
+
+    Yields:
+        The staging directory (mode 0755: the data is for other users, such as a server, too).
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=prefix or f".{target.name}.", dir=target.parent))
+    staging.chmod(0o755)   # mkdtemp makes 0700
+    try:
+        yield staging
+        fsync_dir(staging)
+        replace_dir(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def recover_dir(target: Path) -> None:
     """Undo a :func:`replace_dir` interrupted between its renames."""
     target = Path(target)

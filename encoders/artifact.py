@@ -15,8 +15,6 @@ how they are read is the kind's plugin's business (:mod:`qswap.encoders.kinds`).
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +24,7 @@ import torch
 from pydantic import BaseModel as PydanticModel, ValidationError, field_validator
 
 from qswap import __version__
-from qswap.atomic import atomic_copy, atomic_write_json, replace_dir, sha256_file
+from qswap.atomic import atomic_copy, atomic_write_json, sha256_file, staged_dir
 from qswap.encoders.kinds import KINDS, get_kind
 from qswap.encoders.kinds.lora import CONFIG_FILE, WEIGHTS_FILE
 from qswap.encoders.kinds.partial import TENSOR_FILE  # noqa: F401  (re-exported: the bias/partial file name)
@@ -120,11 +118,7 @@ def save_encoder(out_dir: Path, *, name: str, version: str, kind: str, space: Em
     validate_name(name)
     validate_name(version, "encoder version")
     plugin = get_kind(kind)
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    staging.chmod(0o755)  # mkdtemp makes 0700; an encoder directory is data a server user reads
-    try:
+    with staged_dir(Path(out_dir)) as staging:
         plugin.save(staging, tensors=tensors, lora_dir=lora_dir)
         for f in extra_files or []:
             atomic_copy(Path(f), staging / Path(f).name)
@@ -133,10 +127,6 @@ def save_encoder(out_dir: Path, *, name: str, version: str, kind: str, space: Em
                                    files=files, training=training, guard=guard,
                                    created_at=time.time(), qswap_version=__version__)
         atomic_write_json(staging / ENCODER_MANIFEST, manifest.model_dump())
-        replace_dir(staging, out_dir)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return manifest
 
 

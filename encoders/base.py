@@ -140,6 +140,14 @@ def load_base(source: str | Path = DEFAULT_MODEL, device: str | torch.device | N
     Bundled names: ``multilingual-e5-small`` (default), ``all-minilm-l6-v2``. A directory must
     hold a BERT/XLM-R family encoder (config.json + weights) and its tokenizer; an optional
     ``qswap_base.json`` gives pooling, prefixes, normalisation and max length.
+
+    Args:
+        source: a bundled name or a local Hugging Face model folder (nothing is fetched from a hub).
+        device: torch device (default: CUDA when present, else CPU).
+        max_length: cut texts to at most this many tokens (default: the model's own limit).
+
+    Returns:
+        The frozen base with its tokenizer, text spec and embedding-space fingerprint.
     """
     from transformers import AutoConfig, AutoModel
     from transformers.utils import logging as hf_logging

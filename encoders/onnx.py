@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from qswap.atomic import atomic_write_json, recover_dir, replace_dir
+from qswap.atomic import atomic_write_json, recover_dir, staged_dir
 from qswap.encoders.onnx_export import (EMBEDDINGS_FILE, EXPORT_FORMAT, MODEL_FILE, encoder_digest,
                                         export_onnx, own_tensors)
 from qswap.encoders.pool import EncoderPool
@@ -222,17 +221,12 @@ class OnnxBackend:
         recover_dir(target)
         meta = _read_meta(target)
         if meta.get("digest") != digest or not (target / MODEL_FILE).exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-            try:
+            with staged_dir(target) as staging:
                 facts = export_onnx(self.base, own, staging,
                                     optimize_for=self._variant if self.fuse else None)
                 meta = {"format": EXPORT_FORMAT, "key": key, "digest": digest, "variant": variant,
                         "space": self.base.space.fingerprint, "base": self.base.name, **facts}
                 atomic_write_json(staging / META_FILE, meta)   # last: marks the export complete
-                replace_dir(staging, target)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
             log.info("exported %s to ONNX in %.1fs (probe cosine %.7f)", key, meta["export_seconds"],
                      meta["probe_min_cosine"])
         table = np.load(target / EMBEDDINGS_FILE, mmap_mode="r") if meta.get("own_word_embeddings") \

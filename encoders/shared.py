@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from qswap.atomic import atomic_write_json, recover_dir, replace_dir
+from qswap.atomic import atomic_write_json, recover_dir, staged_dir
 from qswap.encoders.embedding import length_buckets
 from qswap.encoders.onnx import OnnxBackend, available_providers, make_session
 from qswap.encoders.pool import EncoderPool
@@ -180,16 +178,11 @@ class SharedBackend:
         recover_dir(target)
         meta = _read_meta(target)
         if meta.get("digest") != digest or not (target / SHARED_MODEL_FILE).exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-            try:
+            with staged_dir(target) as staging:
                 facts = export_shared(self.base, staging)
                 meta = {"digest": digest, "variant": self._variant, "space": self.base.space.fingerprint,
                         "base": self.base.name, **facts}
                 atomic_write_json(staging / META_FILE, meta)   # last: marks the export complete
-                replace_dir(staging, target)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
             log.info("exported the shared base graph in %.1fs (probe cosine %.7f)", meta["export_seconds"],
                      meta["probe_min_cosine"])
         return make_session(target / SHARED_MODEL_FILE, self._threads, self.providers, self.spin)

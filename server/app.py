@@ -52,11 +52,18 @@ def _limit_for(settings: ServerSettings):
 
 def create_app(settings: ServerSettings | None = None, *, check: bool = True,
                state: ServerState | None = None) -> FastAPI:
-    """Build the app; ``check=False`` skips the safety checks (for schema generation, and for
-    ``qswap serve``, which checks before it imports the model stack).
+    """Build the FastAPI app of the search server.
 
-    ``state`` replaces the default :class:`ServerState` (a Ray Serve replica passes its own,
-    which shares the registry and the index with the other replicas)."""
+    Args:
+        settings: what to serve and how (default: ``ServerSettings()``, read from ``QSWAP_*``).
+        check: run the settings' safety checks; ``False`` for schema generation, and for
+            ``qswap serve``, which checks before it imports the model stack.
+        state: replaces the default ``ServerState`` (a Ray Serve replica passes its own, which
+            shares the registry and the index with the other replicas).
+
+    Returns:
+        The app; its lifespan loads the model, the index and the registry.
+    """
     settings = settings if settings is not None else (state.settings if state is not None else ServerSettings())
     if check:
         settings.check()
@@ -159,6 +166,13 @@ def openapi_text() -> str:
 
 
 def write_openapi(path: Path = OPENAPI_FILE) -> Path:
-    """Write the schema (the committed copy is server/openapi.json)."""
+    """Write the OpenAPI schema atomically.
+
+    Args:
+        path: where to write it (default: the committed copy, ``server/openapi.json``).
+
+    Returns:
+        The path written.
+    """
     atomic_write_bytes(Path(path), openapi_text().encode())
     return Path(path)

@@ -9,6 +9,8 @@ import threading
 from pathlib import Path
 
 # OMP_WAIT_POLICY=PASSIVE is set by the qswap entry point (qswap.cli) before torch/faiss load.
+from qswap.encoders.backend import BACKENDS
+from qswap.encoders.precision import PRECISIONS
 
 # flag destination -> settings field (only flags given on the command line override the environment)
 _FLAG_FIELDS = {
@@ -69,10 +71,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(or QSWAP_METRICS_TOKEN; default: the search token when one is set, else open)")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="admin routes without a token, for local use (loopback host only)")
-    p.add_argument("--backend", choices=("shared", "onnx", "torch"),   # qswap.encoders.backend.BACKENDS (not imported: torch loads after OMP_WAIT_POLICY)
+    p.add_argument("--backend", choices=BACKENDS,
                    help="query forward passes: 'shared' (default: one ONNX Runtime session of the base, adapters bound "
                         "per run), 'onnx' (one merged export per encoder) or 'torch' (the reference)")
-    p.add_argument("--query-precision", choices=("fp32", "bf16"),
+    p.add_argument("--query-precision", choices=PRECISIONS,
                    help="torch backend: run batches of 16+ queries for one encoder in bf16 (default fp32; pays only where the "
                         "hardware has native bf16: AMX, AVX-512-BF16, tensor cores)")
     p.add_argument("--batch-window-ms", type=float, help="micro-batch window (default 2)")

@@ -10,7 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from qswap import DEFAULT_MODEL
+from qswap.tuning.losses import LOSSES
+from qswap.tuning.losses.similarity import METRICS
+from qswap.tuning.methods import METHODS
+from qswap.tuning.optim import OPTIMIZERS, SCHEDULERS
 from qswap.tuning.recipes import RECIPES, resolve
+from qswap.tuning.run import MINE_CHOICES
 
 
 def _ints(s: str) -> list[int]:
@@ -127,7 +132,7 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--index", type=Path,
                    help="a qswap index of the base's space: documents it holds take its stored embeddings "
                         "(no re-embedding), and --mine index searches it")
-    g.add_argument("--mine", default="auto", choices=("auto", "corpus", "index", "none"),
+    g.add_argument("--mine", default="auto", choices=MINE_CHOICES,
                    help="where hard negatives come from; auto: only when the triplet loss lacks negatives, "
                         "from --index if given, else from the run's own documents (BEIR: the corpus)")
     g.add_argument("--mine-k", type=int, default=30, help="candidates retrieved per query")
@@ -136,7 +141,7 @@ def _add_run(sub: Any) -> None:
                    help="drop a negative scoring above this fraction of the positive's score")
     g = p.add_argument_group("method")
     g.add_argument("--base", default=DEFAULT_MODEL, help="bundled base name or local model directory")
-    g.add_argument("--method", default="partial", choices=("partial", "bias", "lora", "full"))
+    g.add_argument("--method", default="partial", choices=tuple(METHODS))
     g.add_argument("--freeze-output-dense", action="store_true", help="partial: also freeze output.dense.weight")
     g.add_argument("--freeze-blocks", type=int, default=0, help="partial: also freeze the first k blocks")
     g.add_argument("--lora-rank", type=int, default=32)
@@ -144,8 +149,8 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--lora-dropout", type=float, default=0.0)
     g.add_argument("--lora-targets", type=_langs, help="comma-separated module names (default: all dense layers)")
     g = p.add_argument_group("loss")
-    g.add_argument("--loss", default="triplet", choices=("triplet", "infonce", "samtone", "pair"))
-    g.add_argument("--metric", default="cos", choices=("cos", "euclid"))
+    g.add_argument("--loss", default="triplet", choices=LOSSES)
+    g.add_argument("--metric", default="cos", choices=METRICS)
     g.add_argument("--margin", type=float, default=0.1, help="triplet margin")
     g.add_argument("--temperature", type=float, help="default 0.02 (infonce), 0.01 (samtone, pair)")
     g.add_argument("--no-in-batch", action="store_true", help="infonce/samtone: only own negatives")
@@ -163,10 +168,10 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--lr-rule", choices=("none", "sqrt"), default="none",
                    help="sqrt: scale --lr from batch 14 to --batch-size by the square-root rule")
     g.add_argument("--batch-size", type=int, default=14)
-    g.add_argument("--optimizer", default="adamw", choices=("adamw", "adamax", "sgd"))
+    g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     g.add_argument("--no-momentum", action="store_true", help="beta1 = beta2 = 0 (Adamax without momentum)")
     g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--scheduler", default="none", choices=("none", "L", "Q", "E0.95", "E0.98"))
+    g.add_argument("--scheduler", default="none", choices=SCHEDULERS)
     g.add_argument("--epoch-batches", type=int, default=None, help="batches per epoch (default: the recipe's)")
     g.add_argument("--max-epochs", type=int, default=None, help="epochs at most (default: the recipe's)")
     g.add_argument("--patience", type=int, default=None, help="stop after this many idle epochs (default: the recipe's)")

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from qswap.atomic import replace_dir
+from qswap.atomic import staged_dir
 from qswap.bench.data import debian
 from qswap.errors import ConflictError, InvalidInputError, QswapError
 
@@ -63,9 +61,7 @@ def run_synthetic(args: argparse.Namespace) -> int:
         raise ConflictError(f"{out} is not empty and holds no synthetic set", "choose a new or empty --out")
     if args.k < 0:
         raise InvalidInputError(f"--k must be >= 0, got {args.k}", "0 skips the ground truth")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    with staged_dir(out) as staging:
         common = dict(dim=args.dim, n_clusters=args.clusters, seed=args.seed, noise=args.noise, progress=True)
         t0 = time.perf_counter()
         base = clustered_embeddings(args.n, path=staging / "base.npy", **common)
@@ -86,10 +82,6 @@ def run_synthetic(args: argparse.Namespace) -> int:
         (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         del base, queries
         debian._public_mode(staging, 0o777)
-        replace_dir(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     print(f"wrote {out}: {json.dumps(meta)}")
     return 0
 

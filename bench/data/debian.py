@@ -37,9 +37,7 @@ import json
 import os
 import random
 import re
-import shutil
 import sys
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -48,7 +46,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from qswap.atomic import atomic_write_bytes, fsync_dir, replace_dir
+from qswap.atomic import atomic_write_bytes, fsync_dir, staged_dir
 from qswap.beir import jsonl_line, write_jsonl, write_qrels
 from qswap.bench.data.aptlists import (
     APT_UPDATE_COMMAND,
@@ -359,9 +357,7 @@ def build_debian_beir(
         docs, queries = _subsample(docs, queries, max_docs, seed)
     out_langs = [lang for lang in langs if lang in lists.shorts]
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
+    with staged_dir(out_dir) as staging:
         write_jsonl(
             staging / "corpus.jsonl",
             (
@@ -403,10 +399,6 @@ def build_debian_beir(
                     os.fsync(f.fileno())
         fsync_dir(staging / "qrels")
         _public_mode(staging, 0o777)
-        replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return result
 
 

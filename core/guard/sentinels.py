@@ -20,12 +20,11 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection
 
-from qswap.atomic import atomic_write_json, fsync_dir, replace_dir
+from qswap.atomic import atomic_write_json, staged_dir
 from qswap.beir import LineErrors, iter_jsonl, load_beir, read_qrels, read_queries, write_jsonl, write_qrels
 from qswap.errors import InvalidInputError, NotFoundError
 from qswap.names import validate_name
@@ -185,15 +184,11 @@ def make_sentinel(data: SentinelData, out: Path, name: str, n: int, seed: int = 
     meta = {"name": name, "lang": data.lang, "source": data.source, "seed": seed, "requested": n,
             "queries": len(take), "available": len(pool), "excluded_queries": len(excluded & set(data.qrels)),
             "judgements_dropped_not_in_index": dropped_docs}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out))
-    (staging / "qrels").mkdir()
-    write_jsonl(staging / "queries.jsonl", [{"_id": q, "text": data.queries[q]} for q in take])
-    write_qrels(staging / "qrels" / "test.tsv", [(q, d, g) for q in take for d, g in sorted(qrels[q].items())])
-    atomic_write_json(staging / META, meta)
-    fsync_dir(staging)
-    replace_dir(staging, out / name)
+    with staged_dir(Path(out) / name) as staging:
+        (staging / "qrels").mkdir()
+        write_jsonl(staging / "queries.jsonl", [{"_id": q, "text": data.queries[q]} for q in take])
+        write_qrels(staging / "qrels" / "test.tsv", [(q, d, g) for q in take for d, g in sorted(qrels[q].items())])
+        atomic_write_json(staging / META, meta)
     return meta
 
 

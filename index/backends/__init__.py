@@ -70,7 +70,19 @@ def is_milvus(location: str | Path) -> bool:
 
 def open_index(location: str | Path, *, read_only: bool = False, expected_space: EmbeddingSpace | None = None,
                verify: bool = True) -> IndexBackend:
-    """Open an index by location: a folder (FAISS) or ``milvus://URI?collection=NAME``."""
+    """Open an index by location: a folder (FAISS) or ``milvus://URI?collection=NAME``.
+
+    Args:
+        location: an index folder, or ``milvus://HOST:PORT?collection=NAME`` (``milvus://./file.db?...``
+            for milvus-lite).
+        read_only: refuse changes through this handle (a FAISS folder then takes no writer lock).
+        expected_space: the embedding space the caller's vectors are in; another one raises
+            :class:`~qswap.errors.SpaceMismatchError`.
+        verify: check the FAISS folder's checksums while opening.
+
+    Returns:
+        The index, behind the :class:`IndexBackend` interface.
+    """
     if is_milvus(location):
         from qswap.index.backends.milvus import MilvusIndex
         return MilvusIndex.open_location(str(location), read_only=read_only, expected_space=expected_space)

@@ -39,3 +39,25 @@ def test_cached_hash_follows_content_changes(tmp_path):
     assert sha256_file_cached(f) == sha256_file(f)
     f.write_bytes(b"three")   # size changes: hashed again
     assert sha256_file_cached(f) == hashlib.sha256(b"three").hexdigest()
+
+
+def test_staged_dir_swaps_in_a_complete_directory_or_nothing(tmp_path):
+    from qswap.atomic import staged_dir
+
+    target = tmp_path / "out" / "set"
+    with staged_dir(target) as staging:
+        assert staging.parent == target.parent and not target.exists()
+        (staging / "a.txt").write_text("one")
+    assert (target / "a.txt").read_text() == "one" and oct(target.stat().st_mode & 0o777) == "0o755"
+
+    with pytest.raises(RuntimeError):
+        with staged_dir(target) as staging:
+            (staging / "a.txt").write_text("half")
+            raise RuntimeError("killed mid-write")
+    assert (target / "a.txt").read_text() == "one"                 # the old directory, untouched
+    assert sorted(p.name for p in target.parent.iterdir()) == ["set"]   # no staging left behind
+
+    with staged_dir(target, prefix=".set.staging-") as staging:
+        assert staging.name.startswith(".set.staging-")
+        (staging / "b.txt").write_text("two")
+    assert sorted(p.name for p in target.iterdir()) == ["b.txt"]   # replaced whole, not merged

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -10,18 +11,35 @@ import torch
 from qswap.encoders import BaseEncoder, save_encoder
 
 
-def make_lora(base: BaseEncoder, out: Path, name: str, seed: int, r: int = 4,
-              targets: tuple[str, ...] = ("query", "value"), version: str = "1") -> Path:
-    """A LoRA encoder saved in peft's format with non-zero random B (so it changes outputs)."""
+def random_peft_lora(base: BaseEncoder, seed: int, r: int = 4, targets: tuple[str, ...] = ("query", "value")):
+    """A peft LoRA model over a copy of ``base`` with non-zero random B (so it changes outputs)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     model = get_peft_model(copy.deepcopy(base.model),
                            LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets)))
+    add_noise_((p for n, p in model.named_parameters() if "lora_B" in n), 0.2)
+    return model
+
+
+def add_noise_(params: Iterable[torch.Tensor], scale: float, seed: int | None = None) -> None:
+    """Add Gaussian noise of standard deviation ``scale`` to tensors in place (seeded when ``seed`` is given)."""
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
     with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.2)
+        for p in params:
+            p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def noisy(tensors: dict[str, torch.Tensor], scale: float, seed: int) -> dict[str, torch.Tensor]:
+    """Copies of ``tensors`` plus seeded Gaussian noise: the tensors of a random bias / partial encoder."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: t.detach() + scale * torch.randn(t.shape, generator=g) for n, t in tensors.items()}
+
+
+def make_lora(base: BaseEncoder, out: Path, name: str, seed: int, r: int = 4,
+              targets: tuple[str, ...] = ("query", "value"), version: str = "1") -> Path:
+    """A LoRA encoder saved in peft's format with non-zero random B (so it changes outputs)."""
+    model = random_peft_lora(base, seed, r, targets)
     tmp = out.parent / f".peft-{name}-{seed}"
     model.save_pretrained(str(tmp))
     save_encoder(out, name=name, version=version, kind="lora", space=base.space, lora_dir=tmp)
@@ -31,12 +49,10 @@ def make_lora(base: BaseEncoder, out: Path, name: str, seed: int, r: int = 4,
 def make_overrides(base: BaseEncoder, out: Path, name: str, kind: str, seed: int,
                    version: str = "1") -> Path:
     """A bias (all biases) or partial (last block) encoder with perturbed tensors."""
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
     last = f"encoder.layer.{base.model.config.num_hidden_layers - 1}."
-    for n, p in base.model.named_parameters():
-        if (kind == "bias" and n.endswith(".bias")) or (kind == "partial" and n.startswith(last)):
-            tensors[n] = p.detach() + 0.1 * torch.randn(p.shape, generator=g)
+    tensors = noisy({n: p for n, p in base.model.named_parameters()
+                     if (kind == "bias" and n.endswith(".bias")) or (kind == "partial" and n.startswith(last))},
+                    0.1, seed)
     save_encoder(out, name=name, version=version, kind=kind, space=base.space, tensors=tensors)
     return out
 
@@ -47,16 +63,9 @@ def lora_parts(base: BaseEncoder, seed: int = 0, r: int = 4,
     import json
     import tempfile
 
-    from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file
 
-    torch.manual_seed(seed)
-    model = get_peft_model(copy.deepcopy(base.model),
-                           LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets)))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.2)
+    model = random_peft_lora(base, seed, r, targets)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         return (json.loads((Path(tmp) / "adapter_config.json").read_text()),

@@ -15,7 +15,7 @@ from qswap.encoders.onnx import META_FILE, OnnxBackend
 from qswap.encoders.onnx_export import EMBEDDINGS_FILE, MODEL_FILE
 from qswap.errors import InvalidInputError, NotFoundError
 
-from .adapters import make_lora, make_overrides
+from .adapters import make_lora, make_overrides, noisy
 
 TEXTS = ["chess puzzle game", "audio and music", "physics data", "the linux search server",
          "a tool for python", "math and science library with many games and music tools for debian",
@@ -140,9 +140,8 @@ def test_cache_is_reused_and_keyed_by_content(pool, backend, tiny_base, tmp_path
 def test_adapter_owning_word_embeddings_gets_its_own_table(tiny_base, tmp_path):
     name = "embeddings.word_embeddings.weight"
     w = tiny_base.model.get_input_embeddings().weight
-    g = torch.Generator().manual_seed(5)
     save_encoder(tmp_path / "we", name="we", version="1", kind="partial", space=tiny_base.space,
-                 tensors={name: w.detach() + 0.5 * torch.randn(w.shape, generator=g)})
+                 tensors=noisy({name: w}, 0.5, 5))
     pool = EncoderPool(tiny_base)
     pool.add(load_encoder(tmp_path / "we", tiny_base.space))
     b = OnnxBackend(pool, tmp_path / "cache", threads=1)

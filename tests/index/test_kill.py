@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -39,6 +40,16 @@ CHILD = textwrap.dedent('''
     DocumentIndex.TOMBSTONE_MIN = 6
     DocumentIndex.TOMBSTONE_FRACTION = 0.0
     path, seed = sys.argv[1], int(sys.argv[2])
+    if len(sys.argv) > 3 and sys.argv[3] == "pause-after-manifest":
+        # Hold the process right after a commit's manifest rename, before it reports the
+        # commit: the parent kills it there (the window random kills rarely hit).
+        import threading
+        from qswap.index import commit, manifest
+        def write_then_pause(root, m):
+            manifest.write_manifest(root, m)
+            print("manifest-written", m["generation"], flush=True)
+            threading.Event().wait()
+        commit.write_manifest = write_then_pause
     rng = np.random.default_rng(seed)
     idx = DocumentIndex.open(path)
     print("ready", idx.generation, flush=True)
@@ -120,6 +131,28 @@ def test_sigkill_during_saves_leaves_a_loadable_consistent_index(tmp_path, space
             check_consistent(idx)
     print(f"{kills} kills, {commits_seen} commits, {in_flight} kills landed after a manifest was written")
     assert kills == 12 and commits_seen >= 20, (kills, commits_seen)
+
+    # The case random kills rarely hit: killed after the manifest rename, before the commit was
+    # reported. The new generation is the one that loads, whole and consistent.
+    p = subprocess.Popen([sys.executable, str(script), str(path), "99", "pause-after-manifest"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    bound = threading.Timer(60, p.kill)   # a bound, not an ordering: ends a child that never pauses
+    bound.start()
+    for line in p.stdout:              # a handshake: the child says where it is
+        lines.append(line)
+        if line.startswith("manifest-written"):
+            break
+    bound.cancel()
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert lines and lines[-1].startswith("manifest-written"), "".join(lines) + p.stderr.read()
+    reported = [int(ln.split()[1]) for ln in lines if ln.startswith(("ready", "committed"))]
+    written = int(lines[-1].split()[1])
+    assert written == reported[-1] + 1
+    with DocumentIndex.open(path) as idx:
+        assert idx.generation == written      # killed after the manifest rename: the new state loads
+        check_consistent(idx)
 
 
 BUILD_CHILD = textwrap.dedent('''

@@ -310,6 +310,7 @@ def test_delete_everything_then_add_again(make, embed, config, monkeypatch, tmp_
 def test_searches_continue_while_reindexing(make, embed):
     idx = make(IndexConfig(kind="flat"), n=1000)
     done = threading.Event()
+    first = threading.Event()
     counts = []
 
     stamps = []
@@ -318,12 +319,12 @@ def test_searches_continue_while_reindexing(make, embed):
         while not done.is_set():
             counts.append(len(idx.search(embed(["text 7"]), 3)[0]))
             stamps.append(time.perf_counter())
+            first.set()
 
     t = threading.Thread(target=searcher)
     t.start()
     try:
-        while not stamps:
-            time.sleep(0.001)
+        assert first.wait(60)                         # searches are running before the reindex starts
         t0 = time.perf_counter()
         idx.reindex(IndexConfig(kind="hnsw", quant="sq8", ef_construction=400, hnsw_m=64))
         t1 = time.perf_counter()

@@ -7,6 +7,7 @@ from typing import Iterator
 import httpx
 import pytest
 
+from ..handshake import Counter
 from ..server.conftest import ADMIN, LiveServer, server_settings
 from .conftest import ray_settings, replica_stats, wait_ready
 
@@ -185,6 +186,7 @@ def test_killed_replica_loses_no_registration_and_fails_only_its_in_flight(ray_u
     victim = sorted(stats.values(), key=lambda s: s["pid"])[0]
     stop = threading.Event()
     spans: list[tuple[float, float, int]] = []
+    answered = Counter()
     acked: list[str] = []
 
     def load() -> None:
@@ -196,6 +198,7 @@ def test_killed_replica_loses_no_registration_and_fails_only_its_in_flight(ray_u
                 except httpx.HTTPError:
                     code = -1
                 spans.append((t0, time.monotonic(), code))
+                answered.add()
 
     def register() -> None:
         with admin(ray_url) as cl:
@@ -213,13 +216,14 @@ def test_killed_replica_loses_no_registration_and_fails_only_its_in_flight(ray_u
     threads = [threading.Thread(target=load) for _ in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    assert answered.wait_for(6)                       # the load is running before the kill
     reg = threading.Thread(target=register)
     reg.start()
     t_kill = time.monotonic()
     os.kill(victim["pid"], signal.SIGKILL)
     reg.join()
-    time.sleep(2.0)
+    # Traffic goes on after the kill and the registrations: 20 more answered requests.
+    assert answered.wait_for(answered.value + 20)
     stop.set()
     for t in threads:
         t.join()

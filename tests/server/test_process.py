@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from ..encoders.adapters import make_overrides
+from ..handshake import Counter
 from .conftest import ADMIN
 
 
@@ -156,6 +157,7 @@ def test_sigterm_drains_in_flight_and_exits_within_its_bound(tmp_path, tiny_mode
     results: list[int] = []
     first_ok = threading.Event()
     sent_term = threading.Event()
+    answered = Counter()
 
     def client_loop(i: int) -> None:
         with httpx.Client(base_url=srv.url, timeout=30) as c:
@@ -166,6 +168,7 @@ def test_sigterm_drains_in_flight_and_exits_within_its_bound(tmp_path, tiny_mode
                     results.append(-1)
                     return
                 results.append(r.status_code)
+                answered.add()
                 if r.status_code == 200:
                     first_ok.set()
                 if r.status_code != 200 or (sent_term.is_set() and len(results) > 400):
@@ -174,7 +177,7 @@ def test_sigterm_drains_in_flight_and_exits_within_its_bound(tmp_path, tiny_mode
     with ThreadPoolExecutor(8) as ex:
         futures = [ex.submit(client_loop, i) for i in range(8)]
         assert first_ok.wait(120)
-        time.sleep(0.3)
+        assert answered.wait_for(answered.value + 16)   # every client is mid-stream, requests in flight
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         sent_term.set()
@@ -238,7 +241,7 @@ def test_overload_sheds_with_429_and_keeps_admitted_latency_bounded(tmp_path, ti
 
 @pytest.mark.parametrize("env, message", [
     ({"QSWAP_ADMIN_TOKEN": " " * 20}, "admin_token is empty or contains whitespace"),
-])   # (the other refusals of ServerSettings.check are unit tests in test_units.py)
+])   # (the other refusals of ServerSettings.check are unit tests in test_config.py)
 def test_unusable_settings_stop_the_start_with_one_line(tmp_path, tiny_model_dir, env, message):
     p = subprocess.run([sys.executable, "-m", "qswap.cli", "serve", "--model", str(tiny_model_dir)],
                        env={**os.environ, "QSWAP_DATA_DIR": str(tmp_path), **env}, capture_output=True,

@@ -9,7 +9,6 @@ import os
 import shutil
 import tarfile
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -20,6 +19,7 @@ import torch
 from qswap.server.models import SearchResponse
 
 from ..encoders.adapters import make_lora, make_overrides
+from ..handshake import Counter
 from .conftest import ADMIN, SEARCH, LiveServer, server_settings
 
 TOL = 3e-3   # the index rescoring uses float16 document vectors
@@ -175,19 +175,21 @@ def test_register_path_refusals(admin, encoders_root, tmp_path_factory):
 
 def test_wrong_space_refused_while_serving(live, admin):
     results: list[int] = []
+    answered = Counter()
     stop = threading.Event()
 
     def traffic() -> None:
         with live.client() as c:
             while not stop.is_set():
                 results.append(c.post("/v1/search", json={"query": "linux server", "k": 3}).status_code)
+                answered.add()
 
     t = threading.Thread(target=traffic)
     t.start()
     try:
-        time.sleep(0.1)
+        assert answered.wait_for(3)                       # searches are being served ...
         r = admin.post("/v1/encoders", json={"path": "alien"})
-        time.sleep(0.1)
+        assert answered.wait_for(answered.value + 3)      # ... and still are after the refusal
     finally:
         stop.set()
         t.join()
@@ -251,6 +253,7 @@ def test_alias_switch_under_concurrent_load(live, admin, anon, registered, refer
     assert admin.put("/v1/aliases/games", json={"encoder": "ft@1"}).status_code == 200
     before = anon.get("/metrics").text
     responses: list[tuple[int, dict]] = []
+    answered = Counter()
     errors: list[str] = []
     stop = threading.Event()
 
@@ -262,6 +265,7 @@ def test_alias_switch_under_concurrent_load(live, admin, anon, registered, refer
                     responses.append((r.status_code, r.json()))
                 except httpx.HTTPError as e:
                     errors.append(repr(e))
+                answered.add()
 
     threads = [threading.Thread(target=client_loop) for _ in range(4)]
     for t in threads:
@@ -269,7 +273,7 @@ def test_alias_switch_under_concurrent_load(live, admin, anon, registered, refer
     switches = []
     try:
         for i in range(10):
-            time.sleep(0.06)
+            assert answered.wait_for(answered.value + 2)   # requests ran since the last switch
             r = admin.put("/v1/aliases/games", json={"encoder": "ft@2" if i % 2 == 0 else "ft@1"})
             assert r.status_code == 200
             switches.append(r.json())
@@ -530,9 +534,8 @@ def test_not_ready_answers_503(tmp_path, tiny_model_dir):
     srv.start(wait_ready=False)
     try:
         with srv.client() as c:
-            deadline = time.monotonic() + 20
-            while srv.app.state.qs.load_error is None and time.monotonic() < deadline:
-                time.sleep(0.02)
+            srv.app.state.qs._loader.join(20)            # the loading thread has given up
+            assert srv.app.state.qs.load_error is not None
             r = c.get("/readyz")
             assert r.status_code == 503 and r.json()["error"] == "not_ready" and "failed" in r.json()["detail"]
             r = c.post("/v1/search", json={"query": "x"})

@@ -9,6 +9,8 @@ from qswap.encoders import EncoderPool, load_encoder, save_encoder
 from qswap.errors import InvalidInputError
 from qswap.tuning.methods import MethodConfig, QueryTower, trainable_names
 
+from ..encoders.adapters import add_noise_
+
 
 def test_trainable_sets(tiny_base):
     m = tiny_base.model
@@ -45,10 +47,7 @@ def test_the_tower_shares_frozen_tensors_with_the_base(tiny_base):
 
 
 def _perturb(tower: QueryTower, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in tower.trainable_parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    add_noise_((p for _, p in tower.trainable_parameters()), 0.05, seed)
 
 
 @pytest.mark.parametrize("kind,expected_kind", [("partial", "partial"), ("bias", "bias"), ("full", "partial"),

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from qswap.encoders import EncoderPool, load_base, load_encoder, save_encoder
 from qswap.tuning.methods import MethodConfig, QueryTower
+
+from ..encoders.adapters import add_noise_
 
 
 @pytest.mark.slow
@@ -14,10 +15,7 @@ from qswap.tuning.methods import MethodConfig, QueryTower
 def test_e5_export_is_served_as_trained(tmp_path, kind):
     base = load_base("multilingual-e5-small", device="cpu")
     tower = QueryTower(base, MethodConfig(kind, lora_rank=8, freeze_output_dense=kind == "partial"))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, p in tower.trainable_parameters():
-            p.add_(1e-3 * torch.randn(p.shape, generator=g))
+    add_noise_((p for _, p in tower.trainable_parameters()), 1e-3, 0)
     ex = tower.export(tmp_path)
     save_encoder(tmp_path / "enc", name=f"e5-{kind}", version="1", kind=ex.kind, space=base.space,
                  tensors=ex.tensors, lora_dir=ex.lora_dir)

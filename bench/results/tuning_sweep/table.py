@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+from qswap.atomic import atomic_write_json
+from qswap.bench.provenance import run_meta
 from qswap.plotting import pyplot, save_figure
 
 LANGS = ("en", "de", "fr", "it")
@@ -38,7 +40,10 @@ def cell(x: dict, lg: str) -> str:
 
 def main(runs: list[Path]) -> None:
     rows = sorted((row(r) for r in runs), key=lambda x: (x["method"], x["lr"]))
-    Path("results.json").write_text(json.dumps(rows, indent=1))
+    # The standard results file (bench/results.py): provenance of this table's run, rows under "results".
+    # The runs themselves were made by sweep.sh: record their commit and load in meta when committing.
+    atomic_write_json(Path("results.json"), {"benchmark": "tuning_sweep", "meta": run_meta(),
+                                             "results": {"runs": rows}})
     base = rows[0]["ndcg"]
     print("base nDCG@10: " + ", ".join(f"{lg} {base[lg]['base']:.4f}" for lg in LANGS if lg in base) + "\n")
     print("| method | lr | best epoch | steps | s/step | run wall (s) | saved as | Δ nDCG@10 en (held-out) | de | fr | it | guard |")

@@ -1,0 +1,172 @@
+"""server/batching.py: micro-batches, the adaptive window, failure isolation, admission and deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from qswap.errors import InvalidInputError
+from qswap.server.batching import MicroBatcher
+from qswap.server.errors import DeadlineExceededError, OverloadedError
+
+def _fake(calls: list, fail_key: str | None = None):
+    def encode(texts, keys):
+        calls.append(("encode", list(texts), list(keys), threading.current_thread().name))
+        if fail_key in keys:
+            raise InvalidInputError(f"bad key {fail_key}")
+        # row i -> a vector that encodes which text it was: search returns it as the hit id
+        return np.array([[float(len(t)), float(hash(k) % 7)] for t, k in zip(texts, keys)], dtype=np.float32)
+
+    def search(q, k, flt, with_text):
+        calls.append(("search", len(q), k, flt))
+        return [[f"{int(row[0])}:{r}" for r in range(k)] for row in q]
+    return encode, search
+
+
+@contextmanager
+def running(**kw) -> Iterator[MicroBatcher]:
+    """A started batcher, stopped at the end of the block."""
+    b = MicroBatcher(**kw)
+    b.start()
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_batcher_merges_concurrent_requests_into_one_pass():
+    calls: list = []
+    enc, srch = _fake(calls)
+    with running(encode=enc, search=srch, window_s=0.2, max_batch=64, adaptive=False) as b:
+        async def main():
+            texts = [["a" * (i + 1)] * (1 + i % 2) for i in range(10)]
+            outs = await asyncio.gather(*[b.search(t, f"k{i % 3}", k=2 + i % 3) for i, t in enumerate(texts)])
+            return texts, outs, threading.current_thread().name
+        texts, outs, loop_thread = _run(main())
+    encodes = [c for c in calls if c[0] == "encode"]
+    searches = [c for c in calls if c[0] == "search"]
+    assert len(encodes) == 1 and len(encodes[0][1]) == sum(len(t) for t in texts)
+    assert len(searches) == 1 and searches[0][2] == 4            # one call, largest k of the group
+    assert encodes[0][3] == "qswap-batcher" != loop_thread       # model code never on the event loop
+    for i, (t, out) in enumerate(zip(texts, outs)):
+        assert len(out.hits) == len(t)
+        assert all(len(h) == 2 + i % 3 for h in out.hits)        # each request gets its own k
+        assert all(h[0].startswith(f"{len(t[0])}:") for h in out.hits)  # and its own rows
+        assert out.batch_requests == 10
+
+
+def test_batcher_adaptive_window_skips_the_wait_when_idle():
+    """A lone request is not held for the window; under load the window batches again."""
+    calls: list = []
+    enc, srch = _fake(calls)
+    with running(encode=enc, search=srch, window_s=0.5, max_batch=64) as b:
+        async def lone():
+            t0 = time.perf_counter()
+            await b.search(["x"], "k", k=1)
+            return time.perf_counter() - t0
+        assert _run(lone()) < 0.25                    # did not wait the 0.5 s window
+        b._last_requests = 2                          # as after a batch of several requests
+        async def burst():
+            return await asyncio.gather(*[b.search(["y"], "k", k=1) for _ in range(5)])
+        outs = _run(burst())
+    assert all(o.batch_requests == 5 for o in outs)   # the window collected the whole burst
+
+
+def test_batcher_isolates_failures():
+    calls: list = []
+    enc, srch = _fake(calls, fail_key="bad")
+    done: list[str] = []
+    with running(encode=enc, search=srch, window_s=0.2, max_batch=64, adaptive=False) as b:
+        async def main():
+            return await asyncio.gather(
+                b.search(["x"], "good", 1, {"s": "a"}, on_done=lambda: done.append("1")),
+                b.search(["yy"], "bad", 1, on_done=lambda: done.append("2")),
+                b.search(["zzz"], "good", 1, {"s": "b"}, on_done=lambda: done.append("3")),
+                b.search(["w"], "good", 1, {"s": "a"}, on_done=lambda: done.append("4")),
+                return_exceptions=True)
+        outs = _run(main())
+    assert isinstance(outs[1], InvalidInputError)
+    assert [o.hits[0][0] for o in (outs[0], outs[2], outs[3])] == ["1:0", "3:0", "1:0"]
+    assert sorted(done) == ["1", "2", "3", "4"]                 # every reference released once
+
+
+def test_batcher_one_search_per_distinct_filter():
+    calls: list = []
+    enc, srch = _fake(calls)
+    with running(encode=enc, search=srch, window_s=0.2, max_batch=64, adaptive=False) as b:
+        async def main():
+            return await asyncio.gather(b.search(["x"], "k", 1, {"s": "a"}), b.search(["yy"], "k", 3, {"s": "b"}),
+                                        b.search(["zzz"], "k", 2, {"s": "a"}))
+        outs = _run(main())
+    assert len([c for c in calls if c[0] == "encode"]) == 1
+    assert sorted((str(c[3]), c[1], c[2]) for c in calls if c[0] == "search") == [
+        ("{'s': 'a'}", 2, 2), ("{'s': 'b'}", 1, 3)]
+    assert [len(o.hits[0]) for o in outs] == [1, 3, 2]
+
+
+def test_batcher_respects_max_batch_and_runs_calls_on_worker():
+    calls: list = []
+    enc, srch = _fake(calls)
+    with running(encode=enc, search=srch, window_s=0.2, max_batch=4, adaptive=False) as b:
+        async def main():
+            outs = await asyncio.gather(*[b.search(["q"] * 3, "k", 1) for _ in range(4)])
+            name = await b.call(lambda: threading.current_thread().name)
+            return outs, name
+        outs, name = _run(main())
+    assert name == "qswap-batcher"
+    assert all(len(c[1]) <= 4 for c in calls if c[0] == "encode")
+    assert sum(len(c[1]) for c in calls if c[0] == "encode") == 12 and len(outs) == 4
+
+
+def test_batcher_admission_limits_and_deadlines():
+    release = threading.Event()
+    entered = threading.Event()
+    finished = {name: threading.Event() for name in ("first", "queued", "other")}
+
+    def encode(texts, keys):
+        entered.set()
+        release.wait(5)
+        return np.zeros((len(texts), 2), dtype=np.float32)
+
+    def search(q, k, flt, with_text):
+        return [[] for _ in q]
+
+    async def main():
+        b = MicroBatcher(encode=encode, search=search, window_s=0.0, max_batch=1, max_pending=3,
+                         max_pending_per_encoder=2)
+        b.start()
+        first = asyncio.ensure_future(b.search(["a"], "e1", 1, on_done=finished["first"].set))
+        assert await asyncio.to_thread(entered.wait, 10)                 # first runs, blocked in encode
+        queued = asyncio.ensure_future(b.search(["b"], "e1", 1, timeout_s=0.1,     # waits, expires
+                                                on_done=finished["queued"].set))
+        await asyncio.sleep(0)                                           # let it be admitted (no time passes)
+        with pytest.raises(OverloadedError):                             # e1 has 2 admitted
+            await b.search(["c"], "e1", 1)
+        other = asyncio.ensure_future(b.search(["d"], "e2", 1, on_done=finished["other"].set))  # overall 3 of 3
+        await asyncio.sleep(0)
+        with pytest.raises(OverloadedError):
+            await b.search(["e"], "e3", 1)
+        with pytest.raises(DeadlineExceededError):
+            await queued
+        release.set()
+        await first
+        await other
+        for name, done in finished.items():                             # each job's count released
+            assert await asyncio.to_thread(done.wait, 10), name
+        assert b.pending == 0                                            # the dropped job left the count
+        await b.search(["f"], "e1", 1)
+        b.drain()
+        with pytest.raises(Exception, match="shutting down"):
+            await b.search(["g"], "e1", 1)
+        b.stop()
+    _run(main())
