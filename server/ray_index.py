@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from qswap.errors import InvalidInputError, QswapError
+from qswap.server.errors import NotReadyError
 from qswap.index import Document, DocumentIndex
 
 log = logging.getLogger("qswap.server")
@@ -81,16 +82,33 @@ def get_or_create_writer(index_path: Path) -> Any:
     return actor.remote(str(Path(index_path).resolve()))
 
 
+def qswap_error_of(e: BaseException) -> BaseException:
+    """What a failed Ray call means to a client: a qswap error raised in the actor or replica
+    as itself (the HTTP layer maps it to the same 4xx as in one process), a lost or restarting
+    actor as :class:`NotReadyError` (503: retry), anything else unchanged.
+
+    Args:
+        e: the exception the Ray call raised.
+
+    Returns:
+        the exception to raise instead.
+    """
+    import ray
+    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, QswapError):
+        return e.cause
+    if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        return NotReadyError("the Ray actor serving this request went away (it is being restarted)",
+                             "retry the request")
+    return e
+
+
 def _call(method: Any, *args: Any) -> Any:
-    """Call an actor method and wait; a qswap error raised there is raised here as itself
-    (so the HTTP layer maps it to the same 4xx as in one process)."""
+    """Call an actor method and wait; failures as :func:`qswap_error_of` says."""
     import ray
     try:
         return ray.get(method.remote(*args))
-    except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, QswapError):
-            raise e.cause from None
-        raise
+    except Exception as e:  # noqa: BLE001 - mapped, or raised unchanged
+        raise qswap_error_of(e) from None
 
 
 class SharedIndex:
