@@ -36,6 +36,7 @@ log = logging.getLogger("qswap.server")
 
 NAMESPACE = "qswap"
 POLL_S = 0.2
+WRITER_RETRIES = 3
 
 
 def writer_name(index_path: Path) -> str:
@@ -76,9 +77,12 @@ class IndexWriterImpl:
 def get_or_create_writer(index_path: Path) -> Any:
     """The writer actor of ``index_path``: the existing one, or a new detached one."""
     import ray
+    # A call the dying writer did not answer, or one sent while it restarts, is sent again to
+    # the restarted writer (max_task_retries): upserting the same documents again gives the
+    # same index, and deleting ids already deleted is a no-op (its count then says 0 for them).
     actor = ray.remote(IndexWriterImpl).options(
         name=writer_name(index_path), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-        max_restarts=-1, max_task_retries=0, num_cpus=0, max_concurrency=1)
+        max_restarts=-1, max_task_retries=WRITER_RETRIES, num_cpus=0, max_concurrency=1)
     return actor.remote(str(Path(index_path).resolve()))
 
 
