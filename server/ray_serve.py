@@ -92,6 +92,14 @@ class RayOptions:
             raise InvalidInputError(f"--max-ongoing-requests must be at least 1, got {self.max_ongoing_requests}",
                                     "e.g. --max-ongoing-requests 64")
 
+    def encoder_fanout(self) -> int:
+        """Encoder replicas one ingress batch is spread over: their count, or the autoscaler's
+        maximum (Ray's default autoscaling: 8 at most)."""
+        if self.autoscaling is not None:
+            return int(self.autoscaling.get("max_replicas", 1))
+        n = self.replicas if self.encoder_replicas is None else self.encoder_replicas
+        return n if isinstance(n, int) else 8
+
     def as_args(self) -> dict[str, Any]:
         """These options as a Serve config's application ``args`` (read by :func:`app_from_env`)."""
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -158,11 +166,15 @@ class RayIngressState(ServerState):
     Args:
         settings: the server settings.
         encoder: the encoder deployment's handle.
+        fanout: encoder replicas a batch is spread over at most (their count, or the
+            autoscaler's maximum): each encoder's rows go as up to ``fanout`` calls, so that a
+            batch for one encoder keeps every encoder replica busy.
     """
 
-    def __init__(self, settings: ServerSettings, encoder: Any) -> None:
+    def __init__(self, settings: ServerSettings, encoder: Any, fanout: int = 1) -> None:
         super().__init__(settings)
         self.encoder = encoder
+        self.fanout = max(1, fanout)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stats = {"admitted": 0, "batches": 0, "encoder_calls": 0}
 
@@ -211,11 +223,13 @@ class RayIngressState(ServerState):
 
     async def _encode_groups(self, texts: list[str], keys: list[str]) -> Encoded:
         import numpy as np
-        groups: dict[str, list[int]] = {}
+        by_key: dict[str, list[int]] = {}
         for i, k in enumerate(keys):
-            groups.setdefault(k, []).append(i)
+            by_key.setdefault(k, []).append(i)
+        size = -(-len(texts) // self.fanout)   # rows per call: the batch spread over the replicas
+        chunks = [(k, rows[o:o + size]) for k, rows in by_key.items() for o in range(0, len(rows), size)]
         calls = []
-        for k, rows in groups.items():
+        for k, rows in chunks:
             # ``base`` is on every encoder replica: no multiplexing hint, Ray balances by load.
             h = self.encoder if k == BASE_KEY else self.encoder.options(multiplexed_model_id=k)
             calls.append(h.encode.remote([texts[i] for i in rows], k))
@@ -227,7 +241,7 @@ class RayIngressState(ServerState):
         dim = done[0][0].shape[1]
         emb = np.empty((len(texts), dim), dtype=np.float32)
         trunc = [False] * len(texts)
-        for rows, (e, t) in zip(groups.values(), done):
+        for (_, rows), (e, t) in zip(chunks, done):
             emb[rows] = e
             for i, flag in zip(rows, t):
                 trunc[i] = flag
@@ -250,9 +264,10 @@ def _ingress_class() -> Any:
     @serve.deployment(name=INGRESS)
     @serve.ingress()
     class QswapIngress:
-        def __init__(self, settings: ServerSettings, encoder: Any, threads: int | None = None) -> None:
+        def __init__(self, settings: ServerSettings, encoder: Any, threads: int | None = None,
+                     fanout: int = 1) -> None:
             set_threads(threads)
-            self.state = RayIngressState(settings, encoder)
+            self.state = RayIngressState(settings, encoder, fanout)
             self.state.load()
             self._stop = _start_stats(settings.state_dir, self.state.replica_stats)
 
@@ -340,7 +355,7 @@ def build_app(settings: ServerSettings, opts: RayOptions | None = None) -> Any:
     encoder = _encoder_class(opts.max_encoders, max(1, enc_max_batch)).options(
         **options[ENCODER], logging_config=LOGGING).bind(enc_settings, opts.replica_threads)
     return _ingress_class().options(**options[INGRESS], logging_config=LOGGING).bind(
-        ing_settings, encoder, opts.replica_threads)
+        ing_settings, encoder, opts.replica_threads, opts.encoder_fanout())
 
 
 def prepare_index(settings: ServerSettings) -> ServerSettings:
