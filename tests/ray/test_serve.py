@@ -292,6 +292,12 @@ def _only_in_flight_failed(spans: list[tuple[float, float, int]], t_kill: float)
 
 
 def _indexed_count(url: str) -> int:
+    """Documents in the index once every ingress replica is at the same generation (a change
+    made through one replica reaches the other within its 0.2 s poll)."""
+    import time
+    deadline = time.monotonic() + PROPAGATION_S
+    while len({s["index_generation"] for s in replica_stats().values()}) != 1:
+        assert time.monotonic() < deadline, "ingress replicas stay at different index generations"
     with httpx.Client(base_url=url, timeout=30) as c:
         return c.get("/readyz").json()["index_documents"]
 
@@ -360,12 +366,7 @@ def test_killed_index_writer_loses_no_acknowledged_write(ray_url, ray_index):
     _only_in_flight_failed(spans + writes, t_kill)
     assert len(acked) >= 10, writes   # at most the upsert in flight at the kill failed (one client)
     # every acknowledged document is in the index, on every ingress replica
-    deadline = time.monotonic() + PROPAGATION_S
-    while True:
-        gens = {s["index_generation"] for s in replica_stats().values()}
-        if len(gens) == 1 and _indexed_count(ray_url) == before + len(acked):
-            break
-        assert time.monotonic() < deadline, (gens, _indexed_count(ray_url), before, len(acked))
+    assert _indexed_count(ray_url) == before + len(acked), writes
     with admin(ray_url) as c:
         r = c.request("DELETE", "/v1/documents", json={"ids": [f"writer-kill-{i}" for i in range(12)]})
         assert r.status_code == 200 and r.json()["deleted"] == len(acked)
