@@ -34,7 +34,7 @@ from qswap.bench.load_options import ByMode, LoadDefaults, LoadOptions, RunDirs,
 from qswap.bench.processes import ServerProcess, free_port
 from qswap.bench.stats import interleaved, summarize
 from qswap.bench.results import md_table
-from qswap.bench.plots import plot_bars
+from qswap.bench.plots import plot_bars, plot_lines
 from qswap.bench.loadgen import LoadResult, Request
 from qswap.bench.fixtures import breakdown, index_meta, load_space_base, load_workload, lora_encoders, qswap_command, qswap_server, register, search_requests, stamped_index
 from qswap.errors import InvalidInputError
@@ -296,7 +296,8 @@ def _autoscale(opts: LoadOptions, tmp: Path, idx_dir: Path, enc_root: Path, mode
                 time.sleep(0.5)
             th.join()
             r = out[0]
-            phases[name] = {"clients": clients, "seconds_to_target": reached, **_lat([r]),
+            phases[name] = {"clients": clients, "seconds_to_target": reached, "t_start": round(start - t0, 2),
+                            **_lat([r]),
                             "statuses": r.statuses()}
             print(f"autoscale {name}: {clients} clients, target reached after {reached} s, "
                   f"{r.failed} failed of {r.sent}", file=sys.stderr)
@@ -363,9 +364,14 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
                  md_table(["phase", "clients", "seconds to target", "requests", "failed", "p50 ms", "p99 ms"],
                           [[k, p["clients"], "-" if p["seconds_to_target"] is None else f"{p['seconds_to_target']:.1f}",
                             p["requests"], p["failed"], f"{p['p50']:.1f}", f"{p['p99']:.1f}"]
-                           for k, p in a["phases"].items()]), "",
+                           for k, p in ((k, a["phases"][k]) for k in ("low", "up", "down") if k in a["phases"])]), "",
                  "Encoder replicas over time (s, replicas): " + ", ".join(
                      f"{t}:{n}" for i, (t, n) in enumerate(a["timeline"]) if i == 0 or a["timeline"][i - 1][1] != n)]
+    if a:
+        plot_lines(w.plot_path("autoscale.png"), [t for t, _ in a["timeline"]],
+                   {"encoder replicas": [n for _, n in a["timeline"]]}, xlabel="seconds (1 -> 32 -> 1 clients)",
+                   ylabel="encoder replicas", title="Encoder deployment autoscaling under a load step",
+                   vlines=[p["t_start"] for p in a["phases"].values()], vlabel="phase starts (1, 32, 1 clients)")
     if labels:
         plot_bars(w.plot_path("qps.png"), labels, {"single process": series_single, "Ray Serve": series_ray},
                   ylabel="requests/s", title="QPS: single process vs qswap serve --ray")
