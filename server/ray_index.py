@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from qswap.errors import InvalidInputError, QswapError
-from qswap.server.errors import NotReadyError
 from qswap.index import Document, DocumentIndex
+from qswap.server.errors import NotReadyError
 
 log = logging.getLogger("qswap.server")
 
