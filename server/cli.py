@@ -106,17 +106,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(--state-dir) and the index (--index), encoders are multiplexed models")
     r.add_argument("--address", metavar="ADDR", help="Ray cluster to join (e.g. auto, ray://head:10001; "
                    "default: start a local one)")
-    r.add_argument("--replicas", default="1", metavar="N|auto", help="Ray Serve num_replicas (default 1)")
-    r.add_argument("--autoscaling", metavar="JSON", help="Ray Serve autoscaling_config, passed through "
-                   "(e.g. '{\"min_replicas\": 1, \"max_replicas\": 4}'); overrides --replicas")
+    r.add_argument("--replicas", default="1", metavar="N|auto", help="ingress replicas (Ray Serve num_replicas, "
+                   "default 1)")
+    r.add_argument("--encoder-replicas", default=None, metavar="N|auto", help="encoder replicas (default: --replicas)")
+    r.add_argument("--autoscaling", metavar="JSON", help="Ray Serve autoscaling_config of the encoder deployment, "
+                   "passed through (e.g. '{\"min_replicas\": 1, \"max_replicas\": 4}'); overrides --encoder-replicas")
     r.add_argument("--max-encoders-per-replica", type=int, default=8, metavar="M",
-                   help="encoders each replica keeps loaded (Ray Serve multiplexing LRU, default 8)")
-    r.add_argument("--replica-cpus", type=float, default=1.0, metavar="C", help="CPUs reserved per replica "
+                   help="encoders each encoder replica keeps loaded (Ray Serve multiplexing LRU, default 8)")
+    r.add_argument("--replica-cpus", type=float, default=1.0, metavar="C", help="CPUs reserved per ingress replica "
                    "(Ray resource accounting, default 1)")
+    r.add_argument("--encoder-cpus", type=float, default=None, metavar="C", help="CPUs reserved per encoder replica "
+                   "(default: --replica-cpus)")
+    r.add_argument("--encoder-gpus", type=float, default=0.0, metavar="G", help="GPUs per encoder replica "
+                   "(default 0; with GPUs the encoders run on cuda, the ingress replicas on CPU)")
     r.add_argument("--replica-threads", type=int, default=None, metavar="T", help="torch/FAISS threads per "
-                   "replica (default: Ray's, = --replica-cpus)")
+                   "replica (default: Ray's, = its CPUs)")
     r.add_argument("--max-ongoing-requests", type=int, default=None, metavar="R", help="Ray Serve "
                    "max_ongoing_requests per replica (default: --max-batch, so a micro-batch can fill)")
+    r.add_argument("--print-config", nargs="?", const="serve", choices=("serve", "rayservice"), default=None,
+                   help="print the Ray Serve config (serve build style YAML; 'rayservice': a KubeRay RayService "
+                        "manifest around it) and exit")
     p.add_argument("--write-openapi", type=Path, metavar="PATH",
                    help="write the OpenAPI schema to PATH and exit (the committed copy: server/openapi.json)")
     p.set_defaults(func=_serve)
@@ -152,6 +161,10 @@ def _serve(args: argparse.Namespace) -> int:
                                 "see `qswap serve --help`") from None
     # Checked here, before the model stack is imported, so a bad setting fails in a second.
     settings.check()
+    if getattr(args, "print_config", None) is not None:
+        if not args.ray:
+            raise InvalidInputError("--print-config prints the Ray Serve config", "add --ray")
+        return _serve_ray(args, settings)   # before logging is configured: stdout is the config
     from qswap.server.app import DrainingServer, create_app
     from qswap.server.connections import uvicorn_config
     from qswap.server.logs import configure_logging
@@ -186,20 +199,11 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
 
     from qswap.errors import InvalidInputError
     try:
-        from qswap.server.ray_serve import serve_forever
+        from qswap.server.ray_serve import RayOptions, serve_forever
     except ModuleNotFoundError as e:
         if e.name and e.name.split(".")[0] == "ray":
             raise InvalidInputError("--ray needs Ray Serve", "pip install 'qswap[ray]'") from None
         raise
-    replicas: int | str = args.replicas
-    if replicas != "auto":
-        try:
-            replicas = int(replicas)
-        except ValueError:
-            raise InvalidInputError(f"--replicas must be a number or 'auto', got {args.replicas!r}",
-                                    "e.g. --replicas 2") from None
-        if replicas < 1:
-            raise InvalidInputError(f"--replicas must be at least 1, got {replicas}", "e.g. --replicas 2")
     autoscaling = None
     if args.autoscaling:
         try:
@@ -209,16 +213,32 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
                                     "e.g. --autoscaling '{\"min_replicas\": 1, \"max_replicas\": 4}'") from None
         if not isinstance(autoscaling, dict):
             raise InvalidInputError("--autoscaling must be a JSON object", "see Ray Serve's autoscaling_config")
-    if args.max_encoders_per_replica < 1:
-        raise InvalidInputError(f"--max-encoders-per-replica must be at least 1, got {args.max_encoders_per_replica}",
-                                "e.g. --max-encoders-per-replica 8")
     if args.replica_threads is not None and args.replica_threads < 1:
         raise InvalidInputError(f"--replica-threads must be at least 1, got {args.replica_threads}",
                                 "e.g. --replica-threads 2")
-    if args.max_ongoing_requests is not None and args.max_ongoing_requests < 1:
-        raise InvalidInputError(f"--max-ongoing-requests must be at least 1, got {args.max_ongoing_requests}",
-                                "e.g. --max-ongoing-requests 64")
-    return serve_forever(settings, address=args.address, replicas=replicas,
-                         max_encoders=args.max_encoders_per_replica, autoscaling=autoscaling,
-                         replica_cpus=args.replica_cpus, replica_threads=args.replica_threads,
-                         max_ongoing_requests=args.max_ongoing_requests)
+    opts = RayOptions(replicas=_replica_count("--replicas", args.replicas),
+                      encoder_replicas=(None if args.encoder_replicas is None
+                                        else _replica_count("--encoder-replicas", args.encoder_replicas)),
+                      autoscaling=autoscaling, max_encoders=args.max_encoders_per_replica,
+                      replica_cpus=args.replica_cpus, encoder_cpus=args.encoder_cpus, encoder_gpus=args.encoder_gpus,
+                      replica_threads=args.replica_threads, max_ongoing_requests=args.max_ongoing_requests)
+    opts.check()
+    if args.print_config is not None:
+        from qswap.server.ray_config import config_yaml
+        print(config_yaml(settings, opts, kind=args.print_config), end="")
+        return 0
+    return serve_forever(settings, opts, address=args.address)
+
+
+def _replica_count(flag: str, text: str) -> int | str:
+    """A replica count flag: a positive number or ``auto``."""
+    from qswap.errors import InvalidInputError
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise InvalidInputError(f"{flag} must be a number or 'auto', got {text!r}", f"e.g. {flag} 2") from None
+    if n < 1:
+        raise InvalidInputError(f"{flag} must be at least 1, got {n}", f"e.g. {flag} 2")
+    return n

@@ -30,11 +30,13 @@ import numpy as np
 
 from qswap.errors import InvalidInputError, QswapError
 from qswap.index import Document, DocumentIndex
+from qswap.server.errors import NotReadyError
 
 log = logging.getLogger("qswap.server")
 
 NAMESPACE = "qswap"
 POLL_S = 0.2
+WRITER_RETRIES = 3
 
 
 def writer_name(index_path: Path) -> str:
@@ -75,22 +77,42 @@ class IndexWriterImpl:
 def get_or_create_writer(index_path: Path) -> Any:
     """The writer actor of ``index_path``: the existing one, or a new detached one."""
     import ray
+    # A call the dying writer did not answer, or one sent while it restarts, is sent again to
+    # the restarted writer (max_task_retries): upserting the same documents again gives the
+    # same index, and deleting ids already deleted is a no-op (its count then says 0 for them).
     actor = ray.remote(IndexWriterImpl).options(
         name=writer_name(index_path), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-        max_restarts=-1, max_task_retries=0, num_cpus=0, max_concurrency=1)
+        max_restarts=-1, max_task_retries=WRITER_RETRIES, num_cpus=0, max_concurrency=1)
     return actor.remote(str(Path(index_path).resolve()))
 
 
+def qswap_error_of(e: BaseException) -> BaseException:
+    """What a failed Ray call means to a client: a qswap error raised in the actor or replica
+    as itself (the HTTP layer maps it to the same 4xx as in one process), a lost or restarting
+    actor as :class:`NotReadyError` (503: retry), anything else unchanged.
+
+    Args:
+        e: the exception the Ray call raised.
+
+    Returns:
+        the exception to raise instead.
+    """
+    import ray
+    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, QswapError):
+        return e.cause
+    if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        return NotReadyError("the Ray actor serving this request went away (it is being restarted)",
+                             "retry the request")
+    return e
+
+
 def _call(method: Any, *args: Any) -> Any:
-    """Call an actor method and wait; a qswap error raised there is raised here as itself
-    (so the HTTP layer maps it to the same 4xx as in one process)."""
+    """Call an actor method and wait; failures as :func:`qswap_error_of` says."""
     import ray
     try:
         return ray.get(method.remote(*args))
-    except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, QswapError):
-            raise e.cause from None
-        raise
+    except Exception as e:  # noqa: BLE001 - mapped, or raised unchanged
+        raise qswap_error_of(e) from None
 
 
 class SharedIndex:

@@ -1,19 +1,20 @@
-"""``qswap serve --ray``: the same FastAPI app on Ray Serve, with encoders as multiplexed models.
+"""``qswap serve --ray``: the same FastAPI app on Ray Serve, as an ingress in front of encoders.
 
-One deployment, ``QswapReplica``, is the HTTP ingress: every replica runs the app of
-:func:`qswap.server.app.create_app` (same routes, checks, errors) over the same base model.
-Ray Serve's proxy spreads requests over replicas. A search is admitted as in one process (the
-encoder resolved to an exact ``name@version`` from the shared alias table and held); then:
+One Serve application, two deployments:
 
-- the encoder is loaded in this replica (or is ``base``): the local micro-batcher serves it;
-- otherwise the request goes through the deployment's own handle with
-  ``multiplexed_model_id=name@version``: Ray Serve routes it to a replica that holds that
-  encoder, or to one that will load it. Each replica keeps at most
-  ``--max-encoders-per-replica`` encoders in Ray Serve's per-replica LRU
-  (``@serve.multiplexed``); an encoder it drops is detached from the replica's pool.
+- ``QswapIngress`` (the HTTP ingress, ``route_prefix /``): every replica runs the app of
+  :func:`qswap.server.app.create_app` (same routes, auth, admission, deadlines, 429/504, errors)
+  over the shared registry and a read-only view of the shared index. Its micro-batcher admits
+  and batches searches as in one process; a batch's rows are sent to the encoder deployment,
+  one call per encoder (``handle.options(multiplexed_model_id=name@version)``, all at once),
+  and the vectors that come back are searched here, in one index call per filter.
+- ``QswapEncoder``: the query encoders as Ray Serve multiplexed models
+  (:mod:`qswap.server.ray_encoder`), with its own replica count, autoscaling, ``num_cpus`` and
+  ``num_gpus``: GPU encoder replicas can sit behind CPU ingress replicas.
 
+Nothing calls back into the ingress, so no replica ever waits on a replica of its own kind.
 Registry and index are shared by all replicas (:mod:`qswap.server.ray_registry`,
-:mod:`qswap.server.ray_index`). Replica count and autoscaling are Ray Serve's own settings.
+:mod:`qswap.server.ray_index`).
 """
 
 from __future__ import annotations
@@ -24,131 +25,158 @@ import os
 import signal
 import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from qswap.encoders import BASE_KEY
-from qswap.errors import InvalidInputError, QswapError
+from qswap.errors import InvalidInputError
 from qswap.index.ray_build import init_ray
-from qswap.server.batching import EmbedOutcome, MicroBatcher, SearchOutcome
+from qswap.server.batching import MicroBatcher
 from qswap.server.config import ServerSettings
-from qswap.server.errors import DeadlineExceededError, NotReadyError
-from qswap.server.ray_index import SharedIndex, get_or_create_writer
+from qswap.server.ray_encoder import Encoded, EncoderCore, rows_of, set_threads, split_rows
+from qswap.server.ray_index import SharedIndex, get_or_create_writer, qswap_error_of
 from qswap.server.ray_registry import SharedRegistry
 from qswap.server.state import ServerState
 
 log = logging.getLogger("qswap.server")
 
 APP_NAME = "qswap"
+INGRESS = "QswapIngress"
+ENCODER = "QswapEncoder"
 REPLICA_STATS_DIR = "replicas"
 STATS_EVERY_S = 0.5
-DEPLOYMENT = "QswapReplica"
+#: How long an ingress batch waits for the encoder deployment at most: the longest deadline a
+#: request can ask for (its own deadline answers it earlier; this only frees the batch thread).
+ENCODE_TIMEOUT_S = 600.0
+LOGGING = {"enable_access_log": False, "log_level": "WARNING"}
 
 
-class _Lease:
-    """What Ray Serve's multiplexed LRU holds per encoder; dropping it detaches the encoder."""
+@dataclass
+class RayOptions:
+    """How ``qswap serve --ray`` lays the application out on the cluster.
 
-    def __init__(self, registry: SharedRegistry, key: str) -> None:
-        self.registry = registry
-        self.key = key
-        self._released = False
+    Attributes:
+        replicas: ingress replicas (``num_replicas``; ``"auto"`` for Ray's default autoscaling).
+        encoder_replicas: encoder replicas (None: as many as ingress replicas).
+        autoscaling: Ray Serve ``autoscaling_config`` of the encoder deployment (overrides
+            ``encoder_replicas``).
+        max_encoders: encoders each encoder replica keeps loaded (multiplexing LRU).
+        replica_cpus: ``num_cpus`` of each ingress replica.
+        encoder_cpus: ``num_cpus`` of each encoder replica (None: ``replica_cpus``).
+        encoder_gpus: ``num_gpus`` of each encoder replica (0: CPU encoders).
+        replica_threads: torch/FAISS threads per replica (None: Ray's, = ``num_cpus``).
+        max_ongoing_requests: Ray Serve ``max_ongoing_requests`` of both deployments (None:
+            ``--max-batch``, so that a micro-batch can fill).
+    """
 
-    def __del__(self) -> None:
-        # Serve calls this once when its LRU evicts the encoder; the garbage collector may
-        # call it again later, when the same key may be loaded anew: only the first counts.
-        if self._released:
-            return
-        self._released = True
+    replicas: int | str = 1
+    encoder_replicas: int | str | None = None
+    autoscaling: dict[str, Any] | None = None
+    max_encoders: int = 8
+    replica_cpus: float = 1.0
+    encoder_cpus: float | None = None
+    encoder_gpus: float = 0.0
+    replica_threads: int | None = None
+    max_ongoing_requests: int | None = None
+
+    def check(self) -> None:
+        """Refuse options that cannot work (:class:`InvalidInputError`)."""
+        if self.max_encoders < 1:
+            raise InvalidInputError(f"--max-encoders-per-replica must be at least 1, got {self.max_encoders}",
+                                    "give a positive number")
+        if self.encoder_gpus < 0:
+            raise InvalidInputError(f"--encoder-gpus must be 0 or more, got {self.encoder_gpus}",
+                                    "e.g. --encoder-gpus 1")
+        if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
+            raise InvalidInputError(f"--max-ongoing-requests must be at least 1, got {self.max_ongoing_requests}",
+                                    "e.g. --max-ongoing-requests 64")
+
+    def encoder_fanout(self) -> int:
+        """Encoder replicas one ingress batch is spread over: their count, or the autoscaler's
+        maximum (Ray's default autoscaling: 8 at most)."""
+        if self.autoscaling is not None:
+            return int(self.autoscaling.get("max_replicas", 1))
+        n = self.replicas if self.encoder_replicas is None else self.encoder_replicas
+        return n if isinstance(n, int) else 8
+
+    def as_args(self) -> dict[str, Any]:
+        """These options as a Serve config's application ``args`` (read by :func:`app_from_env`)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def deployment_options(settings: ServerSettings, opts: RayOptions) -> dict[str, dict[str, Any]]:
+    """Ray Serve options of each deployment (``INGRESS``, ``ENCODER``), as a Serve config lists them.
+
+    Args:
+        settings: the server settings (``max_batch`` sizes the default ``max_ongoing_requests``).
+        opts: the layout.
+
+    Returns:
+        deployment name -> options (``num_replicas`` or ``autoscaling_config``,
+        ``max_ongoing_requests``, ``ray_actor_options``).
+    """
+    opts.check()
+    # Ray Serve's default of 5 ongoing requests per replica would cap a micro-batch at 5.
+    max_ongoing = opts.max_ongoing_requests or settings.max_batch
+    ingress: dict[str, Any] = {"num_replicas": opts.replicas, "max_ongoing_requests": max_ongoing,
+                               "ray_actor_options": {"num_cpus": opts.replica_cpus}}
+    encoder_actor: dict[str, Any] = {"num_cpus": opts.replica_cpus if opts.encoder_cpus is None else opts.encoder_cpus}
+    if opts.encoder_gpus:
+        encoder_actor["num_gpus"] = opts.encoder_gpus
+    encoder: dict[str, Any] = {"max_ongoing_requests": max_ongoing, "ray_actor_options": encoder_actor}
+    if opts.autoscaling is not None:
+        encoder["autoscaling_config"] = opts.autoscaling
+    else:
+        encoder["num_replicas"] = opts.replicas if opts.encoder_replicas is None else opts.encoder_replicas
+    return {INGRESS: ingress, ENCODER: encoder}
+
+
+def _write_stats_loop(state_dir: Path, stats: Callable[[], dict[str, Any]], stop: threading.Event,
+                      every_s: float = STATS_EVERY_S) -> None:
+    """A replica's counters as ``<state dir>/replicas/<replica id>.json`` (atomic, every
+    ``every_s``), so that operators and benchmarks read every replica without the router."""
+    from qswap.atomic import atomic_write_json
+    folder = Path(state_dir) / REPLICA_STATS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    while not stop.wait(every_s):
         try:
-            self.registry.unload(self.key)
-        except Exception:  # noqa: BLE001 - never fail an eviction
-            log.exception("unloading an evicted encoder failed")
+            st = stats()
+            atomic_write_json(folder / f"{st['replica']}.json", {**st, "written_at": time.time()})
+        except Exception:  # noqa: BLE001 - observability must not take the replica down
+            log.exception("writing replica stats failed")
 
 
-class RoutingBatcher:
-    """The replica's batcher as the routes see it: local when the encoder is here, else routed."""
-
-    def __init__(self, local: MicroBatcher, replica: "ReplicaCore") -> None:
-        self.local = local
-        self.replica = replica
-
-    def start(self) -> None:
-        self.local.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self.local.stop(timeout)
-
-    def drain(self) -> None:
-        """SIGTERM: stop admitting here (forwarded requests in flight finish)."""
-        self.local.drain()
-
-    @property
-    def pending(self) -> int:
-        return self.local.pending
-
-    @property
-    def thread(self) -> threading.Thread:
-        return self.local.thread
-
-    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return await self.local.call(fn, *args, **kwargs)
-
-    async def embed(self, texts: list[str], key: str, on_done: Callable[[], None] | None = None,
-                    timeout_s: float | None = None) -> EmbedOutcome:
-        """Embeddings run on this replica (the encoder is loaded here first if it is not)."""
-        if key != BASE_KEY:
-            try:
-                await self.replica.touch(key)
-            except BaseException:
-                if on_done is not None:
-                    on_done()   # the batcher never saw it: release the reference here
-                raise
-        return await self.local.embed(texts, key, on_done, timeout_s=timeout_s)
-
-    async def search(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None = None,
-                     with_text: bool = True, on_done: Callable[[], None] | None = None,
-                     timeout_s: float | None = None, tokens: list[int] | None = None) -> SearchOutcome:
-        r = self.replica
-        resident = key == BASE_KEY or r.state.registry.is_loaded(key)
-        if resident or r.forwarding >= r.max_forwarding:
-            # Here: the encoder is loaded here, or too many of this replica's requests already
-            # wait on other replicas. The cap keeps a share of every replica's request slots
-            # for work that waits on nobody, so replicas forwarding to each other cannot all
-            # end up waiting for a slot on the other (a deadlock).
-            if key != BASE_KEY:
-                try:
-                    await r.touch(key)   # loads it here if it is not resident
-                except BaseException:
-                    if on_done is not None:
-                        on_done()   # the batcher never saw it: release the reference here
-                    raise
-            r.stats["local" if resident else "overflow_local"] += 1
-            return await self.local.search(texts, key, k, filter, with_text, on_done, timeout_s=timeout_s,
-                                           tokens=tokens)
-        r.stats["forwarded"] += 1
-        r.forwarding += 1
-        try:
-            if timeout_s is None:
-                return await r.forward(texts, key, k, filter, with_text)
-            try:   # the same deadline as a local request: the caller gets 504, not a late answer
-                return await asyncio.wait_for(r.forward(texts, key, k, filter, with_text), timeout_s)
-            except asyncio.TimeoutError:
-                raise DeadlineExceededError(
-                    "the request did not finish within its deadline and was dropped",
-                    "retry later, or give a longer X-Request-Timeout") from None
-        finally:
-            r.forwarding -= 1
-            if on_done is not None:
-                on_done()
+def _start_stats(state_dir: Path, stats: Callable[[], dict[str, Any]]) -> threading.Event:
+    stop = threading.Event()
+    threading.Thread(target=_write_stats_loop, args=(state_dir, stats, stop), name="qswap-replica-stats",
+                     daemon=True).start()
+    return stop
 
 
-class RayServerState(ServerState):
-    """A replica's state: shared registry, shared index view, routing batcher; loads eagerly."""
+def _replica_id() -> str:
+    from ray import serve
+    return serve.get_replica_context().replica_id.unique_id
 
-    def __init__(self, settings: ServerSettings, replica: "ReplicaCore") -> None:
+
+class RayIngressState(ServerState):
+    """An ingress replica's state: shared registry, shared index view, a micro-batcher whose
+    encode step is the encoder deployment. Loads in the replica's constructor.
+
+    Args:
+        settings: the server settings.
+        encoder: the encoder deployment's handle.
+        fanout: encoder replicas a batch is spread over at most (their count, or the
+            autoscaler's maximum): each encoder's rows go as up to ``fanout`` calls, so that a
+            batch for one encoder keeps every encoder replica busy.
+    """
+
+    def __init__(self, settings: ServerSettings, encoder: Any, fanout: int = 1) -> None:
         super().__init__(settings)
-        self.replica = replica
-        self.local_batcher: MicroBatcher | None = None
+        self.encoder = encoder
+        self.fanout = max(1, fanout)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stats = {"admitted": 0, "batches": 0, "encoder_calls": 0}
 
     def open_index(self, base: Any) -> Any:
         assert self.settings.index is not None   # the driver resolves the demo index to a path
@@ -157,9 +185,10 @@ class RayServerState(ServerState):
     def make_registry(self, **kw: Any) -> SharedRegistry:
         return SharedRegistry(**kw)
 
-    def make_batcher(self, **kw: Any) -> RoutingBatcher:
-        self.local_batcher = MicroBatcher(**kw)
-        return RoutingBatcher(self.local_batcher, self.replica)
+    def make_batcher(self, **kw: Any) -> MicroBatcher:
+        kw["encode_flagged"] = self.encode_remote
+        kw["encode"] = lambda texts, keys: self.encode_remote(texts, keys)[0]
+        return MicroBatcher(**kw)
 
     def start_loading(self) -> None:
         # Loaded in the replica's constructor: Ray Serve routes to a replica only once it is
@@ -172,174 +201,173 @@ class RayServerState(ServerState):
         self.registry.start_polling()
 
     async def prepare_encoder(self, key: str) -> None:
-        # Where the encoder loads is decided by the routing batcher: here if it is resident,
-        # otherwise on the replica Ray Serve routes the request to.
-        return None
+        # The encoder loads on the encoder replica the call is routed to. Here: remember the
+        # event loop, on which the batch thread sends its calls to the encoder deployment.
+        self.loop = asyncio.get_running_loop()
+        self.stats["admitted"] += 1
 
+    def encode_remote(self, texts: list[str], keys: list[str]) -> Encoded:
+        """Encode a batch on the encoder deployment (batch thread; blocks until it answers).
 
-def _unwrap(e: BaseException) -> BaseException:
-    """A qswap error raised on another replica, as itself; a lost replica as a 503."""
-    import ray
-    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, QswapError):
-        return e.cause
-    if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError,
-                      ray.exceptions.ActorUnavailableError)):
-        return NotReadyError("the replica serving this request went away", "retry the request")
-    return e
+        Args:
+            texts: the batch's query texts.
+            keys: the encoder of each text.
 
+        Returns:
+            the vectors and truncation flags, in the order of ``texts``.
+        """
+        assert self.loop is not None
+        self.stats["batches"] += 1
+        fut = asyncio.run_coroutine_threadsafe(self._encode_groups(texts, keys), self.loop)
+        return fut.result(timeout=ENCODE_TIMEOUT_S)
 
-class ReplicaCore:
-    """Everything one replica does besides HTTP (kept apart from Ray Serve's class decorators)."""
-
-    def __init__(self, settings: ServerSettings, max_encoders: int, app_name: str, deployment: str,
-                 threads: int | None = None, max_ongoing: int = 64) -> None:
-        from ray import serve
-        if threads:
-            # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1 by default): say otherwise here.
-            import faiss
-            import torch
-            torch.set_num_threads(threads)
-            faiss.omp_set_num_threads(threads)
-        self.settings = settings
-        self.app_name = app_name
-        self.deployment = deployment
-        self.stats = {"local": 0, "forwarded": 0, "overflow_local": 0, "served_for_others": 0,
-                      "encoder_requests": 0, "loads": 0}
-        self.forwarding = 0   # this replica's requests now waiting on another replica (event loop only)
-        self.max_forwarding = max(1, max_ongoing // 2)
-        self._handle: Any = None
-        self.state = RayServerState(settings, self)
-
-        async def load_encoder(key: str) -> _Lease:
-            reg = self.state.registry
-            assert isinstance(reg, SharedRegistry)
-            if not reg.is_loaded(key):
-                self.stats["loads"] += 1
-                await asyncio.to_thread(reg.ensure_loaded, key)
-            return _Lease(reg, key)
-
-        self.get_encoder = serve.multiplexed(max_num_models_per_replica=max_encoders)(load_encoder)
-        self.state.load()
-        self._stop = threading.Event()
-        threading.Thread(target=self._write_stats_loop, name="qswap-replica-stats", daemon=True).start()
-
-    def _write_stats_loop(self, every_s: float = STATS_EVERY_S) -> None:
-        """Each replica's counters as ``<state dir>/replicas/<replica id>.json`` (atomic), so that
-        operators and benchmarks can read every replica without going through the router."""
-        from qswap.atomic import atomic_write_json
-        folder = Path(self.settings.state_dir) / REPLICA_STATS_DIR
-        folder.mkdir(parents=True, exist_ok=True)
-        while not self._stop.wait(every_s):
-            try:
-                st = self.replica_stats()
-                atomic_write_json(folder / f"{st['replica']}.json", {**st, "written_at": time.time()})
-            except Exception:  # noqa: BLE001 - observability must not take the replica down
-                log.exception("writing replica stats failed")
-
-    @property
-    def handle(self) -> Any:
-        if self._handle is None:
-            from ray import serve
-            self._handle = serve.get_deployment_handle(self.deployment, app_name=self.app_name)
-        return self._handle
-
-    async def touch(self, key: str) -> None:
-        """Mark ``key`` used in Serve's LRU (and report it held here, for routing)."""
-        self.stats["encoder_requests"] += 1
-        await self.get_encoder(key)
-
-    async def forward(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None,
-                      with_text: bool) -> SearchOutcome:
-        try:
-            return await self.handle.options(multiplexed_model_id=key).search_here.remote(
-                texts, key, k, filter, with_text)
-        except Exception as e:
-            raise _unwrap(e) from None
-
-    async def search_here(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None,
-                          with_text: bool) -> SearchOutcome:
-        """Serve a request routed here for encoder ``key`` (loading it if needed)."""
-        state = self.state
-        state.require_ready()
-        reg = state.registry
-        assert reg is not None and self.state.local_batcher is not None
-        self.stats["served_for_others"] += 1
-        self.stats["encoder_requests"] += 1
-        held = reg.acquire(encoder=key)   # NotFoundError if it was deleted meanwhile
-        try:
-            await self.get_encoder(held)
-            if not reg.is_loaded(held):   # dropped by the LRU between load and use
-                await asyncio.to_thread(reg.ensure_loaded, held)
-        except BaseException:
-            reg.release(held)
-            raise
-        return await self.state.local_batcher.search(texts, held, k, filter, with_text,
-                                                     on_done=lambda: reg.release(held))
+    async def _encode_groups(self, texts: list[str], keys: list[str]) -> Encoded:
+        import numpy as np
+        by_key: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            by_key.setdefault(k, []).append(i)
+        size = -(-len(texts) // self.fanout)   # rows per call: the batch spread over the replicas
+        chunks = [(k, rows[o:o + size]) for k, rows in by_key.items() for o in range(0, len(rows), size)]
+        calls = []
+        for k, rows in chunks:
+            # ``base`` is on every encoder replica: no multiplexing hint, Ray balances by load.
+            h = self.encoder if k == BASE_KEY else self.encoder.options(multiplexed_model_id=k)
+            calls.append(h.encode.remote([texts[i] for i in rows], k))
+        self.stats["encoder_calls"] += len(calls)
+        done = await asyncio.gather(*calls, return_exceptions=True)
+        for r in done:
+            if isinstance(r, BaseException):
+                raise qswap_error_of(r) from None
+        dim = done[0][0].shape[1]
+        emb = np.empty((len(texts), dim), dtype=np.float32)
+        trunc = [False] * len(texts)
+        for (_, rows), (e, t) in zip(chunks, done):
+            emb[rows] = e
+            for i, flag in zip(rows, t):
+                trunc[i] = flag
+        return emb, trunc
 
     def replica_stats(self) -> dict[str, Any]:
-        from ray import serve
-        ctx = serve.get_replica_context()
-        reg = self.state.registry
-        return {"replica": ctx.replica_id.unique_id, "pid": os.getpid(), **self.stats,
-                "resident": sorted(k for k in (reg.keys() if reg else []) if reg.is_loaded(k)),
+        """This replica's counters, registry view and index generation."""
+        reg = self.registry
+        return {"replica": _replica_id(), "deployment": "ingress", "pid": os.getpid(), **self.stats,
                 "aliases": reg.aliases() if reg else {}, "registered": reg.keys() if reg else None,
                 "registry_reloads": getattr(reg, "reloads", 0),
-                "index_generation": self.state.index.generation if self.state.index is not None else None}
+                "index_generation": self.index.generation if self.index is not None else None}
 
 
-def _deployment_class() -> Any:
+def _ingress_class() -> Any:
     from ray import serve
 
     from qswap.server.app import create_app
 
-    @serve.deployment(name=DEPLOYMENT)
+    @serve.deployment(name=INGRESS)
     @serve.ingress()
-    class QswapReplica:
-        def __init__(self, settings: ServerSettings, max_encoders: int, app_name: str,
-                     threads: int | None = None, max_ongoing: int = 64) -> None:
-            self.core = ReplicaCore(settings, max_encoders, app_name, DEPLOYMENT, threads, max_ongoing)
+    class QswapIngress:
+        def __init__(self, settings: ServerSettings, encoder: Any, threads: int | None = None,
+                     fanout: int = 1) -> None:
+            set_threads(threads)
+            self.state = RayIngressState(settings, encoder, fanout)
+            self.state.load()
+            self._stop = _start_stats(settings.state_dir, self.state.replica_stats)
 
         def __serve_build_asgi_app__(self) -> Any:
-            return create_app(self.core.settings, state=self.core.state)
-
-        async def search_here(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None,
-                              with_text: bool) -> SearchOutcome:
-            return await self.core.search_here(texts, key, k, filter, with_text)
+            return create_app(self.state.settings, state=self.state)
 
         def replica_stats(self) -> dict[str, Any]:
-            return self.core.replica_stats()
+            return self.state.replica_stats()
 
-    return QswapReplica
+    return QswapIngress
 
 
-def build_app(settings: ServerSettings, *, replicas: int | str = 1, max_encoders: int = 8,
-              autoscaling: dict[str, Any] | None = None, replica_cpus: float = 1.0,
-              replica_threads: int | None = None, max_ongoing_requests: int | None = None,
-              app_name: str = APP_NAME) -> Any:
-    """The Ray Serve application (``serve.run`` it). ``replicas`` may be ``"auto"``; an
-    ``autoscaling`` dict is Ray Serve's ``autoscaling_config``, passed through."""
-    if max_encoders < 1:
-        raise InvalidInputError(f"--max-encoders-per-replica must be at least 1, got {max_encoders}",
-                                "give a positive number")
-    # Ray Serve's default of 5 ongoing requests per replica would cap each micro-batch at 5:
-    # by default let a replica take as many as one batch holds.
-    max_ongoing = max_ongoing_requests or settings.max_batch
-    if max_ongoing < 2:
-        raise InvalidInputError(f"--max-ongoing-requests must be at least 2, got {max_ongoing}",
-                                "a replica needs a slot for its own requests and one for routed ones")
-    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": replica_cpus}, "max_ongoing_requests": max_ongoing,
-                               "logging_config": {"enable_access_log": False, "log_level": "WARNING"}}
-    if autoscaling is not None:
-        options["autoscaling_config"] = autoscaling
-    else:
-        options["num_replicas"] = replicas
-    return _deployment_class().options(**options).bind(settings, max_encoders, app_name, replica_threads,
-                                                                 max_ongoing)
+def _encoder_class(max_encoders: int, max_batch: int) -> Any:
+    from ray import serve
+
+    @serve.deployment(name=ENCODER)
+    class QswapEncoder:
+        def __init__(self, settings: ServerSettings, threads: int | None = None) -> None:
+            self.core = EncoderCore(settings, threads)
+            self._stop = _start_stats(settings.state_dir, lambda: self.core.replica_stats(_replica_id()))
+
+        @serve.multiplexed(max_num_models_per_replica=max_encoders)
+        async def get_encoder(self, key: str) -> Any:
+            return await self.core.load(key)
+
+        async def encode(self, texts: list[str], key: str) -> Encoded:
+            """Encode ``texts`` with encoder ``key`` (batched with concurrent calls)."""
+            if key != BASE_KEY:
+                await self.get_encoder(key)   # loads it here, or marks it used in the LRU
+            held = self.core.hold(key)
+            try:
+                out = await self._batch((list(texts), key))
+            finally:
+                self.core.release(held)
+            if isinstance(out, BaseException):
+                raise out
+            return out
+
+        @serve.batch(max_batch_size=max_batch, batch_wait_timeout_s=0.0, batch_size_fn=rows_of)
+        async def _batch(self, items: list[tuple[list[str], str]]) -> list[Any]:
+            # No waiting window: a batch is what queued while the previous one ran.
+            texts, keys, counts = split_rows(items)
+            try:
+                emb, trunc = await asyncio.to_thread(self.core.encode_rows, texts, keys)
+            except Exception as e:  # noqa: BLE001 - one bad call must not fail its neighbours
+                if len(items) == 1:
+                    return [e]
+                out: list[Any] = []
+                for ts, k in items:
+                    try:
+                        out.append(await asyncio.to_thread(self.core.encode_rows, ts, [k] * len(ts)))
+                    except Exception as e1:  # noqa: BLE001
+                        out.append(e1)
+                return out
+            res, o = [], 0
+            for n in counts:
+                res.append((emb[o:o + n], trunc[o:o + n]))
+                o += n
+            return res
+
+        def replica_stats(self) -> dict[str, Any]:
+            return self.core.replica_stats(_replica_id())
+
+    return QswapEncoder
+
+
+def build_app(settings: ServerSettings, opts: RayOptions | None = None) -> Any:
+    """The Ray Serve application (``serve.run`` it): the ingress bound to the encoder deployment.
+
+    Args:
+        settings: the server settings (the index must be a path: see :func:`prepare_index`).
+        opts: the layout (default: one replica of each).
+
+    Returns:
+        the bound application.
+    """
+    opts = opts or RayOptions()
+    options = deployment_options(settings, opts)
+    enc_settings, ing_settings = settings, settings
+    if opts.encoder_gpus and settings.device is None:
+        # GPU encoder replicas behind CPU ingress replicas: each side on its own device.
+        enc_settings = settings.model_copy(update={"device": "cuda"})
+        ing_settings = settings.model_copy(update={"device": "cpu"})
+    enc_max_batch = min(settings.max_batch, options[ENCODER]["max_ongoing_requests"])
+    encoder = _encoder_class(opts.max_encoders, max(1, enc_max_batch)).options(
+        **options[ENCODER], logging_config=LOGGING).bind(enc_settings, opts.replica_threads)
+    return _ingress_class().options(**options[INGRESS], logging_config=LOGGING).bind(
+        ing_settings, encoder, opts.replica_threads, opts.encoder_fanout())
 
 
 def prepare_index(settings: ServerSettings) -> ServerSettings:
     """Give the settings an index path (building the demo index in this process if none) and
-    start that index's writer actor."""
+    start that index's writer actor.
+
+    Args:
+        settings: the server settings.
+
+    Returns:
+        the settings with absolute index and state-dir paths.
+    """
     import ray
     if settings.index is None:
         from qswap.encoders import load_base
@@ -357,44 +385,69 @@ def prepare_index(settings: ServerSettings) -> ServerSettings:
 
 def app_from_env(args: dict[str, Any] | None = None) -> Any:
     """A Ray Serve application builder for config files (``import_path:
-    qswap.server.ray_serve:app_from_env``, e.g. in a KubeRay ``RayService``): settings from
-    ``QSWAP_*`` environment variables, ``QSWAP_RAY_MAX_ENCODERS`` encoders per replica (default 8).
-    Replica count and autoscaling come from the config's deployment options."""
+    qswap.server.ray_serve:app_from_env``, e.g. in a KubeRay ``RayService``).
+
+    Args:
+        args: the config's application ``args``: :class:`RayOptions` fields (as
+            ``qswap serve --ray --print-config`` writes them). Server settings come from
+            ``QSWAP_*`` environment variables; deployment options in the config's
+            ``deployments`` section override those built from ``args``.
+
+    Returns:
+        the bound application.
+    """
+    known = set(RayOptions.__dataclass_fields__)
+    unknown = sorted(set(args or {}) - known)
+    if unknown:
+        raise InvalidInputError(f"unknown application args: {', '.join(unknown)}",
+                                f"use only {', '.join(sorted(known))}")
+    opts = RayOptions(**(args or {}))
     settings = prepare_index(ServerSettings())
     settings.check()
-    max_encoders = int((args or {}).get("max_encoders_per_replica") or os.environ.get("QSWAP_RAY_MAX_ENCODERS", 8))
-    return build_app(settings, max_encoders=max_encoders)
+    return build_app(settings, opts)
 
 
-def deploy(settings: ServerSettings, *, replicas: int | str = 1, max_encoders: int = 8,
-           autoscaling: dict[str, Any] | None = None, replica_cpus: float = 1.0,
-           replica_threads: int | None = None, max_ongoing_requests: int | None = None,
-           app_name: str = APP_NAME, route_prefix: str = "/") -> str:
-    """Deploy on the connected Ray cluster; returns the HTTP URL once every replica is ready."""
+def deploy(settings: ServerSettings, opts: RayOptions | None = None, *, app_name: str = APP_NAME,
+           route_prefix: str = "/") -> str:
+    """Deploy on the connected Ray cluster.
+
+    Args:
+        settings: the server settings.
+        opts: the layout.
+        app_name: the Serve application's name.
+        route_prefix: where the app answers.
+
+    Returns:
+        the HTTP URL of Serve's proxy (once every replica is constructed).
+    """
     from ray import serve
     settings = prepare_index(settings)
     # No per-request access log lines from Serve's proxy and replicas (qswap logs its own
     # errors): on a small machine writing and shipping them cost more than the request.
-    serve.start(http_options={"host": settings.host, "port": settings.port},
-                logging_config={"enable_access_log": False, "log_level": "WARNING"})
-    app = build_app(settings, replicas=replicas, max_encoders=max_encoders, autoscaling=autoscaling,
-                    replica_cpus=replica_cpus, replica_threads=replica_threads,
-                    max_ongoing_requests=max_ongoing_requests, app_name=app_name)
-    serve.run(app, name=app_name, route_prefix=route_prefix, blocking=False)
+    serve.start(http_options={"host": settings.host, "port": settings.port}, logging_config=LOGGING)
+    serve.run(build_app(settings, opts), name=app_name, route_prefix=route_prefix, blocking=False)
     return f"http://{settings.host}:{settings.port}{route_prefix.rstrip('/')}"
 
 
-def serve_forever(settings: ServerSettings, *, address: str | None, replicas: int | str, max_encoders: int,
-                  autoscaling: dict[str, Any] | None = None, replica_cpus: float = 1.0,
-                  replica_threads: int | None = None, max_ongoing_requests: int | None = None) -> int:
-    """``qswap serve --ray``: deploy, then wait until interrupted; then delete the app."""
-    from ray import serve
-    init_ray(address)
-    url = deploy(settings, replicas=replicas, max_encoders=max_encoders, autoscaling=autoscaling,
-                 replica_cpus=replica_cpus, replica_threads=replica_threads,
-                 max_ongoing_requests=max_ongoing_requests)
+def serve_forever(settings: ServerSettings, opts: RayOptions, *, address: str | None) -> int:
+    """``qswap serve --ray``: deploy, then wait until interrupted; then delete the app.
+
+    Args:
+        settings: the server settings.
+        opts: the layout.
+        address: the Ray cluster to join (None: start a local one).
+
+    Returns:
+        the exit status.
+    """
     import ray
-    log.info("serving on Ray", extra={"url": url, "replicas": replicas, "max_encoders_per_replica": max_encoders,
+    from ray import serve
+    opts.check()
+    init_ray(address)
+    url = deploy(settings, opts)
+    log.info("serving on Ray", extra={"url": url, "ingress_replicas": opts.replicas,
+                                      "encoder_replicas": opts.encoder_replicas or opts.replicas,
+                                      "max_encoders_per_replica": opts.max_encoders,
                                       "ray_address": ray.get_runtime_context().gcs_address})
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -403,5 +456,4 @@ def serve_forever(settings: ServerSettings, *, address: str | None, replicas: in
         pass
     log.info("stopping: deleting the Ray Serve app")
     serve.delete(APP_NAME)
-    time.sleep(0.1)
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,14 +20,16 @@ pytest.importorskip("ray.serve", reason="qswap[ray] is not installed")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A local Ray cluster for this module (small, no dashboard)."""
+@contextmanager
+def local_cluster(**env: str) -> Iterator[None]:
+    """A local Ray cluster (small, no dashboard) whose processes inherit ``env`` besides what
+    `qswap serve --ray` sets for a cluster it starts (qswap.index.ray_build.init_ray)."""
     import ray
     from ray import serve
-    # What `qswap serve --ray` sets for a cluster it starts (qswap.index.ray_build.init_ray).
     os.environ.setdefault("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "0")
     os.environ.setdefault("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "0")
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         yield
@@ -35,6 +38,18 @@ def ray_cluster() -> Iterator[None]:
             serve.shutdown()
         finally:
             ray.shutdown()
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """A local Ray cluster for this module."""
+    with local_cluster():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +100,12 @@ def wait_ready(url: str, replicas: int, timeout: float = 60.0) -> None:
             time.sleep(0.1)
 
 
-def replica_stats(app_name: str = "qswap", want: int = 2, tries: int = 60) -> dict[str, dict[str, Any]]:
-    """Stats of every replica (the handle picks replicas at random: ask until all answered)."""
+def replica_stats(app_name: str = "qswap", want: int = 2, tries: int = 60,
+                  deployment: str = "QswapIngress") -> dict[str, dict[str, Any]]:
+    """Stats of every replica of ``deployment`` (the handle picks replicas at random: ask until
+    all answered)."""
     from ray import serve
-    h = serve.get_deployment_handle("QswapReplica", app_name=app_name)
+    h = serve.get_deployment_handle(deployment, app_name=app_name)
     seen: dict[str, dict[str, Any]] = {}
     for _ in range(tries):
         try:

@@ -1,4 +1,5 @@
-"""qswap serve --ray: two replicas on a local Ray cluster against the single-process server."""
+"""qswap serve --ray: two ingress and two encoder replicas on a local Ray cluster, against the
+single-process server."""
 
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ QUERIES = ["chess game", "linux server network", "music audio video", "physics c
 def ray_url(ray_cluster, tmp_path_factory, tiny_model_dir, ray_index, ray_encoders) -> Iterator[str]:
     from ray import serve
 
-    from qswap.server.ray_serve import deploy
+    from qswap.server.ray_serve import RayOptions, deploy
     tmp = tmp_path_factory.mktemp("rayserve")
     s = ray_settings(tmp, tiny_model_dir, ray_index, encoders_root=ray_encoders)
-    url = deploy(s, replicas=2, max_encoders=2, replica_cpus=0.5)
+    url = deploy(s, RayOptions(replicas=2, max_encoders=2, replica_cpus=0.5))
     wait_ready(url, 2)
     STATE_DIRS["ray"] = s.state_dir
     yield url
@@ -89,9 +90,7 @@ def test_registration_on_one_replica_is_served_by_the_other(ray_url):
         r = c.post("/v1/encoders", json={"path": "../x"})
         assert r.status_code == 422 and set(r.json()) >= {"error", "detail", "hint"}
     after = replica_stats()
-    def admitted_by(st: dict) -> int:
-        return st["local"] + st["forwarded"] + st["overflow_local"]
-    admitted = {rid: admitted_by(after[rid]) - admitted_by(before[rid]) for rid in after}
+    admitted = {rid: after[rid]["admitted"] - before[rid]["admitted"] for rid in after}
     # Both replicas admitted requests for the encoder registered through one of them.
     assert all(n > 0 for n in admitted.values()), admitted
 
@@ -247,3 +246,131 @@ def test_killed_replica_loses_no_registration_and_fails_only_its_in_flight(ray_u
             keys = {e["key"] for e in c.get("/v1/encoders").json()["encoders"]}
             assert {"enc0@1", "enc0@2", "enc1@1", "enc3@1"} <= keys and "enc2@1" not in keys
             assert _search(c, encoder="enc0@2").status_code == 200
+
+
+def _spans_under_load(url: str, clients: int, body: dict, stop: "threading.Event",
+                      spans: list[tuple[float, float, int]]) -> list["threading.Thread"]:
+    """``clients`` threads searching ``body`` until ``stop``; each request's (start, end, status)."""
+    import threading
+    import time
+
+    def load() -> None:
+        with httpx.Client(base_url=url, timeout=30) as cl:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    code = _search(cl, **body).status_code
+                except httpx.HTTPError:
+                    code = -1
+                spans.append((t0, time.monotonic(), code))
+
+    threads = [threading.Thread(target=load) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _upserts(url: str, prefix: str, n: int, spans: list[tuple[float, float, int]], acked: list[str],
+             started: "threading.Event") -> None:
+    """``n`` upserts of one new document each; the acknowledged ids in ``acked``."""
+    import time
+    with admin(url) as c:
+        for i in range(n):
+            doc = {"id": f"{prefix}-{i}", "text": f"kill test document {i} chess", "metadata": {}}
+            t0 = time.monotonic()
+            try:
+                code = c.post("/v1/documents", json={"documents": [doc]}).status_code
+            except httpx.HTTPError:
+                code = -1
+            spans.append((t0, time.monotonic(), code))
+            if code == 200:
+                acked.append(doc["id"])
+            started.set()
+
+
+def _only_in_flight_failed(spans: list[tuple[float, float, int]], t_kill: float) -> None:
+    failed = [s for s in spans if s[2] != 200]
+    in_flight = [s for s in spans if s[0] <= t_kill <= s[1]]
+    assert all(s[0] <= t_kill <= s[1] for s in failed), failed
+    assert len(failed) <= len(in_flight), (len(failed), len(in_flight))
+
+
+def _indexed_count(url: str) -> int:
+    """Documents in the index once every ingress replica is at the same generation (a change
+    made through one replica reaches the other within its 0.2 s poll)."""
+    import time
+    deadline = time.monotonic() + PROPAGATION_S
+    while len({s["index_generation"] for s in replica_stats().values()}) != 1:
+        assert time.monotonic() < deadline, "ingress replicas stay at different index generations"
+    with httpx.Client(base_url=url, timeout=30) as c:
+        return c.get("/readyz").json()["index_documents"]
+
+
+def test_killed_encoder_replica_loses_no_write_and_fails_only_its_in_flight(ray_url):
+    import os
+    import signal
+    import threading
+    import time
+    victim = sorted(replica_stats(deployment="QswapEncoder").values(), key=lambda s: s["pid"])[0]
+    before = _indexed_count(ray_url)
+    stop, started = threading.Event(), threading.Event()
+    spans: list[tuple[float, float, int]] = []
+    writes: list[tuple[float, float, int]] = []
+    acked: list[str] = []
+    threads = _spans_under_load(ray_url, 3, {"encoder": "enc1@1"}, stop, spans)
+    writer = threading.Thread(target=_upserts, args=(ray_url, "enc-kill", 8, writes, acked, started))
+    writer.start()
+    started.wait(60)
+    t_kill = time.monotonic()
+    os.kill(victim["pid"], signal.SIGKILL)
+    writer.join()
+    # the replacement encoder replica comes up; load runs on meanwhile
+    deadline = time.monotonic() + 60
+    while True:
+        now = replica_stats(deployment="QswapEncoder")
+        if len(now) == 2 and victim["replica"] not in now:
+            break
+        assert time.monotonic() < deadline, "no replacement encoder replica"
+    stop.set()
+    for t in threads:
+        t.join()
+    assert len(spans) > 20
+    _only_in_flight_failed(spans + writes, t_kill)
+    assert len(acked) == 8   # document writes never touch the encoders
+    assert _indexed_count(ray_url) == before + 8
+    with admin(ray_url) as c:
+        for _ in range(6):   # both encoder replicas serve again
+            assert _search(c, encoder="enc1@1").status_code == 200
+        assert c.request("DELETE", "/v1/documents", json={"ids": acked}).json()["deleted"] == 8
+
+
+def test_killed_index_writer_loses_no_acknowledged_write(ray_url, ray_index):
+    import threading
+    import time
+
+    import ray
+
+    from qswap.server.ray_index import NAMESPACE, writer_name
+    writer = ray.get_actor(writer_name(ray_index), namespace=NAMESPACE)
+    before = _indexed_count(ray_url)
+    stop, started = threading.Event(), threading.Event()
+    spans: list[tuple[float, float, int]] = []
+    writes: list[tuple[float, float, int]] = []
+    acked: list[str] = []
+    threads = _spans_under_load(ray_url, 2, {}, stop, spans)
+    w = threading.Thread(target=_upserts, args=(ray_url, "writer-kill", 12, writes, acked, started))
+    w.start()
+    started.wait(60)
+    t_kill = time.monotonic()
+    ray.kill(writer, no_restart=False)   # Ray restarts it (max_restarts=-1); it reopens the index
+    w.join()
+    stop.set()
+    for t in threads:
+        t.join()
+    _only_in_flight_failed(spans + writes, t_kill)
+    assert len(acked) >= 10, writes   # at most the upsert in flight at the kill failed (one client)
+    # every acknowledged document is in the index, on every ingress replica
+    assert _indexed_count(ray_url) == before + len(acked), writes
+    with admin(ray_url) as c:
+        r = c.request("DELETE", "/v1/documents", json={"ids": [f"writer-kill-{i}" for i in range(12)]})
+        assert r.status_code == 200 and r.json()["deleted"] == len(acked)

@@ -1,0 +1,70 @@
+"""qswap serve --ray with Ray Serve's direct ingress (``RAY_SERVE_ENABLE_DIRECT_INGRESS=1``).
+
+In that mode Serve starts no proxy: each ingress replica listens on a port of its own
+(``RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT``..., from 30000), and the controller publishes those
+ports as target groups for a load balancer (HAProxy or the operator's own). Ray refuses
+``@serve.multiplexed`` on an ingress deployment in this mode; qswap multiplexes on the encoder
+deployment behind the ingress, so the app deploys and serves LoRA encoders.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import httpx
+import pytest
+
+from ..server.conftest import ADMIN
+from .conftest import local_cluster, ray_settings, wait_ready
+
+
+@pytest.fixture(scope="module")
+def direct_cluster() -> Iterator[None]:
+    """A local Ray cluster started with direct ingress on (its processes inherit the flag)."""
+    with local_cluster(RAY_SERVE_ENABLE_DIRECT_INGRESS="1"):
+        yield
+
+
+def ingress_ports(app_name: str = "qswap", want: int = 1, timeout_s: float = 60.0) -> list[int]:
+    """The ports of the ingress replicas, as the controller publishes them to load balancers."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        groups = ray.get(controller.get_target_groups.remote(app_name))
+        ports = sorted({t.port for g in groups if str(g.protocol).endswith("HTTP") for t in g.targets})
+        if len(ports) >= want:
+            return ports
+        assert time.monotonic() < deadline, f"no direct-ingress targets: {groups}"
+        time.sleep(0.2)
+
+
+def test_direct_ingress_serves_a_lora_encoder(direct_cluster, tmp_path, tiny_model_dir, ray_index, ray_encoders):
+    from ray import serve
+
+    from qswap.server.ray_serve import RayOptions, deploy
+    s = ray_settings(tmp_path, tiny_model_dir, ray_index, encoders_root=ray_encoders)
+    deploy(s, RayOptions(replicas=1, encoder_replicas=1, replica_cpus=0.5))
+    try:
+        ports = ingress_ports()
+        # A replica's own port, not Serve's proxy port: the request reaches the ingress directly
+        # (on the host of http_options, which the replicas bind).
+        assert s.port not in ports, ports
+        url = f"http://{s.host}:{ports[0]}"
+        wait_ready(url, 1)
+        with httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {ADMIN}"}) as c:
+            r = c.post("/v1/encoders", json={"path": "e1"})
+            assert r.status_code == 201, r.text
+            r = c.post("/v1/search", json={"query": "chess game", "k": 3, "encoder": "enc1"})
+            assert r.status_code == 200, r.text
+            res = r.json()["results"][0]
+            assert res["encoder"]["key"] == "enc1@1" and len(res["hits"]) == 3
+            # the same errors as in one process
+            r = c.post("/v1/search", json={"query": "chess", "encoder": "nope"})
+            assert r.status_code == 404 and r.json()["error"] == "not_found"
+        enc = serve.get_deployment_handle("QswapEncoder", app_name="qswap").replica_stats.remote().result(timeout_s=30)
+        assert "enc1@1" in enc["resident"] and enc["loads"] == 1
+    finally:
+        serve.delete("qswap")
