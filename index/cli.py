@@ -14,7 +14,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ class Embedder:
     space: EmbeddingSpace
     documents: Callable[[list[str]], np.ndarray]
     queries: Callable[[list[str]], np.ndarray]
-    record: dict[str, Any]
+    record: dict[str, Any] = field(default_factory=lambda: {"precision": "fp32"})
 
 
 def load_embedder(model: str, precision: str = "fp32", runtime: str | None = None,
