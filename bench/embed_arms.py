@@ -8,8 +8,9 @@ alternating the arms' order:
 - ``torch fp32 (before)``: ``BaseEncoder.encode_documents`` (torch eager, batches of 64), what
   every document was embedded with before the document tower moved to
   :class:`~qswap.encoders.documents.DocumentEncoder`;
+- ``torch bf16 autocast (before)``: the same under ``--precision bf16`` before (autocast);
 - ``onnx fp32 (default)``, ``torch fp32 (reference)``, ``torch bf16``: the document encoder at each
-  runtime/precision (token-budget batches, producer thread);
+  runtime/precision (token-budget batches, producer thread; bf16: Linear layers in bf16);
 - ``onnx int8 dynamic`` / ``onnx int8 selective``: ONNX Runtime's dynamic quantisation of the
   fused graph (all MatMuls; only the feed-forward up-projections), measured to show why int8 is
   not offered;
@@ -152,6 +153,7 @@ def run_arms(args: Any, dirs: Any) -> int:
             "torch bf16": DocumentEncoder(base, precision="bf16", threads=threads)}
     arms: dict[str, Callable[[list[str]], np.ndarray]] = {
         "torch fp32 (before)": lambda t: base.encode_documents(t, batch_size=64),
+        "torch bf16 autocast (before)": lambda t: base.encode_documents(t, batch_size=64, precision="bf16"),
         **{name: e.encode for name, e in encs.items()}}
     if not args.no_int8:
         from qswap.encoders.onnx import make_session

@@ -7,8 +7,9 @@ choice of runtime and precision holds everywhere:
 - ``fp32`` (default) runs the base's fused ONNX Runtime graph: the same export, cache and
   probe check as the query path's merged base (:func:`qswap.encoders.onnx.cached_export`),
   equal to torch to cosine >= 0.99999;
-- ``bf16`` runs torch under bf16 autocast (matrix products in bf16, norms and softmax in
-  fp32): ONNX Runtime has no bf16 matrix product on x86 CPUs, torch uses AVX-512-BF16/AMX;
+- ``bf16`` runs torch with its Linear layers in bf16 (:mod:`qswap.encoders.bf16_linear`;
+  attention, norms and softmax in fp32): ONNX Runtime has no bf16 matrix product on x86 CPUs,
+  torch uses AVX-512-BF16/AMX;
 - ``runtime="torch"`` with ``fp32`` is the reference (``encode_texts``'s forward).
 
 Texts are tokenised in windows by a producer thread while the previous window computes, cut
@@ -138,6 +139,7 @@ class DocumentEncoder:
         self.docs_embedded = 0
         self._session: Any = None
         self._table: np.ndarray | None = None
+        self._model: Any = None   # the torch module documents run through (bf16: a bf16-Linear copy)
         self._lock = threading.Lock()
 
     @property
@@ -177,7 +179,7 @@ class DocumentEncoder:
         from qswap.encoders.embedding import embed_batch
         dev = self.base.device
         t_ids, t_mask = torch.from_numpy(ids).to(dev), torch.from_numpy(mask).to(dev)
-        return embed_batch(self.base.model, t_ids, t_mask, self.base.spec).float().cpu().numpy()
+        return embed_batch(self._model, t_ids, t_mask, self.base.spec).float().cpu().numpy()
 
     # -- encoding -------------------------------------------------------------------------------
 
@@ -198,6 +200,14 @@ class DocumentEncoder:
         with self._lock:
             if self.runtime == "onnx":
                 self._ensure_session()
+            elif self._model is None:
+                self._model = self.base.model
+                if self.precision == "bf16":
+                    from qswap.encoders.bf16_linear import bf16_linear_copy
+                    from qswap.encoders.precision import has_fast_bf16, warn_emulated
+                    if not has_fast_bf16(self.base.device):
+                        warn_emulated(self.base.device.type)
+                    self._model = bf16_linear_copy(self.base.model)
             meter = Throughput()
             bar = None
             if progress:
@@ -216,19 +226,11 @@ class DocumentEncoder:
         return out
 
     def _run(self, texts: list[str], out: np.ndarray, meter: Throughput, bar: Any) -> None:
-        import contextlib
-
         import torch
 
-        from qswap.encoders.precision import autocast_context
-        ctx: Any = contextlib.nullcontext()
-        if self.runtime == "torch":
-            ctx = contextlib.ExitStack()
-            ctx.enter_context(torch.inference_mode())
-            ctx.enter_context(autocast_context(self.base.device, self.precision))
-            if torch.get_num_threads() != self.threads:
-                torch.set_num_threads(self.threads)
-        with ctx:
+        if self.runtime == "torch" and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        with torch.inference_mode():
             for idx, ids, mask in _produce(self, texts):
                 out[idx] = self._forward(ids, mask)
                 meter.add(len(idx), int(mask.sum()))
