@@ -14,7 +14,7 @@ alternating the arms' order:
 - ``onnx int8 dynamic`` / ``onnx int8 selective``: ONNX Runtime's dynamic quantisation of the
   fused graph (all MatMuls; only the feed-forward up-projections), measured to show why int8 is
   not offered;
-- Infinity (``--infinity``): its ONNX Runtime (``optimum``) and torch engines on the same weights,
+- Infinity (``--infinity``): its ONNX Runtime (``optimum``) engine, its fastest on CPU, on the same weights,
   in its own virtualenv (:mod:`qswap.bench.infinity_peer`).
 
 Per arm: docs/s, tokens/s, effective GFLOP/s (model arithmetic of the real tokens) and its
@@ -197,7 +197,7 @@ def run_arms(args: Any, dirs: Any) -> int:
                           "passes_bar": passes(q)}
     if args.infinity:
         from qswap.bench.infinity_peer import run_infinity
-        inf = run_infinity(base.path, [pre + t for t in texts], dirs.tmp / "infinity", ["optimum", "torch"],
+        inf = run_infinity(base.path, [pre + t for t in texts], dirs.tmp / "infinity", ["optimum"],
                            64, threads)
         res["infinity"] = {}
         for eng, rec in inf.items():
