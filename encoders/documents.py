@@ -263,7 +263,8 @@ def document_encoder(base: BaseEncoder, precision: str = "fp32") -> DocumentEnco
         if hit is not None and hit[0]() is base:
             return hit[1]
         enc = DocumentEncoder(base, precision=precision)
-        _SHARED[key] = (weakref.ref(base, lambda _r, k=key: _SHARED.pop(k, None)), enc)
+        # The dict itself is bound: at interpreter exit the module global may already be None.
+        _SHARED[key] = (weakref.ref(base, lambda _r, k=key, d=_SHARED: d.pop(k, None)), enc)
         return enc
 
 
