@@ -112,6 +112,42 @@ def quantized_graph(fp32_graph: Path, out_dir: Path, selective: bool) -> Path:
     return out
 
 
+_RSS_CHILD = """
+import resource, sys
+from qswap.cli import main
+rc = main(sys.argv[1:])
+print("MAXRSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)
+sys.exit(rc)
+"""
+
+
+def build_rss(texts: list[str], sizes: list[int], model: str, work: Path) -> dict[str, Any]:
+    """Peak RSS of ``qswap index build`` (a child process each) on corpora of ``sizes`` documents.
+
+    The corpora cycle through ``texts`` cut to their first 12 words (distinct ids and a counter
+    in each text), so the build's memory, not the model's arithmetic, dominates the time.
+    """
+    import subprocess
+    out: dict[str, Any] = {}
+    short = [" ".join(t.split()[:12]) for t in texts]
+    for n in sizes:
+        corpus = work / f"rss-{n}.jsonl"
+        with open(corpus, "w", encoding="utf-8") as f:
+            for i in range(n):
+                f.write(json.dumps({"id": f"r{i}", "text": f"{short[i % len(short)]} {i}"}) + "\n")
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-c", _RSS_CHILD, "index", "build", str(corpus), "--out",
+                            str(work / f"rss-idx-{n}"), "--model", model, "--no-progress"],
+                           capture_output=True, text=True)
+        secs = time.perf_counter() - t0
+        kb = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("MAXRSS_KB")]
+        out[str(n)] = ({"peak_rss_mib": kb[0] / 1024, "seconds": secs, "docs_per_s": n / secs} if r.returncode == 0
+                       and kb else {"error": (r.stderr or r.stdout).strip().splitlines()[-1:]})
+        shutil.rmtree(work / f"rss-idx-{n}", ignore_errors=True)
+        corpus.unlink()
+    return out
+
+
 def quality(ref: np.ndarray, got: np.ndarray, queries: np.ndarray) -> dict[str, float]:
     """Cosine of each document to its reference, and recall@10 of the reference's top-10."""
     cos = (ref * got).sum(1) / (np.linalg.norm(ref, axis=1) * np.linalg.norm(got, axis=1))
@@ -210,6 +246,8 @@ def run_arms(args: Any, dirs: Any) -> int:
             v = rec.pop("vectors")
             q = quality(ref, v, queries) if v.shape == ref.shape else {"error": f"shape {v.shape}"}
             res["infinity"][eng] = {**rec, **q, "passes_bar": passes(q) if "min_cosine" in q else False}
+    if args.rss_docs:
+        res["build_rss"] = build_rss(texts, args.rss_docs, args.model, dirs.tmp)
     base_rate = res["arms"]["torch fp32 (before)"]["docs_per_s"]
     rows = []
     for a, rec in res["arms"].items():
@@ -227,6 +265,10 @@ def run_arms(args: Any, dirs: Any) -> int:
                          f"{tokens / rec['seconds']:,.0f}", f"{rec['docs_per_s'] / base_rate:.2f}",
                          f"{flops / rec['seconds'] / 1e9:.0f}", "-", f"{rec.get('min_cosine', float('nan')):.6f}",
                          f"{rec.get('recall_at_10', float('nan')):.4f}", "yes" if rec.get("passes_bar") else "**no**"])
+    for size, rec in (res.get("build_rss") or {}).items():
+        inf_md += (f"\nPeak RSS of `qswap index build` of {int(size):,} short documents: "
+                   + (f"{rec['peak_rss_mib']:.0f} MiB ({rec['docs_per_s']:.0f} docs/s whole build)" if "peak_rss_mib"
+                      in rec else f"failed: {rec['error']}") + "\n")
     labels = [r[0] for r in rows]
     plot_bars(dirs.writer.plot_path("docs_per_s.png"), labels, {"docs/s": [float(r[1]) for r in rows]},
               ylabel="documents/s", title=f"embedding {n:,} Debian documents on {threads} threads")

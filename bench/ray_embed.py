@@ -38,9 +38,9 @@ def parse_workers(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected worker counts such as 1,2, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected counts such as 1,2, got {text!r}") from None
     if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError("worker counts must be >= 1")
+        raise argparse.ArgumentTypeError("counts must be >= 1")
     return out
 
 
@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queries-per-lang", type=int, default=500, help="queries per language for recall@10")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--no-int8", action="store_true", help="leave out the int8 arms")
+    p.add_argument("--rss-docs", type=parse_workers, default=None, metavar="N,N",
+                   help="also measure the peak RSS of index builds of these document counts (e.g. 5000,40000)")
     p.add_argument("--infinity", action="store_true",
                    help="also run Infinity (installed into <data dir>/venvs/infinity on first use)")
     p.add_argument("--workers", type=parse_workers, default=[1, 2], help="Ray actor counts (default 1,2)")
