@@ -332,6 +332,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"built:       {info['created_at']} from {b.get('corpus', '-')} with {b.get('model', '-')}"
         f"{'; ' + str(b.get('n_bad_lines')) + ' bad lines skipped' if b.get('n_bad_lines') else ''}",
         f"updated:     {info['updated_at']} (qswap {info['qswap_version']})",
+        f"documents embedded at {documents_precision(b)}"
+        + (f" on {b['embedding'].get('runtime')}" if b.get("embedding", {}).get("runtime") else ""),
     ]
     print("\n".join(lines))
     return 0

@@ -58,7 +58,7 @@ def precise_model(monkeypatch, space, embed):
 
     def load(model, precision="fp32", runtime=None, threads=None):
         loaded.append((model, precision))
-        return cli.Embedder(model, space, embed, embed, {"precision": precision, "runtime": runtime or "onnx"})
+        return cli.Embedder(model, space, embed, embed, {"precision": precision, "runtime": runtime or ("onnx" if precision == "fp32" else "torch")})
 
     monkeypatch.setattr(cli, "load_embedder", load)
     return loaded
@@ -75,6 +75,9 @@ def test_cli_add_keeps_the_index_precision(tmp_path, corpus, jsonl, capsys, prec
     assert precise_model[-1] == ("multilingual-e5-small", "bf16")    # refused before loading another tower
     assert cli.main(["index", "add", str(out), str(new)]) == 0         # default: the index's own precision
     assert precise_model[-1][1] == "bf16"
+    capsys.readouterr()
+    assert cli.main(["index", "info", str(out)]) == 0
+    assert "documents embedded at bf16 on torch" in capsys.readouterr().out
 
 
 def test_load_embedder_uses_the_document_tower(tiny_model_dir):
