@@ -23,7 +23,7 @@ BENCHMARKS = (
     ("index", index_bench, "recall@10, bytes/doc, latency, build time per (dim, quant, kind, rescore)"),
     ("tuning", tuning_speed, "steps/s of qswap tuning vs a sentence-transformers TripletLoss run"),
     ("hotswap", hotswap, "registration-to-first-served time and failed requests during swaps under load"),
-    ("embed", ray_embed, "documents/s of index build: in process vs --ray (Ray Data, --workers 1,2)"),
+    ("embed", ray_embed, "document embedding: runtimes, precisions, roofline, Infinity; --ray: index build on Ray Data"),
     ("scale", encoder_scale, "server RSS with 1..50 LoRA encoders; end-to-end p50 vs encode with a LoRA encoder"),
     ("adversarial", adversarial, "normal clients' p50/p99 and server RSS while one attacker loops costly requests"),
     ("guard", guard, "the server's sentinel guard: registration time on a running server; false alarms and power"),

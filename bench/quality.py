@@ -1,7 +1,8 @@
 """``qswap bench quality``: base vs tuned query encoder on a BEIR set, per language and dimension.
 
-Documents come from the document cache `qswap tune` fills (fp16, the vectors `tune run` and
-`tune eval` score against), embedded only if missing; queries by the base and by the tuned encoder
+Documents come from ``--index`` (its stored vectors) when given, else from the document cache
+`qswap tune` fills (fp16, the vectors `tune run` and `tune eval` score against), embedded only
+if missing; queries by the base and by the tuned encoder
 (through :class:`~qswap.encoders.EncoderPool`, the serving path). Every query the tuning saw
 (train and validation split, rebuilt from ``--seed`` / ``--val-size`` / ``--test-size`` exactly as
 ``qswap tune run`` made them) is excluded in every language, since ids are shared across
@@ -34,6 +35,8 @@ def register(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="as given to `qswap tune run`")
     p.add_argument("--cache-dir", type=Path, help="document-embedding cache, as `qswap tune` uses "
                                                  "(default <data dir>/doc-cache)")
+    p.add_argument("--index", type=Path, help="a qswap index of the base's space: documents it holds take its "
+                                              "stored vectors (no re-embedding)")
     p.add_argument("--out", type=Path, default=None)
     p.set_defaults(func=main)
     return p
@@ -43,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
     from qswap.beir import load_beir
     from qswap.encoders import BASE_KEY, EncoderPool, load_base, load_encoder, truncate
     from qswap.tuning.data import read_beir, split_samples
-    from qswap.tuning.doc_cache import embed_documents
+    from qswap.tuning.doc_cache import StoredEmbeddings, embed_documents
     from qswap.tuning.progress import encode_with_progress
     from qswap.guard.evaluation import evaluate_retrieval
     from qswap.guard.stats import compare_counts, improvement
@@ -60,7 +63,12 @@ def main(args: argparse.Namespace) -> int:
     row = {d: i for i, d in enumerate(ids)}
     # The same document vectors `qswap tune run` / `tune eval` score against (the fp16 cache,
     # filled once): one evaluation path, and no second 10-minute embedding of the corpus.
-    docs = embed_documents(base, [corpus[d][0] for d in ids], args.cache_dir, progress=True, ids=ids)
+    stored = None
+    if args.index is not None:
+        from qswap.index import DocumentIndex
+        with DocumentIndex.open(args.index, read_only=True) as idx:
+            stored = StoredEmbeddings.from_index(idx)
+    docs = embed_documents(base, [corpus[d][0] for d in ids], args.cache_dir, progress=True, ids=ids, stored=stored)
     dims = [int(d) for d in args.dims.split(",")]
     results: dict[str, Any] = {"encoder": art.key, "excluded_seen_queries": len(seen), "documents": len(ids),
                                "rows": []}

@@ -1,6 +1,8 @@
-"""``qswap bench embed``: documents/s of ``qswap index build``, in process vs on Ray Data.
+"""``qswap bench embed``: documents/s of the document tower, and of ``qswap index build`` on Ray.
 
-The same corpus (the bundled 400-document demo corpus of Debian descriptions; ``--quick``: its
+Without ``--ray``: the runtime and precision arms of :mod:`qswap.bench.embed_arms` (torch fp32
+before, the ONNX Runtime default, bf16, int8, the GEMM roofline and, with ``--infinity``,
+Infinity) on Debian documents. With ``--ray`` (results in ``bench/results/embed/ray/``): the same corpus (the bundled 400-document demo corpus of Debian descriptions; ``--quick``: its
 first 64) is built into an index by the local build (one process, torch's own threads) and by
 ``--ray`` with each worker count (a local Ray cluster started by this command, one CPU per
 actor, so each actor runs one torch thread), alternately. Reported: wall time of the whole
@@ -21,27 +23,38 @@ from typing import Any
 import numpy as np
 
 from qswap.bench.load_options import ByMode, RunDirs
-from qswap.bench.results import md_table
+from qswap.bench.results import default_results_dir, md_table
+from qswap.errors import InvalidInputError
 from qswap.bench.plots import plot_bars
 from qswap.bench.stats import summarize
 
 NAME = "embed"
 MODEL = "multilingual-e5-small"
 DOCS = ByMode(400, 64)
+ARM_DOCS = ByMode(1000, 64)
 
 
 def parse_workers(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected worker counts such as 1,2, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected counts such as 1,2, got {text!r}") from None
     if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError("worker counts must be >= 1")
+        raise argparse.ArgumentTypeError("counts must be >= 1")
     return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ray", action="store_true", help="also build on Ray Data (the point of this benchmark)")
+    p.add_argument("--ray", action="store_true", help="compare index builds in process vs on Ray Data instead")
+    p.add_argument("--beir", type=Path, default=None, help="Debian BEIR folder (default: `qswap bench data debian`'s)")
+    p.add_argument("--docs", type=int, default=None, help="documents embedded per arm (default 1000; quick 64)")
+    p.add_argument("--queries-per-lang", type=int, default=500, help="queries per language for recall@10")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--no-int8", action="store_true", help="leave out the int8 arms")
+    p.add_argument("--rss-docs", type=parse_workers, default=None, metavar="N,N",
+                   help="also measure the peak RSS of index builds of these document counts (e.g. 5000,40000)")
+    p.add_argument("--infinity", action="store_true",
+                   help="also run Infinity (installed into <data dir>/venvs/infinity on first use)")
     p.add_argument("--workers", type=parse_workers, default=[1, 2], help="Ray actor counts (default 1,2)")
     p.add_argument("--model", default=MODEL, help="base model (bundled name or directory)")
     p.add_argument("--rounds", type=int, default=1, help="builds per arm (default 1)")
@@ -73,6 +86,15 @@ def run(args: argparse.Namespace) -> int:
     from qswap.index.cli import document_embedder, load_embedder
 
     quick = bool(args.quick)
+    if not args.ray:
+        from qswap.bench.embed_arms import run_arms
+        if args.docs is None:
+            args.docs = ARM_DOCS.pick(quick)
+        if args.docs < 1 or args.rounds < 1:
+            raise InvalidInputError("--docs and --rounds must be >= 1", "e.g. --docs 1000 --rounds 2")
+        return run_arms(args, RunDirs.create(NAME, quick, args.out))
+    if args.out is None and not quick:
+        args.out = default_results_dir(NAME) / "ray"
     dirs = RunDirs.create(NAME, quick, args.out)
     tmp = dirs.tmp
     n = DOCS.pick(quick)

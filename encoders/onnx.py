@@ -216,19 +216,9 @@ class OnnxBackend:
     def _load_or_export(self, key: str) -> _Session:
         own = own_tensors(self.base, self.pool.merged_state_dict(key))
         variant = f"{self._variant}-fused" if self.fuse else "plain"
-        digest = encoder_digest(self.base, own, variant)
         target = self.directory(key)
-        recover_dir(target)
-        meta = _read_meta(target)
-        if meta.get("digest") != digest or not (target / MODEL_FILE).exists():
-            with staged_dir(target) as staging:
-                facts = export_onnx(self.base, own, staging,
-                                    optimize_for=self._variant if self.fuse else None)
-                meta = {"format": EXPORT_FORMAT, "key": key, "digest": digest, "variant": variant,
-                        "space": self.base.space.fingerprint, "base": self.base.name, **facts}
-                atomic_write_json(staging / META_FILE, meta)   # last: marks the export complete
-            log.info("exported %s to ONNX in %.1fs (probe cosine %.7f)", key, meta["export_seconds"],
-                     meta["probe_min_cosine"])
+        meta = cached_export(self.base, own, target, key, variant,
+                             optimize_for=self._variant if self.fuse else None)
         table = np.load(target / EMBEDDINGS_FILE, mmap_mode="r") if meta.get("own_word_embeddings") \
             else self._table
         return _Session(make_session(target / MODEL_FILE, self._threads, self.providers, self.spin),
@@ -281,6 +271,36 @@ class OnnxBackend:
             emb = np.take(s.table, ids, axis=0)
             out[idx] = s.session.run(None, {"inputs_embeds": emb, "attention_mask": mask})[0]
         return out
+
+
+def cached_export(base: Any, own: dict[str, Any], target: Path, key: str, variant: str,
+                  optimize_for: str | None) -> dict[str, Any]:
+    """The export of base + ``own`` in ``target``: reused when its record's digest matches,
+    else exported, checked against torch and swapped in atomically.
+
+    Args:
+        base: the :class:`~qswap.encoders.base.BaseEncoder`.
+        own: the encoder's tensors that differ from the base (``{}`` for the base itself).
+        target: cache directory of this encoder version and base space.
+        key: encoder key (recorded).
+        variant: ``"<provider>-fused"`` or ``"plain"`` (part of the digest).
+        optimize_for: ONNX Runtime fusions for ``"cpu"``/``"cuda"``, or ``None``.
+
+    Returns:
+        The export record (``export.json``): digest, probe cosine, fusions, timings.
+    """
+    digest = encoder_digest(base, own, variant)
+    recover_dir(target)
+    meta = _read_meta(target)
+    if meta.get("digest") != digest or not (target / MODEL_FILE).exists():
+        with staged_dir(target) as staging:
+            facts = export_onnx(base, own, staging, optimize_for=optimize_for)
+            meta = {"format": EXPORT_FORMAT, "key": key, "digest": digest, "variant": variant,
+                    "space": base.space.fingerprint, "base": base.name, **facts}
+            atomic_write_json(staging / META_FILE, meta)   # last: marks the export complete
+        log.info("exported %s to ONNX in %.1fs (probe cosine %.7f)", key, meta["export_seconds"],
+                 meta["probe_min_cosine"])
+    return meta
 
 
 def _read_meta(directory: Path) -> dict[str, Any]:

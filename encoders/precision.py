@@ -95,12 +95,13 @@ def autocast_context(device: torch.device | str, precision: str = "fp32") -> Con
         raise InvalidInputError(f"bf16 autocast is not supported on device {dev}",
                                 "use precision fp32 on this device")
     if not has_fast_bf16(dev):
-        _warn_emulated(str(dev.type))
+        warn_emulated(str(dev.type))
     return torch.autocast(device_type=dev.type, dtype=torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_emulated(device_type: str) -> None:
+def warn_emulated(device_type: str) -> None:
+    """Warn (once per device type) that bf16 is emulated, hence slower than fp32, here."""
     # Once per device type: on an AVX2-only CPU (e.g. AMD Zen 3) bf16 matrix products were
     # measured ~7x slower than fp32, a silent slowdown nobody asking for speed would want.
     log.warning("bf16 requested on a %s without native bf16 (AMX, AVX-512-BF16 or tensor cores): it is "

@@ -37,15 +37,18 @@ from qswap.index.config import IndexConfig
 from qswap.index.corpus import BadLine, Document, check_documents, corpus_file, iter_corpus
 from qswap.index.docstore import DOCS_FILE, DocStore, meta_json
 from qswap.index.embeddings import DTYPE, Chunk, EmbeddingStore, chunk_name, normalize_rows
-from qswap.index.manifest import MANIFEST, read_manifest
+from qswap.index.manifest import MANIFEST, documents_precision, read_manifest
 from qswap.index.backends.faiss import DocumentIndex
 from qswap.index.generation import write_first_generation
 from qswap.index.recovery import LOCK_FILE, acquire_writer_lock, release_lock
 from qswap.space import EmbeddingSpace
+from qswap.throughput import Throughput
 
 log = logging.getLogger("qswap.index")
 
 Embed = Callable[[list[str]], np.ndarray]
+# An embed callable may count the tokens it embedded in ``tokens_embedded`` (the document
+# encoder does): progress then shows tokens/s as well as documents/s.
 # (staging, n_docs, embed, full_dim, batch_size, chunk_rows, progress): write every missing chunk
 EmbedChunks = Callable[[Path, int, Embed, int, int, int, bool], None]
 STATE = "build.json"
@@ -63,7 +66,8 @@ def staging_dir(out_dir: Path) -> Path:
 def build_index(corpus_path: Path, out_dir: Path, embed: Embed, space: EmbeddingSpace,
                 config: IndexConfig | None = None, on_bad_line: str = "stop", progress: bool = True, *,
                 format: str = "auto", model: str | None = None,
-                embed_chunks: "EmbedChunks | None" = None) -> DocumentIndex:
+                embed_chunks: "EmbedChunks | None" = None,
+                embedding: dict[str, Any] | None = None) -> DocumentIndex:
     """Build (or resume building) the index of a JSONL/BEIR corpus into ``out_dir``.
 
     ``embed(texts)`` returns full-dimension L2-normalised float32 rows in the space
@@ -72,6 +76,8 @@ def build_index(corpus_path: Path, out_dir: Path, embed: Embed, space: Embedding
     when the new one is complete. Returns the new index, open for writing.
     ``embed_chunks`` replaces the in-process embedding step (same arguments as
     ``_embed_chunks``; :mod:`qswap.index.ray_build` passes one that runs on a Ray cluster).
+    ``embedding``: how ``embed`` embeds (precision, runtime, measured quality), recorded in the
+    manifest; a staged build of another precision starts over, so precisions never mix.
     """
     if on_bad_line not in ("stop", "skip"):
         raise InvalidInputError(f"unknown on_bad_line {on_bad_line!r}", "use 'stop' or 'skip'")
@@ -86,10 +92,12 @@ def build_index(corpus_path: Path, out_dir: Path, embed: Embed, space: Embedding
     lock = acquire_writer_lock(staging)
     try:
         corpus_sha = sha256_file(corpus)
+        precision = documents_precision({"embedding": embedding} if embedding else {})
         want = {"corpus": str(corpus.resolve()), "corpus_sha256": corpus_sha, "space": space.fingerprint,
-                "format": format, "on_bad_line": on_bad_line, "chunk_rows": config.chunk_rows}
+                "format": format, "on_bad_line": on_bad_line, "chunk_rows": config.chunk_rows,
+                "precision": precision}
         state = _read_state(staging)
-        if not _complete_for(staging, corpus_sha, space):
+        if not _complete_for(staging, corpus_sha, space, precision):
             if state is None or any(state.get(k) != v for k, v in want.items()):
                 if state is not None or any(p.name != LOCK_FILE for p in staging.iterdir()):
                     log.warning("%s: discarding an interrupted build of other inputs", staging)
@@ -117,6 +125,8 @@ def build_index(corpus_path: Path, out_dir: Path, embed: Embed, space: Embedding
                      "n_bad_lines": state["n_bad_lines"], "runs": state["runs"],
                      "batch_size": cfg.batch_size, "chunk_rows": int(state["chunk_rows"]),
                      "started_at": float(state["started_at"])}
+            if embedding:
+                build["embedding"] = embedding
             write_first_generation(staging, space=space, config=cfg, chunks=chunks, build=build, progress=progress)
         for leftover in (STATE, INGEST):
             (staging / leftover).unlink(missing_ok=True)
@@ -178,7 +188,7 @@ def _swap_in(staging: Path, out_dir: Path) -> None:
     replace_dir(staging, out_dir)
 
 
-def _complete_for(staging: Path, corpus_sha: str, space: EmbeddingSpace) -> bool:
+def _complete_for(staging: Path, corpus_sha: str, space: EmbeddingSpace, precision: str) -> bool:
     """True if an earlier run finished the staged index (it died before the swap)."""
     if not (staging / MANIFEST).is_file():
         return False
@@ -186,7 +196,8 @@ def _complete_for(staging: Path, corpus_sha: str, space: EmbeddingSpace) -> bool
         m = read_manifest(staging)
     except Exception:  # noqa: BLE001 - an unreadable staged manifest just means "not complete"
         return False
-    return m.get("build", {}).get("corpus_sha256") == corpus_sha and m.get("fingerprint") == space.fingerprint
+    return (m.get("build", {}).get("corpus_sha256") == corpus_sha and m.get("fingerprint") == space.fingerprint
+            and documents_precision(m.get("build", {})) == precision)
 
 
 def _read_state(staging: Path) -> dict[str, Any] | None:
@@ -296,6 +307,7 @@ def _embed_chunks(staging: Path, n: int, embed: Embed, full_dim: int, batch_size
     from tqdm import tqdm
     bar = tqdm(total=n, initial=done_rows, unit="doc", desc="embedding", file=sys.stderr, disable=not progress,
                dynamic_ncols=True, smoothing=0.1)
+    meter = Throughput()
     con = sqlite3.connect(staging / INGEST)
     try:
         for k, have in todo:
@@ -309,19 +321,24 @@ def _embed_chunks(staging: Path, n: int, embed: Embed, full_dim: int, batch_size
                 f.seek(have * row_bytes)
                 for i in range(0, len(texts), batch_size):
                     batch = texts[i:i + batch_size]
+                    tokens = getattr(embed, "tokens_embedded", 0)
                     e = normalize_rows(embed(batch), full_dim, "embed() output")
+                    meter.add(len(batch), getattr(embed, "tokens_embedded", 0) - tokens)
                     if len(e) != len(batch):
                         raise InvalidInputError(f"embed() returned {len(e)} rows for {len(batch)} texts",
                                                 "the embed function must return one row per text")
                     f.write(memoryview(np.ascontiguousarray(e.astype(DTYPE))).cast("B"))
                     f.flush()
                     os.fsync(f.fileno())
+                    bar.set_postfix_str(meter.rates(), refresh=False)
                     bar.update(len(batch))
             os.replace(part, _chunk_path(staging, k))
             fsync_dir(staging / CHUNKS)
     finally:
         con.close()
         bar.close()
+    if progress:
+        print(meter.summary("embedded"), file=sys.stderr)
 
 
 def _concat_chunks(staging: Path, n: int, full_dim: int, chunk_rows: int) -> Chunk:

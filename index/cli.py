@@ -14,13 +14,14 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from qswap import DEFAULT_MODEL
+from qswap.encoders.documents import RUNTIMES
 from qswap.encoders.precision import PRECISIONS
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapError
 from qswap.index.backends import BACKENDS, IndexBackend, is_milvus, open_index
@@ -28,6 +29,7 @@ from qswap.index.build import build_index
 from qswap.index.config import KINDS, QUANTS, IndexConfig
 from qswap.index.corpus import BAD_LINE_MODES, FORMATS, BadLine, iter_corpus
 from qswap.index.evaluate import evaluate
+from qswap.index.manifest import documents_precision, require_precision
 from qswap.index.backends.faiss import DocumentIndex
 from qswap.space import EmbeddingSpace
 
@@ -36,29 +38,33 @@ _ADD_BATCH = 1000
 
 @dataclass
 class Embedder:
-    """A base model as two functions: documents (with the document prefix) and queries."""
+    """A base model as two functions: documents (with the document prefix) and queries.
+
+    ``record``: how documents are embedded (precision, runtime, measured quality), as the
+    index manifest records it."""
 
     name: str
     space: EmbeddingSpace
     documents: Callable[[list[str]], np.ndarray]
     queries: Callable[[list[str]], np.ndarray]
+    record: dict[str, Any] = field(default_factory=lambda: {"precision": "fp32"})
 
 
-def load_embedder(model: str, precision: str = "fp32") -> Embedder:
+def load_embedder(model: str, precision: str = "fp32", runtime: str | None = None,
+                  threads: int | None = None) -> Embedder:
     """The frozen text tower of ``model`` (bundled name or local model folder).
 
-    ``precision="bf16"`` embeds documents under bf16 autocast (measured: no significant
-    nDCG@10 change on the Debian benchmark, see README "Fast query path")."""
+    Documents go through :class:`~qswap.encoders.documents.DocumentEncoder` (fp32: the fused
+    ONNX Runtime graph; bf16: torch autocast; ``runtime="torch"``: the torch reference), with
+    ``threads`` compute threads (default: all cores)."""
     from qswap.encoders import load_base  # torch is imported only by commands that embed
+    from qswap.encoders.documents import DocumentEncoder, check_document_precision
 
+    check_document_precision(precision)
     base = load_base(model)
-    return Embedder(
-        name=model,
-        space=base.space,
-        documents=lambda texts: base.encode_documents(texts, batch_size=max(len(texts), 1),
-                                                     precision=precision),
-        queries=lambda texts: base.encode_queries(texts),
-    )
+    docs = DocumentEncoder(base, precision=precision, runtime=runtime, threads=threads)
+    return Embedder(name=model, space=base.space, documents=docs,
+                    queries=lambda texts: base.encode_queries(texts), record=docs.record)
 
 
 def _model_arg(value: str) -> str:
@@ -102,8 +108,11 @@ def register(subparsers: Any) -> None:
     b.add_argument("--model", type=_model_arg, default=DEFAULT_MODEL,
                    help=f"base model name or local folder (default {DEFAULT_MODEL})")
     b.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                   help="document-embedding precision; bf16 is ~2.4x faster on CPUs with AVX-512-BF16/AMX "
-                        "with no significant quality change measured (default fp32)")
+                   help="document-embedding precision (default fp32); bf16 is faster on CPUs with AVX-512-BF16/AMX "
+                        "and its measured quality change is recorded in the manifest (docs/embedding.md)")
+    b.add_argument("--runtime", choices=RUNTIMES, default=None,
+                   help="document-embedding runtime (default: onnx for fp32, torch for bf16; torch fp32 is the "
+                        "reference)")
     b.add_argument("--format", choices=FORMATS, default="auto")
     b.add_argument("--on-bad-line", choices=BAD_LINE_MODES, default="stop",
                    help="stop at the first bad corpus line (default) or skip and list bad lines")
@@ -130,6 +139,8 @@ def register(subparsers: Any) -> None:
     a.add_argument("corpus", type=Path)
     a.add_argument("--upsert", action="store_true", help="replace documents whose id exists")
     a.add_argument("--model", type=_model_arg, default=None, help="default: the model the index was built with")
+    a.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="default: the precision the index's documents were embedded at (another one is refused)")
     a.add_argument("--format", choices=FORMATS, default="auto")
     a.add_argument("--on-bad-line", choices=BAD_LINE_MODES, default="stop")
     a.set_defaults(func=cmd_add)
@@ -224,16 +235,23 @@ def _model_for(index: Any, given: str | None) -> str:
     return given or index.manifest.get("build", {}).get("model") or DEFAULT_MODEL
 
 
-def _embedder_for(index: Any, given: str | None) -> Embedder:
-    emb = load_embedder(_model_for(index, given))
+def _embedder_for(index: Any, given: str | None, precision: str | None = None) -> Embedder:
+    """The index's document tower, at the precision its documents were embedded at (another
+    ``precision`` raises ConflictError: precisions never mix in one index)."""
+    build = index.manifest.get("build", {})
+    have = documents_precision(build)
+    if precision is not None:
+        require_precision(build, precision, f"index {getattr(index, 'path', '')}".strip())
+    emb = load_embedder(_model_for(index, given), precision=have)
     index.space.require_same(emb.space, f"model {emb.name}")
     return emb
 
 
 # ---------------------------------------------------------------------- handlers
-def document_embedder(model: str, precision: str = "fp32") -> Callable[[list[str]], Any]:
+def document_embedder(model: str, precision: str = "fp32", runtime: str | None = None,
+                      threads: int | None = None) -> Callable[[list[str]], Any]:
     """``embed(texts)`` of ``model``'s document tower (what each Ray embedder actor builds)."""
-    return load_embedder(model, precision=precision).documents
+    return load_embedder(model, precision=precision, runtime=runtime, threads=threads).documents
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -250,13 +268,14 @@ def cmd_build(args: argparse.Namespace) -> int:
     if getattr(args, "ray", False) and (args.workers < 1 or args.gpus_per_worker < 0 or args.cpus_per_worker < 0):
         raise InvalidInputError("--workers must be >= 1, --gpus-per-worker and --cpus-per-worker >= 0",
                                 "e.g. --workers 2 --gpus-per-worker 1")
-    emb = load_embedder(args.model, precision=args.precision)
+    emb = load_embedder(args.model, precision=args.precision, runtime=args.runtime)
     idx: IndexBackend
     if args.backend == "milvus":
         from qswap.index.backends.milvus import build_collection
         idx = build_collection(args.corpus, args.uri, args.collection, emb.documents, emb.space, cfg,
                                on_bad_line=args.on_bad_line, progress=not args.no_progress,
-                               format=args.format, model=args.model, replace=args.replace)
+                               format=args.format, model=args.model, replace=args.replace,
+                               embedding=emb.record)
         where = f"milvus collection {args.collection!r} at {args.uri}"
     elif getattr(args, "ray", False):
         try:
@@ -267,15 +286,19 @@ def cmd_build(args: argparse.Namespace) -> int:
                 raise InvalidInputError("--ray needs Ray Data", "pip install 'qswap[ray]'") from None
             raise
         init_ray(args.address)
-        idx = build_index_on_ray(args.corpus, args.out, functools.partial(document_embedder, args.model,
-                                                                          args.precision),
+        # Each actor computes on the CPUs it was given, not on every core of its machine.
+        make = functools.partial(document_embedder, args.model, args.precision, args.runtime,
+                                 max(1, int(args.cpus_per_worker)))
+        idx = build_index_on_ray(args.corpus, args.out, make,
                                  emb.space, cfg, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
                                  cpus_per_worker=args.cpus_per_worker, on_bad_line=args.on_bad_line,
-                                 progress=not args.no_progress, format=args.format, model=args.model)
+                                 progress=not args.no_progress, format=args.format, model=args.model,
+                                 embedding=emb.record)
         where = str(args.out)
     else:
         idx = build_index(args.corpus, args.out, emb.documents, emb.space, cfg, on_bad_line=args.on_bad_line,
-                          progress=not args.no_progress, format=args.format, model=args.model)
+                          progress=not args.no_progress, format=args.format, model=args.model,
+                          embedding=emb.record)
         where = str(args.out)
     try:
         info = idx.info()
@@ -311,6 +334,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"built:       {info['created_at']} from {b.get('corpus', '-')} with {b.get('model', '-')}"
         f"{'; ' + str(b.get('n_bad_lines')) + ' bad lines skipped' if b.get('n_bad_lines') else ''}",
         f"updated:     {info['updated_at']} (qswap {info['qswap_version']})",
+        f"documents embedded at {documents_precision(b)}"
+        + (f" on {b['embedding'].get('runtime')}" if b.get("embedding", {}).get("runtime") else ""),
     ]
     print("\n".join(lines))
     return 0
@@ -327,7 +352,7 @@ def cmd_add(args: argparse.Namespace) -> int:
             if present:
                 raise ConflictError(f"{len(present)} ids already in the index, e.g. {present[0].id!r}",
                                     "rerun with --upsert to replace them")
-        emb = _embedder_for(idx, args.model)
+        emb = _embedder_for(idx, args.model, args.precision)
         put = idx.upsert if args.upsert else idx.add
         from tqdm import tqdm
         with tqdm(total=len(records), unit="doc", desc="adding", file=sys.stderr, dynamic_ncols=True) as bar:

@@ -23,7 +23,7 @@ from typing import Any
 
 from qswap.atomic import atomic_write_json, sha256_file
 from qswap.index.errors import IndexCorruptError
-from qswap.errors import InvalidInputError, NotFoundError
+from qswap.errors import ConflictError, InvalidInputError, NotFoundError
 
 MANIFEST = "manifest.json"
 FORMAT = "qswap-index"
@@ -66,6 +66,27 @@ def read_manifest(root: Path) -> dict[str, Any]:
     if m["metric"] != "inner_product":
         raise IndexCorruptError(f"unsupported metric {m['metric']!r} in {p}", "rebuild the index with qswap")
     return m
+
+
+def documents_precision(build: dict[str, Any]) -> str:
+    """Precision the index's documents were embedded at (its ``build.embedding`` record);
+    ``fp32`` for indexes built before precisions were recorded (they were all fp32)."""
+    emb = build.get("embedding") or {}
+    return str(emb.get("precision") or "fp32")
+
+
+def require_precision(build: dict[str, Any], precision: str, where: str = "the index") -> None:
+    """Raise :class:`ConflictError` if documents at ``precision`` would mix with ``where``'s.
+
+    Args:
+        build: the index's build facts (``manifest["build"]`` / ``info()["build"]``).
+        precision: the precision new documents would be embedded at.
+        where: what the index is called in the message.
+    """
+    have = documents_precision(build)
+    if have != precision:
+        raise ConflictError(f"{where} holds documents embedded at {have}; new ones would be {precision}",
+                            f"embed them at {have} (leave --precision out), or rebuild the index at {precision}")
 
 
 def write_manifest(root: Path, m: dict[str, Any]) -> None:

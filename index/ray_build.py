@@ -32,6 +32,7 @@ from qswap.index.config import IndexConfig
 from qswap.index.embeddings import DTYPE, normalize_rows
 from qswap.index.backends.faiss import DocumentIndex
 from qswap.space import EmbeddingSpace
+from qswap.throughput import Throughput
 
 log = logging.getLogger("qswap.index")
 
@@ -68,11 +69,15 @@ class _EmbedActor:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         texts = [str(t) for t in batch["text"]]
+        before = getattr(self.embed, "tokens_embedded", 0)
         e = normalize_rows(self.embed(texts), self.full_dim, "embed() output")
         if len(e) != len(texts):
             raise InvalidInputError(f"embed() returned {len(e)} rows for {len(texts)} texts",
                                     "the embed function must return one row per text")
-        return {"row": np.asarray(batch["row"], dtype=np.int64), "emb": e.astype(DTYPE)}
+        # The batch's token count rides on its first row (the driver sums the column).
+        tokens = np.zeros(len(texts), dtype=np.int64)
+        tokens[0] = getattr(self.embed, "tokens_embedded", 0) - before
+        return {"row": np.asarray(batch["row"], dtype=np.int64), "emb": e.astype(DTYPE), "tokens": tokens}
 
 
 def ray_embed_chunks(make_embed: Callable[[], Embed], *, workers: int = 1, gpus_per_worker: float = 0.0,
@@ -123,6 +128,7 @@ def ray_embed_chunks(make_embed: Callable[[], Embed], *, workers: int = 1, gpus_
         from tqdm import tqdm
         bar = tqdm(total=n, initial=done_rows, unit="doc", desc="embedding (ray)", file=sys.stderr,
                    disable=not progress, dynamic_ncols=True, smoothing=0.1)
+        meter = Throughput()
         try:
             for batch in out.iter_batches(batch_size=None, batch_format="numpy"):
                 for r, e in zip(batch["row"], batch["emb"]):
@@ -137,9 +143,13 @@ def ray_embed_chunks(make_embed: Callable[[], Embed], *, workers: int = 1, gpus_
                     if filled[k] == b - a:   # complete: write it now, so a kill loses only open chunks
                         with atomic_stream(_chunk_path(staging, k)) as w:
                             w.write(memoryview(buffers.pop(k)).cast("B"))
+                meter.add(len(batch["row"]), int(batch["tokens"].sum()))
+                bar.set_postfix_str(meter.rates(), refresh=False)
                 bar.update(len(batch["row"]))
         finally:
             bar.close()
+        if progress:
+            print(meter.summary("embedded (ray)"), file=sys.stderr)
         if buffers:
             raise InvalidInputError(f"Ray returned no embeddings for {len(buffers)} chunks",
                                     "rerun the build: it resumes at the missing chunks")

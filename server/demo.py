@@ -15,6 +15,7 @@ from pathlib import Path
 
 from qswap.atomic import sha256_file
 from qswap.encoders import BaseEncoder
+from qswap.encoders.documents import DocumentEncoder
 from qswap.errors import ConflictError, QswapError, SpaceMismatchError
 from qswap.index import DocumentIndex, IndexConfig, build_index
 from qswap.index.recovery import lock_holder
@@ -57,8 +58,9 @@ def open_demo_index(base: BaseEncoder, out: Path | None = None) -> DocumentIndex
             log.info("demo corpus changed; rebuilding the demo index", extra={"path": str(out)})
     log.info("building the demo index (first start)", extra={"path": str(out), "model": base.name})
     out.parent.mkdir(parents=True, exist_ok=True)
-    return build_index(corpus, out, lambda texts: base.encode_documents(texts), base.space,
-                       IndexConfig(), progress=True, model=base.name)
+    docs = DocumentEncoder(base)
+    return build_index(corpus, out, docs, base.space, IndexConfig(), progress=True, model=base.name,
+                       embedding=docs.record)
 
 
 def _open_held(out: Path, base: BaseEncoder, sha: str) -> DocumentIndex:

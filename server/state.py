@@ -44,6 +44,7 @@ class ServerState:
         self.draining = False
         self.load_error: str | None = None
         self.base: BaseEncoder | None = None
+        self._documents: Any = None   # DocumentEncoder, see document_encoder()
         self.index: Any = None
         self.pool: EncoderPool | None = None
         self.backend: Backend | None = None
@@ -302,7 +303,7 @@ class ServerState:
             float32 vectors, one row per text.
         """
         assert self.base is not None
-        return self.base.encode_documents(texts).astype(np.float32)
+        return self.document_encoder().encode(texts)
 
     def upsert_embedded(self, docs: list[Any], emb: np.ndarray) -> tuple[int, int]:
         """Write embedded documents in one index commit; (written, documents now). Worker thread."""
@@ -310,6 +311,18 @@ class ServerState:
         count = self.index.count
         self.metrics.index_documents.set(count)
         return n, count
+
+    def document_encoder(self) -> Any:
+        """The document tower upserts embed with, at the precision of the index's documents
+        (so upserts never mix precisions in it); built on the first upsert. Worker thread."""
+        assert self.base is not None
+        if self._documents is None:
+            from qswap.encoders.documents import DocumentEncoder
+            from qswap.index.manifest import documents_precision
+            manifest = getattr(self.index, "manifest", None) or {}
+            self._documents = DocumentEncoder(self.base, precision=documents_precision(manifest.get("build", {})),
+                                              cache_dir=self.settings.state_dir / "onnx")
+        return self._documents
 
     def delete_documents(self, ids: list[str]) -> tuple[int, int]:
         n = self.index.delete(ids)

@@ -322,6 +322,9 @@ def _add_eval(sub: Any) -> None:
                    help="also score the queries the encoder was trained or validated on (left out by default, "
                         "by id, from the encoder's training_queries.json)")
     p.add_argument("--cache-dir", type=Path)
+    p.add_argument("--index", type=Path,
+                   help="a qswap index of the base's space: documents it holds take its stored vectors "
+                        "(no re-embedding)")
     p.add_argument("--device")
     p.set_defaults(func=_eval)
 
@@ -347,8 +350,14 @@ def _eval(args: argparse.Namespace) -> int:
         return pool.encode(texts, [art.key] * len(texts))
 
     out: dict[str, Any] = {"encoder": art.key}
+    stored = None
+    if args.index is not None:
+        from qswap.index import DocumentIndex
+        from qswap.tuning.doc_cache import StoredEmbeddings
+        with DocumentIndex.open(args.index, read_only=True) as idx:
+            stored = StoredEmbeddings.from_index(idx)
     # Progress on a terminal or not: bars, else a line every 15 s (qswap.tuning.progress).
-    evaluator = BeirEvaluator(base, encode, args.cache_dir, progress=True)
+    evaluator = BeirEvaluator(base, encode, args.cache_dir, progress=True, stored=stored)
     seen = set() if args.include_seen else _seen_queries(args.encoder, args.beir, args.langs or [None])
     out["excluded_seen_queries"] = len(seen)
     if args.beir:

@@ -1,7 +1,7 @@
 """The frozen text tower, used once: document embeddings computed once and cached.
 
-Documents never change during query-tower tuning, so they are embedded a single time by
-``base.encode_documents`` and stored as float16 ``.npy`` under
+Documents never change during query-tower tuning, so they are embedded a single time by the
+document tower (:func:`qswap.encoders.documents.document_encoder`, fp32) and stored as float16 ``.npy`` under
 ``<cache>/<space fingerprint>/<sha256 of the texts>.npy`` with a JSON record of the space.
 A cached file is used only if its recorded space equals the base's space. Documents a
 qswap index already holds can instead take the index's stored embeddings
@@ -22,6 +22,7 @@ import numpy as np
 
 from qswap.atomic import atomic_write_bytes, atomic_write_json
 from qswap.encoders import BaseEncoder
+from qswap.encoders.documents import document_encoder
 from qswap.errors import IntegrityError
 from qswap.paths import data_dir
 from qswap.space import EmbeddingSpace
@@ -61,7 +62,7 @@ class StoredEmbeddings:
 
 
 def embed_documents(base: BaseEncoder, texts: list[str], cache_dir: Path | None = None,
-                    batch_size: int = 32, progress: bool = True, ids: list[str | None] | None = None,
+                    progress: bool = True, ids: list[str | None] | None = None,
                     stored: StoredEmbeddings | None = None) -> np.ndarray:
     """(n, dim) float32 document embeddings of ``texts``, from the cache when present.
 
@@ -78,13 +79,12 @@ def embed_documents(base: BaseEncoder, texts: list[str], cache_dir: Path | None 
             held = set(have)
             rest = [i for i in range(len(texts)) if i not in held]
             if rest:
-                out[rest] = _embed_cached(base, [texts[i] for i in rest], cache_dir, batch_size, progress)
+                out[rest] = _embed_cached(base, [texts[i] for i in rest], cache_dir, progress)
             return out
-    return _embed_cached(base, texts, cache_dir, batch_size, progress)
+    return _embed_cached(base, texts, cache_dir, progress)
 
 
-def _embed_cached(base: BaseEncoder, texts: list[str], cache_dir: Path | None, batch_size: int,
-                  progress: bool) -> np.ndarray:
+def _embed_cached(base: BaseEncoder, texts: list[str], cache_dir: Path | None, progress: bool) -> np.ndarray:
     if not texts:
         return np.zeros((0, base.dim), dtype=np.float32)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -104,7 +104,7 @@ def _embed_cached(base: BaseEncoder, texts: list[str], cache_dir: Path | None, b
             raise IntegrityError(f"document cache {npy} does not match its texts",
                                  f"delete {npy} and run again")
         return arr.astype(np.float32)
-    emb = base.encode_documents(texts, batch_size=batch_size, progress=progress)
+    emb = document_encoder(base).encode(texts, progress=progress)
     buf = io.BytesIO()
     np.save(buf, emb.astype(np.float16))
     atomic_write_bytes(npy, buf.getvalue())
@@ -143,13 +143,13 @@ class DocTable:
     def __len__(self) -> int:
         return len(self.texts)
 
-    def embed(self, base: BaseEncoder, cache_dir: Path | None = None, batch_size: int = 32,
-              progress: bool = True, stored: StoredEmbeddings | None = None) -> np.ndarray:
+    def embed(self, base: BaseEncoder, cache_dir: Path | None = None, progress: bool = True,
+              stored: StoredEmbeddings | None = None) -> np.ndarray:
         """Embed the rows added since the last call (each increment cached on its own;
         rows an index holds take its ``stored`` embeddings)."""
         done = 0 if self.emb is None else len(self.emb)
         if self.emb is None or done < len(self.texts):
             ids = [self.index_ids.get(r) for r in range(done, len(self.texts))]
-            new = embed_documents(base, self.texts[done:], cache_dir, batch_size, progress, ids, stored)
+            new = embed_documents(base, self.texts[done:], cache_dir, progress, ids, stored)
             self.emb = new if self.emb is None else np.concatenate([self.emb, new])
         return self.emb

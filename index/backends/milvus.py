@@ -537,8 +537,13 @@ def create_collection(uri: str, collection: str, docs: list[Document], embedding
 
 def build_collection(corpus_path: Path, uri: str, collection: str, embed: Embed, space: EmbeddingSpace,
                      config: IndexConfig | None = None, on_bad_line: str = "stop", progress: bool = True, *,
-                     format: str = "auto", model: str | None = None, replace: bool = False) -> MilvusIndex:
-    """Embed a JSONL/BEIR corpus into a new Milvus collection (bad lines stop or are skipped)."""
+                     format: str = "auto", model: str | None = None, replace: bool = False,
+                     embedding: dict[str, Any] | None = None) -> MilvusIndex:
+    """Embed a JSONL/BEIR corpus into a new Milvus collection (bad lines stop or are skipped).
+
+    ``embedding``: how ``embed`` embeds (precision, runtime, measured quality), recorded in the
+    collection's manifest.
+    """
     from qswap.atomic import sha256_file
     from qswap.index.corpus import corpus_file
 
@@ -570,6 +575,8 @@ def build_collection(corpus_path: Path, uri: str, collection: str, embed: Embed,
     build = {"corpus": str(corpus.resolve()), "corpus_sha256": sha256_file(corpus), "format": format,
              "model": model, "on_bad_line": on_bad_line, "documents": n, "n_bad_lines": len(bad),
              "bad_lines": [b.to_dict() for b in bad[:100]], "batch_size": bs}
+    if embedding:
+        build["embedding"] = embedding
     try:
         return _build(uri, collection, n, batches(), space, config, replace=replace, build=build)
     finally:

@@ -89,7 +89,7 @@ def test_encode_documents_bf16_close_to_fp32(tiny_base):
 
 
 def test_bf16_without_native_support_warns_once(monkeypatch, caplog):
-    precision._warn_emulated.cache_clear()
+    precision.warn_emulated.cache_clear()
     monkeypatch.setattr(precision, "cpu_bf16_flags", lambda: ())
     with caplog.at_level("WARNING", logger="qswap.encoders"):
         with autocast_context("cpu", "bf16"):
@@ -98,7 +98,7 @@ def test_bf16_without_native_support_warns_once(monkeypatch, caplog):
             pass
     assert len(caplog.records) == 1
     assert "emulated" in caplog.records[0].message
-    precision._warn_emulated.cache_clear()
+    precision.warn_emulated.cache_clear()
     monkeypatch.setattr(precision, "cpu_bf16_flags", lambda: ("avx512_bf16",))
     caplog.clear()
     with caplog.at_level("WARNING", logger="qswap.encoders"):

@@ -12,7 +12,7 @@ from qswap.index import cli
 def fake_model(monkeypatch, space, embed):
     loaded: list[str] = []
 
-    def load(model, precision="fp32"):
+    def load(model, precision="fp32", runtime=None, threads=None):
         loaded.append(model)
         return cli.Embedder(model, space, embed, embed)
 

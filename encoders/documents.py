@@ -1,0 +1,325 @@
+"""The document tower: every place that embeds documents calls :class:`DocumentEncoder`.
+
+``qswap index build`` (locally and in each Ray Data actor), ``qswap index add``, the server's
+upserts, tuning's document step and ``qswap bench quality`` embed documents here, so one
+choice of runtime and precision holds everywhere:
+
+- ``fp32`` (default) runs the base's fused ONNX Runtime graph: the same export, cache and
+  probe check as the query path's merged base (:func:`qswap.encoders.onnx.cached_export`),
+  equal to torch to cosine >= 0.99999;
+- ``bf16`` runs torch with its Linear layers in bf16 (:mod:`qswap.encoders.bf16_linear`;
+  attention, norms and softmax in fp32): ONNX Runtime has no bf16 matrix product on x86 CPUs,
+  torch uses AVX-512-BF16/AMX;
+- ``runtime="torch"`` with ``fp32`` is the reference (``encode_texts``'s forward).
+
+Texts are tokenised in windows by a producer thread while the previous window computes, cut
+into token-budget batches (:mod:`qswap.encoders.token_batches`), and put back in input order.
+Each precision's measured quality against fp32 (:data:`PRECISION_QUALITY`) is what an index
+manifest records (:meth:`DocumentEncoder.record`); documents of different precisions never
+mix in one index (``qswap.index`` checks it).
+
+Use::
+
+    enc = DocumentEncoder(base)                    # fp32 on ONNX Runtime, all cores
+    vecs = enc.encode(texts, progress=True)        # (n, dim) float32, input order
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qswap.encoders.base import BaseEncoder
+from qswap.encoders.token_batches import DEFAULT_MAX_TOKENS, token_budget_batches
+from qswap.errors import InvalidInputError
+from qswap.throughput import Throughput
+
+log = logging.getLogger("qswap.encoders")
+
+RUNTIMES = ("onnx", "torch")
+#: Precisions a user may choose for documents. int8 (ONNX Runtime quantisation, dynamic or
+#: selective) is measured by ``qswap bench embed`` and is not offered: it fails the quality bar.
+DOCUMENT_PRECISIONS = ("fp32", "bf16")
+#: The quality bar a precision must pass against fp32 on real queries (Debian, 4 languages).
+QUALITY_BAR = {"min_cosine": 0.9999, "recall_at_10": 0.995}
+#: Measured quality of each precision against fp32 (``qswap bench embed``, 10,000 Debian
+#: documents, queries in en/de/fr/it; bench/results/embed/); recorded in index manifests.
+PRECISION_QUALITY: dict[str, dict[str, Any]] = {
+    "fp32": {"min_cosine": 1.0, "recall_at_10": 1.0, "passes": True},
+    "bf16": {"min_cosine": 0.99997, "recall_at_10": 0.998, "passes": True,
+             "measured_by": "qswap bench embed (bench/results/embed/)"},
+}
+# Texts tokenised per window: small enough that the first batch starts at once, large enough
+# that token-budget batches of similar lengths form within it.
+_WINDOW = 1024
+_QUEUE = 4
+
+
+def machine_threads() -> int:
+    """Cores this process may run on (its CPU affinity; ``os.cpu_count()`` elsewhere)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:   # not Linux
+        return os.cpu_count() or 1
+
+
+def default_runtime(precision: str) -> str:
+    """The runtime a precision runs on: ONNX Runtime for fp32, torch for bf16."""
+    return "onnx" if precision == "fp32" else "torch"
+
+
+def document_record(precision: str, runtime: str | None = None) -> dict[str, Any]:
+    """What an index manifest records about its documents' embedding.
+
+    Args:
+        precision: one of :data:`DOCUMENT_PRECISIONS`.
+        runtime: the runtime (default :func:`default_runtime`).
+
+    Returns:
+        ``{"precision", "runtime", "quality"}``: quality is the measured change against fp32.
+    """
+    check_document_precision(precision)
+    return {"precision": precision, "runtime": runtime or default_runtime(precision),
+            "quality": dict(PRECISION_QUALITY[precision])}
+
+
+def check_document_precision(precision: str) -> str:
+    """Return ``precision`` if documents may be embedded at it, else raise InvalidInputError."""
+    if precision not in DOCUMENT_PRECISIONS:
+        hint = "int8 fails the quality bar (see docs/embedding.md)" if precision.startswith("int8") else ""
+        raise InvalidInputError(f"unknown document precision {precision!r}",
+                                f"use one of {', '.join(DOCUMENT_PRECISIONS)}" + (f"; {hint}" if hint else ""))
+    return precision
+
+
+class DocumentEncoder:
+    """Embeds documents with the base's document prefix; thread-safe (one job at a time).
+
+    Args:
+        base: the frozen base model.
+        precision: ``fp32`` (default) or ``bf16``.
+        runtime: ``onnx`` or ``torch`` (default: ONNX Runtime for fp32, torch for bf16).
+        threads: compute threads (default: every core this process may use).
+        max_tokens: padded tokens per batch (:func:`token_budget_batches`).
+        cache_dir: where the ONNX export is cached (default ``<data dir>/onnx``).
+    """
+
+    def __init__(self, base: BaseEncoder, precision: str = "fp32", runtime: str | None = None,
+                 threads: int | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
+                 cache_dir: Path | None = None) -> None:
+        check_document_precision(precision)
+        runtime = runtime or default_runtime(precision)
+        if runtime not in RUNTIMES:
+            raise InvalidInputError(f"unknown runtime {runtime!r}", f"use one of {', '.join(RUNTIMES)}")
+        if runtime == "onnx" and precision != "fp32":
+            raise InvalidInputError(f"{precision} documents run on torch, not ONNX Runtime",
+                                    "use --runtime torch, or leave --runtime out")
+        if threads is not None and threads < 1:
+            raise InvalidInputError(f"threads must be >= 1, got {threads}", "omit it to use all cores")
+        if max_tokens < 1:
+            raise InvalidInputError(f"max_tokens must be >= 1, got {max_tokens}", "e.g. 8192")
+        self.base = base
+        self.precision = precision
+        self.runtime = runtime
+        self.threads = threads or machine_threads()
+        self.max_tokens = max_tokens
+        if cache_dir is None:
+            from qswap.paths import data_dir
+            cache_dir = data_dir() / "onnx"
+        self.cache_dir = Path(cache_dir)
+        self.tokens_embedded = 0   # running totals over every call (read by progress bars)
+        self.docs_embedded = 0
+        self._session: Any = None
+        self._table: np.ndarray | None = None
+        self._model: Any = None   # the torch module documents run through (bf16: a bf16-Linear copy)
+        self._lock = threading.Lock()
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """:func:`document_record` of this encoder's precision and runtime."""
+        return document_record(self.precision, self.runtime)
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        """:meth:`encode` without a progress bar (the ``embed(texts)`` callables take this)."""
+        return self.encode(texts)
+
+    # -- runtime --------------------------------------------------------------------------------
+
+    def _ensure_session(self) -> None:
+        """Load (exporting on first use) the base's fused ONNX graph; the query path's cache."""
+        if self._session is not None:
+            return
+        from qswap.encoders.onnx import available_providers, cached_export, make_session
+        from qswap.encoders.onnx_export import MODEL_FILE
+        from qswap.encoders.pool import BASE_KEY
+
+        providers = available_providers()
+        variant = "cuda" if "CUDAExecutionProvider" in providers else "cpu"
+        # The directory OnnxBackend uses for the base key: one export serves queries and documents.
+        target = self.cache_dir / BASE_KEY / self.base.space.fingerprint
+        cached_export(self.base, {}, target, BASE_KEY, f"{variant}-fused", optimize_for=variant)
+        # Spinning workers: a document batch is many parallel sections back to back.
+        self._session = make_session(target / MODEL_FILE, self.threads, providers, spin=True)
+        self._table = self.base.model.get_input_embeddings().weight.detach().float().cpu().numpy()
+
+    def _forward(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        if self.runtime == "onnx":
+            emb = np.take(self._table, ids, axis=0)
+            return self._session.run(None, {"inputs_embeds": emb, "attention_mask": mask})[0]
+        import torch
+
+        from qswap.encoders.embedding import embed_batch
+        dev = self.base.device
+        t_ids, t_mask = torch.from_numpy(ids).to(dev), torch.from_numpy(mask).to(dev)
+        return embed_batch(self._model, t_ids, t_mask, self.base.spec).float().cpu().numpy()
+
+    # -- encoding -------------------------------------------------------------------------------
+
+    def encode(self, texts: list[str], progress: bool = False, desc: str = "embedding documents") -> np.ndarray:
+        """Embed ``texts`` as documents.
+
+        Args:
+            texts: the documents (the base's document prefix is added).
+            progress: show a bar (documents, tokens/s, docs/s, ETA) and a closing line on stderr.
+            desc: the bar's label.
+
+        Returns:
+            (len(texts), dim) float32, L2-normalised if the base normalises, in input order.
+        """
+        out = np.empty((len(texts), self.base.dim), dtype=np.float32)
+        if not texts:
+            return out
+        with self._lock:
+            if self.runtime == "onnx":
+                self._ensure_session()
+            elif self._model is None:
+                self._model = self.base.model
+                if self.precision == "bf16":
+                    from qswap.encoders.bf16_linear import bf16_linear_copy
+                    from qswap.encoders.precision import has_fast_bf16, warn_emulated
+                    if not has_fast_bf16(self.base.device):
+                        warn_emulated(self.base.device.type)
+                    self._model = bf16_linear_copy(self.base.model)
+            meter = Throughput()
+            bar = None
+            if progress:
+                from tqdm import tqdm
+                bar = tqdm(total=len(texts), desc=desc, unit="doc", file=sys.stderr, dynamic_ncols=True,
+                           smoothing=0.05)
+            try:
+                self._run(texts, out, meter, bar)
+            finally:
+                if bar is not None:
+                    bar.close()
+            self.tokens_embedded += meter.tokens
+            self.docs_embedded += meter.docs
+        if progress:
+            print(meter.summary(f"{desc}: {self.precision} on {self.runtime},"), file=sys.stderr)
+        return out
+
+    def _run(self, texts: list[str], out: np.ndarray, meter: Throughput, bar: Any) -> None:
+        import torch
+
+        if self.runtime == "torch" and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        with torch.inference_mode():
+            for idx, ids, mask in _produce(self, texts):
+                out[idx] = self._forward(ids, mask)
+                meter.add(len(idx), int(mask.sum()))
+                if bar is not None:
+                    bar.set_postfix_str(f"{meter.tokens / meter.seconds():,.0f} tok/s", refresh=False)
+                    bar.update(len(idx))
+
+
+_SHARED: dict[tuple[int, str], tuple[Any, DocumentEncoder]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def document_encoder(base: BaseEncoder, precision: str = "fp32") -> DocumentEncoder:
+    """The process's :class:`DocumentEncoder` of ``base`` at ``precision`` (default runtime and
+    threads), made once: a job that embeds documents in several steps loads the graph once.
+
+    Args:
+        base: the frozen base model.
+        precision: one of :data:`DOCUMENT_PRECISIONS`.
+
+    Returns:
+        The shared encoder (released with ``base``).
+    """
+    import weakref
+
+    check_document_precision(precision)
+    key = (id(base), precision)
+    with _SHARED_LOCK:
+        hit = _SHARED.get(key)
+        if hit is not None and hit[0]() is base:
+            return hit[1]
+        enc = DocumentEncoder(base, precision=precision)
+        # The dict itself is bound: at interpreter exit the module global may already be None.
+        _SHARED[key] = (weakref.ref(base, lambda _r, k=key, d=_SHARED: d.pop(k, None)), enc)
+        return enc
+
+
+def _batches(enc: DocumentEncoder, texts: list[str], start: int) -> list[tuple[list[int], np.ndarray, np.ndarray]]:
+    """Tokenise one window and cut it into token-budget batches (global indices, ids, mask)."""
+    encs = enc.base.tokenizer.encode_batch([enc.base.spec.document_prefix + t for t in texts])
+    # attention_mask, not ids: the tokenizer pads every row to the window's longest.
+    lengths = [sum(e.attention_mask) for e in encs]
+    out = []
+    for b in token_budget_batches(lengths, enc.max_tokens):
+        width = lengths[b[0]]   # longest first
+        ids = np.array([encs[i].ids[:width] for i in b], dtype=np.int64)
+        mask = np.array([encs[i].attention_mask[:width] for i in b], dtype=np.int64)
+        out.append(([start + i for i in b], ids, mask))
+    return out
+
+
+def _produce(enc: DocumentEncoder, texts: list[str]) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
+    """Batches of ``texts``, tokenised by a producer thread one window ahead of the compute."""
+    if len(texts) <= _WINDOW:   # one window: nothing to overlap with
+        yield from _batches(enc, texts, 0)
+        return
+    q: queue.Queue[Any] = queue.Queue(maxsize=_QUEUE)
+    stop = threading.Event()
+    done = object()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def producer() -> None:
+        try:
+            for s in range(0, len(texts), _WINDOW):
+                for b in _batches(enc, texts[s:s + _WINDOW], s):
+                    if not put(b):
+                        return
+            put(done)
+        except BaseException as e:   # handed to the consumer, which raises it
+            put(e)
+
+    t = threading.Thread(target=producer, name="qswap-tokenize", daemon=True)
+    t.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        t.join()
