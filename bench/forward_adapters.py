@@ -179,13 +179,7 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, reps:
     from qswap.server.config import ServerSettings
     factors = ServerSettings().lora_factors
     mpool, mshared = pools[factors], backends[factors]
-    for dt, b in backends.items():
-        if dt != factors:
-            b.close()
     fp32_bytes = pool.memory_bytes(lora)
-    for k in list(pool.keys()) if factors != "float32" else []:
-        if k != BASE_KEY:
-            pool.remove(k)
     gc.collect()
     rss_one = rss_bytes()
     per = []
@@ -198,7 +192,8 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, reps:
     gc.collect()
     rss_many = rss_bytes()
     adapter_file = (root / "lora" / "adapter_model.safetensors").stat().st_size
-    mshared.close()
+    for b in backends.values():   # closed only now: memory they free would hide the extra encoders' growth
+        b.close()
     tmp.cleanup()
     return {"rank": rank, "targets": TARGETS, "single_query_ms": {k: spread([x * 1000 for x in v]) for k, v in t.items()},
             "ratios": ratios, "cosine_shared_vs_torch": cos, "shared_export": export,
