@@ -29,6 +29,7 @@ from qswap.bench.loadgen import Request, run_load_sync
 from qswap.bench.plots import plot_lines
 from qswap.bench.processes import http_json
 from qswap.bench.results import md_table
+from qswap.factors import FACTOR_NAMES
 
 NAME = "scale"
 COUNTS = ByMode((1, 10, 25, 50), (1, 3))
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"searches per e2e round and encoder ({E2E_REQUESTS.describe()})")
     p.add_argument("--rounds", type=int, default=None, help=f"e2e rounds ({E2E_ROUNDS.describe()})")
     p.add_argument("--model", default=MODEL, help=f"bundled base name or model directory (default {MODEL})")
-    p.add_argument("--lora-factors", choices=("float16", "bfloat16", "float32"), default=None,
+    p.add_argument("--lora-factors", choices=FACTOR_NAMES, default=None,
                    help="the server's --lora-factors (default: the server's own default, float16)")
 
 
@@ -94,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
     root = lora_encoders(base, names, rank=args.rank, tag=f"scale{len(names)}")
     adapter_file = sum(f.stat().st_size for f in (root / f"{names[0][0]}-1").rglob("*.safetensors"))
     del base
-    from qswap.server.config import ServerSettings
-    factors = args.lora_factors or ServerSettings().lora_factors
+    from qswap.factors import SERVING_FACTORS
+    factors = args.lora_factors or SERVING_FACTORS
     srv = qswap_server(idx_dir, root, dirs.tmp / "state", dirs.tmp / "server.log", model=args.model,
                        extra=["--lora-factors", factors])
     res: dict[str, Any] = {"model": args.model, "rank": args.rank, "counts": counts, "workload": work.source,

@@ -183,8 +183,8 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, reps:
     # factor type, RSS before and after; the float32 bytes of the same adapter for comparison.
     import gc
 
-    from qswap.server.config import ServerSettings
-    factors = ServerSettings().lora_factors
+    from qswap.factors import SERVING_FACTORS
+    factors = SERVING_FACTORS
     mpool, mshared = pools[factors], backends[factors]
     fp32_bytes = pool.memory_bytes(lora)
     gc.collect()

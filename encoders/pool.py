@@ -31,9 +31,10 @@ from qswap.encoders.embedding import embed_batch, sorted_batches
 from qswap.encoders.kinds import AdapterKind, Attached, get_kind
 from qswap.encoders.lowrank import LowRankDeltas
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError
+from qswap.factors import FACTOR_NAMES
 
 # Storage types of LoRA factors (EncoderPool(factor_dtype=...)).
-FACTOR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FACTOR_DTYPES = {name: getattr(torch, name) for name in FACTOR_NAMES}
 BASE_KEY = "base"   # the identity encoder every pool has: the base model itself
 # Queries every new encoder must embed to finite vectors before it is accepted: finite adapter
 # values can still overflow a forward (a LoRA factor of 1e30, a bias of 3e38).

@@ -8,6 +8,8 @@ import os
 import threading
 from pathlib import Path
 
+from qswap.factors import FACTOR_NAMES
+
 # OMP_WAIT_POLICY=PASSIVE is set by the qswap entry point (qswap.cli) before torch/faiss load.
 
 # flag destination -> settings field (only flags given on the command line override the environment)
@@ -64,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--query-precision", choices=("fp32", "bf16"),
                    help="torch backend: run batches of 16+ queries for one encoder in bf16 (default fp32; pays only where the "
                         "hardware has native bf16: AMX, AVX-512-BF16, tensor cores)")
-    p.add_argument("--lora-factors", choices=("float16", "bfloat16", "float32"),
+    p.add_argument("--lora-factors", choices=FACTOR_NAMES,
                    help="storage type of loaded LoRA factors (default float16: half the memory per encoder, compute "
                         "stays float32; factors outside float16's range keep float32)")
     p.add_argument("--batch-window-ms", type=float, help="micro-batch window (default 2)")
