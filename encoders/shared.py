@@ -39,7 +39,7 @@ from qswap.encoders.onnx import OnnxBackend, available_providers, make_session
 from qswap.encoders.pool import EncoderPool
 from qswap.encoders.pool import FACTOR_DTYPES
 from qswap.encoders.shared_export import (UNREACHED, SHARED_MODEL_FILE, Slots, export_shared, find_slots, ort_input,
-                                          shared_digest)
+                                          release_freed_memory, shared_digest)
 from qswap.encoders.shared_run import BoundFeed, spread_groups
 from qswap.errors import InvalidInputError, NotFoundError
 
@@ -153,6 +153,7 @@ class SharedBackend:
             staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
             try:
                 facts = export_shared(self.base, staging, factors=self.factors, optimize_for=self._variant)
+                release_freed_memory()
                 meta = {"digest": digest, "variant": self._variant, "space": self.base.space.fingerprint,
                         "base": self.base.name, **facts}
                 atomic_write_json(staging / META_FILE, meta)   # last: marks the export complete
