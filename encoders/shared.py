@@ -1,9 +1,10 @@
 """The default query backend: ONE ONNX Runtime session of the base, adapters bound per run.
 
-The base is exported once (:mod:`qswap.encoders.shared_export`) with every adapted layer's LoRA
-factors and bias deltas as graph inputs. Each encoder served this way is only its adapter
-tensors, converted once to the graph's layout (:func:`adapter_inputs`) and passed with its rows:
-N LoRA encoders cost the base once plus N x their adapter bytes. A batch runs one ONNX Runtime
+The base is exported once (:mod:`qswap.encoders.shared_export`), fused (MultiHeadAttention,
+SkipLayerNormalization, BiasGelu), with every adapted layer's LoRA factors and biases as graph
+inputs. Each encoder served this way is only its adapter tensors (LoRA factors in the pool's
+storage type: float16 in a server), bound in place (:func:`adapter_inputs`): N LoRA encoders
+cost the base once plus N x their adapter bytes. A batch runs one ONNX Runtime
 call per encoder group (rows of one encoder share its inputs), rows bucketed by real token
 length, each encoder's inputs bound once (:class:`qswap.encoders.shared_run.BoundFeed`). A batch
 of several encoder groups runs its calls side by side on a second, single-threaded session of
@@ -36,8 +37,7 @@ import torch
 from qswap.atomic import atomic_write_json, recover_dir, replace_dir
 from qswap.encoders.embedding import length_buckets
 from qswap.encoders.onnx import OnnxBackend, available_providers, make_session
-from qswap.encoders.pool import EncoderPool
-from qswap.encoders.pool import FACTOR_DTYPES
+from qswap.encoders.pool import FACTOR_DTYPES, EncoderPool
 from qswap.encoders.shared_export import (UNREACHED, SHARED_MODEL_FILE, Slots, export_shared, find_slots, ort_input,
                                           release_freed_memory, shared_digest)
 from qswap.encoders.shared_run import BoundFeed, spread_groups
@@ -110,7 +110,7 @@ class SharedBackend:
         self._base_inputs = self.slots.base_inputs(self.base.model, FACTOR_DTYPES[self.factors])
         self._session: Any = None
         self._error: str | None = None
-        # key -> its adapter's full feed: numpy arrays until the session exists, then bound OrtValues
+        # key -> its adapter's full feed: tensors until the session exists, then bound OrtValues
         self._inputs: dict[str, dict[str, torch.Tensor] | BoundFeed] = {}
         self._pinned: set[str] = set()
         self._lock = threading.RLock()

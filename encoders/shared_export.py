@@ -30,7 +30,6 @@ So one session holds the base weights once, and an encoder is only its adapter t
 from __future__ import annotations
 
 import hashlib
-import logging
 import time
 import warnings
 from dataclasses import dataclass
@@ -46,7 +45,6 @@ from qswap.encoders.onnx_export import (EXPORT_LOCK, OPSET, OUTPUT, PooledEncode
                                         probe_inputs)
 from qswap.errors import IntegrityError, InvalidInputError
 
-log = logging.getLogger(__name__)
 
 # Bump when the shared graph changes, so cached exports are rebuilt.
 SHARED_FORMAT = 2
