@@ -29,6 +29,7 @@ from qswap.bench.loadgen import Request, run_load_sync
 from qswap.bench.plots import plot_lines
 from qswap.bench.processes import http_json
 from qswap.bench.results import md_table
+from qswap.factors import FACTOR_NAMES
 
 NAME = "scale"
 COUNTS = ByMode((1, 10, 25, 50), (1, 3))
@@ -46,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"searches per e2e round and encoder ({E2E_REQUESTS.describe()})")
     p.add_argument("--rounds", type=int, default=None, help=f"e2e rounds ({E2E_ROUNDS.describe()})")
     p.add_argument("--model", default=MODEL, help=f"bundled base name or model directory (default {MODEL})")
+    p.add_argument("--lora-factors", choices=FACTOR_NAMES, default=None,
+                   help="the server's --lora-factors (default: the server's own default, float16)")
 
 
 def _counts(value: str | None, quick: bool) -> list[int]:
@@ -92,8 +95,12 @@ def run(args: argparse.Namespace) -> int:
     root = lora_encoders(base, names, rank=args.rank, tag=f"scale{len(names)}")
     adapter_file = sum(f.stat().st_size for f in (root / f"{names[0][0]}-1").rglob("*.safetensors"))
     del base
-    srv = qswap_server(idx_dir, root, dirs.tmp / "state", dirs.tmp / "server.log", model=args.model)
+    from qswap.factors import SERVING_FACTORS
+    factors = args.lora_factors or SERVING_FACTORS
+    srv = qswap_server(idx_dir, root, dirs.tmp / "state", dirs.tmp / "server.log", model=args.model,
+                       extra=["--lora-factors", factors])
     res: dict[str, Any] = {"model": args.model, "rank": args.rank, "counts": counts, "workload": work.source,
+                           "lora_factors": factors,
                            "index": index_meta(idx_dir), "adapter_file_bytes": adapter_file, "points": []}
     with srv:
         res["server"] = {"command": srv.command, "start_s": srv.start_seconds}
@@ -150,7 +157,8 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
     cmd = res["server"]["command"]
     md = (f"Server: `{cmd if isinstance(cmd, str) else ' '.join(cmd)}` (default backend: one shared ONNX Runtime session); "
           f"{res['index']['documents']:,} documents. Encoders: random LoRA r={res['rank']} adapters on every dense "
-          f"layer of {res['model']} (adapter file {res['adapter_file_bytes'] / MIB:.2f} MiB; the server counts "
+          f"layer of {res['model']}, factors stored as {res.get('lora_factors', 'float32')} (adapter file "
+          f"{res['adapter_file_bytes'] / MIB:.2f} MiB in float32; the server counts "
           f"{adapter / MIB:.2f} MiB per encoder), registered over HTTP, each waited for until it runs on the "
           "shared runtime and used by searches before memory is read. Server without any encoder: RSS "
           f"{res['rss_no_encoder'] / MIB:.0f} MiB.\n\n{table}\n"

@@ -78,6 +78,8 @@ class LowRankDeltas:
             f = self._factors[layer].get(key)
             if f is None:
                 continue
+            if f.a.dtype != x.dtype:   # half-precision storage: compute in the activations' type
+                f = LowRank(a=f.a.to(x.dtype), b=f.b.to(x.dtype))
             if len(idx) == self._n:   # the whole batch is one encoder: no gather/scatter
                 return out + (x @ f.a.T) @ f.b.T
             out = out.index_add(0, idx, ((x.index_select(0, idx) @ f.a.T) @ f.b.T).to(out.dtype))

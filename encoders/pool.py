@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -31,7 +31,10 @@ from qswap.encoders.embedding import embed_batch, sorted_batches
 from qswap.encoders.kinds import AdapterKind, Attached, get_kind
 from qswap.encoders.lowrank import LowRankDeltas
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError
+from qswap.factors import FACTOR_NAMES
 
+# Storage types of LoRA factors (EncoderPool(factor_dtype=...)).
+FACTOR_DTYPES = {name: getattr(torch, name) for name in FACTOR_NAMES}
 BASE_KEY = "base"   # the identity encoder every pool has: the base model itself
 # Queries every new encoder must embed to finite vectors before it is accepted: finite adapter
 # values can still overflow a forward (a LoRA factor of 1e30, a bias of 3e38).
@@ -56,10 +59,20 @@ def _sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class EncoderPool:
-    """Query encoders sharing one frozen :class:`BaseEncoder`; thread-safe."""
+    """Query encoders sharing one frozen :class:`BaseEncoder`; thread-safe.
 
-    def __init__(self, base: BaseEncoder) -> None:
+    ``factor_dtype``: storage type of LoRA factors (``float32``, ``float16``, ``bfloat16``;
+    compute stays float32): half precision halves a LoRA encoder's bytes. A factor that would
+    not round within :data:`~qswap.encoders.kinds.base.HALF_TOLERANCE` (values beyond the type's
+    range) keeps float32, and that encoder reports it in :meth:`attached` ``info["factors"]``.
+    """
+
+    def __init__(self, base: BaseEncoder, factor_dtype: str = "float32") -> None:
+        if factor_dtype not in FACTOR_DTYPES:
+            raise InvalidInputError(f"unknown LoRA factor dtype {factor_dtype!r}",
+                                    f"use one of {', '.join(FACTOR_DTYPES)}")
         self.base = base
+        self.factor_dtype = factor_dtype
         self._module: torch.nn.Module = _sharing_copy(base.model)
         self._deltas = LowRankDeltas(self._module)
         identity = get_kind("identity")
@@ -99,7 +112,7 @@ class EncoderPool:
         kind = get_kind(art.manifest.kind)
         if key in self._entries:
             raise ConflictError(f"encoder {key} is already loaded", "remove it first or use a new version")
-        attached = kind.attach(art, self.base)   # validates and builds; binds nothing
+        attached = self._store(kind.attach(art, self.base))   # validates and builds; binds nothing
         with self._lock:
             if key in self._entries:
                 raise ConflictError(f"encoder {key} is already loaded", "remove it first or use a new version")
@@ -115,6 +128,17 @@ class EncoderPool:
                 raise InvalidInputError(f"encoder {key} embeds queries to NaN/Inf: its adapter's values overflow "
                                         "the forward pass", "the tuning diverged; retrain (e.g. with a lower "
                                                             "learning rate)")
+
+    def _store(self, att: Attached) -> Attached:
+        """``att`` with its LoRA factors in the pool's storage type, where every factor rounds
+        within tolerance (all or none: one encoder's factors share one type)."""
+        dtype = FACTOR_DTYPES[self.factor_dtype]
+        if not att.low_rank or dtype == torch.float32:
+            return att
+        half = {m: f.stored_as(dtype) for m, f in att.low_rank.items()}
+        if any(f is None for f in half.values()):
+            return replace(att, info={**att.info, "factors": "float32"})
+        return replace(att, low_rank=half, info={**att.info, "factors": self.factor_dtype})
 
     def remove(self, key: str) -> None:
         """Detach an encoder and free its tensors."""

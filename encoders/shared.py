@@ -1,9 +1,10 @@
 """The default query backend: ONE ONNX Runtime session of the base, adapters bound per run.
 
-The base is exported once (:mod:`qswap.encoders.shared_export`) with every adapted layer's LoRA
-factors and bias deltas as graph inputs. Each encoder served this way is only its adapter
-tensors, converted once to the graph's layout (:func:`adapter_inputs`) and passed with its rows:
-N LoRA encoders cost the base once plus N x their adapter bytes. A batch runs one ONNX Runtime
+The base is exported once (:mod:`qswap.encoders.shared_export`), fused (MultiHeadAttention,
+SkipLayerNormalization, BiasGelu), with every adapted layer's LoRA factors and biases as graph
+inputs. Each encoder served this way is only its adapter tensors (LoRA factors in the pool's
+storage type: float16 in a server), bound in place (:func:`adapter_inputs`): N LoRA encoders
+cost the base once plus N x their adapter bytes. A batch runs one ONNX Runtime
 call per encoder group (rows of one encoder share its inputs), rows bucketed by real token
 length, each encoder's inputs bound once (:class:`qswap.encoders.shared_run.BoundFeed`). A batch
 of several encoder groups runs its calls side by side on a second, single-threaded session of
@@ -30,13 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from qswap.atomic import atomic_write_json, recover_dir, staged_dir
 from qswap.encoders.embedding import length_buckets
 from qswap.encoders.onnx import OnnxBackend, available_providers, make_session
-from qswap.encoders.pool import EncoderPool
-from qswap.encoders.shared_export import (UNREACHED, SHARED_MODEL_FILE, Slots, export_shared, find_slots,
-                                          shared_digest)
+from qswap.encoders.pool import FACTOR_DTYPES, EncoderPool
+from qswap.encoders.shared_export import (UNREACHED, SHARED_MODEL_FILE, Slots, export_shared, find_slots, ort_input,
+                                          release_freed_memory, shared_digest)
 from qswap.encoders.shared_run import BoundFeed, spread_groups
 from qswap.errors import InvalidInputError, NotFoundError
 
@@ -46,29 +48,29 @@ RETRY_MAX_S = 300.0   # the longest wait between two export attempts
 SHARED_DIR = "_shared"
 
 
-def adapter_inputs(pool: EncoderPool, key: str, slots: Slots) -> dict[str, np.ndarray] | None:
+def adapter_inputs(pool: EncoderPool, key: str, slots: Slots) -> dict[str, torch.Tensor] | None:
     """The shared graph's adapter inputs for encoder ``key``, or ``None`` if it cannot express it.
 
     The one place that reads an encoder's tensors for the shared runtime, through its kind's
-    ``runtime_tensors``: ``<module>.lora_A`` / ``.lora_B`` (scaling folded into B) are bound as
-    they are (numpy views of the pool's tensors: no copy); ``<param>.bias`` becomes a delta
-    against the base bias (a new, small array).
-    Anything else (a replaced weight matrix) is not expressible: ``None``.
+    ``runtime_tensors``: ``<module>.lora_A`` / ``.lora_B`` (scaling folded into B, in the pool's
+    factor storage type) and ``<param>.bias`` (the bias the encoder uses) are the pool's own
+    tensors, bound as they are (no copy). Anything else (a replaced weight matrix), or factors
+    kept in another type than the pool's (they did not round within tolerance), is not
+    expressible: ``None``.
     """
     tensors = pool.runtime_tensors(key)
-    lin = {m: (i, o) for m, i, o in slots.linear}
+    lin = {m for m, _, _ in slots.linear}
     norm = {m for m, _ in slots.norm}
-    params = dict(pool.base.model.named_parameters())
-    out: dict[str, np.ndarray] = {}
+    dtype = FACTOR_DTYPES[pool.factor_dtype]
+    out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         module, _, leaf = name.rpartition(".")
         if module.split(".")[0] in UNREACHED:
             continue   # the pooler never reaches a pooled query embedding ("dense" targets match it)
-        arr = t.detach().float().cpu().numpy()   # a view when the pool holds fp32 on CPU
-        if leaf in ("lora_A", "lora_B") and module in lin:
-            out[name] = np.ascontiguousarray(arr)
-        elif leaf == "bias" and (module in lin or module in norm):
-            out[f"{module}.dbias"] = np.ascontiguousarray(arr - params[name].detach().float().cpu().numpy())
+        if leaf in ("lora_A", "lora_B") and module in lin and t.dtype == dtype:
+            out[name] = t.detach()
+        elif leaf == "bias" and (module in lin or module in norm) and t.dtype == torch.float32:
+            out[name] = t.detach()
         else:
             return None
     return out
@@ -103,12 +105,13 @@ class SharedBackend:
         self._variant = "cuda" if "CUDAExecutionProvider" in self.providers else "cpu"
         self._table = self.base.model.get_input_embeddings().weight.detach().float().cpu().numpy()
         self.slots = find_slots(self.base.model)
-        self._zeros = self.slots.zeros(rank=0)
+        self.factors = pool.factor_dtype
+        # The base's own biases and rank-0 factors: every input an encoder does not set, shared by all.
+        self._base_inputs = self.slots.base_inputs(self.base.model, FACTOR_DTYPES[self.factors])
         self._session: Any = None
         self._error: str | None = None
-        # key -> its adapter's full feed: numpy arrays until the session exists, then bound OrtValues
-        self._inputs: dict[str, dict[str, np.ndarray] | BoundFeed] = {}
-        self._bytes: dict[str, int] = {}
+        # key -> its adapter's full feed: tensors until the session exists, then bound OrtValues
+        self._inputs: dict[str, dict[str, torch.Tensor] | BoundFeed] = {}
         self._pinned: set[str] = set()
         self._lock = threading.RLock()
         # A failed export (EMFILE, a full disk) is tried again after retry_s, doubling up to
@@ -174,12 +177,13 @@ class SharedBackend:
 
     def _load_or_export(self) -> Any:
         target = self.directory()
-        digest = shared_digest(self.base, self._variant)
+        digest = shared_digest(self.base, self._variant, self.factors)
         recover_dir(target)
         meta = _read_meta(target)
         if meta.get("digest") != digest or not (target / SHARED_MODEL_FILE).exists():
             with staged_dir(target) as staging:
-                facts = export_shared(self.base, staging)
+                facts = export_shared(self.base, staging, factors=self.factors, optimize_for=self._variant)
+                release_freed_memory()
                 meta = {"digest": digest, "variant": self._variant, "space": self.base.space.fingerprint,
                         "base": self.base.name, **facts}
                 atomic_write_json(staging / META_FILE, meta)   # last: marks the export complete
@@ -187,14 +191,10 @@ class SharedBackend:
                      meta["probe_min_cosine"])
         return make_session(target / SHARED_MODEL_FILE, self._threads, self.providers, self.spin)
 
-    def _feed(self, arrays: dict[str, np.ndarray]) -> BoundFeed:
+    def _feed(self, tensors: dict[str, torch.Tensor]) -> BoundFeed:
         """Pre-built OrtValues, bound once per session: a run copies nothing of the adapter
         (zero-copy on CPU) and passes none of its inputs again."""
-        import onnxruntime as ort
-
-        if "CUDAExecutionProvider" in self.providers:
-            return BoundFeed({n: ort.OrtValue.ortvalue_from_numpy(np.asarray(a), "cuda", 0) for n, a in arrays.items()})
-        return BoundFeed({n: ort.OrtValue.ortvalue_from_numpy(np.asarray(a)) for n, a in arrays.items()})
+        return BoundFeed({n: ort_input(t, cuda="CUDAExecutionProvider" in self.providers) for n, t in tensors.items()})
 
     def _start_group_session(self) -> None:
         """Build the single-threaded session for side-by-side groups in the background, once.
@@ -227,12 +227,8 @@ class SharedBackend:
         if own is None:
             self.merged.prepare(key)
             return
-        full: dict[str, np.ndarray] = {**self._zeros, **own}
-        # Bytes beyond the pool's: arrays that do not share the pool's tensors (bias deltas).
-        pool_arrays = [t.detach().numpy() for t in self.pool.runtime_tensors(key).values() if t.device.type == "cpu"]
-        extra = sum(a.nbytes for a in own.values() if not any(np.shares_memory(a, p) for p in pool_arrays))
+        full = {**self._base_inputs, **own}
         with self._lock:
-            self._bytes[key] = extra
             self._inputs[key] = self._feed(full) if self._session is not None else full
 
     def pin(self, key: str) -> None:
@@ -241,7 +237,6 @@ class SharedBackend:
         with self._lock:
             self._pinned.add(key)
             self._inputs.pop(key, None)
-            self._bytes.pop(key, None)
         self.merged.prepare(key)
 
     def ready(self, key: str) -> bool:
@@ -288,11 +283,11 @@ class SharedBackend:
         return self.merged.error(key)
 
     def memory_bytes(self, key: str) -> int:
-        """Bytes beyond the pool's: graph inputs that are not views of the pool's tensors (LoRA
-        factors are bound in place: 0; bias deltas: their size), or a merged session's weights."""
+        """Bytes beyond the pool's: 0 on the shared graph (every input is a pool tensor or a
+        base tensor, bound in place), or a merged session's weights."""
         with self._lock:
             if key in self._inputs:
-                return self._bytes.get(key, 0)
+                return 0
         return self.merged.memory_bytes(key)
 
     def shared_bytes(self) -> int:
@@ -315,7 +310,6 @@ class SharedBackend:
     def discard(self, key: str) -> None:
         with self._lock:
             self._inputs.pop(key, None)
-            self._bytes.pop(key, None)
             self._pinned.discard(key)
         self.merged.discard(key)
 

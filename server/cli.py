@@ -8,6 +8,8 @@ import os
 import threading
 from pathlib import Path
 
+from qswap.factors import FACTOR_NAMES
+
 # OMP_WAIT_POLICY=PASSIVE is set by the qswap entry point (qswap.cli) before torch/faiss load.
 from qswap.encoders.backend import BACKENDS
 from qswap.encoders.precision import PRECISIONS
@@ -17,7 +19,7 @@ _FLAG_FIELDS = {
     "host": "host", "port": "port", "index": "index", "model": "model", "device": "device",
     "encoders_root": "encoders_root", "state_dir": "state_dir", "token": "admin_token",
     "search_token": "search_token", "metrics_token": "metrics_token", "insecure": "insecure", "backend": "backend",
-    "query_precision": "query_precision",
+    "query_precision": "query_precision", "lora_factors": "lora_factors",
     "batch_window_ms": "batch_window_ms", "max_batch": "max_batch", "default_encoder": "default_encoder",
     "read_only_index": "read_only_index", "max_k": "max_k", "max_queries": "max_queries",
     "encoder_memory_mb": "encoder_memory_bytes", "sentinels": "sentinels", "guard_alpha": "guard_alpha",
@@ -77,6 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--query-precision", choices=PRECISIONS,
                    help="torch backend: run batches of 16+ queries for one encoder in bf16 (default fp32; pays only where the "
                         "hardware has native bf16: AMX, AVX-512-BF16, tensor cores)")
+    p.add_argument("--lora-factors", choices=FACTOR_NAMES,
+                   help="storage type of loaded LoRA factors (default float16: half the memory per encoder, compute "
+                        "stays float32; factors outside float16's range keep float32)")
     p.add_argument("--batch-window-ms", type=float, help="micro-batch window (default 2)")
     p.add_argument("--max-batch", type=int, help="queries per forward pass at most (default 64)")
     p.add_argument("--max-k", type=int, help="hits per query at most (default 100)")

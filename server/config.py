@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from qswap import DEFAULT_MODEL
 from qswap.errors import InvalidInputError
+from qswap.factors import SERVING_FACTORS
 from qswap.paths import data_dir
 
 MIN_TOKEN_CHARS = 16
@@ -71,6 +72,8 @@ class ServerSettings(BaseSettings):
     query_precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="torch backend: bf16 runs batches of 16+ queries for one "
                             "encoder under bf16 autocast (1.16-1.33x faster forwards with AMX; see README)")
+    lora_factors: Literal["float16", "bfloat16", "float32"] = Field(
+        SERVING_FACTORS, description="storage type of loaded LoRA factors (compute stays float32; see docs/query-path.md)")
     batch_window_ms: float = Field(2.0, ge=0, le=1000, description="how long a batch waits for more requests")
     max_batch: int = Field(64, ge=1, le=4096, description="queries encoded in one forward pass at most")
     encoder_memory_bytes: int = Field(1 << 30, ge=0, description="budget for loaded adapters (LRU beyond it)")

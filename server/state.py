@@ -88,7 +88,7 @@ class ServerState:
         # Queries from this base must be comparable with the index's documents.
         index.space.require_same(base.space, f"base model {base.name} against index")
         self.metrics.index_documents.set(index.count)
-        pool = EncoderPool(base)
+        pool = EncoderPool(base, factor_dtype=s.lora_factors)
         self.pool = pool
         self.backend = make_backend(s.backend, pool, s.state_dir / "onnx", s.onnx_threads,
                                     s.query_precision, retry_s=s.export_retry_s)

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 # What an adapter file may hold: floating tensors only (an integer "bias" is a broken file).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 SAFETENSORS_FLOAT = ("F32", "F16", "BF16", "F64")
+# Half-precision LoRA storage is accepted when each factor rounds with at most this relative
+# error (fp16 rounds to ~3e-4, bf16 to ~2e-3 of a factor's norm: README "Fast query path").
+HALF_TOLERANCE = 5e-3
 FOREIGN_HINT = "the adapter was made for another architecture; tune it on this base model"
 
 
@@ -50,8 +53,25 @@ class LowRank:
     b: torch.Tensor   # (out_features, r), scaled
 
     def delta_weight(self) -> torch.Tensor:
-        """``b @ a``: what merging adds to the layer's weight (out_features, in_features)."""
+        """``b @ a``: what merging adds to the layer's weight (out_features, in_features), computed
+        in float32 at least (half-precision factors are a storage type, not a compute type)."""
+        if self.a.dtype in (torch.float16, torch.bfloat16):
+            return self.b.float() @ self.a.float()
         return self.b @ self.a
+
+    def stored_as(self, dtype: torch.dtype, tolerance: float = HALF_TOLERANCE) -> LowRank | None:
+        """These factors in ``dtype`` storage (new tensors), or ``None`` where rounding would move
+        either factor by more than ``tolerance`` (relative Frobenius error: values beyond the
+        type's range or lost below it)."""
+        out = []
+        for t in (self.a, self.b):
+            h = t.detach().to(dtype)
+            ref = t.detach().float()
+            err = torch.linalg.vector_norm(h.float() - ref)
+            if not bool(torch.isfinite(h).all()) or float(err) > tolerance * float(torch.linalg.vector_norm(ref)):
+                return None
+            out.append(h)
+        return LowRank(a=out[0], b=out[1])
 
 
 @dataclass

@@ -29,8 +29,13 @@ def test_forward_bench_runs_and_skips_emulated_bf16(tiny_model_dir, tmp_path, mo
     # extra LoRA encoder costs about its adapter file (its factors are bound in place).
     a = r["adapters"]
     assert min(a["cosine_shared_vs_torch"].values()) >= 0.99999
-    assert {"shared base", "shared lora-r32", "shared bias", "torch lora-r32"} <= set(a["single_query_ms"])
-    assert 0 < a["memory"]["bytes_per_extra_encoder"] <= a["memory"]["adapter_file_bytes"] + 2**20
+    assert {"shared base", "shared lora-r32", "shared bias", "torch lora-r32", "shared lora-r32 float16",
+            "shared lora-r32 bfloat16", "shared lora-r32 ort-adapter"} <= set(a["single_query_ms"])
+    assert {"lora@1 float16", "lora@1 bfloat16", "lora@1 ort-adapter"} <= set(a["cosine_shared_vs_torch"])
+    # Half-precision factors (the server's default) halve an encoder's bytes.
+    m = a["memory"]
+    assert m["factors"] == "float16" and 2 * m["bytes_per_extra_encoder"] == m["float32_bytes_per_encoder"] > 0
+    assert m["bytes_per_extra_encoder"] <= m["adapter_file_bytes"] + 2**20
     assert "## Adapters" in (out / "README.md").read_text()
     md = (out / "README.md").read_text()
     assert ("torch-bf16: not measured" in md) != native_bf16

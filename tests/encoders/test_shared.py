@@ -32,16 +32,25 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def pool(tiny_base, tmp_path_factory):
+def encoder_dirs(tiny_base, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("enc")
-    pool = EncoderPool(tiny_base)
     # Two LoRA ranks and target sets: one graph serves both (the rank is a dynamic axis).
-    for p in (make_lora(tiny_base, tmp / "l1", "l1", seed=1, r=4, targets=("query", "value", "dense")),
-              make_lora(tiny_base, tmp / "l2", "l2", seed=2, r=8, targets=("key", "intermediate.dense")),
-              make_overrides(tiny_base, tmp / "b1", "b1", "bias", seed=3),
-              make_overrides(tiny_base, tmp / "p1", "p1", "partial", seed=4)):
+    return [make_lora(tiny_base, tmp / "l1", "l1", seed=1, r=4, targets=("query", "value", "dense")),
+            make_lora(tiny_base, tmp / "l2", "l2", seed=2, r=8, targets=("key", "intermediate.dense")),
+            make_overrides(tiny_base, tmp / "b1", "b1", "bias", seed=3),
+            make_overrides(tiny_base, tmp / "p1", "p1", "partial", seed=4)]
+
+
+def _pool(tiny_base, dirs, factor_dtype: str = "float32") -> EncoderPool:
+    pool = EncoderPool(tiny_base, factor_dtype=factor_dtype)
+    for p in dirs:
         pool.add(load_encoder(p, tiny_base.space))
     return pool
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_base, encoder_dirs):
+    return _pool(tiny_base, encoder_dirs)   # float32 factors: the reference
 
 
 def _ready_backend(pool, cache, threads: int) -> SharedBackend:
@@ -74,16 +83,20 @@ def test_matches_torch_on_every_adapter_kind(backend, pool, key):
         assert cosine(got, backend.encode(TEXTS, [BASE_KEY] * len(TEXTS))).min() < 0.999, kind
 
 
+def _bound_in_place(pool, key, backend) -> bool:
+    """Every graph input of ``key`` is one of the pool's own tensors (no copy)."""
+    feed = adapter_inputs(pool, key, backend.slots)
+    pooled = {t.data_ptr() for t in pool.runtime_tensors(key).values()}
+    return bool(feed) and all(t.data_ptr() in pooled for t in feed.values())
+
+
 def test_one_session_and_adapter_bytes_only(backend, pool):
-    # LoRA factors are bound in place (views of the pool's tensors: no byte beyond the pool's);
-    # bias deltas are new arrays of the bias size; the partial encoder has a merged session.
+    # LoRA factors and a bias encoder's biases are bound in place (the pool's tensors: no byte
+    # beyond the pool's); the partial encoder has a merged session.
     assert backend.memory_bytes(BASE_KEY) == 0
-    for key in ("l1@1", "l2@1"):
+    for key in ("l1@1", "l2@1", "b1@1"):
         assert backend.memory_bytes(key) == 0 and pool.memory_bytes(key) > 0
-        feed = adapter_inputs(pool, key, backend.slots)
-        pooled = [t.numpy() for t in pool.runtime_tensors(key).values()]
-        assert feed and all(any(np.shares_memory(a, p) for p in pooled) for a in feed.values())
-    assert 0 < backend.memory_bytes("b1@1") <= pool.memory_bytes("b1@1")
+        assert _bound_in_place(pool, key, backend)
     assert backend.memory_bytes("p1@1") == backend.shared_bytes() > 0
     assert list(backend.merged._sessions) == ["p1@1"]
     assert (backend.directory() / SHARED_MODEL_FILE).exists()
@@ -102,7 +115,7 @@ def test_adapter_inputs_refuse_weight_replacements(backend, pool):
     lora = adapter_inputs(pool, "l1@1", backend.slots)
     assert lora is not None and {n.rsplit(".", 1)[1] for n in lora} == {"lora_A", "lora_B"}
     bias = adapter_inputs(pool, "b1@1", backend.slots)
-    assert bias is not None and all(n.endswith(".dbias") for n in bias)
+    assert bias is not None and all(n.endswith(".bias") for n in bias)
     assert any("LayerNorm" in n for n in bias)   # the bias kind tunes LayerNorm biases too
 
 
@@ -248,3 +261,90 @@ def test_a_failed_export_is_retried_and_then_serves_on_onnx(pool, tmp_path, monk
         assert cosine(got, pool.encode(TEXTS, ["l1@1"] * len(TEXTS))).min() >= MIN_COSINE
     finally:
         b.close()
+
+
+def test_the_shared_graph_is_fused(backend, tiny_base):
+    # Attention is one MultiHeadAttention node per layer fed with the adapted projections, the
+    # residual Adds + LayerNorms are SkipLayerNormalization with the dense biases folded in, and
+    # the GELU takes its bias: what ONNX Runtime runs for a merged encoder.
+    import json
+
+    import onnx
+
+    layers = tiny_base.model.config.num_hidden_layers
+    fused = json.loads((backend.directory() / "export.json").read_text())["fused"]
+    assert fused["MultiHeadAttention"] == layers and fused["BiasGelu"] == layers
+    assert fused["SkipLayerNormalization"] == 2 * layers
+    graph = onnx.load(str(backend.directory() / SHARED_MODEL_FILE)).graph
+    ops = [n.op_type for n in graph.node]
+    assert "Softmax" not in ops and "Erf" not in ops
+    skip = [n for n in graph.node if n.op_type == "SkipLayerNormalization"]
+    assert all(len(n.input) == 5 and n.input[4].endswith(".bias") for n in skip)   # bias inputs folded
+
+
+@pytest.fixture(scope="module", params=["float16", "bfloat16"])
+def half(request, tiny_base, encoder_dirs, tmp_path_factory):
+    """A pool holding LoRA factors in half precision and its shared backend."""
+    pool = _pool(tiny_base, encoder_dirs, request.param)
+    b = _ready_backend(pool, tmp_path_factory.mktemp(f"shared-{request.param}"), threads=1)
+    yield request.param, pool, b
+    b.close()
+
+
+@pytest.mark.parametrize("key", ["l1@1", "l2@1", "b1@1", BASE_KEY])
+def test_half_precision_factors_match_the_float32_reference(half, pool, key):
+    dtype, hpool, b = half
+    assert b.runtime(key) == "onnx-shared"
+    ref = pool.encode(TEXTS, [key] * len(TEXTS))   # float32 factors, torch
+    assert cosine(b.encode(TEXTS, [key] * len(TEXTS)), ref).min() >= MIN_COSINE
+    assert cosine(hpool.encode(TEXTS, [key] * len(TEXTS)), ref).min() >= MIN_COSINE   # the torch path too
+
+
+def test_half_precision_factors_halve_the_memory(half, pool):
+    import torch
+
+    dtype, hpool, b = half
+    for key in ("l1@1", "l2@1"):
+        tensors = hpool.runtime_tensors(key)
+        assert {t.dtype for t in tensors.values()} == {getattr(torch, dtype)}
+        assert hpool.attached(key).info["factors"] == dtype
+        assert 2 * hpool.memory_bytes(key) == pool.memory_bytes(key) > 0
+        assert b.memory_bytes(key) == 0 and _bound_in_place(hpool, key, b)
+    assert hpool.memory_bytes("b1@1") == pool.memory_bytes("b1@1")   # biases stay float32
+
+
+def test_factors_beyond_half_range_keep_float32(tiny_base, pool, tmp_path):
+    # A factor of 1e6 overflows float16 (max 65504): that encoder keeps float32 factors and runs
+    # on its merged export, with the same answers; nothing is silently rounded to inf.
+    from safetensors.torch import load_file, save_file
+
+    from qswap.encoders import save_encoder
+
+    make_lora(tiny_base, tmp_path / "big0", "big", seed=5, r=4)
+    peft = next(tmp_path.glob(".peft-big-*"))
+    state = load_file(str(peft / "adapter_model.safetensors"))
+    save_file({k: v * (1e6 if "lora_A" in k else 1e-6) for k, v in state.items()}, str(peft / "adapter_model.safetensors"))
+    path = tmp_path / "big"
+    save_encoder(path, name="big", version="1", kind="lora", space=tiny_base.space, lora_dir=peft)
+    hpool = EncoderPool(tiny_base, factor_dtype="float16")
+    hpool.add(load_encoder(path, tiny_base.space))
+    ref = EncoderPool(tiny_base)
+    ref.add(load_encoder(path, tiny_base.space))
+    assert hpool.attached("big@1").info["factors"] == "float32"
+    assert hpool.memory_bytes("big@1") == ref.memory_bytes("big@1")
+    b = SharedBackend(hpool, tmp_path / "cache", threads=1)
+    try:
+        b.prepare("big@1")
+        assert b.wait("big@1", timeout=120), b.error("big@1")
+        assert b.runtime("big@1") == "onnx-merged"
+        got = b.encode(TEXTS, ["big@1"] * len(TEXTS))
+        assert cosine(got, ref.encode(TEXTS, ["big@1"] * len(TEXTS))).min() >= MIN_COSINE
+    finally:
+        b.close()
+
+
+def test_unknown_factor_dtype_is_refused(tiny_base):
+    from qswap.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="float8"):
+        EncoderPool(tiny_base, factor_dtype="float8")

@@ -418,7 +418,11 @@ def test_long_queries_are_truncated_and_flagged(anon):
     assert r.status_code == 200
     assert [res["truncated"] for res in r.json()["results"]] == [False, True, True]
     r2 = anon.post("/v1/search", json={"query": " ".join(["chess"] * 120), "k": 2})
-    assert r2.json()["results"][0]["hits"] == r.json()["results"][1]["hits"]   # both cut at max tokens
+    # Both cut at max tokens: the same hits (scores equal to float rounding: one batch of 3 rows
+    # and one of 1 run the fused attention kernel with other shapes).
+    alone, batched = r2.json()["results"][0]["hits"], r.json()["results"][1]["hits"]
+    assert [h["id"] for h in alone] == [h["id"] for h in batched]
+    assert [h["score"] for h in alone] == pytest.approx([h["score"] for h in batched], abs=1e-5)
 
 
 def test_metrics_after_traffic(anon):
