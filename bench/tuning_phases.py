@@ -44,7 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compare-args", default=None,
                    help="also run with these options added (e.g. the previous settings), in the same session, "
                         "and test the two encoders against each other per language (the guard's paired test)")
-    g.add_argument("--compare-label", default="previous settings", help="what --compare-args is")
+    g.add_argument("--compare-label", default="previous settings", help="what --compare-args / --reference is")
+    g.add_argument("--reference", type=Path, default=None,
+                   help="instead of --compare-args: the encoder directory of a `qswap tune run` with the "
+                        "previous settings on the same data (e.g. run beside this one); waits for its "
+                        "report.json, shows its phases and tests the two encoders against each other")
     g.add_argument("--before", type=float, default=None,
                    help="a total in seconds measured earlier on the same data, shown as the 'before' row")
     g.add_argument("--before-label", default="before", help="what --before is")
@@ -83,6 +87,33 @@ def _tune(args: argparse.Namespace, tmp: Path, label: str, extra: str) -> dict[s
         "artifact_check": rep.get("artifact_check"),
         "guard_passed": rep["guard"]["passed"], "guard": rep["guard"], "load_before": load_before,
         "load_after": os.getloadavg(), "summary": (work / "tune.log").read_text(errors="replace").splitlines()[-9:]}
+
+
+def _reference(encoder_dir: Path, label: str, poll_s: float = 10.0) -> dict[str, Any]:
+    """The arm of an encoder tuned by another process: its report's phases and verdicts."""
+    report = encoder_dir / "report.json"
+    while not report.is_file():   # written last by `qswap tune run` (atomically)
+        print(f"waiting for {report}", file=sys.stderr, flush=True)
+        time.sleep(poll_s)
+    rep = json.loads(report.read_text())
+    tr = rep["training"]
+    total = rep["wall_seconds_total"]
+    return {"label": label, "encoder_dir": encoder_dir, "command": ["", "", "qswap", "tune", "run",
+                                                                    *_config_args(rep)],
+            "wall_seconds": total, "phases": rep["phases"], "report_total_seconds": total,
+            "steps": tr["steps"], "seconds_per_step": tr.get("seconds_per_step"), "best_epoch": tr["best_epoch"],
+            "stopped": tr["stopped"], "documents": rep["data"]["documents"], "splits": rep["data"]["splits"],
+            "recipe": rep.get("recipe"), "query_runtime": rep.get("query_runtime"),
+            "artifact_check": rep.get("artifact_check"), "guard_passed": rep["guard"]["passed"],
+            "guard": rep["guard"], "load_before": [float("nan")] * 3, "load_after": [float("nan")] * 3,
+            "summary": [f"(run by another process; total = the run's own clock, {total:.0f} s)"]}
+
+
+def _config_args(rep: dict[str, Any]) -> list[str]:
+    cfg = rep.get("config", {})
+    tr = cfg.get("train", {})
+    return [f"--{k}={v}" for k, v in (("precision", tr.get("precision")), ("fused", tr.get("fused")),
+                                      ("dropout", tr.get("dropout")), ("query-runtime", cfg.get("query_runtime")))]
 
 
 def compare_encoders(beir: Path, index: Path, reference: Path, candidate: Path, langs: list[str],
@@ -137,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
                            "before_seconds": args.before, "before_label": args.before_label, "arms": []}
     if args.compare_args is not None:
         arms.append(_tune(args, tmp, args.compare_label, args.compare_args))
+    elif args.reference is not None:
+        arms.append(_reference(args.reference, args.compare_label))
+    if len(arms) > 1:
         langs = [x for x in args.eval_langs.split(",") if x]
         res["quality_vs_compare"] = compare_encoders(args.beir, args.index, arms[1]["encoder_dir"],
                                                      arms[0]["encoder_dir"], langs, args.compare_label)

@@ -95,6 +95,7 @@ class FastQueries:
 
     def _ready(self, key: str) -> bool:
         if self.backend is None:
+            self.runtime.setdefault(key, "torch")
             return False
         self.backend.prepare(key)
         ok = self.backend.wait(key)
