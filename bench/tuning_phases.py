@@ -136,17 +136,20 @@ def compare_encoders(beir: Path, index: Path, reference: Path, candidate: Path, 
     seen: set[str] = set()
     for d in (reference, candidate):
         seen |= set(json.loads((d / SEEN_QUERIES).read_text())["ids"])
-    fast = FastQueries(base, base_tokens(base))
+    # One runtime each: both runs may have written an encoder of the same name@version.
+    tokens = base_tokens(base)
+    runtimes = [FastQueries(base, tokens) for _ in range(2)]
     try:
-        _, old = fast.tuned_encoder(reference)
-        _, new = fast.tuned_encoder(candidate)
+        _, old = runtimes[0].tuned_encoder(reference)
+        _, new = runtimes[1].tuned_encoder(candidate)
         ev = BeirEvaluator(base, new, progress=False, stored=stored, encode_base=old)
         checks = []
         for lang in langs:
             r = ev.pair(beir, lang, None, exclude_qids=seen)
             checks.append(sentinel_check(lang, r.base, r.tuned, against=label, lang=lang))
     finally:
-        fast.close()
+        for fast in runtimes:
+            fast.close()
     return guard_record(checks)
 
 

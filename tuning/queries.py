@@ -132,8 +132,7 @@ class FastQueries:
         server loads it and exported once."""
         from qswap.encoders import load_encoder
         art = load_encoder(encoder_dir, expected_space=self.base.space)
-        if art.key not in self.pool:
-            self.pool.add(art)
+        self.pool.add(art)   # a second encoder of the same name@version is refused (ConflictError)
         return art.key, self._encoder(art.key)
 
     def close(self) -> None:
