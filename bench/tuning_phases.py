@@ -87,7 +87,7 @@ def _tune(args: argparse.Namespace, tmp: Path, label: str, extra: str) -> dict[s
         "steps": tr["steps"], "seconds_per_step": tr.get("seconds_per_step"), "best_epoch": tr["best_epoch"],
         "stopped": tr["stopped"], "documents": rep["data"]["documents"], "splits": rep["data"]["splits"],
         "recipe": rep.get("recipe"), "query_runtime": rep.get("query_runtime"),
-        "artifact_check": rep.get("artifact_check"),
+        "artifact_check": rep.get("artifact_check"), "cpu_seconds": rep.get("cpu_seconds_total"),
         "guard_passed": rep["guard"]["passed"], "guard": rep["guard"], "load_before": load_before,
         "load_after": os.getloadavg(), "summary": (work / "tune.log").read_text(errors="replace").splitlines()[-9:]}
 
@@ -108,6 +108,7 @@ def _reference(encoder_dir: Path, label: str, poll_s: float = 10.0) -> dict[str,
             "stopped": tr["stopped"], "documents": rep["data"]["documents"], "splits": rep["data"]["splits"],
             "recipe": rep.get("recipe"), "query_runtime": rep.get("query_runtime"),
             "artifact_check": rep.get("artifact_check"), "guard_passed": rep["guard"]["passed"],
+            "cpu_seconds": rep.get("cpu_seconds_total"),
             "guard": rep["guard"], "load_before": [float("nan")] * 3, "load_after": [float("nan")] * 3,
             "summary": [f"(run by another process; total = the run's own clock, {total:.0f} s)"]}
 
@@ -193,6 +194,8 @@ def _write(w: ResultWriter, res: dict[str, Any]) -> None:
     rows.append(["other (process start, report, save)",
                  *(f"{a['wall_seconds'] - sum(a['phases'].values()):.0f}" for a in arms)])
     rows.append(["**total (process wall)**", *(f"**{a['wall_seconds']:.0f}**" for a in arms)])
+    rows.append(["CPU seconds of the run (all threads)",
+                 *(f"{a['cpu_seconds']:.0f}" if a.get("cpu_seconds") else "n/a" for a in arms)])
     rows.append(["training steps", *(str(a["steps"]) for a in arms)])
     rows.append(["seconds per step", *(f"{a['seconds_per_step']:.3f}" for a in arms)])
     rows.append(["load average before / after",

@@ -320,7 +320,7 @@ class _Phases:
 
 def run_tuning(cfg: RunConfig) -> RunResult:
     """Run one tuning end to end and write the encoder directory ``cfg.out``."""
-    t_start = time.perf_counter()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
     phase = _Phases()
     out = Path(cfg.out)
     name = cfg.name or out.name
@@ -353,7 +353,7 @@ def run_tuning(cfg: RunConfig) -> RunResult:
                            _encoded(*prep.sets["validation"], docs, cfg.negatives), cfg.train,
                            progress=cfg.progress, tokens=tokens)
         return _finish(cfg, name, out, base, tower, result, prep, beir, splits, sentinels, stored, fast,
-                       encode_base, loss_fn, source, phase, t_start)
+                       encode_base, loss_fn, source, phase, t_start, cpu_start)
     finally:
         fast.close()
 
@@ -361,7 +361,7 @@ def run_tuning(cfg: RunConfig) -> RunResult:
 def _finish(cfg: RunConfig, name: str, out: Path, base: BaseEncoder, tower: QueryTower, result: Any,
             prep: _Prepared, beir: BeirData | None, splits: Any, sentinels: list[Any],
             stored: StoredEmbeddings | None, fast: FastQueries, encode_base: Encode, loss_fn: Any,
-            source: str, phase: _Phases, t_start: float) -> RunResult:
+            source: str, phase: _Phases, t_start: float, cpu_start: float) -> RunResult:
     """Export the tuned tower, check the saved encoder, evaluate it, write the report and the encoder."""
     workdir = Path(tempfile.mkdtemp(prefix=".tune-", dir=out.parent if out.parent.exists() else None))
     try:
@@ -407,6 +407,8 @@ def _finish(cfg: RunConfig, name: str, out: Path, base: BaseEncoder, tower: Quer
             "artifact_check": check, "query_runtime": dict(fast.runtime), "tokenised_queries": len(fast.tokens),
             "config": cfg.to_dict(), "phases": phase.seconds,
             "wall_seconds_total": time.perf_counter() - t_start,
+            # CPU seconds of every thread: on a shared machine, less sensitive to load than wall time.
+            "cpu_seconds_total": time.process_time() - cpu_start,
         }
         files = write_report(report, report_dir)
         if beir is not None:
