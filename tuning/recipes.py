@@ -2,9 +2,10 @@
 
 ``cpu`` (the default) is what the lr x method sweep on Debian chose (``bench/results/tuning_sweep/``):
 lr 5e-7 improved English and made no language significantly worse, while the paper's 5e-8 changed no
-validation error count in the same budget; 4 epochs of 100 batches of 14. Its speed settings were each
-kept only where the Debian quality check held (``bench/results/tuning/``, docs/tuning.md "Speed"):
-bf16 autocast where the device multiplies bf16 natively (``auto``), the fused AdamW kernel, no dropout.
+validation error count in the same budget; 4 epochs of 100 batches of 14. Its speed settings, bf16
+autocast where the device multiplies bf16 natively (``auto``), the fused AdamW kernel and no dropout,
+passed the Debian quality check against the previous fp32/dropout settings together
+(``bench/results/tuning/e2e-speed/``, docs/tuning.md).
 ``paper`` is the adiabatic paper's own schedule and settings (hours on a CPU).
 Explicit options (``--lr``, ``--batch-size``, ``--precision``, ...) override the recipe; the resolved
 settings are recorded in the encoder's ``report.json`` (``recipe``).
