@@ -41,7 +41,7 @@ from typing import Any
 from qswap import DEFAULT_MODEL
 from qswap.bench.results import ResultWriter, md_table, results_dir_for
 from qswap.bench.stats import interleaved, ratio_summary, summarize
-from qswap.bench import tuning_phases
+from qswap.bench import tuning_phases, tuning_step
 from qswap.bench.plots import plot_bars
 from qswap.errors import InvalidInputError
 
@@ -66,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "stopping step is extrapolated from them")
     p.add_argument("--max-doc-chars", type=int, default=600, help="documents are cut to this many characters")
     tuning_phases.add_arguments(p)
+    tuning_step.add_arguments(p)
 
 
 def make_triplets(path: Path, n: int, seed: int = 0, max_doc_chars: int = 2000) -> dict[str, Any]:
@@ -189,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
     """``qswap bench tuning``."""
     if args.e2e:
         return tuning_phases.run(args)
+    if args.step:
+        return tuning_step.run(args)
     from qswap.bench.fixtures import qswap_command
     from qswap.encoders.bundled import BUNDLED, resolve_bundled
 

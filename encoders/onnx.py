@@ -252,22 +252,39 @@ class OnnxBackend:
             out[rest] = self.pool.encode([texts[i] for i in rest], [keys[i] for i in rest])
         return out
 
+    def encode_ids(self, key: str, rows: list[np.ndarray]) -> np.ndarray:
+        """Encode already tokenised queries (each row: its token ids, prefix included, unpadded)
+        with ``key``'s ONNX Runtime session; (n, dim) float32 in input order.
+
+        For callers that tokenise each text once and encode it several times (a tuning run).
+        Raises :class:`NotFoundError` if ``key`` is not ready (:meth:`wait` for it first).
+        """
+        with self._lock:
+            s = self._sessions.get(key)
+        if s is None:
+            raise NotFoundError(f"encoder {key} has no ONNX Runtime session", "prepare it and wait until ready")
+        return self._run_ids(s, rows)
+
     def _run(self, s: _Session, texts: list[str]) -> np.ndarray:
         tok, prefix = self.base.tokenizer, self.base.spec.query_prefix
         encs = tok.encode_batch([prefix + t for t in texts])
-        out = np.empty((len(texts), self.base.dim), dtype=np.float32)
+        # The tokenizer pads every row to the call's longest: keep each row's real tokens.
+        return self._run_ids(s, [np.asarray(e.ids[:sum(e.attention_mask)], dtype=np.int64) for e in encs])
+
+    def _run_ids(self, s: _Session, rows: list[np.ndarray]) -> np.ndarray:
+        pad_id = (self.base.tokenizer.padding or {}).get("pad_id", 0)
+        out = np.empty((len(rows), self.base.dim), dtype=np.float32)
         # Length-sorted chunks: a long row does not make every short one pay for its padding.
-        order = sorted(range(len(texts)), key=lambda i: -len(encs[i].ids)) \
-            if len(texts) > self.batch_size else list(range(len(texts)))
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i])) \
+            if len(rows) > self.batch_size else list(range(len(rows)))
         for start in range(0, len(order), self.batch_size):
             idx = order[start:start + self.batch_size]
-            width = max(len(encs[i].ids) for i in idx)
-            ids = np.zeros((len(idx), width), dtype=np.int64)
+            width = max(len(rows[i]) for i in idx)
+            ids = np.full((len(idx), width), pad_id, dtype=np.int64)
             mask = np.zeros((len(idx), width), dtype=np.int64)
             for r, i in enumerate(idx):
-                e = encs[i]   # already padded to the batch's longest by the tokenizer; trim to width
-                ids[r] = e.ids[:width]
-                mask[r] = e.attention_mask[:width]
+                ids[r, :len(rows[i])] = rows[i]
+                mask[r, :len(rows[i])] = 1
             emb = np.take(s.table, ids, axis=0)
             out[idx] = s.session.run(None, {"inputs_embeds": emb, "attention_mask": mask})[0]
         return out

@@ -38,11 +38,13 @@ class PairResult:
 
 
 class BeirEvaluator:
-    """Evaluates ``encode_tuned`` against ``base.encode_queries`` on BEIR pairs."""
+    """Evaluates ``encode_tuned`` against ``encode_base`` (default ``base.encode_queries``) on BEIR pairs."""
 
     def __init__(self, base: BaseEncoder, encode_tuned: Encode, cache_dir: Path | None = None,
-                 progress: bool = True, stored: StoredEmbeddings | None = None) -> None:
+                 progress: bool = True, stored: StoredEmbeddings | None = None,
+                 encode_base: Encode | None = None) -> None:
         self.base, self.encode_tuned = base, encode_tuned
+        self.encode_base = encode_base or base.encode_queries
         self.cache_dir, self.progress = cache_dir, progress
         self.stored = stored
         self._corpora: dict[tuple[str, str | None], tuple[dict[str, int], np.ndarray]] = {}
@@ -65,7 +67,7 @@ class BeirEvaluator:
         memo = self._queries.setdefault((str(Path(directory).resolve()), lang, which), {})
         missing = [i for i, q in enumerate(qids) if q not in memo]
         if missing:
-            enc = self.base.encode_queries if which == "base" else self.encode_tuned
+            enc = self.encode_base if which == "base" else self.encode_tuned
             emb = encode_with_progress(enc, [texts[i] for i in missing],
                                        f"encoding {lang or 'default'} queries ({which})", self.progress)
             for i, e in zip(missing, emb):

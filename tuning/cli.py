@@ -14,7 +14,7 @@ from qswap.tuning.losses import LOSSES
 from qswap.tuning.losses.similarity import METRICS
 from qswap.tuning.methods import METHODS
 from qswap.tuning.optim import OPTIMIZERS, SCHEDULERS
-from qswap.tuning.recipes import RECIPES, resolve
+from qswap.tuning.recipes import RECIPES, describe, resolve
 from qswap.tuning.run import MINE_CHOICES
 
 
@@ -143,7 +143,8 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--base", default=DEFAULT_MODEL, help="bundled base name or local model directory")
     g.add_argument("--method", default="partial", choices=tuple(METHODS))
     g.add_argument("--freeze-output-dense", action="store_true", help="partial: also freeze output.dense.weight")
-    g.add_argument("--freeze-blocks", type=int, default=0, help="partial: also freeze the first k blocks")
+    g.add_argument("--freeze-blocks", type=int, default=None,
+                   help="partial: also freeze the first k blocks (default: the recipe's; backward stops above them)")
     g.add_argument("--lora-rank", type=int, default=32)
     g.add_argument("--lora-alpha", type=float, help="default: the rank")
     g.add_argument("--lora-dropout", type=float, default=0.0)
@@ -161,13 +162,17 @@ def _add_run(sub: Any) -> None:
                    help="comma-separated prefix dimensions, e.g. 384,256")
     g = p.add_argument_group("optimisation")
     g.add_argument("--recipe", choices=sorted(RECIPES), default="cpu",
-                   help="defaults of --lr/--epoch-batches/--max-epochs/--patience: cpu = lr 5e-7, 4 epochs of 100 "
-                        "batches, patience 2 (chosen by the Debian sweep; minutes on a CPU); paper = the adiabatic "
-                        "paper's lr 5e-8, 1000-batch epochs, patience 10 (hours on a CPU)")
+                   help="defaults of the options marked 'the recipe's': " + "; ".join(
+                       f"{name} = {describe(name)}" for name in sorted(RECIPES)))
     g.add_argument("--lr", type=float, default=None, help="learning rate (default: the recipe's)")
     g.add_argument("--lr-rule", choices=("none", "sqrt"), default="none",
                    help="sqrt: scale --lr from batch 14 to --batch-size by the square-root rule")
-    g.add_argument("--batch-size", type=int, default=14)
+    g.add_argument("--batch-size", type=int, default=None, help="queries per step (default: the recipe's)")
+    g.add_argument("--precision", choices=("auto", "fp32", "bf16"), default=None,
+                   help="forward passes of training and validation; auto: bf16 autocast where the device "
+                        "multiplies bf16 natively (AVX-512-BF16/AMX, tensor cores), else fp32 (default: the recipe's)")
+    g.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                   help="the optimiser's fused kernel (adamw, sgd; default: the recipe's)")
     g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     g.add_argument("--no-momentum", action="store_true", help="beta1 = beta2 = 0 (Adamax without momentum)")
     g.add_argument("--weight-decay", type=float, default=0.01)
@@ -175,7 +180,8 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--epoch-batches", type=int, default=None, help="batches per epoch (default: the recipe's)")
     g.add_argument("--max-epochs", type=int, default=None, help="epochs at most (default: the recipe's)")
     g.add_argument("--patience", type=int, default=None, help="stop after this many idle epochs (default: the recipe's)")
-    g.add_argument("--no-dropout", action="store_true", help="train in eval mode (no dropout)")
+    g.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
+                   help="dropout during training steps (--no-dropout: eval mode; default: the recipe's)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("evaluation and guard")
     g.add_argument("--eval-langs", type=_langs, default=[],
@@ -189,6 +195,10 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--cache-dir", type=Path, help="document-embedding cache (default <data dir>/doc-cache)")
     g.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.add_argument("--query-runtime", choices=("onnx", "torch"), default="onnx",
+                   help="what encodes queries for mining and evaluation: onnx = the serving path's ONNX Runtime "
+                        "export (vectors equal to torch's to cosine >= 0.99999), torch = the reference")
+    g.add_argument("--export-dir", type=Path, help="ONNX export cache (default <data dir>/onnx-cache)")
     g.add_argument("--register", metavar="URL", help="register the encoder on this server when done")
     g.add_argument("--token", default=os.environ.get("QSWAP_TOKEN"), help="bearer token (or $QSWAP_TOKEN)")
     g.add_argument("--force", action="store_true", help="register even if the guard failed")
@@ -201,8 +211,13 @@ def _run(args: argparse.Namespace) -> int:
     from qswap.tuning.run import LossConfig, RunConfig, run_tuning
     from qswap.tuning.trainer import TrainConfig
 
+    from qswap.encoders.base import default_device
+    from qswap.encoders.precision import has_fast_bf16
+
+    # freeze_blocks is a recipe setting of the partial method only: other methods refuse it.
+    freeze = args.freeze_blocks if args.freeze_blocks is not None or args.method == "partial" else 0
     sched = resolve(args.recipe, lr=args.lr, epoch_batches=args.epoch_batches, max_epochs=args.max_epochs,
-                    patience=args.patience)
+                    patience=args.patience, batch_size=args.batch_size, precision=args.precision,
     if args.feedback is not None:
         from qswap.errors import InvalidInputError
         from qswap.tuning.feedback import export_feedback
@@ -212,26 +227,35 @@ def _run(args: argparse.Namespace) -> int:
         args.beir = args.out.with_name(args.out.name + ".feedback-data")
         s = export_feedback(args.feedback, args.index, args.beir, args.domain)
         print(f"feedback: {s.queries} queries with clicks from {s.impressions} impressions -> {args.beir}")
-    lr = sqrt_scaled_lr(args.batch_size, base_lr=sched["lr"]) if args.lr_rule == "sqrt" else sched["lr"]
+                    fused=args.fused if args.optimizer in ("adamw", "sgd") or args.fused else False,
+                    dropout=args.dropout, freeze_blocks=freeze)
+    if sched["precision"] == "auto":
+        device = args.device or default_device()
+        sched["precision"] = "bf16" if has_fast_bf16(device) else "fp32"
+    batch = int(sched["batch_size"])
+    lr = sqrt_scaled_lr(batch, base_lr=sched["lr"]) if args.lr_rule == "sqrt" else sched["lr"]
     cfg = RunConfig(
         out=args.out, base=args.base, train_file=args.train, beir_dir=args.beir, lang=args.lang,
         validation=args.val_size, test=args.test_size,
         max_samples=args.max_samples, index=args.index, mine=args.mine,
         mine_k=args.mine_k, negatives=args.negatives, fn_cutoff=args.fn_cutoff,
         method=MethodConfig(kind=args.method, freeze_output_dense=args.freeze_output_dense,
-                            freeze_blocks=args.freeze_blocks, lora_rank=args.lora_rank,
+                            freeze_blocks=int(sched["freeze_blocks"]), lora_rank=args.lora_rank,
                             lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                             lora_targets=args.lora_targets),
         loss=LossConfig(kind=args.loss, metric=args.metric, margin=args.margin, temperature=args.temperature,
                         in_batch=not args.no_in_batch, bidirectional=args.bidirectional,
                         doc_side=args.doc_side, pair_alpha=args.pair_alpha, matryoshka_dims=args.matryoshka),
-        train=TrainConfig(lr=lr, batch_size=args.batch_size, epoch_batches=int(sched["epoch_batches"]),
+        train=TrainConfig(lr=lr, batch_size=batch, epoch_batches=int(sched["epoch_batches"]),
                           max_epochs=int(sched["max_epochs"]), patience=int(sched["patience"]), optimizer=args.optimizer,
                           momentum=not args.no_momentum, weight_decay=args.weight_decay,
-                          scheduler=args.scheduler, seed=args.seed, dropout=not args.no_dropout),
+                          scheduler=args.scheduler, seed=args.seed, dropout=bool(sched["dropout"]),
+                          precision=str(sched["precision"]), fused=bool(sched["fused"])),
         eval_langs=args.eval_langs, sentinels=args.sentinel, name=args.name, version=args.version,
         cache_dir=args.cache_dir, device=args.device, progress=not args.quiet,
-        register_url=args.register, token=args.token, force=args.force)
+        register_url=args.register, token=args.token, force=args.force,
+        query_runtime=args.query_runtime, export_dir=args.export_dir,
+        recipe={"name": args.recipe, "settings": {**sched, "lr": lr, "lr_rule": args.lr_rule}})
     res = run_tuning(cfg)
     print(_summary(res.report))
     if res.registration is not None:

@@ -33,7 +33,8 @@ def evaluate_sentinels(sentinels: Sequence[Sentinel], base: Any, encode_tuned: C
             r = evaluator.pair(s.path, s.query_lang, s.doc_lang or s.query_lang, exclude_qids=skip)
             b, t = r.base, r.tuned
         else:
-            b, t = triplet_metrics(s.path, base, encode_tuned, cache_dir, progress)
+            b, t = triplet_metrics(s.path, base, encode_tuned, cache_dir, progress,
+                                   encode_base=getattr(evaluator, "encode_base", None))
         if b.queries == 0:
             raise InvalidInputError(f"sentinel {s.name} has no query with a relevant document",
                                     "give a sentinel with judged queries")
@@ -42,8 +43,10 @@ def evaluate_sentinels(sentinels: Sequence[Sentinel], base: Any, encode_tuned: C
 
 
 def triplet_metrics(path: Path, base: Any, encode_tuned: Callable[[list[str]], Any],
-                    cache_dir: Path | None = None, progress: bool = True) -> tuple[Any, Any]:
-    """(base, tuned) :class:`~qswap.guard.evaluation.RankingMetrics` on a triplets file."""
+                    cache_dir: Path | None = None, progress: bool = True,
+                    encode_base: Callable[[list[str]], Any] | None = None) -> tuple[Any, Any]:
+    """(base, tuned) :class:`~qswap.guard.evaluation.RankingMetrics` on a triplets file;
+    ``encode_base`` defaults to ``base.encode_queries``."""
     from qswap.tuning.data import read_triplets
     from qswap.tuning.doc_cache import DocTable
     from qswap.guard.evaluation import evaluate_candidates
@@ -54,5 +57,5 @@ def triplet_metrics(path: Path, base: Any, encode_tuned: Callable[[list[str]], A
     neg = [[table.add(t) for t in s.negatives] for s in samples]
     docs = table.embed(base, cache_dir, progress=progress)
     queries = [s.query for s in samples]
-    return (evaluate_candidates(base.encode_queries(queries), docs, pos, neg),
+    return (evaluate_candidates((encode_base or base.encode_queries)(queries), docs, pos, neg),
             evaluate_candidates(encode_tuned(queries), docs, pos, neg))

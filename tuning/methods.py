@@ -23,7 +23,7 @@ import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ import torch
 from qswap.encoders import BaseEncoder, embed_batch, tokenize_batch
 from qswap.encoders.embedding import encode_texts
 from qswap.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from qswap.tuning.queries import QueryTokens
 
 _BLOCK = re.compile(r"(?:^|\.)(?:layer|layers|block|blocks)\.(\d+)\.")
 _FFN_OUT_WEIGHT = re.compile(r"(?:^|\.)(?:layer|layers|block|blocks)\.\d+\.output\.dense\.weight$")
@@ -150,8 +153,17 @@ class QueryTower:
 
     def embed(self, texts: list[str]) -> torch.Tensor:
         """Query embeddings with grad (training forward)."""
-        ids, mask = tokenize_batch(self.base.tokenizer, texts, self.base.spec.query_prefix, self.base.device)
-        return embed_batch(self.model, ids, mask, self.base.spec)
+        return self.embed_ids(*tokenize_batch(self.base.tokenizer, texts, self.base.spec.query_prefix,
+                                              self.base.device))
+
+    def embed_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Query embeddings with grad from token ids (:meth:`tokens` tokenises each text once)."""
+        return embed_batch(self.model, input_ids, attention_mask, self.base.spec)
+
+    def tokens(self) -> "QueryTokens":
+        """A token memo for this tower's queries (its tokenizer and query prefix)."""
+        from qswap.tuning.queries import QueryTokens
+        return QueryTokens(self.base.tokenizer, self.base.spec.query_prefix)
 
     def encode(self, texts: list[str], batch_size: int = 64, progress: bool = False) -> np.ndarray:
         """Query embeddings for evaluation (eval mode, no grad), float32 (n, dim)."""

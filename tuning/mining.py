@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -92,14 +92,16 @@ def _candidates_from_index(index: SearchIndex, base: BaseEncoder, q_emb: np.ndar
 def mine_negatives(samples: list[Sample], base: BaseEncoder, table: DocTable, *, index: SearchIndex | None = None,
                    k: int = 30, n_negatives: int = 1, cutoff: float | None = 0.95,
                    cache_dir: Path | None = None, by_id: bool = False, progress: bool = True,
-                   stored: StoredEmbeddings | None = None, chunk: int = 256) -> MiningStats:
+                   stored: StoredEmbeddings | None = None, chunk: int = 256,
+                   encode_queries: Callable[[list[str]], np.ndarray] | None = None) -> MiningStats:
     """Add up to ``n_negatives`` mined negatives to each sample (after any it already has).
 
     Without ``index`` the candidates are the rows of ``table`` (an embedded corpus). The
     samples' positives must already be rows of ``table`` (keyed by id when ``by_id``).
     ``cutoff=None`` keeps the hardest non-positives unfiltered: for validation and test
     sets, whose errors must be able to exist for the base model. New documents take the
-    index's ``stored`` embeddings when it holds them.
+    index's ``stored`` embeddings when it holds them. ``encode_queries``: the base's query
+    encoder to use (default ``base.encode_queries``; a run passes its fast runtime's).
     """
     if cutoff is not None and not 0 < cutoff <= 1.5:
         raise InvalidInputError(f"false-negative cutoff {cutoff} is out of range",
@@ -110,8 +112,8 @@ def mine_negatives(samples: list[Sample], base: BaseEncoder, table: DocTable, *,
     stats = MiningStats(queries=len(samples))
     if not samples:
         return stats
-    q_emb = encode_with_progress(base.encode_queries, [s.query for s in samples], "mining: encoding queries",
-                                 progress)
+    q_emb = encode_with_progress(encode_queries or base.encode_queries, [s.query for s in samples],
+                                 "mining: encoding queries", progress)
     pos_rows = [[_row(table, s, j, by_id) for j in range(len(s.positives))] for s in samples]
     if index is not None:
         cand = _candidates_from_index(index, base, q_emb, table, k, by_id)

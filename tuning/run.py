@@ -21,7 +21,7 @@ import torch
 
 from qswap import DEFAULT_MODEL
 from qswap.atomic import atomic_write_json
-from qswap.encoders import EncoderPool, load_base, load_encoder, save_encoder
+from qswap.encoders import load_base, save_encoder
 from qswap.encoders.base import BaseEncoder
 from qswap.errors import IntegrityError, InvalidInputError
 from qswap.tuning.beir_eval import BeirEvaluator
@@ -35,12 +35,14 @@ from qswap.tuning.layers import changes_report
 from qswap.tuning.losses import build_loss
 from qswap.tuning.methods import MethodConfig, QueryTower
 from qswap.tuning.mining import mine_negatives
+from qswap.tuning.queries import Encode, FastQueries, QueryTokens
 from qswap.tuning.multilingual import language_matrix, plot_heatmap
 from qswap.tuning.report import HEATMAP, write_report
 from qswap.tuning.trainer import EncodedSet, TrainConfig, train
 
 
 MINE_CHOICES = ("auto", "corpus", "index", "none")
+QUERY_RUNTIMES = ("onnx", "torch")      # what encodes queries for mining and evaluation
 SEEN_QUERIES = "training_queries.json"   # ids of the train + validation queries, in the encoder directory
 
 
@@ -94,6 +96,9 @@ class RunConfig:
     register_url: str | None = None
     token: str | None = None
     force: bool = False
+    query_runtime: str = "onnx"             # onnx: the serving path's fast runtime; torch: the reference
+    export_dir: Path | None = None          # ONNX export cache (default <data dir>/onnx-cache)
+    recipe: dict[str, Any] | None = None    # the recipe's name and the settings it resolved to (report.json)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -182,18 +187,19 @@ def _encoded(samples: list[Sample], rows: list[tuple[list[int], list[int]]], doc
     return EncodedSet([s.query for s in samples], pos, neg, docs)
 
 
-def _artifact_check(base: BaseEncoder, tower: QueryTower, encoder_dir: Path, queries: list[str]) -> dict[str, Any]:
-    """Load the saved encoder the way the server does and compare it with the trained tower."""
-    art = load_encoder(encoder_dir, expected_space=base.space)
-    pool = EncoderPool(base)
-    pool.add(art)
-    served = pool.encode(queries, [art.key] * len(queries))
+def _artifact_check(fast: FastQueries, tower: QueryTower, key: str, encode: Encode,
+                    queries: list[str]) -> dict[str, Any]:
+    """Compare the saved encoder ``key`` (loaded into ``fast``'s pool the way the server loads
+    it) and its fast-runtime ``encode`` with the trained tower."""
+    served = fast.pool.encode(queries, [key] * len(queries))
     trained = tower.encode(queries)
     diff = float(np.abs(served - trained).max()) if len(queries) else 0.0
     if diff > 1e-4:
         raise IntegrityError(f"the saved encoder does not reproduce the tuned tower (max difference {diff:.2e})",
                              "this is a bug in the adapter export; report it with the run's options")
-    return {"queries": len(queries), "max_abs_difference": diff}
+    cos = float((encode(queries) * trained).sum(axis=1).min()) if len(queries) else 1.0
+    return {"queries": len(queries), "max_abs_difference": diff, "runtime": fast.runtime.get(key),
+            "runtime_min_cosine": cos}
 
 
 @dataclass
@@ -207,7 +213,8 @@ class _Prepared:
 
 
 def _prepare(cfg: RunConfig, base: BaseEncoder, samples: list[Sample], beir: BeirData | None,
-             splits: Any, index: Any, stored: StoredEmbeddings | None, phase: "_Phases") -> _Prepared:
+             splits: Any, index: Any, stored: StoredEmbeddings | None, phase: "_Phases",
+             encode_base: Encode) -> _Prepared:
     """Embed every document once, mine negatives, and turn the splits into document rows."""
     by_id = beir is not None
     # The frozen text tower, used once: every document of the run is embedded (or read
@@ -230,7 +237,7 @@ def _prepare(cfg: RunConfig, base: BaseEncoder, samples: list[Sample], beir: Bei
         # them by construction and the validation error count could never improve.
         common = dict(index=index if source == "index" else None, k=cfg.mine_k,
                       n_negatives=max(cfg.negatives, 1), cache_dir=cfg.cache_dir, by_id=by_id,
-                      progress=cfg.progress, stored=stored)
+                      progress=cfg.progress, stored=stored, encode_queries=encode_base)
         with phase("mining"):
             mining = {"source": source,
                       "train": mine_negatives(splits.train, base, table, cutoff=cfg.fn_cutoff, **common).to_dict(),
@@ -257,8 +264,8 @@ def _prepare(cfg: RunConfig, base: BaseEncoder, samples: list[Sample], beir: Bei
     return _Prepared(table, sets, mining, dropped)
 
 
-def _evaluate(cfg: RunConfig, base: BaseEncoder, tower: QueryTower, prep: _Prepared, beir: BeirData | None,
-              splits: Any, sentinels: list[Any], report_dir: Path,
+def _evaluate(cfg: RunConfig, base: BaseEncoder, encode_base: Encode, encode_tuned: Encode, prep: _Prepared,
+              beir: BeirData | None, splits: Any, sentinels: list[Any], report_dir: Path,
               stored: StoredEmbeddings | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(evaluation, guard): base vs tuned on the test split, languages and sentinels."""
     evaluation: dict[str, Any] = {}
@@ -270,11 +277,11 @@ def _evaluate(cfg: RunConfig, base: BaseEncoder, tower: QueryTower, prep: _Prepa
         # Triplet data: each test query against its own candidates.
         q = [s.query for s in test_samples]
         pos, neg = [r[0] for r in test_rows], [r[1] for r in test_rows]
-        mb = evaluate_candidates(base.encode_queries(q), prep.table.emb, pos, neg)
-        mt = evaluate_candidates(tower.encode(q), prep.table.emb, pos, neg)
+        mb = evaluate_candidates(encode_base(q), prep.table.emb, pos, neg)
+        mt = evaluate_candidates(encode_tuned(q), prep.table.emb, pos, neg)
         evaluation["test"] = compare_metrics(mb, mt)
         own.append(sentinel_check("training data (held-out test)", mb, mt))
-    evaluator = BeirEvaluator(base, tower.encode, cfg.cache_dir, cfg.progress, stored=stored)
+    evaluator = BeirEvaluator(base, encode_tuned, cfg.cache_dir, cfg.progress, stored=stored, encode_base=encode_base)
     if beir is not None and test_samples:
         # BEIR: test queries against the whole corpus, in every evaluation language.
         langs = cfg.eval_langs or [cfg.lang or ""]
@@ -293,7 +300,7 @@ def _evaluate(cfg: RunConfig, base: BaseEncoder, tower: QueryTower, prep: _Prepa
     if beir is not None:
         # A sentinel in the training directory must not score queries the tuning saw.
         exclude = {Path(cfg.beir_dir).resolve(): {s.qid for s in splits.train + splits.validation}}
-    return evaluation, evaluate_sentinels(sentinels, base, tower.encode, evaluator, cfg.cache_dir,
+    return evaluation, evaluate_sentinels(sentinels, base, encode_tuned, evaluator, cfg.cache_dir,
                                           exclude=exclude, progress=cfg.progress, extra_checks=own)
 
 
@@ -315,13 +322,15 @@ class _Phases:
 
 def run_tuning(cfg: RunConfig) -> RunResult:
     """Run one tuning end to end and write the encoder directory ``cfg.out``."""
-    t_start = time.perf_counter()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
     phase = _Phases()
     out = Path(cfg.out)
     name = cfg.name or out.name
     loss_fn = cfg.loss.build()
     cfg.method.validate()
     cfg.train.validate()
+    if cfg.query_runtime not in QUERY_RUNTIMES:
+        raise InvalidInputError(f"unknown query runtime {cfg.query_runtime!r}", f"use one of {', '.join(QUERY_RUNTIMES)}")
     sentinels = [parse_sentinel(s) for s in cfg.sentinels]
     samples, beir, source = _load_samples(cfg)     # bad data fails before the model loads
     _check_inputs(cfg, sentinels)                  # so do unknown languages and missing sentinel files
@@ -331,19 +340,34 @@ def run_tuning(cfg: RunConfig) -> RunResult:
         splits = split_samples(samples, cfg.validation, cfg.test, cfg.train.seed)
         index = _open_index(cfg.index, base) if cfg.index is not None else None
         stored = StoredEmbeddings.from_index(index) if index is not None else None
-    prep = _prepare(cfg, base, samples, beir, splits, index, stored, phase)
-    docs = torch.from_numpy(np.ascontiguousarray(prep.table.emb)).to(base.device)
+    # Every query of the run is tokenised once (mining, training, validation, evaluation).
+    tokens = QueryTokens(base.tokenizer, base.spec.query_prefix)
+    fast = FastQueries(base, tokens, cfg.export_dir, enabled=cfg.query_runtime == "onnx")
+    try:
+        with phase("query runtime"):
+            encode_base = fast.base_encoder()      # the base's export: cached across runs
+        prep = _prepare(cfg, base, samples, beir, splits, index, stored, phase, encode_base)
+        docs = torch.from_numpy(np.ascontiguousarray(prep.table.emb)).to(base.device)
 
-    with phase("training"):
-        tower = QueryTower(base, cfg.method)
-        result = train(tower, loss_fn, _encoded(*prep.sets["train"], docs, cfg.negatives),
-                       _encoded(*prep.sets["validation"], docs, cfg.negatives), cfg.train, progress=cfg.progress)
+        with phase("training"):
+            tower = QueryTower(base, cfg.method)
+            result = train(tower, loss_fn, _encoded(*prep.sets["train"], docs, cfg.negatives),
+                           _encoded(*prep.sets["validation"], docs, cfg.negatives), cfg.train,
+                           progress=cfg.progress, tokens=tokens)
+        return _finish(cfg, name, out, base, tower, result, prep, beir, splits, sentinels, stored, fast,
+                       encode_base, loss_fn, source, phase, t_start, cpu_start)
+    finally:
+        fast.close()
 
+
+def _finish(cfg: RunConfig, name: str, out: Path, base: BaseEncoder, tower: QueryTower, result: Any,
+            prep: _Prepared, beir: BeirData | None, splits: Any, sentinels: list[Any],
+            stored: StoredEmbeddings | None, fast: FastQueries, encode_base: Encode, loss_fn: Any,
+            source: str, phase: _Phases, t_start: float, cpu_start: float) -> RunResult:
+    """Export the tuned tower, check the saved encoder, evaluate it, write the report and the encoder."""
     workdir = Path(tempfile.mkdtemp(prefix=".tune-", dir=out.parent if out.parent.exists() else None))
     try:
         report_dir = workdir / "report"
-        with phase("evaluation"):
-            evaluation, guard = _evaluate(cfg, base, tower, prep, beir, splits, sentinels, report_dir, stored)
         original = dict(base.model.named_parameters())
         tuned = tower.tuned_tensors()
         layers = changes_report({n: original[n] for n in tuned}, tuned)
@@ -351,6 +375,21 @@ def run_tuning(cfg: RunConfig) -> RunResult:
         identity = result.best_epoch == 0
         exported = None if identity else tower.export(workdir)
         kind = "identity" if identity else exported.kind
+        check, encode_tuned = None, encode_base
+        if not identity:
+            # Evaluated as saved: the probe encoder, loaded the way the server loads it and
+            # run on the fast query runtime (checked against the trained tower first).
+            probe = workdir / "probe"
+            save_encoder(probe, name=name, version=cfg.version, kind=kind, space=base.space,
+                         tensors=exported.tensors, lora_dir=exported.lora_dir)
+            probe_queries = [s.query for s in (prep.sets["test"][0] or prep.sets["validation"][0])][:64]
+            with phase("query runtime"):
+                key, encode_tuned = fast.tuned_encoder(probe)
+            with phase("artifact check"):
+                check = _artifact_check(fast, tower, key, encode_tuned, probe_queries)
+        with phase("evaluation"):
+            evaluation, guard = _evaluate(cfg, base, encode_base, encode_tuned, prep, beir, splits, sentinels,
+                                          report_dir, stored)
         # Sizes actually used: queries mining left without a negative are not trained on.
         used = {name: len(part) for name, (part, _) in prep.sets.items()}
         data = {"source": source, "splits": used, "split_before_mining": splits.sizes(),
@@ -358,25 +397,20 @@ def run_tuning(cfg: RunConfig) -> RunResult:
         # "full" is saved in the partial format (every tuned tensor, embeddings included): the
         # manifest's kind says how to load it, training.method.kind how it was tuned.
         training = {"method": cfg.method.to_dict(), "saved_as": kind, "loss": loss_fn.config(), "optim": cfg.train.to_dict(),
-                    "best_epoch": result.best_epoch, "epochs": len(result.history) - 1,
+                    "recipe": cfg.recipe, "best_epoch": result.best_epoch, "epochs": len(result.history) - 1,
                     "stopped": result.stopped, "steps": result.steps, "wall_seconds": result.wall_seconds,
                     "data": data}
-        check = None
-        if not identity:
-            probe = workdir / "probe"
-            save_encoder(probe, name=name, version=cfg.version, kind=kind, space=base.space,
-                         tensors=exported.tensors, lora_dir=exported.lora_dir)
-            probe_queries = [s.query for s in (prep.sets["test"][0] or prep.sets["validation"][0])][:64]
-            with phase("artifact check"):
-                check = _artifact_check(base, tower, probe, probe_queries)
         report = {
             "encoder": {"name": name, "version": cfg.version, "kind": kind, "path": str(out)},
             "base": {"name": base.name, "fingerprint": base.space.fingerprint, "space": base.space.to_dict()},
-            "method": cfg.method.to_dict(), "loss": loss_fn.config(),
+            "method": cfg.method.to_dict(), "loss": loss_fn.config(), "recipe": cfg.recipe,
             "data": {**data, "mining": prep.mining, "dropped_without_negative": prep.dropped},
             "training": result.to_dict(), "evaluation": evaluation, "guard": guard, "layers": layers,
-            "artifact_check": check, "config": cfg.to_dict(), "phases": phase.seconds,
+            "artifact_check": check, "query_runtime": dict(fast.runtime), "tokenised_queries": len(fast.tokens),
+            "config": cfg.to_dict(), "phases": phase.seconds,
             "wall_seconds_total": time.perf_counter() - t_start,
+            # CPU seconds of every thread: on a shared machine, less sensitive to load than wall time.
+            "cpu_seconds_total": time.process_time() - cpu_start,
         }
         files = write_report(report, report_dir)
         if beir is not None:

@@ -18,11 +18,13 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from qswap.encoders.precision import autocast_context, check_precision
 from qswap.errors import InvalidInputError
 from qswap.tuning.losses import LossInput
 from qswap.tuning.losses.similarity import pairwise_similarity, rowwise_similarity
 from qswap.tuning.methods import QueryTower
 from qswap.tuning.optim import PAPER_BATCH, PAPER_LR, make_optimizer, make_scheduler
+from qswap.tuning.queries import QueryTokens
 
 
 @dataclass
@@ -40,11 +42,14 @@ class TrainConfig:
     scheduler: str = "none"
     seed: int = 0
     dropout: bool = True        # train mode during steps (as sentence-transformers' fit)
+    precision: str = "fp32"     # "bf16": forward passes (training and validation) under bf16 autocast
+    fused: bool = False         # the optimiser's fused kernel: one pass over each tensor per step
 
     def validate(self) -> "TrainConfig":
         for name in ("batch_size", "epoch_batches", "max_epochs", "patience"):
             if getattr(self, name) < 1:
                 raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}", "give a positive number")
+        check_precision(self.precision)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -173,19 +178,26 @@ def count_errors(x: LossInput, metric: str) -> tuple[int, int]:
 
 
 def validate(tower: QueryTower, loss_fn: Callable[[LossInput], torch.Tensor], data: EncodedSet,
-             batch_size: int) -> tuple[float, int, int]:
-    """(mean loss, errors, pairs) over fixed, in-order batches of the validation set."""
+             batch_size: int, tokens: QueryTokens | None = None,
+             precision: str = "fp32") -> tuple[float, int, int]:
+    """(mean loss, errors, pairs) over fixed, in-order batches of the validation set.
+
+    ``tokens``: the run's token memo (default: a new one); ``precision``: as in training.
+    """
+    tokens = tokens or tower.tokens()
     was_training = tower.model.training
     tower.model.eval()
     total_loss, total_n, errors, pairs = 0.0, 0, 0, 0
     metric = _metric_of(loss_fn)
     try:
-        with torch.no_grad():
+        with torch.inference_mode():
             # Batches of batch_size..2*batch_size-1 rows: no short last batch, whose in-batch
             # loss would not be comparable with the others.
             for idx in np.array_split(np.arange(len(data)), max(1, len(data) // batch_size)):
                 texts, p, n, mask, pos_ids = data.batch(idx)
-                x = LossInput(tower.embed(texts), p, n, mask, pos_ids)
+                with autocast_context(p.device, precision):
+                    q = tower.embed_ids(*tokens.batch(texts, p.device))
+                x = LossInput(q.float(), p, n, mask, pos_ids)
                 total_loss += float(loss_fn(x)) * len(idx)
                 total_n += len(idx)
                 e, pr = count_errors(x, metric)
@@ -196,8 +208,12 @@ def validate(tower: QueryTower, loss_fn: Callable[[LossInput], torch.Tensor], da
 
 
 def train(tower: QueryTower, loss_fn: Callable[[LossInput], torch.Tensor], train_set: EncodedSet,
-          val_set: EncodedSet, cfg: TrainConfig, progress: bool = True) -> TrainResult:
-    """Tune ``tower`` in place; on return it holds the best epoch's weights."""
+          val_set: EncodedSet, cfg: TrainConfig, progress: bool = True,
+          tokens: QueryTokens | None = None) -> TrainResult:
+    """Tune ``tower`` in place; on return it holds the best epoch's weights.
+
+    ``tokens``: the run's token memo (default: a new one); every query is tokenised once.
+    """
     cfg.validate()
     if len(train_set) < cfg.batch_size:
         raise InvalidInputError(f"{len(train_set)} training samples are fewer than one batch of {cfg.batch_size}",
@@ -207,11 +223,14 @@ def train(tower: QueryTower, loss_fn: Callable[[LossInput], torch.Tensor], train
     seed_everything(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     params = [p for _, p in tower.trainable_parameters()]
-    opt = make_optimizer(params, cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum)
+    opt = make_optimizer(params, cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum, fused=cfg.fused)
+    tokens = tokens or tower.tokens()
+    tokens.ids(train_set.queries + val_set.queries)   # once, before the clock of the first step
+    dev = train_set.docs.device
     sched = make_scheduler(opt, cfg.scheduler, cfg.max_epochs * cfg.epoch_batches)
     best_state = tower.trainable_state()
     t0 = time.perf_counter()
-    v_loss, v_err, v_pairs = validate(tower, loss_fn, val_set, cfg.batch_size)
+    v_loss, v_err, v_pairs = validate(tower, loss_fn, val_set, cfg.batch_size, tokens, cfg.precision)
     history = [EpochRecord(0, None, v_loss, v_err, v_pairs, cfg.lr, False, time.perf_counter() - t0)]
     stopper = EarlyStopping(cfg.patience, v_loss, v_err)
     stream = _batches(len(train_set), cfg.batch_size, rng)
@@ -224,7 +243,9 @@ def train(tower: QueryTower, loss_fn: Callable[[LossInput], torch.Tensor], train
         for b in range(cfg.epoch_batches):
             s0 = time.perf_counter()
             texts, p, n, mask, pos_ids = train_set.batch(next(stream))
-            loss = loss_fn(LossInput(tower.embed(texts), p, n, mask, pos_ids))
+            with autocast_context(dev, cfg.precision):
+                q = tower.embed_ids(*tokens.batch(texts, dev))
+            loss = loss_fn(LossInput(q.float(), p, n, mask, pos_ids))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -236,7 +257,7 @@ def train(tower: QueryTower, loss_fn: Callable[[LossInput], torch.Tensor], train
                 bar.update(1)
                 if b % 10 == 0 or b == cfg.epoch_batches - 1:
                     bar.set_postfix(loss=f"{running / (b + 1):.4f}", best_val_err=stopper.best_errors)
-        v_loss, v_err, v_pairs = validate(tower, loss_fn, val_set, cfg.batch_size)
+        v_loss, v_err, v_pairs = validate(tower, loss_fn, val_set, cfg.batch_size, tokens, cfg.precision)
         improved = stopper.update(epoch, v_loss, v_err)
         if improved:
             best_state = tower.trainable_state()

@@ -100,6 +100,14 @@ def test_recipes_set_the_schedule_and_flags_override_them(tiny_model_dir, tuning
                                   "--out", str(out), "--recipe", recipe, "--epoch-batches", "2", "--max-epochs", "1",
                                   "--batch-size", "8", "--quiet", *extra])
         assert args.func(args) == 0
-        cfg = json.loads((out / "report.json").read_text())["training"]["config"]
-        want = {**RECIPES[recipe], "epoch_batches": 2, "max_epochs": 1, **({"patience": 1} if extra else {})}
+        report = json.loads((out / "report.json").read_text())
+        cfg = report["training"]["config"]
+        want = {k: v for k, v in RECIPES[recipe].items() if k not in ("freeze_blocks", "precision")}
+        want.update({"epoch_batches": 2, "max_epochs": 1, "batch_size": 8, **({"patience": 1} if extra else {})})
         assert {k: cfg[k] for k in want} == want
+        # The report records what the recipe resolved to: "auto" precision becomes the one used.
+        assert report["recipe"]["name"] == recipe
+        assert report["recipe"]["settings"]["precision"] == cfg["precision"] in ("fp32", "bf16")
+        assert report["recipe"]["settings"]["freeze_blocks"] == report["method"]["freeze_blocks"] \
+            == RECIPES[recipe]["freeze_blocks"]
+        assert {k: report["recipe"]["settings"][k] for k in want} == want

@@ -80,6 +80,33 @@ def test_freeze_output_dense_and_first_blocks(tiny_base, sets):
                            after["encoder.layer.1.attention.output.dense.weight"])
 
 
+def test_bf16_fused_training_with_frozen_blocks_runs_backward_only_above_them(tiny_base, sets):
+    tower = QueryTower(tiny_base, MethodConfig("partial", freeze_blocks=1))
+    needs_grad: dict[int, list[bool]] = {0: [], 1: []}
+    for i in (0, 1):
+        tower.model.encoder.layer[i].register_forward_hook(
+            lambda m, a, out, i=i: needs_grad[i].append((out[0] if isinstance(out, tuple) else out).requires_grad))
+    before = _params(tower.model)
+    cfg = TrainConfig(**{**FAST, "epoch_batches": 3, "max_epochs": 1}, precision="bf16", fused=True, dropout=False)
+    res = train(tower, build_loss("triplet"), *sets, cfg, progress=False)
+    assert res.steps == 3
+    # No autograd graph below the first trainable block: backward stops there.
+    assert needs_grad[0] and not any(needs_grad[0])
+    assert any(needs_grad[1])
+    changed = {n for n, p in tower.model.named_parameters() if not torch.equal(before[n], p)}
+    assert changed and all(n.startswith("encoder.layer.1.") for n in changed)
+
+
+def test_backward_reaches_the_first_block_for_bias_tuning(tiny_base, sets):
+    tower = QueryTower(tiny_base, MethodConfig("bias"))
+    needs_grad: list[bool] = []
+    tower.model.encoder.layer[0].register_forward_hook(
+        lambda m, a, out: needs_grad.append((out[0] if isinstance(out, tuple) else out).requires_grad))
+    train(tower, build_loss("triplet"), *sets, TrainConfig(**{**FAST, "epoch_batches": 1, "max_epochs": 1}),
+          progress=False)
+    assert any(needs_grad)
+
+
 def test_bias_method_changes_only_biases(tiny_base, sets):
     tower = QueryTower(tiny_base, MethodConfig("bias"))
     before = _params(tower.model)
