@@ -218,6 +218,8 @@ def _run(args: argparse.Namespace) -> int:
     freeze = args.freeze_blocks if args.freeze_blocks is not None or args.method == "partial" else 0
     sched = resolve(args.recipe, lr=args.lr, epoch_batches=args.epoch_batches, max_epochs=args.max_epochs,
                     patience=args.patience, batch_size=args.batch_size, precision=args.precision,
+                    fused=args.fused if args.optimizer in ("adamw", "sgd") or args.fused else False,
+                    dropout=args.dropout, freeze_blocks=freeze)
     if args.feedback is not None:
         from qswap.errors import InvalidInputError
         from qswap.tuning.feedback import export_feedback
@@ -227,8 +229,6 @@ def _run(args: argparse.Namespace) -> int:
         args.beir = args.out.with_name(args.out.name + ".feedback-data")
         s = export_feedback(args.feedback, args.index, args.beir, args.domain)
         print(f"feedback: {s.queries} queries with clicks from {s.impressions} impressions -> {args.beir}")
-                    fused=args.fused if args.optimizer in ("adamw", "sgd") or args.fused else False,
-                    dropout=args.dropout, freeze_blocks=freeze)
     if sched["precision"] == "auto":
         device = args.device or default_device()
         sched["precision"] = "bf16" if has_fast_bf16(device) else "fp32"
