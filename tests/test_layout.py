@@ -148,7 +148,7 @@ def test_cli_help_lists_every_command():
 #: The bench library every benchmark may import; a benchmark never imports another benchmark
 #: (exceptions: a benchmark's own arm kept in a second file — `bench serving --ray` in ray_serving,
 #: `bench serving --embeddings` in serving_embeddings,
-#: `bench forward`'s adapter rows in forward_adapters, `bench tuning --e2e` in tuning_phases,
+#: `bench forward`'s adapter rows in forward_adapters, `bench tuning --e2e` in tuning_phases and `--step` in tuning_step,
 #: `bench embed`'s runtime arms in embed_arms and its Infinity peer in infinity_peer).
 BENCH_LIBRARY = ("provenance", "stats", "results", "plots", "processes", "load_options", "fixtures", "loadgen",
                  "data")
@@ -156,6 +156,7 @@ BENCH_ALLOWED = {("qswap.bench.serving", "qswap.bench.ray_serving"),
                  ("qswap.bench.serving", "qswap.bench.serving_embeddings"),
                  ("qswap.bench.forward", "qswap.bench.forward_adapters"),
                  ("qswap.bench.tuning_speed", "qswap.bench.tuning_phases"),
+                 ("qswap.bench.tuning_speed", "qswap.bench.tuning_step"),
                  ("qswap.bench.ray_embed", "qswap.bench.embed_arms"),
                  ("qswap.bench.embed_arms", "qswap.bench.infinity_peer")}
 

@@ -63,9 +63,11 @@ def test_same_hits_as_single_process(ray_url, tmp_path, tiny_model_dir, ray_inde
                 a = rc.post("/v1/search", json=body)
                 b = sc.post("/v1/search", json=body)
                 assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
-                ha = [(h["id"], round(h["score"], 5)) for h in a.json()["results"][0]["hits"]]
-                hb = [(h["id"], round(h["score"], 5)) for h in b.json()["results"][0]["hits"]]
-                assert ha == hb and len(ha) == 5
+                ha, hb = a.json()["results"][0]["hits"], b.json()["results"][0]["hits"]
+                # the same documents in the same order; scores equal up to float noise (the two
+                # servers batch and run the encoder in different processes)
+                assert [h["id"] for h in ha] == [h["id"] for h in hb] and len(ha) == 5
+                assert max(abs(x["score"] - y["score"]) for x, y in zip(ha, hb)) < 1e-4
                 assert a.json()["results"][0]["encoder"]["key"] == (enc or "base")
 
 
