@@ -191,9 +191,17 @@ class FeedbackStore:
     def impression(self, request_id: str, qi: int = 0) -> Impression:
         """The impression a request showed (raises :class:`NotFoundError` when unknown or pruned)."""
         self.flush()
-        with self._lock:
-            row = self._db.execute("SELECT request_id, qi, domain, encoder, query, ids, teams, experiment, ts "
-                                   "FROM impressions WHERE request_id=? AND qi=?", (request_id, qi)).fetchone()
+        row = None
+        # Another process sharing the store (a Ray replica) may have answered the search and not
+        # committed it yet: its writer commits within milliseconds, so look again briefly.
+        for wait in (0.0, 0.02, 0.05, 0.1):
+            if wait:
+                time.sleep(wait)
+            with self._lock:
+                row = self._db.execute("SELECT request_id, qi, domain, encoder, query, ids, teams, experiment, ts "
+                                       "FROM impressions WHERE request_id=? AND qi=?", (request_id, qi)).fetchone()
+            if row is not None:
+                break
         if row is None:
             raise NotFoundError(f"no captured search with request id {request_id!r} (query {qi})",
                                 "send feedback for a search answered while capture was on, before it expires "

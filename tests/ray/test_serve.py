@@ -23,7 +23,7 @@ def ray_url(ray_cluster, tmp_path_factory, tiny_model_dir, ray_index, ray_encode
 
     from qswap.server.ray_serve import RayOptions, deploy
     tmp = tmp_path_factory.mktemp("rayserve")
-    s = ray_settings(tmp, tiny_model_dir, ray_index, encoders_root=ray_encoders)
+    s = ray_settings(tmp, tiny_model_dir, ray_index, encoders_root=ray_encoders, feedback_dir=tmp / "feedback")
     url = deploy(s, RayOptions(replicas=2, max_encoders=2, replica_cpus=0.5))
     wait_ready(url, 2)
     STATE_DIRS["ray"] = s.state_dir
@@ -376,3 +376,44 @@ def test_killed_index_writer_loses_no_acknowledged_write(ray_url, ray_index):
     with admin(ray_url) as c:
         r = c.request("DELETE", "/v1/documents", json={"ids": [f"writer-kill-{i}" for i in range(12)]})
         assert r.status_code == 200 and r.json()["deleted"] == len(acked)
+
+
+def _eventually(fn, what: str):
+    """``fn()`` until it returns something truthy, within the replicas' propagation bound."""
+    t0 = time.monotonic()
+    while not (out := fn()):
+        assert time.monotonic() - t0 < PROPAGATION_S, f"{what} not seen by every replica within {PROPAGATION_S} s"
+    return out
+
+
+def test_feedback_and_interleaving_across_replicas(ray_url):
+    """Capture, feedback and an interleaving experiment on Ray: the capture store and the
+    experiment table are shared by the ingress replicas (one SQLite file on shared storage), so
+    feedback credits the experiment whichever replica answered the search or takes the click."""
+    with admin(ray_url) as c:
+        assert c.post("/v1/encoders", json={"path": "e1"}).status_code in (200, 201)
+        assert c.put("/v1/aliases/fb", json={"encoder": "base"}).status_code == 200
+        body = {"domain": "fb", "candidate": "enc1@1", "mode": "interleave", "fraction": 1.0}
+        r = _eventually(lambda: (x := c.post("/v1/experiments", json=body)).status_code == 201 and x,
+                        "the alias and the encoder")
+        assert r.json()["control"] == "base"
+        outcomes = []
+        for q in QUERIES * 2:
+            def interleaved():
+                s = c.post("/v1/search", json={"query": q, "k": 4, "domain": "fb"})
+                assert s.status_code == 200, s.text
+                return s if s.json()["results"][0]["experiment"] is not None else None
+            s = _eventually(interleaved, "the experiment")
+            res = s.json()["results"][0]
+            assert res["experiment"]["candidate"] == "enc1@1"
+            f = c.post("/v1/feedback", json={"request_id": s.headers["x-request-id"],
+                                             "clicks": [res["hits"][0]["id"]]})
+            assert f.status_code == 200, f.text
+            outcomes.append(f.json()["outcome"])
+        v = c.get("/v1/experiments/fb").json()
+        assert v["impressions"] == len(outcomes) and 0 not in outcomes   # one click: never a tie
+        assert (v["wins"], v["losses"]) == (outcomes.count(1), outcomes.count(-1))
+        r = c.post("/v1/experiments/fb/promote")
+        assert r.status_code == 200 and r.json()["status"] == "promoted"
+        _eventually(lambda: all(c.get("/v1/aliases").json()["aliases"]["fb"] == "enc1@1" for _ in range(4)),
+                    "the promotion")
