@@ -148,7 +148,8 @@ BENCH_LIBRARY = ("provenance", "stats", "results", "plots", "processes", "load_o
                  "data")
 BENCH_ALLOWED = {("qswap.bench.serving", "qswap.bench.ray_serving"),
                  ("qswap.bench.forward", "qswap.bench.forward_adapters"),
-                 ("qswap.bench.tuning_speed", "qswap.bench.tuning_phases")}
+                 ("qswap.bench.tuning_speed", "qswap.bench.tuning_phases"),
+                 ("qswap.bench.tuning_speed", "qswap.bench.tuning_step")}   # modes of `qswap bench tuning`
 
 
 def test_benchmarks_import_the_library_not_each_other():
