@@ -156,7 +156,7 @@ BENCH_ALLOWED = {("qswap.bench.serving", "qswap.bench.ray_serving"),
                  ("qswap.bench.serving", "qswap.bench.serving_embeddings"),
                  ("qswap.bench.forward", "qswap.bench.forward_adapters"),
                  ("qswap.bench.tuning_speed", "qswap.bench.tuning_phases"),
-                 ("qswap.bench.tuning_speed", "qswap.bench.tuning_step"),
+                 ("qswap.bench.tuning_speed", "qswap.bench.tuning_step"),   # modes of `qswap bench tuning`
                  ("qswap.bench.ray_embed", "qswap.bench.embed_arms"),
                  ("qswap.bench.embed_arms", "qswap.bench.infinity_peer")}
 
