@@ -19,7 +19,7 @@ _FLAG_FIELDS = {
     "batch_window_ms": "batch_window_ms", "max_batch": "max_batch", "default_encoder": "default_encoder",
     "read_only_index": "read_only_index", "max_k": "max_k", "max_queries": "max_queries",
     "encoder_memory_mb": "encoder_memory_bytes", "sentinels": "sentinels", "guard_alpha": "guard_alpha",
-    "max_request_tokens": "max_request_tokens", "max_batch_tokens": "max_batch_tokens",
+    "max_request_tokens": "max_request_tokens", "max_batch_tokens": "max_batch_tokens", "slice_tokens": "slice_tokens",
     "max_response_bytes": "max_response_bytes", "max_connections": "max_connections",
     "header_timeout": "header_timeout_s", "shutdown_timeout": "shutdown_timeout_s",
 }
@@ -76,7 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     lim.add_argument("--max-request-tokens", type=int, metavar="N",
                      help="tokens of one search request; beyond: 422 (default 8192)")
     lim.add_argument("--max-batch-tokens", type=int, metavar="N",
-                     help="rows x longest row of one forward pass; larger requests are split (default 2048)")
+                     help="rows x longest row of one forward pass (default 2048)")
+    lim.add_argument("--slice-tokens", type=int, metavar="N", help="one request's share of a forward pass: larger "
+                     "searches and upserts are split and other requests run between the slices (default 256)")
     lim.add_argument("--max-response-bytes", type=int, metavar="N", help="one search answer at most (default 16 MiB)")
     lim.add_argument("--max-connections", type=int, metavar="N",
                      help="open client connections (default: the open-file limit minus max(128, a quarter))")
