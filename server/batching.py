@@ -8,10 +8,11 @@ never runs model code. Other model work (embedding documents) is serialised on t
 thread through :meth:`MicroBatcher.call`.
 
 Work is bounded in tokens as well as rows: a batch holds at most ``max_batch_tokens`` (rows
-times its longest row, padding included: what the forward pass computes). A request larger
-than that is split into micro-batches; after each one its remainder goes to the back of the
-queue, so other requests' batches interleave with it, and a request past its deadline (or
-whose caller went away) stops between micro-batches instead of holding the worker.
+times its longest row, padding included: what the forward pass computes), and one request
+at most ``slice_tokens`` of it. A larger request is split into slices; after each one its
+remainder goes to the back of the queue, so other requests' batches interleave with it (a
+one-query client waits for one slice, not for the whole request), and a request past its
+deadline (or whose caller went away) stops between slices instead of holding the worker.
 
 Admission is bounded: at most ``max_pending`` requests wait or run overall and at most
 ``max_pending_per_encoder`` for one encoder; beyond that a request is refused at once with
@@ -161,9 +162,11 @@ class MicroBatcher:
                  name: str = "qswap-batcher", adaptive: bool = True,
                  encode_flagged: Callable[[list[str], list[str]], tuple[np.ndarray, list[bool]]] | None = None,
                  count_tokens: Callable[[list[str]], list[int]] | None = None,
-                 max_batch_tokens: int | None = None) -> None:
+                 max_batch_tokens: int | None = None, slice_tokens: int | None = None) -> None:
         # count_tokens: tokens per query as the model sees them (None: every row costs one);
-        # max_batch_tokens: rows x longest row per forward pass at most (None: no bound).
+        # max_batch_tokens: rows x longest row per forward pass at most (None: no bound);
+        # slice_tokens: one request's share of a pass: a larger request is split into slices
+        # of this, and small requests fill the rest of the pass (None: max_batch_tokens).
         # encode_flagged: vectors and truncation flags from one tokenisation (replaces both
         # ``encode`` and ``truncated`` when the backend offers it).
         self._encode_flagged = encode_flagged
@@ -174,6 +177,7 @@ class MicroBatcher:
         self.max_batch = max_batch
         self._count_tokens = count_tokens
         self.max_batch_tokens = max_batch_tokens
+        self.slice_tokens = slice_tokens if slice_tokens is not None else max_batch_tokens
         self.max_pending = max_pending
         self.max_pending_per_encoder = max_pending_per_encoder or max_pending
         self.metrics = metrics
@@ -379,7 +383,8 @@ class MicroBatcher:
                         break
                     self._counted(nxt)
                     n, top = len(nxt.texts), max(nxt.tokens or [1])
-                    if not self._fits(rows + n, max(longest, top)):
+                    big = self.slice_tokens is not None and n * top > self.slice_tokens
+                    if big or not self._fits(rows + n, max(longest, top)):   # a large one is split later
                         carry = nxt
                         break
                     batch.append(_Slice(nxt, 0, n))
@@ -411,7 +416,7 @@ class MicroBatcher:
             job.tokens = [1] * len(job.texts)
         assert job.tokens is not None
         lo = job.next_row
-        _, n = token_slices(job.tokens[lo:], self.max_batch_tokens, self.max_batch)[0]
+        _, n = token_slices(job.tokens[lo:], self.slice_tokens, self.max_batch)[0]
         return _Slice(job, lo, lo + n)
 
     def _drain(self) -> None:

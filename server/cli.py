@@ -25,7 +25,7 @@ _FLAG_FIELDS = {
     "encoder_memory_mb": "encoder_memory_bytes", "sentinels": "sentinels", "guard_alpha": "guard_alpha",
     "guard_min_queries": "guard_min_queries",
     "feedback_dir": "feedback_dir", "feedback_max_mb": "feedback_max_bytes", "feedback_max_days": "feedback_max_age_s",
-    "max_request_tokens": "max_request_tokens", "max_batch_tokens": "max_batch_tokens",
+    "max_request_tokens": "max_request_tokens", "max_batch_tokens": "max_batch_tokens", "slice_tokens": "slice_tokens",
     "max_response_bytes": "max_response_bytes", "max_connections": "max_connections",
     "header_timeout": "header_timeout_s", "shutdown_timeout": "shutdown_timeout_s",
 }
@@ -91,7 +91,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     lim.add_argument("--max-request-tokens", type=int, metavar="N",
                      help="tokens of one search request; beyond: 422 (default 8192)")
     lim.add_argument("--max-batch-tokens", type=int, metavar="N",
-                     help="rows x longest row of one forward pass; larger requests are split (default 2048)")
+                     help="rows x longest row of one forward pass (default 2048)")
+    lim.add_argument("--slice-tokens", type=int, metavar="N", help="one request's share of a forward pass: larger "
+                     "searches and upserts are split and other requests run between the slices (default 256)")
     lim.add_argument("--max-response-bytes", type=int, metavar="N", help="one search answer at most (default 16 MiB)")
     lim.add_argument("--max-connections", type=int, metavar="N",
                      help="open client connections (default: the open-file limit minus max(128, a quarter))")

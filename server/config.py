@@ -103,8 +103,9 @@ class ServerSettings(BaseSettings):
     max_query_chars: int = Field(2048, ge=1, description="longer queries are cut (and flagged truncated)")
     max_request_tokens: int = Field(8192, ge=1, description="tokens of one search request (all its queries, "
                                     "each counted up to the model's max length); beyond: 422 limit_exceeded")
-    max_batch_tokens: int = Field(2048, ge=1, description="rows x longest row of one forward pass at most; a "
-                                  "larger request is split into micro-batches that other requests interleave with")
+    max_batch_tokens: int = Field(2048, ge=1, description="rows x longest row of one forward pass at most")
+    slice_tokens: int = Field(256, ge=1, description="one request's share of a forward pass: a larger search (or "
+                              "document upsert) is split into slices of this, and other requests run between them")
     max_hit_text_chars: int = Field(8192, ge=1, description="a hit's text is cut at this (the hit says "
                                                           "truncated: true)")
     max_hit_metadata_bytes: int = Field(8192, ge=2, description="a hit's metadata beyond this (as JSON) is "
@@ -123,8 +124,6 @@ class ServerSettings(BaseSettings):
                                                                      "impressions pruned first)")
     feedback_max_age_s: float = Field(30 * 86400.0, gt=0, description="captured impressions older than this "
                                                                       "are pruned, with their feedback")
-    upsert_slice_tokens: int = Field(512, ge=1, description="document embedding runs in slices of at most this many "
-                                     "tokens (rows x longest), each between two search batches")
     sync_upsert_documents: int = Field(32, ge=0, description="an upsert of more documents answers 202 at once with a "
                                        "job to poll (GET /v1/documents/jobs/ID); smaller ones answer when written "
                                        "(or 202 once their deadline passes)")

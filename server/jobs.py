@@ -1,7 +1,7 @@
 """Document upserts as jobs: embedding in token-bounded slices between search batches.
 
 An upsert embeds its documents with the base document tower on the batch worker, one slice
-(at most ``upsert_slice_tokens``) per turn: each slice queues behind
+(at most ``slice_tokens``) per turn: each slice queues behind
 the searches that arrived meanwhile, so a large upsert slows search by at most one slice per
 batch instead of blocking it. When every slice is embedded, the documents are written in one
 commit of the index (all of them or none): the job is ``done`` only once that commit is
@@ -101,7 +101,7 @@ class DocumentJobs:
             counts = await asyncio.to_thread(state.token_counts, [d.text for d in docs], True)
             job.status = "running"
             parts = []
-            for lo, hi in token_slices(counts, state.settings.upsert_slice_tokens):
+            for lo, hi in token_slices(counts, state.settings.slice_tokens):
                 parts.append(await self._call(state.embed_documents, [d.text for d in docs[lo:hi]]))
                 job.embedded = hi
             emb = np.concatenate(parts) if parts else np.zeros((0, 0), np.float32)

@@ -89,6 +89,31 @@ def test_a_request_past_its_deadline_stops_between_micro_batches():
     assert after.hits == [["1:0"]] and released == ["big"]
 
 
+def test_a_large_request_never_joins_a_batch_whole_but_takes_its_share_in_slices():
+    model = GatedModel()
+    # a pass holds 16 tokens, one request's share is 4 (two rows of two tokens)
+    b = MicroBatcher(encode=model.encode, search=model.search, window_s=0.0, max_batch=64, adaptive=False,
+                     count_tokens=lambda texts: [2] * len(texts), max_batch_tokens=16, slice_tokens=4)
+    b.start()
+    big = ["b" * (i + 1) for i in range(6)]
+    try:
+        async def main():
+            first = asyncio.create_task(b.search(["a"], "k", 1))
+            assert await asyncio.to_thread(model.entered.wait, 30)
+            small = asyncio.create_task(b.search(["cc"], "k", 1))
+            await asyncio.sleep(0)   # queued before the big one (one loop turn, no timing)
+            large = asyncio.create_task(b.search(big, "k", 1))
+            await asyncio.sleep(0)
+            model.go.set()
+            return await first, await small, await large
+        _, _, large_out = asyncio.run(main())
+    finally:
+        b.stop()
+    # 7 rows x 2 tokens would fit the 16-token pass, but the big request only gets its share
+    assert model.calls == [["a"], ["cc"], big[0:2], big[2:4], big[4:6]]
+    assert [h[0] for h in large_out.hits] == [f"{i + 1}:0" for i in range(6)]
+
+
 # ----------------------------------------------------------------------------- over HTTP
 
 @pytest.fixture(scope="module")
@@ -97,7 +122,7 @@ def bounded(tmp_path_factory, tiny_model_dir, index_dir) -> Iterator[LiveServer]
     import shutil
     shutil.copytree(index_dir, tmp / "index")
     s = server_settings(tmp, tiny_model_dir, tmp / "index", admin_token=ADMIN, backend="torch",
-                        max_request_tokens=400, max_batch_tokens=128, max_hit_text_chars=128,
+                        max_request_tokens=400, max_batch_tokens=256, slice_tokens=128, max_hit_text_chars=128,
                         max_hit_metadata_bytes=96, max_response_bytes=1 << 20)
     with LiveServer(s) as srv:
         yield srv
@@ -161,7 +186,7 @@ def test_a_large_upsert_is_a_job_and_searches_run_between_its_slices(tmp_path, t
     import shutil
     shutil.copytree(index_dir, tmp_path / "index")
     s = server_settings(tmp_path, tiny_model_dir, tmp_path / "index", admin_token=ADMIN, backend="torch",
-                        sync_upsert_documents=4, upsert_slice_tokens=64)
+                        sync_upsert_documents=4, slice_tokens=64)
     with LiveServer(s) as srv, srv.client(ADMIN) as admin, srv.client() as anon:
         state = srv.app.state.qs
         real = state.embed_documents

@@ -259,7 +259,7 @@ def test_sigterm_answers_long_requests_503_json_and_exits_within_its_bound(tmp_p
     # One row per forward pass and 4096-query requests: each needs thousands of passes, far
     # more than the bound, and the micro-batches of all of them interleave.
     srv = ServerProcess(tmp_path, tiny_model_dir, private_index, "--max-queries", "4096",
-                        env={"QSWAP_SHUTDOWN_TIMEOUT_S": str(bound), "QSWAP_MAX_BATCH_TOKENS": "1",
+                        env={"QSWAP_SHUTDOWN_TIMEOUT_S": str(bound), "QSWAP_SLICE_TOKENS": "1",
                              "QSWAP_MAX_REQUEST_TOKENS": "100000", "QSWAP_REQUEST_TIMEOUT_S": "600",
                              "QSWAP_MAX_BODY_BYTES": str(8 << 20)}).wait_ready()
     n = 4
