@@ -50,12 +50,16 @@ RUNTIMES = ("onnx", "torch")
 DOCUMENT_PRECISIONS = ("fp32", "bf16")
 #: The quality bar a precision must pass against fp32 on real queries (Debian, 4 languages).
 QUALITY_BAR = {"min_cosine": 0.9999, "recall_at_10": 0.995}
-#: Measured quality of each precision against fp32 (``qswap bench embed``, 10,000 Debian
-#: documents, queries in en/de/fr/it; bench/results/embed/); recorded in index manifests.
+#: Measured quality of each precision against fp32, recorded in index manifests: bf16 (Linear
+#: layers in bf16) on the first 1,500 documents of the 10,000-document Debian benchmark against
+#: the torch fp32 index of it, 2,000 queries (500 each in en/de/fr/it): documents stay within
+#: cosine 0.99999 of fp32, but recall@10 of the fp32 top-10 is 0.9928, below the bar's 0.995
+#: (fp32 on ONNX Runtime against the same reference: 0.9988, its float16 storage). bf16 is
+#: therefore marked as failing the bar: a build at bf16 warns and its manifest says so.
 PRECISION_QUALITY: dict[str, dict[str, Any]] = {
     "fp32": {"min_cosine": 1.0, "recall_at_10": 1.0, "passes": True},
-    "bf16": {"min_cosine": 0.99997, "recall_at_10": 0.998, "passes": True,
-             "measured_by": "qswap bench embed (bench/results/embed/)"},
+    "bf16": {"min_cosine": 0.99999, "mean_cosine": 0.999996, "recall_at_10": 0.9928, "passes": False,
+             "measured_on": "1,500 Debian documents, 2,000 queries (en/de/fr/it) vs the torch fp32 index"},
 }
 # Texts tokenised per window: small enough that the first batch starts at once, large enough
 # that token-budget batches of similar lengths form within it.
@@ -129,6 +133,11 @@ class DocumentEncoder:
         self.base = base
         self.precision = precision
         self.runtime = runtime
+        quality = PRECISION_QUALITY[precision]
+        if not quality["passes"]:
+            log.warning("%s documents fail the quality bar (recall@10 %.4f of the fp32 top-10, bar %.3f): "
+                        "the index manifest records it; use fp32 where retrieval must not change", precision,
+                        quality["recall_at_10"], QUALITY_BAR["recall_at_10"])
         self.threads = threads or machine_threads()
         self.max_tokens = max_tokens
         if cache_dir is None:
