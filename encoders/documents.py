@@ -50,12 +50,16 @@ RUNTIMES = ("onnx", "torch")
 DOCUMENT_PRECISIONS = ("fp32", "bf16")
 #: The quality bar a precision must pass against fp32 on real queries (Debian, 4 languages).
 QUALITY_BAR = {"min_cosine": 0.9999, "recall_at_10": 0.995}
-#: Measured quality of each precision against fp32 (``qswap bench embed``, 10,000 Debian
-#: documents, queries in en/de/fr/it; bench/results/embed/); recorded in index manifests.
+#: Measured quality of each precision against fp32, recorded in index manifests: bf16 (Linear
+#: layers in bf16) on the first 1,500 documents of the 10,000-document Debian benchmark against
+#: the torch fp32 index of it, 2,000 queries (500 each in en/de/fr/it): documents stay within
+#: cosine 0.99999 of fp32, but recall@10 of the fp32 top-10 is 0.9928, below the bar's 0.995
+#: (fp32 on ONNX Runtime against the same reference: 0.9988, its float16 storage). bf16 is
+#: therefore marked as failing the bar: a build at bf16 warns and its manifest says so.
 PRECISION_QUALITY: dict[str, dict[str, Any]] = {
     "fp32": {"min_cosine": 1.0, "recall_at_10": 1.0, "passes": True},
-    "bf16": {"min_cosine": 0.99997, "recall_at_10": 0.998, "passes": True,
-             "measured_by": "qswap bench embed (bench/results/embed/)"},
+    "bf16": {"min_cosine": 0.99999, "mean_cosine": 0.999996, "recall_at_10": 0.9928, "passes": False,
+             "measured_on": "1,500 Debian documents, 2,000 queries (en/de/fr/it) vs the torch fp32 index"},
 }
 # Texts tokenised per window: small enough that the first batch starts at once, large enough
 # that token-budget batches of similar lengths form within it.
@@ -129,6 +133,11 @@ class DocumentEncoder:
         self.base = base
         self.precision = precision
         self.runtime = runtime
+        quality = PRECISION_QUALITY[precision]
+        if not quality["passes"]:
+            log.warning("%s documents fail the quality bar (recall@10 %.4f of the fp32 top-10, bar %.3f): "
+                        "the index manifest records it; use fp32 where retrieval must not change", precision,
+                        quality["recall_at_10"], QUALITY_BAR["recall_at_10"])
         self.threads = threads or machine_threads()
         self.max_tokens = max_tokens
         if cache_dir is None:
@@ -188,7 +197,7 @@ class DocumentEncoder:
 
         Args:
             texts: the documents (the base's document prefix is added).
-            progress: show a bar (documents, tokens/s, docs/s, ETA) and a closing line on stderr.
+            progress: show a bar (tokens, tokens/s, docs/s, ETA) and a closing line on stderr.
             desc: the bar's label.
 
         Returns:
@@ -212,8 +221,11 @@ class DocumentEncoder:
             bar = None
             if progress:
                 from tqdm import tqdm
-                bar = tqdm(total=len(texts), desc=desc, unit="doc", file=sys.stderr, dynamic_ncols=True,
-                           smoothing=0.05)
+                # Counted in tokens: batches run longest first within a window, so a documents
+                # count would make the first ETA far too long. The total is estimated from the
+                # windows tokenised so far and made exact by the last one.
+                bar = tqdm(total=None, desc=desc, unit="tok", unit_scale=True, file=sys.stderr,
+                           dynamic_ncols=True, smoothing=0.05)
             try:
                 self._run(texts, out, meter, bar)
             finally:
@@ -230,13 +242,19 @@ class DocumentEncoder:
 
         if self.runtime == "torch" and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
+        known_docs = known_tokens = 0
         with torch.inference_mode():
-            for idx, ids, mask in _produce(self, texts):
+            for idx, ids, mask, window in _produce(self, texts):
+                if bar is not None and window is not None:
+                    known_docs, known_tokens = known_docs + window[0], known_tokens + window[1]
+                    bar.total = round(known_tokens * len(texts) / known_docs)
                 out[idx] = self._forward(ids, mask)
-                meter.add(len(idx), int(mask.sum()))
+                tokens = int(mask.sum())
+                meter.add(len(idx), tokens)
                 if bar is not None:
-                    bar.set_postfix_str(f"{meter.tokens / meter.seconds():,.0f} tok/s", refresh=False)
-                    bar.update(len(idx))
+                    bar.set_postfix_str(f"{meter.docs}/{len(texts)} docs, {meter.docs / meter.seconds():.1f} docs/s",
+                                        refresh=False)
+                    bar.update(tokens)
 
 
 _SHARED: dict[tuple[int, str], tuple[Any, DocumentEncoder]] = {}
@@ -268,8 +286,12 @@ def document_encoder(base: BaseEncoder, precision: str = "fp32") -> DocumentEnco
         return enc
 
 
-def _batches(enc: DocumentEncoder, texts: list[str], start: int) -> list[tuple[list[int], np.ndarray, np.ndarray]]:
-    """Tokenise one window and cut it into token-budget batches (global indices, ids, mask)."""
+Batch = tuple[list[int], np.ndarray, np.ndarray, "tuple[int, int] | None"]
+
+
+def _batches(enc: DocumentEncoder, texts: list[str], start: int) -> list[Batch]:
+    """Tokenise one window and cut it into token-budget batches: (global indices, ids, mask,
+    window); the first batch's ``window`` is the window's (documents, tokens), the others' None."""
     encs = enc.base.tokenizer.encode_batch([enc.base.spec.document_prefix + t for t in texts])
     # attention_mask, not ids: the tokenizer pads every row to the window's longest.
     lengths = [sum(e.attention_mask) for e in encs]
@@ -278,11 +300,11 @@ def _batches(enc: DocumentEncoder, texts: list[str], start: int) -> list[tuple[l
         width = lengths[b[0]]   # longest first
         ids = np.array([encs[i].ids[:width] for i in b], dtype=np.int64)
         mask = np.array([encs[i].attention_mask[:width] for i in b], dtype=np.int64)
-        out.append(([start + i for i in b], ids, mask))
+        out.append(([start + i for i in b], ids, mask, None if out else (len(texts), sum(lengths))))
     return out
 
 
-def _produce(enc: DocumentEncoder, texts: list[str]) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
+def _produce(enc: DocumentEncoder, texts: list[str]) -> Iterator[Batch]:
     """Batches of ``texts``, tokenised by a producer thread one window ahead of the compute."""
     if len(texts) <= _WINDOW:   # one window: nothing to overlap with
         yield from _batches(enc, texts, 0)

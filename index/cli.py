@@ -109,7 +109,8 @@ def register(subparsers: Any) -> None:
                    help=f"base model name or local folder (default {DEFAULT_MODEL})")
     b.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="document-embedding precision (default fp32); bf16 is faster on CPUs with AVX-512-BF16/AMX "
-                        "and its measured quality change is recorded in the manifest (docs/embedding.md)")
+                        "but fails the quality bar (recall@10 0.993 of fp32's top-10): the manifest records it "
+                        "(docs/embedding.md)")
     b.add_argument("--runtime", choices=RUNTIMES, default=None,
                    help="document-embedding runtime (default: onnx for fp32, torch for bf16; torch fp32 is the "
                         "reference)")

@@ -67,12 +67,14 @@ def test_onnx_documents_equal_torch_reference(tiny_base, tmp_path):
     assert cosines(got[:50], small).min() >= 0.99999
 
 
-def test_torch_runtime_and_bf16(tiny_base, tmp_path):
+def test_torch_runtime_and_bf16(tiny_base, tmp_path, caplog):
     docs = texts(60, seed=1)
     ref = tiny_base.encode_documents(docs)
     torch32 = DocumentEncoder(tiny_base, runtime="torch").encode(docs)
     assert np.abs(torch32 - ref).max() < 1e-5
-    bf16 = DocumentEncoder(tiny_base, precision="bf16")
+    with caplog.at_level("WARNING", logger="qswap.encoders"):
+        bf16 = DocumentEncoder(tiny_base, precision="bf16")
+    assert "fail the quality bar" in caplog.text   # a precision below the bar is clearly marked
     assert bf16.runtime == "torch" and bf16.record["precision"] == "bf16"
     out = bf16.encode(docs)
     assert cosines(ref, out).min() > 0.999 and np.abs(out - ref).max() > 1e-7   # close, yet not the fp32 path
@@ -106,7 +108,8 @@ def test_progress_shows_rates_and_final_line(tiny_base, tmp_path, capsys):
 def test_record_and_shared_encoder(tiny_base):
     rec = document_record("fp32")
     assert rec["precision"] == "fp32" and rec["runtime"] == "onnx" and rec["quality"]["passes"]
-    assert document_record("bf16")["quality"]["min_cosine"] >= 0.9999
+    bf16 = document_record("bf16")["quality"]
+    assert bf16["min_cosine"] >= 0.9999 and bf16["recall_at_10"] < 0.995 and bf16["passes"] is False  # marked
     assert document_encoder(tiny_base) is document_encoder(tiny_base)
     assert document_encoder(tiny_base, "bf16").precision == "bf16"
 
