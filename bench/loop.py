@@ -62,12 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "as traffic (sentinels and the final nDCG)")
     p.add_argument("--sentinel-n", type=int, default=300, help="queries per sentinel (one per language)")
     p.add_argument("--sentinel-langs", help="languages with a sentinel (default: --langs)")
-    p.add_argument("--seeds", type=int, default=200, help="simulated users replayed offline (phases 3, 5)")
+    p.add_argument("--seeds", type=int, default=100, help="simulated users replayed offline (phases 3, 5)")
     p.add_argument("--replay-queries", type=int, default=2000, help="traffic queries whose rankings the "
                    "offline replays draw from")
     p.add_argument("--eval-n", type=int, default=1000, help="held-out queries per language for nDCG@10")
-    p.add_argument("--min-decided", type=int, default=20, help="decided impressions at the first look")
-    p.add_argument("--max-impressions", type=int, default=20 * 2 ** 9, help="stop a comparison undecided here")
+    p.add_argument("--min-decided", type=int, default=50, help="decided impressions at the first look (ten "
+                   "looks: x1, 2, 4 ... 512)")
+    p.add_argument("--live-impressions", type=int, default=2000, help="interleaved sessions over HTTP at most "
+                   "(phase 3; the replays measure impressions to decide)")
     p.add_argument("--tune-args", default="", help="extra `qswap tune run` options (quoted)")
     p.add_argument("--concurrency", type=int, default=4, help="clients of the shadow latency phase")
     p.add_argument("--shadow-seconds", type=float, default=10.0, help="seconds per arm and round (phase 6)")
@@ -285,18 +287,18 @@ def _run(args: argparse.Namespace, work: Path, w: ResultWriter) -> dict[str, Any
         res["tuning"] = {"seconds": time.perf_counter() - t0, "command": " ".join(tune[2:]),
                          "steps": report["training"]["steps"], "phases": report.get("phases"),
                          "mining": (report.get("data") or {}).get("mining") is not None,
-                         "registration": reg.get("guard_status") or reg.get("error")}
+                         "registration": (reg.get("encoder") or {}).get("guard_status") or reg.get("error")}
         cand = "cand@1"
         # 3. interleaving over HTTP until decided (one user), then offline replays for the seeds
         api.call("POST", "/v1/experiments", {"domain": DOMAIN, "candidate": cand, "mode": "interleave",
                                              "fraction": 1.0})
-        live = _sessions(api, pool_q, queries, qrels, args.max_impressions, user, seed=2,
+        live = _sessions(api, pool_q, queries, qrels, args.live_impressions, user, seed=2,
                          until=lambda o: decided(sum(x > 0 for x in o), sum(x < 0 for x in o), 0.05,
                                                  args.min_decided))
         view = api.call("GET", f"/v1/experiments/{DOMAIN}")
         res["interleave_live"] = {"impressions": view["impressions"], "wins": view["wins"], "losses": view["losses"],
                                   "ties": view["ties"], "p_value": view["p_value"],
-                                  "decided": live["sessions"] < args.max_impressions}
+                                  "decided": live["sessions"] < args.live_impressions}
         replay_q = pool_q[:args.replay_queries]
         texts = [queries[q] for q in replay_q]
         ranks = {"base": api.rankings(texts, "base"), "cand": api.rankings(texts, cand)}
@@ -313,8 +315,10 @@ def _run(args: argparse.Namespace, work: Path, w: ResultWriter) -> dict[str, Any
 
 def _replay(pool_q: list[str], qrels: dict, ranks: dict[str, list[list[str]]], user: CascadeUser,
             args: argparse.Namespace) -> dict[str, Any]:
-    """Phases 3 and 5 offline: the server's own interleaving and decision code on its rankings."""
+    """Phases 3 and 5 offline: the server's own interleaving and decision code on its rankings,
+    for up to the last look's number of impressions."""
     n_q = len(pool_q)
+    budget = looks(args.min_decided)[-1]
 
     def interleaved(a: str, b: str, seed: int) -> int | None:
         rng = random.Random(seed)
@@ -323,7 +327,7 @@ def _replay(pool_q: list[str], qrels: dict, ranks: dict[str, list[list[str]]], u
             i = rng.randrange(n_q)
             shown = team_draft(ranks[a][i], ranks[b][i], K, rng)
             return credit(shown, user.clicks(shown.ids, qrels[pool_q[i]], rng))
-        return impressions_to_decide(outcome, 0.05, args.min_decided, args.max_impressions)
+        return impressions_to_decide(outcome, 0.05, args.min_decided, budget)
 
     def ab(seed: int) -> int | None:
         rng = random.Random(seed)
@@ -332,8 +336,7 @@ def _replay(pool_q: list[str], qrels: dict, ranks: dict[str, list[list[str]]], u
             i = rng.randrange(n_q)
             ids = ranks["base" if arm == "A" else "cand"][i]
             return bool(user.clicks(ids, qrels[pool_q[i]], rng))
-        return ab_impressions_to_decide(ctr, random.Random(seed + 10 ** 6), 0.05, args.min_decided,
-                                        args.max_impressions)
+        return ab_impressions_to_decide(ctr, random.Random(seed + 10 ** 6), 0.05, args.min_decided, budget)
 
     seeds = range(100, 100 + args.seeds)
     inter = [interleaved("base", "cand", s) for s in seeds]
@@ -342,7 +345,7 @@ def _replay(pool_q: list[str], qrels: dict, ranks: dict[str, list[list[str]]], u
 
     def med(xs: list[int | None]) -> float | None:
         # Undecided runs count as the budget (a lower bound on what they would need).
-        vals = [x if x is not None else args.max_impressions for x in xs]
+        vals = [x if x is not None else budget for x in xs]
         return float(np.median(vals)) if vals else None
     mi, ma = med(inter), med(abn)
     return {"interleave": {"impressions": inter, "median": mi, "undecided": sum(x is None for x in inter)},

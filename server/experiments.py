@@ -25,6 +25,7 @@ import random
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,6 +38,11 @@ from qswap.feedback.store import FeedbackStore, ShadowRun
 log = logging.getLogger("qswap.server")
 
 MODES = ("shadow", "interleave")
+#: Shadow runs may take at most this share of wall time (over the last SHADOW_WINDOW_S seconds):
+#: on a busy machine every shadow forward pass competes with live traffic for the cores, so the
+#: share, not only idleness, bounds what shadowing can add to live latency.
+SHADOW_SHARE = 0.05
+SHADOW_WINDOW_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,7 @@ class Experiments:
         self._lock = threading.Lock()
         self._shadows = 0
         self._shadow_cv = threading.Condition()
+        self._shadow_spent: deque[tuple[float, float]] = deque()   # (ended, seconds) of recent shadow runs
 
     # -- the table -----------------------------------------------------------------------------
 
@@ -229,16 +236,23 @@ class Experiments:
     def spawn_shadow(self, arm: Arm, control_ids: list[list[str]], run: Callable[[], Any], idle: bool) -> None:
         """Run the candidate off the response path (a task on the running loop) and record its
         overlap with the control's lists and its latency; skipped (and counted) unless ``idle``."""
-        if not idle:
+        now = time.monotonic()
+        while self._shadow_spent and self._shadow_spent[0][0] < now - SHADOW_WINDOW_S:
+            self._shadow_spent.popleft()
+        spent = sum(d for _, d in self._shadow_spent)
+        if not idle or spent > SHADOW_SHARE * SHADOW_WINDOW_S:
+            # Busy, or shadow runs already took their share of the worker's time: skip (counted).
             self.store.record([ShadowRun(arm.experiment, None)])
             return
         with self._shadow_cv:
             self._shadows += 1
 
         async def go() -> None:
+            t0 = time.monotonic()
             try:
                 await _shadow_run(arm, control_ids, run, self.store)
             finally:
+                self._shadow_spent.append((time.monotonic(), time.monotonic() - t0))
                 with self._shadow_cv:
                     self._shadows -= 1
                     self._shadow_cv.notify_all()

@@ -38,7 +38,7 @@ def test_bench_loop_runs_every_phase(tiny_model_dir, tiny_base, tmp_path):
     out = tmp_path / "out"
     rc = main(["bench", "loop", "--index", str(tmp_path / "idx"), "--beir", str(beir), "--model", str(tiny_model_dir),
                "--langs", "en,de", "--sentinel-langs", "en", "--sessions", "100", "--seeds", "10",
-               "--sentinel-n", "20", "--min-decided", "5", "--max-impressions", "80",
+               "--sentinel-n", "20", "--min-decided", "5", "--live-impressions", "80",
                "--tune-args", "--lr 3e-3 --batch-size 8 --epoch-batches 3 --max-epochs 2 --fn-cutoff 1.0 --force",
                "--shadow-seconds", "1", "--rounds", "2", "--concurrency", "2", "--out", str(out)])
     assert rc == 0
