@@ -357,7 +357,7 @@ def _replay(pool_q: list[str], qrels: dict, ranks: dict[str, list[list[str]]], u
 
 def _held_out_ndcg(api: _Api, args: argparse.Namespace, held_q: list[str], langs: list[str],
                    cand: str) -> dict[str, Any]:
-    from qswap.tuning.stats import holm, paired_compare
+    from qswap.guard.stats import holm, paired_compare
     rows = {}
     for lang in langs:
         _, q, rel = load_beir(args.beir, resolve_language(args.beir, lang), strict=False)
