@@ -117,6 +117,7 @@ def run_infinity(model_dir: Path, texts: list[str], work: Path, engines: list[st
         ``{engine: {"docs_per_s", "seconds", "vectors", ...} or {"error": ...}}``, and
         ``"install_error"`` if the venv could not be made.
     """
+    work = work.resolve()   # the child runs from the model folder: every path it gets is absolute
     work.mkdir(parents=True, exist_ok=True)
     py, why = ensure_venv(work / "pip.log")
     if py is None:
