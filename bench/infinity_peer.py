@@ -54,7 +54,7 @@ asyncio.run(main())
 
 
 # Runs inside Infinity's venv: the standard Hugging Face ONNX export (optimum) of the model into
-# argv[2]/onnx/model.onnx next to links to its config, tokenizer and weights: the layout
+# argv[2]/model.onnx next to links to its config, tokenizer and weights: the layout
 # Infinity's optimum engine loads from a local folder (it exports nothing itself).
 _EXPORT = r'''
 import os, sys
@@ -66,6 +66,8 @@ for f in src.iterdir():
         os.symlink(f, dst / f.name)
 from optimum.exporters.onnx import main_export
 main_export(str(src), output=str(dst / "onnx"), task="feature-extraction", device="cpu")
+# Top level: optimum matches the file Infinity names by its bare name.
+os.replace(dst / "onnx" / "model.onnx", dst / "model.onnx")
 '''
 
 
@@ -115,6 +117,7 @@ def run_infinity(model_dir: Path, texts: list[str], work: Path, engines: list[st
         ``{engine: {"docs_per_s", "seconds", "vectors", ...} or {"error": ...}}``, and
         ``"install_error"`` if the venv could not be made.
     """
+    work = work.resolve()   # the child runs from the model folder: every path it gets is absolute
     work.mkdir(parents=True, exist_ok=True)
     py, why = ensure_venv(work / "pip.log")
     if py is None:
@@ -128,7 +131,7 @@ def run_infinity(model_dir: Path, texts: list[str], work: Path, engines: list[st
     for engine in engines:
         model = model_dir
         if engine == "optimum":
-            if not (onnx_dir / "onnx" / "model.onnx").exists():
+            if not (onnx_dir / "model.onnx").exists():
                 (work / "export.py").write_text(_EXPORT)
                 r = subprocess.run([str(py), str(work / "export.py"), str(model_dir), str(onnx_dir)],
                                    capture_output=True, text=True, env=env)
@@ -137,8 +140,11 @@ def run_infinity(model_dir: Path, texts: list[str], work: Path, engines: list[st
                     out[engine] = {"error": f"ONNX export for Infinity failed: exit {r.returncode}: " + " | ".join(tail)}
                     continue
             model = onnx_dir
-        r = subprocess.run([str(py), str(work / "child.py"), str(model), str(work / "texts.json"), str(work),
-                            engine, str(batch_size), str(threads)], capture_output=True, text=True, env=env)
+        # Run from inside the model folder and name it ".": Infinity's optimum engine globs a local
+        # folder and hands optimum an absolute file name, which optimum rejects; relative works.
+        r = subprocess.run([str(py), str(work / "child.py"), ".", str(work / "texts.json"), str(work),
+                            engine, str(batch_size), str(threads)], capture_output=True, text=True, env=env,
+                           cwd=str(model))
         rec = work / f"{engine}.json"
         if r.returncode != 0 or not rec.exists():
             tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
