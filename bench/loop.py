@@ -318,7 +318,8 @@ def _replay(pool_q: list[str], qrels: dict, ranks: dict[str, list[list[str]]], u
     """Phases 3 and 5 offline: the server's own interleaving and decision code on its rankings,
     for up to the last look's number of impressions."""
     n_q = len(pool_q)
-    budget = looks(args.min_decided)[-1]
+    # Looks count decided impressions (ties left out): twice the last look leaves room for ties.
+    budget = 2 * looks(args.min_decided)[-1]
 
     def interleaved(a: str, b: str, seed: int) -> int | None:
         rng = random.Random(seed)
