@@ -86,9 +86,13 @@ class Experiments:
     # -- the table -----------------------------------------------------------------------------
 
     def _current(self) -> dict[str, dict[str, Any]]:
+        """The table as the request path sees it: re-read every ``refresh_s`` (other replicas'
+        changes), never waiting for the store's writer (the last table serves meanwhile)."""
         if time.monotonic() - self._read_at > self.refresh_s:
-            self._table = self.store.experiments()
-            self._read_at = time.monotonic()
+            table = self.store.experiments(wait=False)
+            if table is not None:
+                self._table = table
+                self._read_at = time.monotonic()
         return self._table
 
     def _reload(self) -> None:

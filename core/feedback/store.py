@@ -311,10 +311,19 @@ class FeedbackStore:
         with self._lock:
             self._tx(lambda db: db.execute("DELETE FROM experiments WHERE domain=?", (domain,)))
 
-    def experiments(self) -> dict[str, dict[str, Any]]:
-        """Every domain's experiment document, as stored."""
-        with self._lock:
+    def experiments(self, wait: bool = True) -> dict[str, dict[str, Any]] | None:
+        """Every domain's experiment document, as stored.
+
+        Args:
+            wait: wait for the writer; with ``False`` answer ``None`` at once when it is busy
+                (the event loop must never wait for a disk write).
+        """
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
             rows = self._db.execute("SELECT domain, doc FROM experiments").fetchall()
+        finally:
+            self._lock.release()
         return {d: json.loads(doc) for d, doc in rows}
 
     def stats(self, exp_id: str) -> dict[str, float]:
