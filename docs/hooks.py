@@ -343,6 +343,12 @@ def source_tree(dest: Path = REPO / "build" / "docs-src") -> Path:
     return dest
 
 
+# Laid out when mkdocs loads this hook, before any plugin configures: mkdocstrings drops a search
+# path that does not exist yet, so on a fresh clone (no build/ folder) the first build found
+# `qswap` through the editable install instead and could not collect its subpackages.
+source_tree()
+
+
 def on_config(config: Any) -> Any:
     """Lay out the package for mkdocstrings; add every ``docs/*.md`` page the nav lacks under "More topics"."""
     source_tree()
