@@ -253,7 +253,8 @@ class RayIngressState(ServerState):
         return {"replica": _replica_id(), "deployment": "ingress", "pid": os.getpid(), **self.stats,
                 "aliases": reg.aliases() if reg else {}, "registered": reg.keys() if reg else None,
                 "registry_reloads": getattr(reg, "reloads", 0),
-                "index_generation": self.index.generation if self.index is not None else None}
+                "index_generation": self.index.generation if self.index is not None else None,
+                "index_documents": self.index.count if self.index is not None else None}
 
 
 def _ingress_class() -> Any:

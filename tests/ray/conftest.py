@@ -100,20 +100,27 @@ def wait_ready(url: str, replicas: int, timeout: float = 60.0) -> None:
             time.sleep(0.1)
 
 
-def replica_stats(app_name: str = "qswap", want: int = 2, tries: int = 60,
-                  deployment: str = "QswapIngress") -> dict[str, dict[str, Any]]:
-    """Stats of every replica of ``deployment`` (the handle picks replicas at random: ask until
-    all answered)."""
-    from ray import serve
-    h = serve.get_deployment_handle(deployment, app_name=app_name)
-    seen: dict[str, dict[str, Any]] = {}
-    for _ in range(tries):
-        try:
-            s = h.replica_stats.remote().result(timeout_s=10)
-        except Exception:  # noqa: BLE001 - a replica that just died; ask again
-            time.sleep(0.1)
-            continue
-        seen[s["replica"]] = s
-        if len(seen) >= want:
-            break
-    return seen
+def replica_stats(state_dir: Path, deployment: str = "ingress", want: int = 2,
+                  timeout: float = 30.0) -> dict[str, dict[str, Any]]:
+    """Stats of every live replica of ``deployment`` (``ingress`` or ``encoder``), keyed by replica id.
+
+    Read from the files replicas write to ``<state dir>/replicas/`` every 0.5 s, keeping only those
+    written after this call: values are current, and a killed replica (it writes no more) drops
+    out. A deployment handle would not do: its router may send every call to the same replica.
+    Returns once ``want`` replicas have written (or after ``timeout``, with those that did)."""
+    from qswap.server.ray_serve import REPLICA_STATS_DIR
+    folder = Path(state_dir) / REPLICA_STATS_DIR
+    since = time.time()
+    deadline = time.monotonic() + timeout
+    while True:
+        seen: dict[str, dict[str, Any]] = {}
+        for f in folder.glob("*.json"):
+            try:
+                s = json.loads(f.read_text())
+            except (OSError, ValueError):   # replaced between listing and reading
+                continue
+            if s.get("deployment") == deployment and s.get("written_at", 0) >= since:
+                seen[s["replica"]] = s
+        if len(seen) >= want or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.05)   # polls the files the replicas write; orders nothing
