@@ -125,10 +125,10 @@ def compare_encoders(beir: Path, index: Path, reference: Path, candidate: Path, 
     """The guard's record of ``candidate`` against ``reference`` (two tuned encoders) on every
     language's queries neither trained on: per-query nDCG@10, Wilcoxon, Holm over languages."""
     from qswap.encoders import load_base
+    from qswap.guard.checks import guard_record, sentinel_check
     from qswap.index import DocumentIndex
     from qswap.tuning.beir_eval import BeirEvaluator
     from qswap.tuning.doc_cache import StoredEmbeddings
-    from qswap.tuning.guard import guard_record, sentinel_check
     from qswap.tuning.queries import FastQueries
     from qswap.tuning.run import SEEN_QUERIES
 
