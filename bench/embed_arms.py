@@ -113,10 +113,12 @@ def quantized_graph(fp32_graph: Path, out_dir: Path, selective: bool) -> Path:
 
 
 _RSS_CHILD = """
-import resource, sys
+import re, sys
 from qswap.cli import main
 rc = main(sys.argv[1:])
-print("MAXRSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)
+# VmHWM: this process's own peak (ru_maxrss would carry the forking parent's peak across exec).
+hwm = re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())
+print("MAXRSS_KB", hwm.group(1), flush=True)
 sys.exit(rc)
 """
 
@@ -247,7 +249,12 @@ def run_arms(args: Any, dirs: Any) -> int:
             q = quality(ref, v, queries) if v.shape == ref.shape else {"error": f"shape {v.shape}"}
             res["infinity"][eng] = {**rec, **q, "passes_bar": passes(q) if "min_cosine" in q else False}
     if args.rss_docs:
-        res["build_rss"] = build_rss(texts, args.rss_docs, args.model, dirs.tmp)
+        rss_model = args.rss_model or args.model
+        if rss_model == "tiny":
+            from qswap.bench.tiny_model import make_tiny_model
+            rss_model = str(make_tiny_model(dirs.tmp / "tiny-model"))
+        res["build_rss"] = build_rss(texts, args.rss_docs, rss_model, dirs.tmp)
+        res["build_rss_model"] = args.rss_model or args.model
     base_rate = res["arms"]["torch fp32 (before)"]["docs_per_s"]
     rows = []
     for a, rec in res["arms"].items():
@@ -266,7 +273,7 @@ def run_arms(args: Any, dirs: Any) -> int:
                          f"{flops / rec['seconds'] / 1e9:.0f}", "-", f"{rec.get('min_cosine', float('nan')):.6f}",
                          f"{rec.get('recall_at_10', float('nan')):.4f}", "yes" if rec.get("passes_bar") else "**no**"])
     for size, rec in (res.get("build_rss") or {}).items():
-        inf_md += (f"\nPeak RSS of `qswap index build` of {int(size):,} short documents: "
+        inf_md += (f"\nPeak RSS of `qswap index build` of {int(size):,} short documents ({res['build_rss_model']}): "
                    + (f"{rec['peak_rss_mib']:.0f} MiB ({rec['docs_per_s']:.0f} docs/s whole build)" if "peak_rss_mib"
                       in rec else f"failed: {rec['error']}") + "\n")
     labels = [r[0] for r in rows]

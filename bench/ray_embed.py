@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-int8", action="store_true", help="leave out the int8 arms")
     p.add_argument("--rss-docs", type=parse_workers, default=None, metavar="N,N",
                    help="also measure the peak RSS of index builds of these document counts (e.g. 5000,40000)")
+    p.add_argument("--rss-model", default=None,
+                   help="model of the --rss-docs builds (default: --model; 'tiny': a 2-layer random-weight BERT, "
+                        "so that 100,000 documents build in minutes: the figure is the pipeline's memory)")
     p.add_argument("--infinity", action="store_true",
                    help="also run Infinity (installed into <data dir>/venvs/infinity on first use)")
     p.add_argument("--workers", type=parse_workers, default=[1, 2], help="Ray actor counts (default 1,2)")
