@@ -39,8 +39,9 @@ import torch
 torch.set_num_threads(int(threads))
 from infinity_emb import AsyncEmbeddingEngine, EngineArgs
 texts = json.load(open(texts_file))
+# Mean pooling as the model's own spec says: on a plain folder Infinity's "auto" picks CLS.
 args = EngineArgs(model_name_or_path=model, engine=engine, device="cpu", batch_size=int(batch),
-                  model_warmup=False, bettertransformer=False)
+                  model_warmup=False, bettertransformer=False, pooling_method="mean")
 async def main():
     eng = AsyncEmbeddingEngine.from_args(args)
     async with eng:
