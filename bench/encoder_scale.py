@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     probe_names = [(f"p{i}", "1") for i in range(n_probes)]
     print(f"making {len(names) + len(probe_names)} LoRA r={args.rank} encoders (cached)", file=sys.stderr)
     t0 = time.perf_counter()
-    root = lora_encoders(base, names + probe_names, rank=args.rank, tag=f"scale{len(names)}+{len(probe_names)}")
+    root = lora_encoders(base, names + probe_names, rank=args.rank, tag="scale")   # one cache for every count
     print(f"  ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     first_dir = root / f"{names[0][0]}-1"
     adapter_file = sum(f.stat().st_size for f in first_dir.rglob("*.safetensors"))
