@@ -94,9 +94,10 @@ def ready() -> Call[dict[str, Any]]:
     return Call("GET", "/readyz", dict)
 
 
-def encoders() -> Call[EncoderList]:
-    """``GET /v1/encoders``."""
-    return Call("GET", "/v1/encoders", EncoderList.model_validate)
+def encoders(*, limit: int | None = None, after: str | None = None) -> Call[EncoderList]:
+    """``GET /v1/encoders``: all, or one page of ``limit`` after the cursor ``after``."""
+    params = _drop_none({"limit": None if limit is None else str(limit), "after": after})
+    return Call("GET", "/v1/encoders", EncoderList.model_validate, params=params)
 
 
 def encoder(ref: str) -> Call[EncoderInfo]:

@@ -86,6 +86,7 @@ class EncoderInfo(_Answer):
 class EncoderList(_Answer):
     default: str
     encoders: list[EncoderInfo]
+    next: str | None = None
 
 
 class RegisterResponse(_Answer):

@@ -69,9 +69,14 @@ class Routes:
         """``/readyz``'s answer once ready (retries while the server loads, within ``max_retries``)."""
         return self._send(calls.ready())
 
-    def encoders(self) -> Any:
-        """All encoders and the default: :class:`~qswap.client.models.EncoderList`."""
-        return self._send(calls.encoders())
+    def encoders(self, *, limit: int | None = None, after: str | None = None) -> Any:
+        """Encoders and the default: :class:`~qswap.client.models.EncoderList`.
+
+        Args:
+            limit: at most this many (None: all); the answer's ``next`` is the next page's cursor.
+            after: the cursor: the previous page's ``next``.
+        """
+        return self._send(calls.encoders(limit=limit, after=after))
 
     def encoder(self, ref: str) -> Any:
         """One encoder (``name`` = highest version): :class:`~qswap.client.models.EncoderInfo`."""

@@ -141,6 +141,71 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
+def _open_append(path: Path) -> int:
+    """The file descriptor :func:`append_line` writes through (created 0644 if missing)."""
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+
+def committed_end(fd: int, size: int) -> int:
+    """Offset just past the last newline of the first ``size`` bytes of ``fd`` (0: none).
+
+    What follows it is the torn tail of an append that failed or was killed: not committed.
+    """
+    pos = size
+    while pos > 0:
+        start = max(0, pos - (1 << 16))
+        block = os.pread(fd, pos - start, start)
+        nl = block.rfind(b"\n")
+        if nl >= 0:
+            return start + nl + 1
+        pos = start
+    return 0
+
+
+def append_line(path: Path, line: bytes) -> tuple[int, int]:
+    """Durably append one newline-terminated record to ``path`` (a journal).
+
+    A record is committed once its newline is on disk. The record is written at the end of the
+    last committed one, so the torn tail of an earlier failed or killed append is overwritten;
+    when this append fails, the file is cut back to where it was (a refused change leaves
+    nothing readable), and the error is raised.
+
+    Args:
+        path: the journal file (created when missing).
+        line: the record, ending with ``b"\\n"`` and holding no other newline.
+
+    Returns:
+        (start, end): the byte offsets of the record in the file.
+    """
+    if not line.endswith(b"\n") or b"\n" in line[:-1]:
+        raise ValueError("a journal record is one line ending with a newline")
+    path = Path(path)
+    created = not path.exists()
+    fd = _open_append(path)
+    try:
+        start = committed_end(fd, os.fstat(fd).st_size)
+        end = start + len(line)
+        try:
+            view = memoryview(line)
+            while view:
+                n = os.pwrite(fd, view, end - len(view))
+                view = view[n:]
+            if os.fstat(fd).st_size > end:
+                os.ftruncate(fd, end)
+            os.fsync(fd)
+        except BaseException:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass   # best effort: the next append overwrites from the last record committed before
+            raise
+    finally:
+        os.close(fd)
+    if created:
+        fsync_dir(path.parent)
+    return start, end
+
+
 def atomic_copy(src: Path, dst: Path) -> str:
     """Copy a file to ``dst`` atomically; returns its sha256."""
     return atomic_write_via(Path(dst), lambda tmp: shutil.copyfile(src, tmp))

@@ -58,10 +58,12 @@ class LowRankDeltas:
     def rows(self, keys: list[str], device: torch.device) -> Iterator[None]:
         """During the block, row ``i`` of each forward gets encoder ``keys[i]``'s deltas."""
         groups: dict[str, list[int]] = {}
-        bound = self.keys()
         for i, k in enumerate(keys):
-            if k in bound:
-                groups.setdefault(k, []).append(i)
+            groups.setdefault(k, []).append(i)
+        # Only encoders bound to some layer (not the base, not a bias-only encoder); checked per
+        # encoder of this batch, not by listing every bound one (a forward's cost must not grow
+        # with the number of attached encoders).
+        groups = {k: v for k, v in groups.items() if any(k in per for per in self._factors.values())}
         self._rows = {k: torch.tensor(v, dtype=torch.long, device=device) for k, v in groups.items()}
         self._n = len(keys)
         try:

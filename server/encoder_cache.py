@@ -34,6 +34,7 @@ class EncoderCache:
         self.load_lock = threading.Lock()
         self.metrics = metrics
         self.loaded: OrderedDict[str, int] = OrderedDict()   # key -> bytes, least recently used first
+        self.total = 0   # sum of ``loaded``'s bytes, kept as it changes (no scan per load)
 
     def __contains__(self, key: str) -> bool:
         with self.lock:
@@ -48,8 +49,10 @@ class EncoderCache:
         """Count an encoder the pool now holds (caller holds ``load_lock``): prepared by the
         backend first, since what the backend holds depends on how it serves it."""
         self.prepare(key)
+        size = self.pool.memory_bytes(key) + self.backend.memory_bytes(key)
         with self.lock:
-            self.loaded[key] = self.pool.memory_bytes(key) + self.backend.memory_bytes(key)
+            self.total += size - self.loaded.get(key, 0)
+            self.loaded[key] = size
         if self.metrics is not None:
             self.metrics.loads.inc()
 
@@ -58,15 +61,15 @@ class EncoderCache:
         until under budget (caller holds ``load_lock``; ``busy`` is called under ``lock``)."""
         while True:
             with self.lock:
-                if sum(self.loaded.values()) <= self.budget:
+                if self.total <= self.budget:
                     return
                 held = busy()
                 victim = next((k for k in self.loaded if k != keep and k not in held), None)
                 if victim is None:
                     log.warning("loaded encoders exceed the memory budget; nothing can be evicted",
-                                extra={"bytes": sum(self.loaded.values()), "budget": self.budget})
+                                extra={"bytes": self.total, "budget": self.budget})
                     return
-                del self.loaded[victim]   # from now on a new request reloads it (after this lock)
+                self.drop(victim)   # from now on a new request reloads it (after this lock)
             self.detach(victim)
             if self.metrics is not None:
                 self.metrics.evictions.inc()
@@ -75,7 +78,15 @@ class EncoderCache:
     def forget(self, key: str) -> bool:
         """Stop counting ``key`` (caller holds ``load_lock``, then calls :meth:`detach`)."""
         with self.lock:
-            return self.loaded.pop(key, None) is not None
+            return self.drop(key)
+
+    def drop(self, key: str) -> bool:
+        """Stop counting ``key`` (caller holds ``lock``); whether it was counted."""
+        size = self.loaded.pop(key, None)
+        if size is None:
+            return False
+        self.total -= size
+        return True
 
     def detach(self, key: str) -> None:
         """Remove ``key`` from the pool and the backend (caller holds ``load_lock``)."""

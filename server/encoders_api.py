@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Depends, Path, Request, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
@@ -27,6 +27,7 @@ from qswap.server.state import ServerState
 
 router = APIRouter(tags=["encoders"])
 
+MAX_PAGE = 1000   # encoders per page of GET /v1/encoders with a limit
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 
@@ -128,12 +129,23 @@ async def register_encoder(request: Request, response: Response) -> RegisterResp
 
 @router.get("/v1/encoders", response_model=EncoderList, responses=ERRORS,
             dependencies=[Depends(require_search)], summary="List encoders")
-async def list_encoders(request: Request) -> EncoderList:
+async def list_encoders(
+        request: Request,
+        limit: int | None = Query(None, ge=1, le=MAX_PAGE,
+                                  description=f"at most this many encoders (1..{MAX_PAGE}); the answer's "
+                                              "`next` is the cursor of the next page (default: all)"),
+        after: str | None = Query(None, pattern=REF_PATTERN,
+                                  description="the cursor: list the keys after this one (the previous "
+                                              "answer's `next`)")) -> EncoderList:
+    """The base first, then every registered version by key. With ``limit``, one page at a time:
+    pass the answer's ``next`` as ``after`` until it is null. A page is read in one step under
+    the registry's lock; keys registered meanwhile appear on a later page if they sort after the
+    cursor."""
     state = state_of(request)
     state.require_ready()
     reg = state.registry
-    return EncoderList(default=reg.default_key(),
-                       encoders=[_info(state, k) for k in [BASE_KEY, *reg.keys()]])
+    keys, cursor = reg.page(after, limit)
+    return EncoderList(default=reg.default_key(), encoders=[_info(state, k) for k in keys], next=cursor)
 
 
 @router.get("/v1/encoders/{ref}", response_model=EncoderInfo, responses=ERRORS,

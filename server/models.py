@@ -279,6 +279,8 @@ class RegisterResponse(BaseModel):
 class EncoderList(BaseModel):
     default: str = Field(description="the encoder that answers requests naming none")
     encoders: list[EncoderInfo]
+    next: str | None = Field(None, description="with `limit`: the `after` cursor of the next page "
+                                               "(null on the last page, and without `limit`)")
 
 
 class Deleted(BaseModel):

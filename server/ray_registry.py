@@ -1,7 +1,7 @@
 """One encoder registry for every Ray Serve replica: the state dir, shared, with change detection.
 
 Why the state dir and not a registry actor: the registry already *is* a directory (the
-``registry.json`` table, written atomically, plus the server's verified copies of the encoder
+table, ``registry.json`` and its append-only journal, plus the server's verified copies of the encoder
 files). Replicas must read those files to load an encoder anyway, so they need the directory
 whatever holds the table; an actor would add a second copy of the truth, a process to keep
 alive and a hop on every admission. Here:
@@ -12,9 +12,10 @@ alive and a hop on every admission. Here:
 - a change (register, delete, alias set/delete) runs under an exclusive ``flock`` on
   ``.admin.lock`` and first re-reads the table, so a change made on another replica is never
   overwritten; the rest is the single-process code path (same copy, checks, guard, errors);
-- every replica polls the table's identity (inode, mtime, size: an atomic write is a rename,
-  so each write is a new inode) every ``poll_s`` and re-reads it when it changed, and re-reads
-  at once when a request names an encoder or domain it does not know yet. A registration
+- every replica polls the journal's size and the files' inodes every ``poll_s`` and reads
+  only the journal lines it has not read yet (the whole table only when it was folded into a
+  new snapshot meanwhile), and reads at once when a request names an encoder or domain it does
+  not know yet: a change costs each replica one line, whatever the number of encoders. A registration
   acknowledged by one replica is therefore served by any other at once, and alias switches and
   deletions reach every replica within ``poll_s`` (0.2 s);
 - nothing is lost when a replica or the Ray head restarts: the table is on disk before a change
@@ -36,7 +37,7 @@ from typing import Any, Callable, Iterator
 
 from qswap.encoders import BASE_KEY
 from qswap.errors import ConflictError, NotFoundError
-from qswap.server.records import Aliases, EncoderRecord, Records
+from qswap.server.records import EncoderRecord
 from qswap.server.registry import EncoderRegistry
 
 log = logging.getLogger("qswap.server")
@@ -44,15 +45,11 @@ log = logging.getLogger("qswap.server")
 ADMIN_LOCK_FILE = ".admin.lock"
 POLL_S = 0.2
 
-_Sig = tuple[int, int, int] | None
-
-
 class SharedRegistry(EncoderRegistry):
     """An :class:`EncoderRegistry` whose state dir is shared by several processes."""
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
-        self._sig: _Sig = None
         self._xlock = threading.Lock()   # flock is per open file: serialise this process's threads too
         self._poller: threading.Thread | None = None
         self._stop = threading.Event()
@@ -90,40 +87,19 @@ class SharedRegistry(EncoderRegistry):
 
     # -- reading the shared table -------------------------------------------------------------
 
-    def _signature(self) -> _Sig:
-        try:
-            st = os.stat(self.file)
-        except FileNotFoundError:
-            return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
-
     def load_state(self) -> None:
         # Under the admin lock: the base class drops stored copies the table does not list,
         # which would remove the copy another replica has renamed in but not yet listed.
         with self.shared_admin_lock():
-            sig = self._signature()
             super().load_state()
-            self._sig = sig
 
     def reload_if_changed(self) -> bool:
-        """Re-read ``registry.json`` if another process changed it; True when it did.
+        """Apply the changes another process committed since the last read; True when any did.
 
-        Takes no lock while reading (it may run on the event loop, inside ``acquire``); two
-        concurrent re-reads keep the newer file (by mtime), and the next poll fixes any race."""
-        sig = self._signature()
-        if sig == self._sig:
+        Reads only the new journal lines (see :meth:`RecordTable.read_changes`); it may run on
+        the event loop, inside ``acquire``."""
+        if not self.table.read_changes():
             return False
-        records: Records
-        aliases: Aliases
-        try:
-            records, aliases = self.table.read()
-        except FileNotFoundError:
-            return False   # replaced between stat and read: the next poll reads it
-        with self._lock:
-            cur = self._sig
-            if cur is not None and sig is not None and sig[1] < cur[1]:
-                return False
-            self.table.records, self.table.aliases, self._sig = records, aliases, sig
         self.reloads += 1
         self._gauges()
         return True
@@ -134,7 +110,7 @@ class SharedRegistry(EncoderRegistry):
             with self._lock:
                 gone = [k for k in self.cache.loaded if k not in self.table.records and not self._refs.get(k)]
                 for k in gone:
-                    del self.cache.loaded[k]
+                    self.cache.drop(k)
             for k in gone:
                 self.cache.detach(k)
                 log.info("encoder unloaded: deleted by another replica", extra={"encoder": k})
@@ -145,10 +121,13 @@ class SharedRegistry(EncoderRegistry):
             return
 
         def run() -> None:
+            seen = -1
             while not self._stop.wait(poll_s):
                 try:
                     self.reload_if_changed()
-                    self._unload_unregistered()
+                    if self.reloads != seen:   # a change read here or by a request since the last look
+                        seen = self.reloads
+                        self._unload_unregistered()
                 except Exception:   # keep polling: a bad read now may be a good one next time
                     log.exception("registry reload failed")
 
@@ -206,9 +185,6 @@ class SharedRegistry(EncoderRegistry):
             self.reload_if_changed()
             return super().delete_alias(domain)
 
-    def _table_saved(self) -> None:
-        self._sig = self._signature()   # our own write needs no re-read
-
     # -- the Ray Serve LRU ---------------------------------------------------------------------
 
     def unload(self, key: str) -> bool:
@@ -219,7 +195,7 @@ class SharedRegistry(EncoderRegistry):
             with self._lock:
                 if key not in self.cache.loaded or key in self._pinned() or self._refs.get(key):
                     return False
-                del self.cache.loaded[key]
+                self.cache.drop(key)
             self.cache.detach(key)
         if self.metrics is not None:
             self.metrics.evictions.inc()

@@ -4,8 +4,8 @@ A façade over four parts, one concept each:
 
 - :mod:`qswap.server.intake`: bringing files in (register-by-path without following links,
   uploaded archives), into a staging folder of the store;
-- :mod:`qswap.server.records`: the records and aliases, and ``registry.json`` (one commit step:
-  file first, then one swap in memory);
+- :mod:`qswap.server.records`: the records and aliases, and their files (``registry.json`` and
+  its journal; one commit step: the change's journal line first, then one swap in memory);
 - :mod:`qswap.server.encoder_cache`: the encoders attached to the pool, an LRU under a budget;
 - :mod:`qswap.server.guard_scheduler`: the server's own guard (``--sentinels``) and its verdicts.
 
@@ -32,6 +32,7 @@ work (the event loop takes it); the cache's ``load_lock`` serialises pool change
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import shutil
@@ -117,7 +118,7 @@ class EncoderRegistry:
         self._lock = threading.RLock()
         self._released = threading.Condition(self._lock)   # a reference was released (delete waits)
         self.admin_lock = threading.Lock()
-        self.table = RecordTable(self.state_dir, self._lock, saved=self._table_saved)
+        self.table = RecordTable(self.state_dir, self._lock)
         self.cache = EncoderCache(pool, backend, memory_budget, self._lock, metrics)
         self.scheduler = GuardScheduler(self, guard) if guard is not None else None
         self._refs: dict[str, int] = {}
@@ -127,16 +128,19 @@ class EncoderRegistry:
     def file(self) -> Path:
         return self.table.file
 
-    def _table_saved(self) -> None:
-        """Called after every write of the table file (a shared registry notes its identity)."""
-
     # -- persistence --------------------------------------------------------------------------
 
     def load_state(self) -> None:
-        """Lock the state dir, read the registry file, drop entries whose stored copy is gone."""
+        """Lock the state dir, read the registry files, drop entries whose stored copy is gone.
+
+        Nothing stored is hashed here (an encoder's files are verified when it is loaded), so
+        the start costs one stat per registered encoder."""
         self.store.mkdir(parents=True, exist_ok=True)
         self._lock_state_dir()
-        records, aliases = self.table.read()
+        stored = self.table.read()
+        with self._lock:
+            self.table.swap(*stored)
+        records, aliases = dict(stored[0]), dict(stored[1])
         changed = False
         for key in list(records):
             if not (self.store / key / ENCODER_MANIFEST).is_file():
@@ -152,10 +156,8 @@ class EncoderRegistry:
             if p.name.startswith(_INCOMING) or (p.is_dir() and "@" in p.name and p.name not in records):
                 shutil.rmtree(p, ignore_errors=True)   # a crash mid-registration left it
         if changed:
-            self.table.commit(records, aliases)
-        else:
-            with self._lock:
-                self.table.records, self.table.aliases = records, aliases
+            self.table.commit(records, aliases)   # one journal line: what was dropped
+        self.table.compact()   # the next reader starts from one file
         self._gauges()
 
     def _lock_state_dir(self) -> None:
@@ -175,7 +177,7 @@ class EncoderRegistry:
             if ref in records and ref not in self._deleting:
                 return ref
             raise NotFoundError(f"encoder {ref} is not registered", "list encoders with GET /v1/encoders")
-        versions = [r for r in records.values() if r.name == ref and r.key not in self._deleting]
+        versions = [records[k] for k in self.table.by_name.get(ref, ()) if k not in self._deleting]
         if not versions:
             raise NotFoundError(f"no encoder named {ref!r} is registered",
                                 "list encoders with GET /v1/encoders, or register one with POST /v1/encoders")
@@ -289,7 +291,7 @@ class EncoderRegistry:
             return
         with self._lock:
             self.metrics.encoders_loaded.set(len(self.cache.loaded) + 1)
-            self.metrics.encoders_loaded_bytes.set(sum(self.cache.loaded.values()))
+            self.metrics.encoders_loaded_bytes.set(self.cache.total)
             self.metrics.encoders_registered.set(len(self.table.records))
 
     # -- registration ---------------------------------------------------------------------------
@@ -578,7 +580,29 @@ class EncoderRegistry:
     def keys(self) -> list[str]:
         """Registered keys (the base not included), sorted."""
         with self._lock:
-            return sorted(self.table.records)
+            return list(self.table.sorted_keys)
+
+    def page(self, after: str | None = None, limit: int | None = None) -> tuple[list[str], str | None]:
+        """One page of the listing ``[base, *sorted keys]``: the keys after the cursor ``after``.
+
+        Args:
+            after: the last key of the previous page (None: from the start, the base first).
+            limit: at most this many keys (None: all the rest).
+
+        Returns:
+            (keys, next): the page, and the cursor of the next one (None on the last page).
+        """
+        with self._lock:
+            keys = self.table.sorted_keys
+            if after is None:
+                start, head = 0, [BASE_KEY]
+            else:
+                start, head = (0 if after == BASE_KEY else bisect.bisect_right(keys, after)), []
+            if limit is None:
+                return head + keys[start:], None
+            page = (head + keys[start:start + limit])[:limit]
+            more = start + len(page) - len(head) < len(keys)
+            return page, page[-1] if more and page else None
 
     def record(self, key: str) -> EncoderRecord | None:
         """The record of ``key`` (None when it is not registered)."""
