@@ -504,6 +504,7 @@ def test_auth_modes_and_read_only(tmp_path, tiny_model_dir, index_dir):
         assert r.status_code == 400 and "read-only" in r.json()["detail"]
     from qswap.errors import InvalidInputError
     from qswap.server.app import create_app
+    from qswap.server.config import ServerSettings
     with pytest.raises(InvalidInputError):
         create_app(server_settings(tmp_path / "c", tiny_model_dir, index_dir, insecure=True, host="0.0.0.0"))
 
@@ -545,8 +546,42 @@ def test_not_ready_answers_503(tmp_path, tiny_model_dir):
             r = c.post("/v1/search", json={"query": "x"})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert c.get("/healthz").status_code == 200
+            # Every route that needs the index or an encoder answers 503 through the one dependency...
+            for method, path, body in [("GET", "/v1/encoders", None), ("GET", "/v1/encoders/base", None),
+                                       ("GET", "/v1/aliases", None), ("GET", "/v1/info", None),
+                                       ("GET", "/v1/models", None), ("GET", "/tei/base/info", None),
+                                       ("POST", "/v1/embeddings", {"input": "x", "model": "base"}),
+                                       ("GET", "/v1/experiments", None)]:
+                r = c.request(method, path, json=body)
+                assert r.status_code == 503 and r.json()["error"] == "not_ready", (path, r.text)
+            # ...after authentication: an admin route answers 401 without a token, 503 with one.
+            assert c.delete("/v1/aliases/games").status_code == 401
+        with srv.client(ADMIN) as c:
+            r = c.delete("/v1/aliases/games")
+            assert r.status_code == 503 and r.json()["error"] == "not_ready", r.text
     finally:
         srv.stop()
+
+
+def test_every_route_that_serves_depends_on_readiness():
+    """One readiness dependency, and no route that reads the index or an encoder without it."""
+    from fastapi.routing import APIRoute
+
+    from qswap.server import (documents_api, embeddings_api, encoders_api, feedback_api, health_api, search_api,
+                              tei_api)
+    from qswap.server.responses import ready_state
+
+    def calls(dependant):
+        for dep in dependant.dependencies:
+            yield dep.call
+            yield from calls(dep)
+
+    unguarded = {"/healthz", "/readyz", "/metrics", "/v1/documents/jobs/{job_id}"}
+    routes = [r for m in (documents_api, embeddings_api, encoders_api, feedback_api, health_api, search_api, tei_api)
+              for r in m.router.routes if isinstance(r, APIRoute)]
+    assert len(routes) > 20
+    for route in routes:
+        assert (ready_state in set(calls(route.dependant))) == (route.path not in unguarded), route.path
 
 
 def test_cli_serve_refusals_and_openapi(tmp_path, monkeypatch):
