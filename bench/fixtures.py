@@ -100,7 +100,7 @@ def stamped_index(work: Workload, base: Any, *, config: Any = None, tag: str = "
     import numpy as np
 
     from qswap.bench.data.synthetic import clustered_embeddings
-    from qswap.index import DocumentIndex, IndexConfig, create_index
+    from qswap.index import IndexConfig, create_index, open_index
 
     n = len(work.docs)
     key = f"stamped-{n}-{seed}-{tag}-{base.space.fingerprint[:10]}"
@@ -121,7 +121,7 @@ def stamped_index(work: Workload, base: Any, *, config: Any = None, tag: str = "
     with open(ids_path, "w", encoding="utf-8") as f:
         for d in work.docs:
             f.write(json.dumps({"id": d.id, "text": d.text}, ensure_ascii=False) + "\n")
-    info = DocumentIndex.open(idx_dir, read_only=True)
+    info = open_index(idx_dir, read_only=True)
     meta = {"documents": n, "config": info.config.to_dict(), "build_s": build_s}
     info.close()
     (root / "done").write_text(json.dumps(meta, indent=2))

@@ -170,11 +170,11 @@ def _decide(before: list[dict[str, np.ndarray]], after: list[dict[str, np.ndarra
 
 def _alarms(args: argparse.Namespace, base: Any, work: Path, quick: bool) -> dict[str, Any]:
     from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
-    from qswap.index import DocumentIndex
+    from qswap.index import open_index
     from qswap.guard.sentinels import load_sentinels
 
     sentinels = load_sentinels(args.sentinels)
-    with DocumentIndex.open(args.index, read_only=True) as idx:
+    with open_index(args.index, read_only=True) as idx:
         ids, vectors = idx.export_embeddings()
     rows = {d: i for i, d in enumerate(ids)}
     docs = np.asarray(vectors, dtype=np.float32)

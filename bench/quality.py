@@ -65,8 +65,8 @@ def main(args: argparse.Namespace) -> int:
     # filled once): one evaluation path, and no second 10-minute embedding of the corpus.
     stored = None
     if args.index is not None:
-        from qswap.index import DocumentIndex
-        with DocumentIndex.open(args.index, read_only=True) as idx:
+        from qswap.index import open_index
+        with open_index(args.index, read_only=True) as idx:
             stored = StoredEmbeddings.from_index(idx)
     docs = embed_documents(base, [corpus[d][0] for d in ids], args.cache_dir, progress=True, ids=ids, stored=stored)
     dims = [int(d) for d in args.dims.split(",")]

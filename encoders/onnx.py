@@ -44,6 +44,7 @@ import numpy as np
 from qswap.atomic import atomic_write_json, recover_dir, staged_dir
 from qswap.encoders.onnx_export import (EMBEDDINGS_FILE, EXPORT_FORMAT, MODEL_FILE, encoder_digest,
                                         export_onnx, own_tensors)
+from qswap.encoders.backend import EncodeFlagged
 from qswap.encoders.pool import EncoderPool
 from qswap.errors import InvalidInputError, NotFoundError
 
@@ -101,6 +102,8 @@ class OnnxBackend:
     ``spin``: busy-waiting worker threads (see :func:`make_session`). ``batch_size``: rows
     per ONNX Runtime call.
     """
+
+    encode_flagged: EncodeFlagged | None = None   # the server's tokenizer flags truncation
 
     def __init__(self, pool: EncoderPool, cache_dir: Path, threads: int | None = None,
                  providers: list[str] | None = None, fuse: bool = True, spin: bool = True,
@@ -165,6 +168,10 @@ class OnnxBackend:
             except Exception:   # a timeout or a failed export: both answer "not ready"
                 pass
         return self.ready(key)
+
+    def runtime(self, key: str) -> str:
+        """``onnx-merged`` once ``key``'s export serves, ``torch`` (the pool) until then."""
+        return "onnx-merged" if self.ready(key) else "torch"
 
     def memory_bytes(self, key: str) -> int:
         """Bytes ``key``'s session holds once ready (its graph's weights), counted from the start

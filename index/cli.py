@@ -232,17 +232,18 @@ def _opened(location: str | Path, read_only: bool = False) -> Iterator[Any]:
         idx.close()
 
 
-def _model_for(index: Any, given: str | None) -> str:
+def _model_for(index: IndexBackend, given: str | None) -> str:
     return given or index.manifest.get("build", {}).get("model") or DEFAULT_MODEL
 
 
-def _embedder_for(index: Any, given: str | None, precision: str | None = None) -> Embedder:
+def _embedder_for(index: IndexBackend, given: str | None, precision: str | None = None,
+                  location: str | Path = "") -> Embedder:
     """The index's document tower, at the precision its documents were embedded at (another
     ``precision`` raises ConflictError: precisions never mix in one index)."""
     build = index.manifest.get("build", {})
     have = documents_precision(build)
     if precision is not None:
-        require_precision(build, precision, f"index {getattr(index, 'path', '')}".strip())
+        require_precision(build, precision, f"index {location}".strip())
     emb = load_embedder(_model_for(index, given), precision=have)
     index.space.require_same(emb.space, f"model {emb.name}")
     return emb
@@ -353,7 +354,7 @@ def cmd_add(args: argparse.Namespace) -> int:
             if present:
                 raise ConflictError(f"{len(present)} ids already in the index, e.g. {present[0].id!r}",
                                     "rerun with --upsert to replace them")
-        emb = _embedder_for(idx, args.model, args.precision)
+        emb = _embedder_for(idx, args.model, args.precision, args.index)
         put = idx.upsert if args.upsert else idx.add
         from tqdm import tqdm
         with tqdm(total=len(records), unit="doc", desc="adding", file=sys.stderr, dynamic_ncols=True) as bar:

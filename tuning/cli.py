@@ -81,7 +81,7 @@ def _add_sentinels(subparsers: Any) -> None:
     m.add_argument("--out", type=Path, required=True, help="sentinels directory (the one given to --sentinels)")
     m.add_argument("--n", type=int, default=1000, help="queries sampled")
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--index", type=Path, help="the served index: judgements on documents it lacks are dropped")
+    m.add_argument("--index", help="the served index: judgements on documents it lacks are dropped")
     m.add_argument("--exclude-qids", type=Path, metavar="FILE",
                    help="query ids to leave out (e.g. the ones an encoder was trained on): one a line or a JSON list")
     m.set_defaults(func=_sentinels_make)
@@ -101,8 +101,8 @@ def _sentinels_make(args: argparse.Namespace) -> int:
         name = args.name or args.lang or Path(args.log).stem
     index_ids = None
     if args.index is not None:
-        from qswap.index import DocumentIndex
-        with DocumentIndex.open(args.index, read_only=True) as idx:
+        from qswap.index import open_index
+        with open_index(args.index, read_only=True) as idx:
             index_ids = idx.export_embeddings()[0]
     meta = make_sentinel(data, args.out, name, args.n, args.seed, index_ids, exclude)
     print(f"sentinel {name}: {meta['queries']} queries (of {meta['available']} available, seed {args.seed}) "
@@ -129,7 +129,7 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--test-size", type=float, default=0.1, help="test size: fraction (<1) or count")
     g.add_argument("--max-samples", type=int, help="use at most this many samples (seeded choice)")
     g = p.add_argument_group("hard negatives")
-    g.add_argument("--index", type=Path,
+    g.add_argument("--index",
                    help="a qswap index of the base's space: documents it holds take its stored embeddings "
                         "(no re-embedding), and --mine index searches it")
     g.add_argument("--mine", default="auto", choices=MINE_CHOICES,
@@ -346,7 +346,7 @@ def _add_eval(sub: Any) -> None:
                    help="also score the queries the encoder was trained or validated on (left out by default, "
                         "by id, from the encoder's training_queries.json)")
     p.add_argument("--cache-dir", type=Path)
-    p.add_argument("--index", type=Path,
+    p.add_argument("--index",
                    help="a qswap index of the base's space: documents it holds take its stored vectors "
                         "(no re-embedding)")
     p.add_argument("--device")
@@ -376,9 +376,9 @@ def _eval(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"encoder": art.key}
     stored = None
     if args.index is not None:
-        from qswap.index import DocumentIndex
+        from qswap.index import open_index
         from qswap.tuning.doc_cache import StoredEmbeddings
-        with DocumentIndex.open(args.index, read_only=True) as idx:
+        with open_index(args.index, read_only=True) as idx:
             stored = StoredEmbeddings.from_index(idx)
     # Progress on a terminal or not: bars, else a line every 15 s (qswap.tuning.progress).
     evaluator = BeirEvaluator(base, encode, args.cache_dir, progress=True, stored=stored)

@@ -24,6 +24,7 @@ from qswap.atomic import atomic_write_json
 from qswap.encoders import load_base, save_encoder
 from qswap.encoders.base import BaseEncoder
 from qswap.errors import IntegrityError, InvalidInputError
+from qswap.index import IndexBackend
 from qswap.tuning.beir_eval import BeirEvaluator
 from qswap.tuning.data import BeirData, Sample, read_beir, read_triplets, split_samples
 from qswap.tuning.doc_cache import DocTable, StoredEmbeddings
@@ -78,7 +79,7 @@ class RunConfig:
     validation: float = 0.1                 # fraction (< 1) or count
     test: float = 0.1
     max_samples: int | None = None
-    index: Path | None = None               # a qswap index of the base's space: stored embeddings
+    index: str | Path | None = None         # a qswap index (folder or milvus://) of the base's space
     mine: str = "auto"                      # auto | corpus | index | none (see _mining_source)
     mine_k: int = 30
     negatives: int = 1                      # negatives per query used in training
@@ -154,9 +155,9 @@ def _subsample(samples: list[Sample], n: int | None, seed: int) -> list[Sample]:
     return [samples[i] for i in keep]
 
 
-def _open_index(path: Path, base: BaseEncoder) -> Any:
-    from qswap.index import DocumentIndex
-    return DocumentIndex.open(Path(path), read_only=True, expected_space=base.space)
+def _open_index(location: str | Path, base: BaseEncoder) -> IndexBackend:
+    from qswap.index import open_index
+    return open_index(location, read_only=True, expected_space=base.space)
 
 
 def _mining_source(cfg: RunConfig, samples: list[Sample]) -> str:
