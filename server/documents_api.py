@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse
 
 from qswap.server.auth import require_admin
 from qswap.server.errors import LimitExceededError
-from qswap.server.models import DeleteDocuments, DeleteResult, DocumentJobInfo, UpsertDocuments, UpsertResult
+from qswap.server.models import DeleteDocuments, DocumentJobInfo, UpsertDocuments
+from qswap.answers import DeleteResult, UpsertResult
 from qswap.server.responses import ADMIN_ERRORS, ready_state, request_timeout, state_of
 from qswap.server.state import ServerState
 

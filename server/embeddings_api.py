@@ -16,8 +16,8 @@ from fastapi import APIRouter, Depends, Path, Request, Response
 from qswap.encoders import BASE_KEY
 from qswap.server.auth import require_search
 from qswap.server.backend import runtime_of
-from qswap.server.compat_models import (DOCUMENTS_MODEL, MODEL_PATTERN, EmbeddingRequest, EmbeddingResponse,
-                                        ModelCard, ModelList)
+from qswap.server.compat_models import DOCUMENTS_MODEL, MODEL_PATTERN, EmbeddingRequest, ModelList
+from qswap.answers import EmbeddingResponse, ModelCard
 from qswap.server.embeddings import embed_texts, encode_vector, model_ref, texts_of
 from qswap.guard import GuardStatus
 from qswap.server.responses import ERRORS, ready_state, request_timeout

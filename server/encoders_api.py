@@ -18,8 +18,8 @@ from qswap.guard import GuardStatus
 from qswap.server.auth import require_admin, require_search
 from qswap.server.backend import runtime_of
 from qswap.server.errors import ForbiddenError, UnsupportedMediaTypeError
-from qswap.server.models import (KEY_PATTERN, NAME_PATTERN, REF_PATTERN, Alias, AliasList, AliasSet, Deleted,
-                                 EncoderInfo, EncoderList, RegisterByPath, RegisterResponse)
+from qswap.server.models import KEY_PATTERN, NAME_PATTERN, REF_PATTERN, AliasList, AliasSet, Deleted, RegisterByPath
+from qswap.answers import Alias, EncoderInfo, EncoderList, RegisterResponse
 from qswap.server.intake import open_under_root
 from qswap.server.registry import EncoderRecord
 from qswap.server.responses import ADMIN_ERRORS, ERRORS, ready_state

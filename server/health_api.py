@@ -8,7 +8,8 @@ from fastapi.responses import JSONResponse
 from qswap import __version__
 from qswap.server.auth import require_metrics, require_search
 from qswap.server.errors import NotReadyError, error_body_of
-from qswap.server.models import ErrorBody, Health, Ready, ServerInfo
+from qswap.server.models import ErrorBody, Health, Ready
+from qswap.answers import ServerInfo
 from qswap.server.responses import ERRORS, ready_state, state_of
 from qswap.server.state import ServerState
 

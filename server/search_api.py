@@ -15,7 +15,8 @@ from qswap.feedback.store import Impression
 from qswap.server.auth import require_search
 from qswap.server.errors import LimitExceededError
 from qswap.server.experiments import interleave_hits
-from qswap.server.models import SearchRequest, SearchResponse
+from qswap.server.models import SearchRequest
+from qswap.answers import SearchResponse
 from qswap.server.registry import split_key
 from qswap.server.rendering import render_search_async
 from qswap.server.responses import ERRORS, ready_state, request_timeout

@@ -354,7 +354,7 @@ def _add_eval(sub: Any) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from qswap.encoders import EncoderPool, load_base, load_encoder, read_encoder_manifest
+    from qswap.encoders import load_query_encoder
     from qswap.errors import InvalidInputError
     from qswap.tuning.beir_eval import BeirEvaluator
     from qswap.guard.sentinels import parse_sentinel
@@ -364,16 +364,9 @@ def _eval(args: argparse.Namespace) -> int:
 
     if not (args.beir or args.triplets or args.sentinel):
         raise InvalidInputError("nothing to evaluate on", "give --beir, --triplets or --sentinel")
-    manifest = read_encoder_manifest(args.encoder)
-    base = load_base(args.base or manifest.space["name"], device=args.device)
-    art = load_encoder(args.encoder, expected_space=base.space)
-    pool = EncoderPool(base)
-    pool.add(art)
-
-    def encode(texts: list[str]):
-        return pool.encode(texts, [art.key] * len(texts))
-
-    out: dict[str, Any] = {"encoder": art.key}
+    loaded = load_query_encoder(args.encoder, args.base, device=args.device)
+    base, encode = loaded.base, loaded.encode
+    out: dict[str, Any] = {"encoder": loaded.key}
     stored = None
     if args.index is not None:
         from qswap.index import open_index

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from qswap.server.models import SearchResponse
+from qswap.answers import SearchResponse
 
 from ..encoders.adapters import make_lora, make_overrides
 from ..handshake import Counter
@@ -504,7 +504,6 @@ def test_auth_modes_and_read_only(tmp_path, tiny_model_dir, index_dir):
         assert r.status_code == 400 and "read-only" in r.json()["detail"]
     from qswap.errors import InvalidInputError
     from qswap.server.app import create_app
-    from qswap.server.config import ServerSettings
     with pytest.raises(InvalidInputError):
         create_app(server_settings(tmp_path / "c", tiny_model_dir, index_dir, insecure=True, host="0.0.0.0"))
 
