@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from qswap import DEFAULT_MODEL
+from qswap.encoders.precision import PRECISIONS
 from qswap.tuning.losses import LOSSES
 from qswap.tuning.losses.similarity import METRICS
 from qswap.tuning.methods import METHODS
-from qswap.tuning.optim import OPTIMIZERS, SCHEDULERS
+from qswap.tuning.optim import LR_RULES, OPTIMIZERS, SCHEDULERS
 from qswap.tuning.recipes import RECIPES, describe, resolve
-from qswap.tuning.run import MINE_CHOICES
+from qswap.tuning.run import MINE_CHOICES, QUERY_RUNTIMES
 
 
 def _ints(s: str) -> list[int]:
@@ -165,10 +166,10 @@ def _add_run(sub: Any) -> None:
                    help="defaults of the options marked 'the recipe's': " + "; ".join(
                        f"{name} = {describe(name)}" for name in sorted(RECIPES)))
     g.add_argument("--lr", type=float, default=None, help="learning rate (default: the recipe's)")
-    g.add_argument("--lr-rule", choices=("none", "sqrt"), default="none",
+    g.add_argument("--lr-rule", choices=LR_RULES, default="none",
                    help="sqrt: scale --lr from batch 14 to --batch-size by the square-root rule")
     g.add_argument("--batch-size", type=int, default=None, help="queries per step (default: the recipe's)")
-    g.add_argument("--precision", choices=("auto", "fp32", "bf16"), default=None,
+    g.add_argument("--precision", choices=("auto", *PRECISIONS), default=None,
                    help="forward passes of training and validation; auto: bf16 autocast where the device "
                         "multiplies bf16 natively (AVX-512-BF16/AMX, tensor cores), else fp32 (default: the recipe's)")
     g.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
@@ -195,7 +196,7 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--cache-dir", type=Path, help="document-embedding cache (default <data dir>/doc-cache)")
     g.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
-    g.add_argument("--query-runtime", choices=("onnx", "torch"), default="onnx",
+    g.add_argument("--query-runtime", choices=QUERY_RUNTIMES, default="onnx",
                    help="what encodes queries for mining and evaluation: onnx = the serving path's ONNX Runtime "
                         "export (vectors equal to torch's to cosine >= 0.99999), torch = the reference")
     g.add_argument("--export-dir", type=Path, help="ONNX export cache (default <data dir>/onnx-cache)")
