@@ -106,7 +106,7 @@ def open_index(location: str | Path, *, read_only: bool = False, expected_space:
         The index, behind the :class:`IndexBackend` interface.
     """
     if is_milvus(location):
-        from qswap.index.backends.milvus import MilvusIndex
+        from qswap.index.backends.milvus.collection import MilvusIndex
         return MilvusIndex.open_location(str(location), read_only=read_only, expected_space=expected_space)
     from qswap.index.backends.faiss import DocumentIndex
     return DocumentIndex.open(Path(location), read_only=read_only, expected_space=expected_space, verify=verify)

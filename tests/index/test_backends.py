@@ -61,7 +61,7 @@ class Backend:
         self.location = self._new_location()
         if self.kind == "faiss":
             return create_index(self.location, docs, x, space, config)
-        from qswap.index.backends.milvus import create_collection, parse_location
+        from qswap.index.backends.milvus.collection import create_collection, parse_location
         uri, coll = parse_location(self.location)
         return create_collection(uri, coll, docs, x, space, config)
 
@@ -70,7 +70,7 @@ class Backend:
         if self.kind == "faiss":
             return build_index(corpus, self.location, hash_embed, make_space(), on_bad_line=on_bad_line,
                                progress=False)
-        from qswap.index.backends.milvus import build_collection, parse_location
+        from qswap.index.backends.milvus.collection import build_collection, parse_location
         uri, coll = parse_location(self.location)
         return build_collection(corpus, uri, coll, hash_embed, make_space(), on_bad_line=on_bad_line,
                                 progress=False)
@@ -83,7 +83,7 @@ class Backend:
             return Path(self.location).exists()
         from pymilvus import MilvusClient
 
-        from qswap.index.backends.milvus import parse_location
+        from qswap.index.backends.milvus.collection import parse_location
         uri, coll = parse_location(str(self.location))
         c = MilvusClient(uri)
         try:
