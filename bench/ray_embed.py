@@ -83,7 +83,7 @@ def _min_cos(a_dir: Path, b_dir: Path) -> float:
 def run(args: argparse.Namespace) -> int:
     """``qswap bench embed``."""
     from qswap.index import IndexConfig, build_index
-    from qswap.index.cli import document_embedder, load_embedder
+    from qswap.encoders.runtime.embedder import document_embedder, load_embedder
 
     quick = bool(args.quick)
     if not args.ray:

@@ -130,7 +130,7 @@ def compare_encoders(beir: Path, index: Path, reference: Path, candidate: Path, 
     from qswap.tuning.doc_cache import StoredEmbeddings
     from qswap.tuning.guard import guard_record, sentinel_check
     from qswap.tuning.queries import FastQueries
-    from qswap.tuning.run import SEEN_QUERIES
+    from qswap.tuning.config import SEEN_QUERIES
 
     base = load_base(device="cpu")
     stored = StoredEmbeddings.from_index(open_index(index, read_only=True, expected_space=base.space))

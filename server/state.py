@@ -316,7 +316,7 @@ class ServerState:
         (so upserts never mix precisions in it); built on the first upsert. Worker thread."""
         assert self.base is not None
         if self._documents is None:
-            from qswap.encoders.documents import DocumentEncoder
+            from qswap.encoders.runtime.documents import DocumentEncoder
             from qswap.index.manifest import documents_precision
             build = self.index.manifest.get("build", {})
             self._documents = DocumentEncoder(self.base, precision=documents_precision(build),

@@ -16,7 +16,7 @@ from qswap.tuning.losses.similarity import METRICS
 from qswap.tuning.methods import METHODS
 from qswap.tuning.optim import LR_RULES, OPTIMIZERS, SCHEDULERS
 from qswap.tuning.recipes import RECIPES, describe, resolve
-from qswap.tuning.run import MINE_CHOICES, QUERY_RUNTIMES
+from qswap.tuning.config import MINE_CHOICES, QUERY_RUNTIMES
 
 
 def _ints(s: str) -> list[int]:
@@ -209,7 +209,8 @@ def _add_run(sub: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from qswap.tuning.methods import MethodConfig
     from qswap.tuning.optim import sqrt_scaled_lr
-    from qswap.tuning.run import LossConfig, RunConfig, run_tuning
+    from qswap.tuning.config import LossConfig, RunConfig
+    from qswap.tuning.run import run_tuning
     from qswap.tuning.trainer import TrainConfig
 
     from qswap.encoders.base import default_device
@@ -399,7 +400,7 @@ def _seen_queries(encoder_dir: Path, beir: Path | None, langs: list[str | None])
     """Ids of the queries the encoder trained on (train + validation), to leave out; warns on
     stderr when there is no such record or when the ids do not match the evaluated queries."""
     from qswap.beir import read_queries
-    from qswap.tuning.run import SEEN_QUERIES
+    from qswap.tuning.config import SEEN_QUERIES
 
     path = Path(encoder_dir) / SEEN_QUERIES
     if not path.is_file():

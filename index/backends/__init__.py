@@ -108,5 +108,5 @@ def open_index(location: str | Path, *, read_only: bool = False, expected_space:
     if is_milvus(location):
         from qswap.index.backends.milvus.collection import MilvusIndex
         return MilvusIndex.open_location(str(location), read_only=read_only, expected_space=expected_space)
-    from qswap.index.backends.faiss import DocumentIndex
+    from qswap.index.backends.faiss.index import DocumentIndex
     return DocumentIndex.open(Path(location), read_only=read_only, expected_space=expected_space, verify=verify)

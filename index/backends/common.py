@@ -12,7 +12,7 @@ from qswap.space import EmbeddingSpace
 
 
 class BackendCommon:
-    """Shared part of :class:`~qswap.index.backends.faiss.DocumentIndex` and
+    """Shared part of :class:`~qswap.index.backends.faiss.index.DocumentIndex` and
     :class:`~qswap.index.backends.milvus.collection.MilvusIndex` (both set ``_space`` and ``_config``)."""
 
     _space: EmbeddingSpace

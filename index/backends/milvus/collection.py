@@ -37,15 +37,13 @@ import qswap
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapError
 from qswap.index.config import IndexConfig
 from qswap.index.corpus import BadLine, Document, check_documents, iter_corpus
-from qswap.index.docstore import check_ids
+from qswap.index.checks import as_queries, check_ids, normalize_rows
 from qswap.index.backends.common import BackendCommon
 from qswap.index.backends.milvus.expr import filter_expr, ids_expr, tags
-from qswap.index.embeddings import normalize_rows
 from qswap.matryoshka import truncate
 from qswap.index.errors import IndexCorruptError
 from qswap.index.hit import FilterValue, Hit
 from qswap.index.manifest import now_iso
-from qswap.index.search import as_queries
 from qswap.space import EmbeddingSpace
 
 log = logging.getLogger("qswap.index")

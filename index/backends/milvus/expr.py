@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from qswap.errors import InvalidInputError
-from qswap.index.docstore import check_filter
+from qswap.index.checks import check_filter
 from qswap.index.hit import FilterValue
 
 _ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}

@@ -124,8 +124,8 @@ def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | N
                                 "drop --query-precision, or use --backend torch")
     if kind in ("shared", "onnx"):
         try:
-            from qswap.encoders.onnx import OnnxBackend
-            from qswap.encoders.shared import SharedBackend
+            from qswap.encoders.runtime.onnx import OnnxBackend
+            from qswap.encoders.runtime.shared import SharedBackend
         except ImportError as e:
             raise InvalidInputError(f"the {kind} backend is not available: {e}",
                                     "install onnxruntime and onnx, or use --backend torch") from None
