@@ -8,8 +8,8 @@ Two ways in, nothing trusted on either:
   directory* (``dir_fd``), without following links, checked with ``fstat`` (a regular file
   with one link) and copied from the same descriptor. What is checked is what is copied:
   swapping the directory (or a file) for a link after the check changes nothing.
-- **by upload** (``.tar.gz``): extracted by tarfile under an extraction filter (its public
-  filter API: ``data_filter`` plus qswap's rules): only regular files and directories, no
+- **by upload** (``.tar.gz``): extracted member by member by tarfile under an extraction
+  filter (its public filter API: ``data_filter`` plus qswap's rules): only regular files and directories, no
   absolute paths, no ``..``, no links or devices, each file once, a bounded number of members
   and bytes. Work is bounded before it is done: tarfile reads the decompressed stream through
   :class:`_BoundedStream`, which refuses an extended header (PAX, GNU long name) larger than
@@ -56,24 +56,22 @@ class _BoundedStream:
 
     tarfile reads an extended header (PAX, GNU long name) in one read of its declared size, and
     member data in small pieces: a read larger than :data:`MAX_HEADER_BYTES` is refused before
-    anything is decompressed for it. Every byte read or skipped counts against ``budget`` (so a
-    gzip bomb stops at the limit, not at the disk) and every read checks the deadline.
+    anything is decompressed for it. Nothing past ``limit`` bytes of decompressed stream is read
+    or skipped (a gzip bomb stops there, not at the disk) and every read checks the deadline.
     """
 
-    def __init__(self, raw: BinaryIO, budget: int, check_time: Callable[[], None]) -> None:
+    def __init__(self, raw: BinaryIO, limit: int, check_time: Callable[[], None]) -> None:
         self._raw = raw
-        self._left = budget
+        self._limit = limit
         self._check_time = check_time
 
     def read(self, n: int = -1) -> bytes:
         if n is None or n < 0 or n > MAX_HEADER_BYTES:
             raise _refuse(f"an extended header declares more than {MAX_HEADER_BYTES} bytes")
         self._check_time()
-        if n > self._left:
+        if self.tell() + n > self._limit:
             raise _refuse("more than the server's limit of bytes when extracted")
-        data = self._raw.read(n)
-        self._left -= len(data)
-        return data
+        return self._raw.read(n)
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
         target = offset if whence == os.SEEK_SET else self.tell() + offset
@@ -186,11 +184,15 @@ def extract_encoder_archive(fileobj: BinaryIO, dest: Path, *, max_bytes: int, ma
     fileobj.seek(0)
     # Headers and their padding beside the files' bytes: a header block and up to one block of
     # padding per member, and one extended header.
-    budget = max_bytes + (max_members + 2) * 2 * tarfile.BLOCKSIZE + MAX_HEADER_BYTES + tarfile.RECORDSIZE
+    limit = max_bytes + (max_members + 2) * 2 * tarfile.BLOCKSIZE + MAX_HEADER_BYTES + tarfile.RECORDSIZE
+    member_filter = _member_filter(max_members, max_bytes, check_time)
     try:
         with gzip.GzipFile(fileobj=fileobj, mode="rb") as gz, \
-                tarfile.open(fileobj=_BoundedStream(gz, budget, check_time), mode="r:") as tar:
-            tar.extractall(dest, filter=_member_filter(max_members, max_bytes, check_time))
+                tarfile.open(fileobj=_BoundedStream(gz, limit, check_time), mode="r:") as tar:
+            # Member by member as the stream comes (extractall would list the whole archive
+            # first, then rewind the gzip stream for every member).
+            for m in tar:
+                tar.extract(m, dest, filter=member_filter)
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, OSError) as e:
         if disk_full(e):   # the server's disk, not the client's archive
             raise InsufficientStorageError("the server's disk is full: the archive could not be extracted",
