@@ -7,7 +7,7 @@ alternating the arms' order:
   roofline the cores give;
 - ``torch fp32 (before)``: ``BaseEncoder.encode_documents`` (torch eager, batches of 64), what
   every document was embedded with before the document tower moved to
-  :class:`~qswap.encoders.documents.DocumentEncoder`;
+  :class:`~qswap.encoders.runtime.documents.DocumentEncoder`;
 - ``torch bf16 autocast (before)``: the same under ``--precision bf16`` before (autocast);
 - ``onnx fp32 (default)``, ``torch fp32 (reference)``, ``torch bf16``: the document encoder at each
   runtime/precision (token-budget batches, producer thread; bf16: Linear layers in bf16);
@@ -172,7 +172,7 @@ def run_arms(args: Any, dirs: Any) -> int:
     from qswap.bench.fixtures import debian_dir
     from qswap.bench.plots import plot_bars
     from qswap.encoders import load_base
-    from qswap.encoders.documents import DocumentEncoder, machine_threads
+    from qswap.encoders.runtime.documents import DocumentEncoder, machine_threads
 
     threads = args.threads or machine_threads()
     torch.set_num_threads(threads)
@@ -194,8 +194,8 @@ def run_arms(args: Any, dirs: Any) -> int:
         "torch bf16 autocast (before)": lambda t: base.encode_documents(t, batch_size=64, precision="bf16"),
         **{name: e.encode for name, e in encs.items()}}
     if not args.no_int8:
-        from qswap.encoders.onnx import make_session
-        from qswap.encoders.onnx_export import MODEL_FILE
+        from qswap.encoders.runtime.onnx import make_session
+        from qswap.encoders.runtime.onnx_export import MODEL_FILE
         fp32 = encs["onnx fp32 (default)"]
         fp32.encode(texts[:2])   # exports (or loads) the fused graph
         graph = fp32.cache_dir / "base" / base.space.fingerprint / MODEL_FILE

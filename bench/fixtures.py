@@ -100,7 +100,7 @@ def stamped_index(work: Workload, base: Any, *, config: Any = None, tag: str = "
     import numpy as np
 
     from qswap.bench.data.synthetic import clustered_embeddings
-    from qswap.index import DocumentIndex, IndexConfig, create_index
+    from qswap.index import IndexConfig, create_index, open_index
 
     n = len(work.docs)
     key = f"stamped-{n}-{seed}-{tag}-{base.space.fingerprint[:10]}"
@@ -121,7 +121,7 @@ def stamped_index(work: Workload, base: Any, *, config: Any = None, tag: str = "
     with open(ids_path, "w", encoding="utf-8") as f:
         for d in work.docs:
             f.write(json.dumps({"id": d.id, "text": d.text}, ensure_ascii=False) + "\n")
-    info = DocumentIndex.open(idx_dir, read_only=True)
+    info = open_index(idx_dir, read_only=True)
     meta = {"documents": n, "config": info.config.to_dict(), "build_s": build_s}
     info.close()
     (root / "done").write_text(json.dumps(meta, indent=2))
@@ -135,42 +135,15 @@ def index_meta(idx_dir: Path) -> dict[str, Any]:
 
 def lora_encoders(base: Any, names: list[tuple[str, str]], *, rank: int = 32, seed: int = 0,
                   scale: float = 0.02, tag: str = "") -> Path:
-    """Encoder directories ``<root>/<name>-<version>`` of random LoRA adapters (cached); returns root.
+    """Encoder directories ``<root>/<name>-<version>`` of random LoRA adapters on every Linear
+    (:func:`~qswap.bench.data.encoders.random_lora_encoder`, cached); returns root."""
+    from qswap.bench.data.encoders import random_lora_encoder
 
-    ``lora_B`` is drawn from N(0, ``scale``) instead of peft's zeros, so every adapter really
-    changes the forward pass (and outputs differ per encoder).
-    """
-    import copy
-    import tempfile
-
-    import torch
-    from peft import LoraConfig, get_peft_model
-
-    from qswap.encoders import save_encoder
-
-    root = cache_dir() / f"lora-r{rank}-s{seed}-{tag or len(names)}-{base.space.fingerprint[:10]}"
-    missing = [(n, v) for n, v in names if not (root / f"{n}-{v}" / "manifest.json").is_file()]
-    if not missing:
-        return root
-    root.mkdir(parents=True, exist_ok=True)
-    model = get_peft_model(copy.deepcopy(base.model), LoraConfig(r=rank, lora_alpha=rank,
-                                                                 target_modules=["query", "key", "value", "dense"]))
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, version) in enumerate(names):
-            if (name, version) not in missing:
-                continue
-            g = torch.Generator().manual_seed(seed * 1000 + i)
-            with torch.no_grad():
-                for pname, p in model.named_parameters():
-                    if "lora_A" in pname:
-                        p.copy_(torch.empty_like(p).uniform_(-1, 1, generator=g) / p.shape[1] ** 0.5)
-                    elif "lora_B" in pname:
-                        p.copy_(torch.randn(p.shape, generator=g) * scale)
-            peft_dir = Path(tmp) / f"{name}-{version}"
-            model.save_pretrained(str(peft_dir))
-            save_encoder(root / f"{name}-{version}", name=name, version=version, kind="lora", space=base.space,
-                         lora_dir=peft_dir, training={"note": "random LoRA adapter for benchmarks"})
-    del model
+    root = cache_dir() / f"lora2-r{rank}-s{seed}-{tag or len(names)}-{base.space.fingerprint[:10]}"
+    for i, (name, version) in enumerate(names):
+        if not (root / f"{name}-{version}" / "manifest.json").is_file():
+            random_lora_encoder(base, root / f"{name}-{version}", name, rank=rank, seed=seed * 1000 + i, scale=scale,
+                                version=version, training={"note": "random LoRA adapter for benchmarks"})
     return root
 
 

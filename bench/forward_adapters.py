@@ -2,9 +2,9 @@
 
 Arms, side by side in one process, interleaved per round like the rest of ``bench forward``:
 
-- ``ort-merged base``: the base alone, merged export (:class:`qswap.encoders.onnx.OnnxBackend`);
+- ``ort-merged base``: the base alone, merged export (:class:`qswap.encoders.runtime.onnx.OnnxBackend`);
 - ``shared base`` / ``shared lora-rN`` / ``shared bias``: the one shared (fused) session
-  (:class:`qswap.encoders.shared.SharedBackend`) with no adapter, a LoRA of rank N on every
+  (:class:`qswap.encoders.runtime.shared.SharedBackend`) with no adapter, a LoRA of rank N on every
   Linear layer, and a bias encoder (every bias, LayerNorm biases included), float32 factors;
 - ``shared lora-rN float16`` / ``bfloat16``: the same LoRA with its factors stored in half
   precision (a pool and a graph per storage type), answers compared with the float32 torch pool;
@@ -26,40 +26,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
+from qswap.bench.data.encoders import ALL_LINEAR, perturbed_encoder, random_lora_encoder
 from qswap.bench.processes import rss_bytes
-from qswap.encoders import BASE_KEY, EncoderPool, load_encoder, save_encoder
+from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
 from qswap.encoders.base import BaseEncoder
 
-TARGETS = ["query", "key", "value", "dense"]   # every Linear of a BERT layer
-
-
-def make_lora_dir(base: BaseEncoder, out: Path, name: str, rank: int, seed: int) -> Path:
-    """A LoRA encoder in peft's file format with random factors of ``rank`` on every Linear."""
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(seed)
-    peft_dir = out.parent / f".peft-{name}"
-    peft_dir.mkdir(parents=True, exist_ok=True)
-    state = {}
-    for n, m in base.model.named_modules():
-        if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in TARGETS:
-            state[f"base_model.model.{n}.lora_A.weight"] = torch.randn(rank, m.in_features, generator=g) * 0.02
-            state[f"base_model.model.{n}.lora_B.weight"] = torch.randn(m.out_features, rank, generator=g) * 0.02
-    save_file(state, str(peft_dir / "adapter_model.safetensors"))
-    (peft_dir / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": TARGETS}))
-    save_encoder(out, name=name, version="1", kind="lora", space=base.space, lora_dir=peft_dir)
-    return out
-
-
-def make_bias_dir(base: BaseEncoder, out: Path, name: str, seed: int) -> Path:
-    g = torch.Generator().manual_seed(seed)
-    tensors = {n: p.detach() + 0.02 * torch.randn(p.shape, generator=g)
-               for n, p in base.model.named_parameters() if n.endswith(".bias")}
-    save_encoder(out, name=name, version="1", kind="bias", space=base.space, tensors=tensors)
-    return out
+TARGETS = list(ALL_LINEAR)   # every Linear of a BERT layer
 
 
 HALF = ("float16", "bfloat16")
@@ -97,15 +70,15 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, reps:
         progress: Callable[[int, str], tuple[Any, Any]]) -> dict[str, Any]:
     """Measure the adapter rows; returns a dict for ``results.json["adapters"]``."""
     from qswap.bench.stats import interleaved, percentile, ratio_summary
-    from qswap.encoders.shared import SharedBackend
+    from qswap.encoders.runtime.shared import SharedBackend
 
     tmp = tempfile.TemporaryDirectory(prefix="qswap-bench-adapters-")
     root = Path(tmp.name)
     lora, bias = "lora@1", "bias@1"
-    lora_dir = make_lora_dir(base, root / "lora", "lora", rank, seed=1)
+    lora_dir = random_lora_encoder(base, root / "lora", "lora", rank=rank, seed=1)
     pool = EncoderPool(base)
     pool.add(load_encoder(lora_dir, base.space))
-    pool.add(load_encoder(make_bias_dir(base, root / "bias", "bias", seed=2), base.space))
+    pool.add(load_encoder(perturbed_encoder(base, root / "bias", "bias", seed=2), base.space))
     shared = SharedBackend(pool, root / "cache", threads=threads, spin=spin)
     for k in (BASE_KEY, lora, bias):
         shared.prepare(k)
@@ -186,7 +159,8 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, reps:
     per = []
     for i in range(count):
         key = f"extra{i}@1"
-        mpool.add(load_encoder(make_lora_dir(base, root / f"extra{i}", f"extra{i}", rank, seed=10 + i), base.space))
+        mpool.add(load_encoder(random_lora_encoder(base, root / f"extra{i}", f"extra{i}", rank=rank, seed=10 + i),
+                               base.space))
         mshared.prepare(key)
         per.append(mpool.memory_bytes(key) + mshared.memory_bytes(key))
         mshared.encode(queries[:1], [key])

@@ -34,7 +34,9 @@ import numpy as np
 
 from qswap.bench.results import ResultWriter, md_table
 from qswap.bench.processes import ServerProcess, free_port, http_json
+from qswap.bench.data.encoders import perturbed_encoder
 from qswap.bench.plots import plot_bars
+from qswap.bench.stats import percentile
 
 _TESTS = (("guard_wilcoxon_holm", "guard: Wilcoxon + Holm"), ("sign_bonferroni", "sign test"),
           ("paired_t_bonferroni", "paired t"), ("pooled_z", "pooled PND Z (old guard)"))
@@ -63,23 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _bias_encoder(base: Any, out: Path, name: str, scale: float, seed: int) -> Path:
-    import torch
-
-    from qswap.encoders import save_encoder
-    g = torch.Generator().manual_seed(seed)
-    tensors = {n: p.detach() + scale * torch.randn(p.shape, generator=g)
-               for n, p in base.model.named_parameters() if n.endswith(".bias")}
-    save_encoder(out, name=name, version="1", kind="bias", space=base.space, tensors=tensors)
-    return out
-
-
 # --------------------------------------------------------------------------- budget
 
 
 def _budget(args: argparse.Namespace, base: Any, work: Path, quick: bool) -> dict[str, Any]:
     root = work / "encroot"
-    _bias_encoder(base, root / "probe", "probe", 0.01, args.seed)
+    perturbed_encoder(base, root / "probe", "probe", scale=0.01, seed=args.seed)
     port = free_port()
     log = work / "server.log"
     cmd = [sys.executable, "-m", "qswap.cli", "serve", "--index", str(args.index), "--sentinels", str(args.sentinels),
@@ -131,8 +122,8 @@ def _budget(args: argparse.Namespace, base: Any, work: Path, quick: bool) -> dic
                     "checks": ev.get("checks"),
                     "progress_lines": sum("guard evaluation progress" in ln for ln in log.read_text().splitlines())})
         for k, v in lat.items():
-            out[f"search_ms_{k}"] = {"n": len(v), "p50": float(np.percentile(v, 50)) if v else None,
-                                     "p95": float(np.percentile(v, 95)) if v else None}
+            out[f"search_ms_{k}"] = {"n": len(v), "p50": percentile(v, 50) if v else None,
+                                     "p95": percentile(v, 95) if v else None}
     return out
 
 
@@ -170,11 +161,11 @@ def _decide(before: list[dict[str, np.ndarray]], after: list[dict[str, np.ndarra
 
 def _alarms(args: argparse.Namespace, base: Any, work: Path, quick: bool) -> dict[str, Any]:
     from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
-    from qswap.index import DocumentIndex
+    from qswap.index import open_index
     from qswap.guard.sentinels import load_sentinels
 
     sentinels = load_sentinels(args.sentinels)
-    with DocumentIndex.open(args.index, read_only=True) as idx:
+    with open_index(args.index, read_only=True) as idx:
         ids, vectors = idx.export_embeddings()
     rows = {d: i for i, d in enumerate(ids)}
     docs = np.asarray(vectors, dtype=np.float32)
@@ -182,7 +173,8 @@ def _alarms(args: argparse.Namespace, base: Any, work: Path, quick: bool) -> dic
     scales = [float(x) for x in args.scales.split(",") if x.strip()]
     keys = {}
     for i, sc in enumerate(scales):
-        art = load_encoder(_bias_encoder(base, work / f"noise{i}", f"noise{i}", sc, args.seed + i), base.space)
+        art = load_encoder(perturbed_encoder(base, work / f"noise{i}", f"noise{i}", scale=sc, seed=args.seed + i),
+                           base.space)
         pool.add(art)
         keys[f"bias noise {sc:g}"] = art.key
     t0 = time.perf_counter()

@@ -45,6 +45,7 @@ from qswap.bench.results import ResultWriter, md_table, results_dir_for
 from qswap.bench.stats import summarize
 from qswap.errors import InvalidInputError
 from qswap.feedback.interleave import credit, decided, looks, team_draft
+from qswap.guard.evaluation import ndcg_at_10
 from qswap.plotting import pyplot, save_figure
 
 DOMAIN = "deb"
@@ -136,14 +137,9 @@ def ab_impressions_to_decide(ctr_of: Callable[[int, str], bool], rng: random.Ran
     return None
 
 
-def ndcg_at_10(ranked: Sequence[str], grades: dict[str, int]) -> float:
-    """nDCG@10 of a served ranking (linear gains, the guard's definition)."""
-    disc = 1.0 / np.log2(np.arange(2, 12))
-    gains = np.array([grades.get(d, 0) for d in ranked[:K]], dtype=np.float64)
-    ideal = np.sort(np.array([g for g in grades.values() if g > 0], dtype=np.float64))[::-1][:K]
-    if not ideal.size:
-        return 0.0
-    return float((gains * disc[:len(gains)]).sum() / (ideal * disc[:len(ideal)]).sum())
+def served_ndcg(ranked: Sequence[str], grades: dict[str, int]) -> float:
+    """nDCG@10 of a served ranking of ids (:func:`qswap.guard.evaluation.ndcg_at_10`)."""
+    return ndcg_at_10([grades.get(d, 0) for d in ranked], list(grades.values()))
 
 
 # ----------------------------------------------------------------------------- HTTP helpers
@@ -364,8 +360,8 @@ def _held_out_ndcg(api: _Api, args: argparse.Namespace, held_q: list[str], langs
         _, q, rel = load_beir(args.beir, resolve_language(args.beir, lang), strict=False)
         qs = [x for x in held_q if x in q and x in rel][:args.eval_n]
         texts = [q[x] for x in qs]
-        before = [ndcg_at_10(r, rel[x]) for r, x in zip(api.rankings(texts, "base"), qs)]
-        after = [ndcg_at_10(r, rel[x]) for r, x in zip(api.rankings(texts, cand), qs)]
+        before = [served_ndcg(r, rel[x]) for r, x in zip(api.rankings(texts, "base"), qs)]
+        after = [served_ndcg(r, rel[x]) for r, x in zip(api.rankings(texts, cand), qs)]
         rows[lang] = paired_compare(before, after).to_dict()
     adj = holm([r["p_value"] for r in rows.values()])
     for (lang, r), p in zip(rows.items(), adj):

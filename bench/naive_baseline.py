@@ -78,7 +78,7 @@ class _OnnxDomain:
         from safetensors.numpy import load_file
         from tokenizers import Tokenizer
 
-        from qswap.encoders.onnx import available_providers, make_session
+        from qswap.encoders.runtime.onnx import available_providers, make_session
 
         state = load_file(str(path / "model.safetensors"))
         table = [k for k in state if k.endswith("word_embeddings.weight")]
@@ -224,7 +224,7 @@ def _export_domain(base: Any, pool: Any, key: str, out: Path) -> None:
     exports are (same code, transformer fusions on)."""
     import shutil as _sh
 
-    from qswap.encoders.onnx_export import export_onnx, own_tensors
+    from qswap.encoders.runtime.onnx_export import export_onnx, own_tensors
 
     _sh.rmtree(out, ignore_errors=True)
     facts = export_onnx(base, own_tensors(base, pool.merged_state_dict(key)), out, optimize_for="cpu")

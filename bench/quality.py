@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 
-from qswap import DEFAULT_MODEL
 from qswap.bench.results import ResultWriter, md_table
 
 
@@ -44,7 +43,7 @@ def register(sub: Any) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     from qswap.beir import load_beir
-    from qswap.encoders import BASE_KEY, EncoderPool, load_base, load_encoder, truncate
+    from qswap.encoders import load_query_encoder, truncate
     from qswap.tuning.data import read_beir, split_samples
     from qswap.tuning.doc_cache import StoredEmbeddings, embed_documents
     from qswap.tuning.progress import encode_with_progress
@@ -52,10 +51,8 @@ def main(args: argparse.Namespace) -> int:
     from qswap.guard.stats import compare_counts, improvement
 
     writer = ResultWriter("quality", args.out)
-    art = load_encoder(args.encoder)
-    base = load_base(art.manifest.space.get("name", DEFAULT_MODEL))
-    pool = EncoderPool(base)
-    pool.add(load_encoder(args.encoder, base.space))
+    loaded = load_query_encoder(args.encoder)
+    base = loaded.base
     seen_split = split_samples(read_beir(args.beir, args.train_lang).samples(), args.val_size, args.test_size, args.seed)
     seen = {s.qid for s in seen_split.train + seen_split.validation}
     corpus, _, _ = load_beir(args.beir, args.train_lang)
@@ -65,12 +62,12 @@ def main(args: argparse.Namespace) -> int:
     # filled once): one evaluation path, and no second 10-minute embedding of the corpus.
     stored = None
     if args.index is not None:
-        from qswap.index import DocumentIndex
-        with DocumentIndex.open(args.index, read_only=True) as idx:
+        from qswap.index import open_index
+        with open_index(args.index, read_only=True) as idx:
             stored = StoredEmbeddings.from_index(idx)
     docs = embed_documents(base, [corpus[d][0] for d in ids], args.cache_dir, progress=True, ids=ids, stored=stored)
     dims = [int(d) for d in args.dims.split(",")]
-    results: dict[str, Any] = {"encoder": art.key, "excluded_seen_queries": len(seen), "documents": len(ids),
+    results: dict[str, Any] = {"encoder": loaded.key, "excluded_seen_queries": len(seen), "documents": len(ids),
                                "rows": []}
     table = []
     for lang in args.langs.split(","):
@@ -78,8 +75,8 @@ def main(args: argparse.Namespace) -> int:
         qids = [q for q in queries if q not in seen]
         texts = [queries[q] for q in qids]
         relevant = [{row[d]: g for d, g in qrels[q].items()} for q in qids]
-        q_base = encode_with_progress(lambda t: pool.encode(t, [BASE_KEY] * len(t)), texts, f"{lang} queries (base)")
-        q_tuned = encode_with_progress(lambda t: pool.encode(t, [art.key] * len(t)), texts, f"{lang} queries (tuned)")
+        q_base = encode_with_progress(loaded.encode_base, texts, f"{lang} queries (base)")
+        q_tuned = encode_with_progress(loaded.encode, texts, f"{lang} queries (tuned)")
         for dim in dims:
             d = truncate(docs, dim)
             mb = evaluate_retrieval(truncate(q_base, dim), d, relevant, ks=(10, 100))
@@ -96,7 +93,7 @@ def main(args: argparse.Namespace) -> int:
             table.append([lang, dim, n, f"{mb.ndcg_at_10:.4f} → {mt.ndcg_at_10:.4f}", f"{rec['ndcg_at_10'][2]:+.1%}",
                           f"{p1.z:+.2f} {p1.change}", f"{mb.recall[100]:.4f} → {mt.recall[100]:.4f}",
                           f"{r100.z:+.2f} {r100.change}"])
-    md = (f"Encoder {art.key} ({args.encoder}) vs its base on {args.beir} ({len(ids):,} documents). "
+    md = (f"Encoder {loaded.key} ({args.encoder}) vs its base on {args.beir} ({len(ids):,} documents). "
           f"{len(seen)} queries the tuning saw (train + validation) excluded in every language.\n\n"
           + md_table(["lang", "dim", "queries", "nDCG@10 base → tuned", "I", "Z P@1 misses",
                       "recall@100 base → tuned", "Z recall@100 misses"], table)

@@ -73,8 +73,8 @@ def _corpus(n: int, out: Path) -> Path:
 
 
 def _min_cos(a_dir: Path, b_dir: Path) -> float:
-    from qswap.index import DocumentIndex
-    with DocumentIndex.open(a_dir, read_only=True) as a, DocumentIndex.open(b_dir, read_only=True) as b:
+    from qswap.index import open_index
+    with open_index(a_dir, read_only=True) as a, open_index(b_dir, read_only=True) as b:
         ia, ea = a.export_embeddings()
         ib, eb = b.export_embeddings()
         if ia != ib:
@@ -86,7 +86,7 @@ def _min_cos(a_dir: Path, b_dir: Path) -> float:
 def run(args: argparse.Namespace) -> int:
     """``qswap bench embed``."""
     from qswap.index import IndexConfig, build_index
-    from qswap.index.cli import document_embedder, load_embedder
+    from qswap.encoders.runtime.embedder import document_embedder, load_embedder
 
     quick = bool(args.quick)
     if not args.ray:

@@ -27,7 +27,7 @@ import argparse
 import sys
 from typing import Any
 
-from qswap.encoders.backend import BACKENDS
+from qswap.encoders.runtime.backend import BACKENDS
 from qswap.encoders.precision import PRECISIONS
 from qswap.bench.load_options import ByMode, LoadDefaults, LoadOptions, RunDirs, add_load_arguments, add_model_argument, warm_up
 from qswap.bench.results import ResultWriter, md_table

@@ -126,14 +126,14 @@ def compare_encoders(beir: Path, index: Path, reference: Path, candidate: Path, 
     language's queries neither trained on: per-query nDCG@10, Wilcoxon, Holm over languages."""
     from qswap.encoders import load_base
     from qswap.guard.checks import guard_record, sentinel_check
-    from qswap.index import DocumentIndex
+    from qswap.index import open_index
     from qswap.tuning.beir_eval import BeirEvaluator
     from qswap.tuning.doc_cache import StoredEmbeddings
     from qswap.tuning.queries import FastQueries
-    from qswap.tuning.run import SEEN_QUERIES
+    from qswap.tuning.config import SEEN_QUERIES
 
     base = load_base(device="cpu")
-    stored = StoredEmbeddings.from_index(DocumentIndex.open(index, read_only=True, expected_space=base.space))
+    stored = StoredEmbeddings.from_index(open_index(index, read_only=True, expected_space=base.space))
     seen: set[str] = set()
     for d in (reference, candidate):
         seen |= set(json.loads((d / SEEN_QUERIES).read_text())["ids"])

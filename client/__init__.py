@@ -9,8 +9,8 @@ Framework integrations (optional extras) live beside it: :mod:`qswap.client.lang
 from qswap.client.aio import AsyncClient
 from qswap.client.archive import pack_encoder
 from qswap.client.calls import DOCUMENTS_MODEL
-from qswap.client.models import (Alias, DeleteResult, Embedding, EmbeddingResponse, EncoderInfo, EncoderList, Hit,
-                                 ModelCard, QueryResult, RegisterResponse, SearchResponse, ServerInfo, UpsertResult)
+from qswap.answers import (Alias, DeleteResult, Embedding, EmbeddingResponse, EncoderInfo, EncoderList, HitOut as Hit,
+                           ModelCard, QueryResult, RegisterResponse, SearchResponse, ServerInfo, UpsertResult)
 from qswap.client.sync import Client
 
 __all__ = ["Alias", "AsyncClient", "Client", "DOCUMENTS_MODEL", "DeleteResult", "Embedding", "EmbeddingResponse",

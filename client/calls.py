@@ -17,8 +17,8 @@ from urllib.parse import quote
 import httpx
 
 from qswap.client.archive import pack_encoder
-from qswap.client.models import (Alias, DeleteResult, EmbeddingResponse, EncoderInfo, EncoderList, ModelCard,
-                                 RegisterResponse, SearchResponse, ServerInfo, UpsertResult)
+from qswap.answers import (Alias, DeleteResult, EmbeddingResponse, EncoderInfo, EncoderList, ModelCard,
+                           RegisterResponse, SearchResponse, ServerInfo, UpsertResult)
 from qswap.errors import QswapError, error_from_body
 
 T = TypeVar("T")

@@ -21,7 +21,7 @@ except ImportError as e:   # an optional extra
     raise ImportError(f"{e}: install the LangChain extra: pip install 'qswap[langchain]'") from None
 
 from qswap.client.aio import AsyncClient
-from qswap.client.models import SearchResponse
+from qswap.answers import SearchResponse
 from qswap.client.sync import Client
 
 

@@ -19,7 +19,7 @@ except ImportError as e:   # an optional extra
     raise ImportError(f"{e}: install the LlamaIndex extra: pip install 'qswap[llamaindex]'") from None
 
 from qswap.client.aio import AsyncClient
-from qswap.client.models import SearchResponse
+from qswap.answers import SearchResponse
 from qswap.client.sync import Client
 
 

@@ -35,7 +35,7 @@ class Routes:
             with_text: return document texts.
 
         Returns:
-            :class:`~qswap.client.models.SearchResponse`.
+            :class:`~qswap.answers.SearchResponse`.
         """
         return self._send(calls.search(query, encoder=encoder, domain=domain, k=k, offset=offset,
                                        score_threshold=score_threshold, filter=filter, with_text=with_text))
@@ -49,20 +49,20 @@ class Routes:
             dimensions: a Matryoshka prefix (renormalised).
 
         Returns:
-            :class:`~qswap.client.models.EmbeddingResponse` (floats; base64 on the wire).
+            :class:`~qswap.answers.EmbeddingResponse` (floats; base64 on the wire).
         """
         return self._send(calls.embeddings(input, model, dimensions=dimensions))
 
     def models(self) -> Any:
-        """Every id ``model`` may name: list of :class:`~qswap.client.models.ModelCard`."""
+        """Every id ``model`` may name: list of :class:`~qswap.answers.ModelCard`."""
         return self._send(calls.models())
 
     def model(self, model_id: str) -> Any:
-        """One model id as the server resolves it: :class:`~qswap.client.models.ModelCard`."""
+        """One model id as the server resolves it: :class:`~qswap.answers.ModelCard`."""
         return self._send(calls.model(model_id))
 
     def info(self) -> Any:
-        """What is served (model, space, index, limits): :class:`~qswap.client.models.ServerInfo`."""
+        """What is served (model, space, index, limits): :class:`~qswap.answers.ServerInfo`."""
         return self._send(calls.info())
 
     def ready(self) -> Any:
@@ -70,7 +70,7 @@ class Routes:
         return self._send(calls.ready())
 
     def encoders(self, *, limit: int | None = None, after: str | None = None) -> Any:
-        """Encoders and the default: :class:`~qswap.client.models.EncoderList`.
+        """Encoders and the default: :class:`~qswap.answers.EncoderList`.
 
         Args:
             limit: at most this many (None: all); the answer's ``next`` is the next page's cursor.
@@ -79,7 +79,7 @@ class Routes:
         return self._send(calls.encoders(limit=limit, after=after))
 
     def encoder(self, ref: str) -> Any:
-        """One encoder (``name`` = highest version): :class:`~qswap.client.models.EncoderInfo`."""
+        """One encoder (``name`` = highest version): :class:`~qswap.answers.EncoderInfo`."""
         return self._send(calls.encoder(ref))
 
     def register_path(self, path: str, *, force: bool = False, wait: bool = False) -> Any:
@@ -91,7 +91,7 @@ class Routes:
             wait: with sentinels, answer after the verdict (refusal: GuardRefusedError).
 
         Returns:
-            :class:`~qswap.client.models.RegisterResponse`.
+            :class:`~qswap.answers.RegisterResponse`.
         """
         return self._send(calls.register_path(path, force=force, wait=wait))
 
@@ -104,7 +104,7 @@ class Routes:
             wait: with sentinels, answer after the verdict (refusal: GuardRefusedError).
 
         Returns:
-            :class:`~qswap.client.models.RegisterResponse`.
+            :class:`~qswap.answers.RegisterResponse`.
         """
         return self._send(calls.upload_encoder(directory, force=force, wait=wait))
 
@@ -117,11 +117,11 @@ class Routes:
         return self._send(calls.aliases())
 
     def set_alias(self, domain: str, encoder: str, *, force: bool = False) -> Any:
-        """Point ``domain`` at ``encoder`` (admin): :class:`~qswap.client.models.Alias`."""
+        """Point ``domain`` at ``encoder`` (admin): :class:`~qswap.answers.Alias`."""
         return self._send(calls.set_alias(domain, encoder, force=force))
 
     def delete_alias(self, domain: str) -> Any:
-        """Remove a domain alias (admin): :class:`~qswap.client.models.Alias`."""
+        """Remove a domain alias (admin): :class:`~qswap.answers.Alias`."""
         return self._send(calls.delete_alias(domain))
 
     def upsert_documents(self, documents: Sequence[Mapping[str, Any]]) -> Any:
@@ -129,5 +129,5 @@ class Routes:
         return self._send(calls.upsert_documents(documents))
 
     def delete_documents(self, ids: Sequence[str]) -> Any:
-        """Delete documents by id (admin): :class:`~qswap.client.models.DeleteResult`."""
+        """Delete documents by id (admin): :class:`~qswap.answers.DeleteResult`."""
         return self._send(calls.delete_documents(ids))

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import httpx
 
 from qswap.client import calls
-from qswap.client.models import EncoderInfo
+from qswap.answers import EncoderInfo
 from qswap.client.routes import Routes
 from qswap.errors import DeadlineExceededError
 

@@ -130,6 +130,42 @@ def save_encoder(out_dir: Path, *, name: str, version: str, kind: str, space: Em
     return manifest
 
 
+def complete_encoder(draft: Path, out_dir: Path, *, training: dict[str, Any] | None = None,
+                     guard: dict[str, Any] | None = None, extra_files: list[Path] | None = None) -> EncoderManifest:
+    """Publish a draft encoder directory as ``out_dir``, atomically, without writing its tensors again.
+
+    A tuning run saves its encoder once as a draft, evaluates it as saved, then publishes it
+    with what the evaluation found: the draft's files are moved into the new directory,
+    ``extra_files`` (the report) are added and the manifest is rewritten with ``training`` and
+    ``guard``. The draft directory is consumed.
+
+    Args:
+        draft: a directory :func:`save_encoder` wrote.
+        out_dir: the encoder directory to create or replace.
+        training: the training summary for the manifest.
+        guard: the guard record for the manifest.
+        extra_files: files to add beside the adapter (report, plots).
+
+    Returns:
+        The published manifest.
+    """
+    import shutil
+
+    draft = Path(draft)
+    first = read_encoder_manifest(draft)
+    with staged_dir(Path(out_dir)) as staging:
+        for name in first.files:
+            shutil.move(str(draft / name), str(staging / name))   # a rename beside out_dir
+        for f in extra_files or []:
+            atomic_copy(Path(f), staging / Path(f).name)
+        files = {**first.files, **{Path(f).name: sha256_file(staging / Path(f).name) for f in extra_files or []}}
+        manifest = first.model_copy(update={"files": dict(sorted(files.items())), "training": training,
+                                            "guard": guard, "created_at": time.time()})
+        atomic_write_json(staging / ENCODER_MANIFEST, manifest.model_dump())
+    shutil.rmtree(draft, ignore_errors=True)   # only its old manifest is left
+    return manifest
+
+
 def _no_constant(name: str) -> Any:
     # Infinity / NaN are not JSON: kept, they would make every file that copies them invalid JSON.
     raise ValueError(f"the number {name} is not valid JSON")

@@ -22,7 +22,7 @@ from qswap.index.config import IndexConfig
 from qswap.index.corpus import BadLine, Document
 from qswap.index.evaluate import evaluate, synthetic_embeddings
 from qswap.index.backends import IndexBackend, open_index
-from qswap.index.backends.faiss import DocumentIndex
+from qswap.index.backends.faiss.index import DocumentIndex
 from qswap.index.hit import Hit
 
 __all__ = ["BadLine", "Document", "DocumentIndex", "Hit", "IndexBackend", "IndexConfig", "build_index", "create_index",

@@ -35,12 +35,13 @@ from qswap.errors import ConflictError, InvalidInputError
 from qswap.atomic import atomic_stream, fsync_dir, remove_stale_temps
 from qswap.index.config import IndexConfig
 from qswap.index.corpus import BadLine, Document, check_documents, corpus_file, iter_corpus
-from qswap.index.docstore import DOCS_FILE, DocStore, meta_json
-from qswap.index.embeddings import DTYPE, Chunk, EmbeddingStore, chunk_name, normalize_rows
+from qswap.index.backends.faiss.docstore import DOCS_FILE, DocStore, meta_json
+from qswap.index.checks import normalize_rows
+from qswap.index.backends.faiss.embeddings import DTYPE, Chunk, EmbeddingStore, chunk_name
 from qswap.index.manifest import MANIFEST, documents_precision, read_manifest
-from qswap.index.backends.faiss import DocumentIndex
-from qswap.index.generation import write_first_generation
-from qswap.index.recovery import LOCK_FILE, acquire_writer_lock, release_lock
+from qswap.index.backends.faiss.index import DocumentIndex
+from qswap.index.backends.faiss.generation import write_first_generation
+from qswap.index.backends.faiss.recovery import LOCK_FILE, acquire_writer_lock, release_lock
 from qswap.space import EmbeddingSpace
 from qswap.throughput import Throughput
 

@@ -12,16 +12,13 @@ import argparse
 import functools
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from qswap import DEFAULT_MODEL
-from qswap.encoders.documents import RUNTIMES
+from qswap.encoders.runtime.documents import RUNTIMES
 from qswap.encoders.precision import PRECISIONS
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapError
 from qswap.index.backends import BACKENDS, IndexBackend, is_milvus, open_index
@@ -30,41 +27,10 @@ from qswap.index.config import KINDS, QUANTS, IndexConfig
 from qswap.index.corpus import BAD_LINE_MODES, FORMATS, BadLine, iter_corpus
 from qswap.index.evaluate import evaluate
 from qswap.index.manifest import documents_precision, require_precision
-from qswap.index.backends.faiss import DocumentIndex
-from qswap.space import EmbeddingSpace
+from qswap.index.backends.faiss.index import DocumentIndex
+from qswap.encoders.runtime.embedder import Embedder, document_embedder, load_embedder
 
 _ADD_BATCH = 1000
-
-
-@dataclass
-class Embedder:
-    """A base model as two functions: documents (with the document prefix) and queries.
-
-    ``record``: how documents are embedded (precision, runtime, measured quality), as the
-    index manifest records it."""
-
-    name: str
-    space: EmbeddingSpace
-    documents: Callable[[list[str]], np.ndarray]
-    queries: Callable[[list[str]], np.ndarray]
-    record: dict[str, Any] = field(default_factory=lambda: {"precision": "fp32"})
-
-
-def load_embedder(model: str, precision: str = "fp32", runtime: str | None = None,
-                  threads: int | None = None) -> Embedder:
-    """The frozen text tower of ``model`` (bundled name or local model folder).
-
-    Documents go through :class:`~qswap.encoders.documents.DocumentEncoder` (fp32: the fused
-    ONNX Runtime graph; bf16: torch autocast; ``runtime="torch"``: the torch reference), with
-    ``threads`` compute threads (default: all cores)."""
-    from qswap.encoders import load_base  # torch is imported only by commands that embed
-    from qswap.encoders.documents import DocumentEncoder, check_document_precision
-
-    check_document_precision(precision)
-    base = load_base(model)
-    docs = DocumentEncoder(base, precision=precision, runtime=runtime, threads=threads)
-    return Embedder(name=model, space=base.space, documents=docs,
-                    queries=lambda texts: base.encode_queries(texts), record=docs.record)
 
 
 def _model_arg(value: str) -> str:
@@ -232,29 +198,24 @@ def _opened(location: str | Path, read_only: bool = False) -> Iterator[Any]:
         idx.close()
 
 
-def _model_for(index: Any, given: str | None) -> str:
+def _model_for(index: IndexBackend, given: str | None) -> str:
     return given or index.manifest.get("build", {}).get("model") or DEFAULT_MODEL
 
 
-def _embedder_for(index: Any, given: str | None, precision: str | None = None) -> Embedder:
+def _embedder_for(index: IndexBackend, given: str | None, precision: str | None = None,
+                  location: str | Path = "") -> Embedder:
     """The index's document tower, at the precision its documents were embedded at (another
     ``precision`` raises ConflictError: precisions never mix in one index)."""
     build = index.manifest.get("build", {})
     have = documents_precision(build)
     if precision is not None:
-        require_precision(build, precision, f"index {getattr(index, 'path', '')}".strip())
+        require_precision(build, precision, f"index {location}".strip())
     emb = load_embedder(_model_for(index, given), precision=have)
     index.space.require_same(emb.space, f"model {emb.name}")
     return emb
 
 
 # ---------------------------------------------------------------------- handlers
-def document_embedder(model: str, precision: str = "fp32", runtime: str | None = None,
-                      threads: int | None = None) -> Callable[[list[str]], Any]:
-    """``embed(texts)`` of ``model``'s document tower (what each Ray embedder actor builds)."""
-    return load_embedder(model, precision=precision, runtime=runtime, threads=threads).documents
-
-
 def cmd_build(args: argparse.Namespace) -> int:
     cfg = _config_from(args)
     if args.backend == "milvus":
@@ -272,7 +233,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     emb = load_embedder(args.model, precision=args.precision, runtime=args.runtime)
     idx: IndexBackend
     if args.backend == "milvus":
-        from qswap.index.backends.milvus import build_collection
+        from qswap.index.backends.milvus.collection import build_collection
         idx = build_collection(args.corpus, args.uri, args.collection, emb.documents, emb.space, cfg,
                                on_bad_line=args.on_bad_line, progress=not args.no_progress,
                                format=args.format, model=args.model, replace=args.replace,
@@ -353,7 +314,7 @@ def cmd_add(args: argparse.Namespace) -> int:
             if present:
                 raise ConflictError(f"{len(present)} ids already in the index, e.g. {present[0].id!r}",
                                     "rerun with --upsert to replace them")
-        emb = _embedder_for(idx, args.model, args.precision)
+        emb = _embedder_for(idx, args.model, args.precision, args.index)
         put = idx.upsert if args.upsert else idx.add
         from tqdm import tqdm
         with tqdm(total=len(records), unit="doc", desc="adding", file=sys.stderr, dynamic_ncols=True) as bar:

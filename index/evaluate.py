@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from qswap.index.backends.faiss import DocumentIndex
+from qswap.index.backends.faiss.index import DocumentIndex
 
 # Scores closer than this are ties: BLAS and FAISS sum in different orders.
 _TIE = 1e-5

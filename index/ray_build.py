@@ -29,8 +29,9 @@ from qswap.atomic import atomic_stream, remove_stale_temps
 from qswap.errors import InvalidInputError
 from qswap.index.build import CHUNKS, INGEST, Embed, EmbedChunks, _chunk_path, build_index
 from qswap.index.config import IndexConfig
-from qswap.index.embeddings import DTYPE, normalize_rows
-from qswap.index.backends.faiss import DocumentIndex
+from qswap.index.checks import normalize_rows
+from qswap.index.backends.faiss.embeddings import DTYPE
+from qswap.index.backends.faiss.index import DocumentIndex
 from qswap.space import EmbeddingSpace
 from qswap.throughput import Throughput
 

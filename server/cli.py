@@ -11,7 +11,7 @@ from pathlib import Path
 from qswap.factors import FACTOR_NAMES
 
 # OMP_WAIT_POLICY=PASSIVE is set by the qswap entry point (qswap.cli) before torch/faiss load.
-from qswap.encoders.backend import BACKENDS
+from qswap.encoders.runtime.backend import BACKENDS
 from qswap.encoders.precision import PRECISIONS
 
 # flag destination -> settings field (only flags given on the command line override the environment)

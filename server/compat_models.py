@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema
 
+from qswap.answers import ModelCard
 from qswap.server.models import REF_PATTERN, Count, _no_default, _no_surrogates, _Strict
 
 # The reserved model id of the frozen document tower (the index's own embeddings).
@@ -52,41 +53,6 @@ class EmbeddingRequest(_Strict):
     user: str = Field(None, json_schema_extra=_no_default, max_length=256, description="ignored")
 
 
-class Embedding(BaseModel):
-    object: Literal["embedding"] = "embedding"
-    index: int
-    embedding: list[float] | str = Field(description="floats, or base64 of little-endian float32")
-
-
-class Usage(BaseModel):
-    prompt_tokens: int = Field(description="tokens the model read (prefix and special tokens included, "
-                                           "after truncation to its max length)")
-    total_tokens: int
-
-
-class EmbeddingResponse(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[Embedding]
-    model: str = Field(description="what embedded: the resolved 'name@version', 'base' or 'qswap/documents'")
-    usage: Usage
-
-
-class ModelCard(BaseModel):
-    """One entry of ``GET /v1/models``: OpenAI's fields, then qswap's own."""
-
-    id: str = Field(description="what to send as 'model'")
-    object: Literal["model"] = "model"
-    created: int = Field(description="registration time (Unix seconds; 0 for the base model and the documents)")
-    owned_by: str = "qswap"
-    kind: str = Field(description="'documents' (the document tower), 'alias' (a domain alias), or the "
-                                  "encoder's kind ('identity' for the base model, 'lora', 'bias', 'partial', ...)")
-    encoder: str = Field(description="the encoder this id resolves to now (name@version, 'base', "
-                                     "'qswap/documents')")
-    dimensions: int = Field(description="the embedding size (the most 'dimensions' may ask for)")
-    guard_status: str | None = Field(None, description="the server's guard verdict of the encoder")
-    runtime: str | None = Field(None, description="what runs its forward passes now")
-
-
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
@@ -123,5 +89,4 @@ class TeiInfo(BaseModel):
 
 
 __all__ = ["DOCUMENTS_MODEL", "MAX_DIMENSIONS", "MAX_EMBEDDING_INPUTS", "MODEL_PATTERN",
-           "Embedding", "EmbeddingRequest", "EmbeddingResponse", "ModelCard", "ModelList", "TeiEmbedRequest",
-           "TeiInfo", "Usage", "token_ids_given"]
+           "EmbeddingRequest", "ModelList", "TeiEmbedRequest", "TeiInfo", "token_ids_given"]

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from qswap.atomic import sha256_file
 from qswap.encoders import BaseEncoder
-from qswap.encoders.documents import DocumentEncoder
+from qswap.encoders.runtime.documents import DocumentEncoder
 from qswap.errors import ConflictError, QswapError, SpaceMismatchError
 from qswap.index import DocumentIndex, IndexConfig, build_index
-from qswap.index.recovery import lock_holder
+from qswap.index.backends.faiss.recovery import lock_holder
 from qswap.paths import data_dir
 
 log = logging.getLogger("qswap.server")

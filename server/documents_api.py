@@ -15,8 +15,10 @@ from fastapi.responses import JSONResponse
 
 from qswap.server.auth import require_admin
 from qswap.server.errors import LimitExceededError
-from qswap.server.models import DeleteDocuments, DeleteResult, DocumentJobInfo, UpsertDocuments, UpsertResult
-from qswap.server.responses import ADMIN_ERRORS, request_timeout, state_of
+from qswap.server.models import DeleteDocuments, DocumentJobInfo, UpsertDocuments
+from qswap.answers import DeleteResult, UpsertResult
+from qswap.server.responses import ADMIN_ERRORS, ready_state, request_timeout, state_of
+from qswap.server.state import ServerState
 
 router = APIRouter(tags=["documents"])
 
@@ -26,7 +28,8 @@ router = APIRouter(tags=["documents"])
                                        "written in the background; poll the Location"}},
              dependencies=[Depends(require_admin)], summary="Add or replace documents")
 async def upsert_documents(body: UpsertDocuments, request: Request,
-                           timeout_s: float = Depends(request_timeout)) -> Response:
+                           timeout_s: float = Depends(request_timeout),
+                           state: ServerState = Depends(ready_state)) -> Response:
     """Embed and add documents; an id given twice in one request is written once, with its
     last occurrence (as if the request were applied in order).
 
@@ -36,8 +39,6 @@ async def upsert_documents(body: UpsertDocuments, request: Request,
     """
     from qswap.index import Document
 
-    state = state_of(request)
-    state.require_ready()
     s = state.settings
     if len(body.documents) > s.max_documents:
         raise LimitExceededError(f"{len(body.documents)} documents in one request; the limit is {s.max_documents}",
@@ -67,9 +68,8 @@ async def document_job(request: Request, job_id: str = Path(pattern=r"^[0-9a-f]{
 @router.delete("/v1/documents", response_model=DeleteResult, responses=ADMIN_ERRORS,
                dependencies=[Depends(require_admin)], summary="Delete documents by id")
 async def delete_documents(body: DeleteDocuments, request: Request,
-                           timeout_s: float = Depends(request_timeout)) -> DeleteResult:
-    state = state_of(request)
-    state.require_ready()
+                           timeout_s: float = Depends(request_timeout),
+                           state: ServerState = Depends(ready_state)) -> DeleteResult:
     if len(body.ids) > state.settings.max_documents:
         raise LimitExceededError(f"{len(body.ids)} ids in one request; the limit is {state.settings.max_documents}",
                                  "split the ids over several requests")

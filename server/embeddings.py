@@ -104,7 +104,7 @@ async def embed_texts(state: ServerState, texts: list[str], model: str, *, timeo
     """Embed ``texts`` with ``model`` (alias, encoder reference, or ``qswap/documents``).
 
     Args:
-        state: the server's state (ready).
+        state: the server's state (ready: the route's ``ready_state`` dependency checked it).
         texts: the inputs (at most ``max_embedding_inputs``).
         model: a domain alias (checked first), an encoder reference, or :data:`DOCUMENTS_MODEL`.
         timeout_s: the request's deadline from now.
@@ -115,7 +115,6 @@ async def embed_texts(state: ServerState, texts: list[str], model: str, *, timeo
     Returns:
         The vectors, the resolved model and the token counts.
     """
-    state.require_ready()
     s = state.settings
     if len(texts) > s.max_embedding_inputs:
         raise LimitExceededError(f"{len(texts)} inputs in one request; the limit is {s.max_embedding_inputs}",

@@ -16,18 +16,17 @@ from fastapi import APIRouter, Depends, Path, Request, Response
 from qswap.encoders import BASE_KEY
 from qswap.server.auth import require_search
 from qswap.server.backend import runtime_of
-from qswap.server.compat_models import (DOCUMENTS_MODEL, MODEL_PATTERN, EmbeddingRequest, EmbeddingResponse,
-                                        ModelCard, ModelList)
+from qswap.server.compat_models import DOCUMENTS_MODEL, MODEL_PATTERN, EmbeddingRequest, ModelList
+from qswap.answers import EmbeddingResponse, ModelCard
 from qswap.server.embeddings import embed_texts, encode_vector, model_ref, texts_of
 from qswap.guard import GuardStatus
-from qswap.server.responses import ERRORS, request_timeout, state_of
+from qswap.server.responses import ERRORS, ready_state, request_timeout
 from qswap.server.state import ServerState
 
 router = APIRouter(tags=["openai"])
 
 
-async def _embeddings(body: EmbeddingRequest, request: Request, timeout_s: float) -> Response:
-    state = state_of(request)
+async def _embeddings(body: EmbeddingRequest, request: Request, state: ServerState, timeout_s: float) -> Response:
     texts = texts_of(body.input)
     out = await embed_texts(state, texts, body.model, timeout_s=timeout_s, dimensions=body.dimensions,
                             on_key=lambda key: setattr(request.state, "encoder", key))
@@ -45,21 +44,21 @@ _EMBED = dict(response_model=EmbeddingResponse, responses=ERRORS, dependencies=[
 
 @router.post("/v1/embeddings", summary="Embed texts (OpenAI-compatible): a query encoder or the documents",
              **_EMBED)
-async def embeddings(body: EmbeddingRequest, request: Request,
+async def embeddings(body: EmbeddingRequest, request: Request, state: ServerState = Depends(ready_state),
                      timeout_s: float = Depends(request_timeout)) -> Response:
     """Embed ``input`` with ``model``: a domain alias, an encoder (``name``, ``name@version``,
     ``base``), or ``qswap/documents`` (the frozen document tower, as the index embeds its
     documents). ``dimensions`` keeps a Matryoshka prefix, renormalised; ``encoding_format``
     ``base64`` sends little-endian float32. Same admission (429), deadline (504) and auth as search."""
-    return await _embeddings(body, request, timeout_s)
+    return await _embeddings(body, request, state, timeout_s)
 
 
 @router.post("/embeddings", summary="Embed texts (OpenAI-compatible, for clients whose base URL has no /v1)",
              **_EMBED)
-async def embeddings_unversioned(body: EmbeddingRequest, request: Request,
+async def embeddings_unversioned(body: EmbeddingRequest, request: Request, state: ServerState = Depends(ready_state),
                                  timeout_s: float = Depends(request_timeout)) -> Response:
     """The same as ``POST /v1/embeddings``."""
-    return await _embeddings(body, request, timeout_s)
+    return await _embeddings(body, request, state, timeout_s)
 
 
 def _card(state: ServerState, model_id: str, key: str, alias: bool = False) -> ModelCard:
@@ -76,10 +75,8 @@ def _documents_card(state: ServerState) -> ModelCard:
 
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS, dependencies=[Depends(require_search)],
             summary="List what 'model' may name (OpenAI-compatible): document tower, encoders, aliases")
-async def list_models(request: Request) -> ModelList:
+async def list_models(state: ServerState = Depends(ready_state)) -> ModelList:
     """The document tower, every servable encoder (guard passed, unguarded, or forced) and every alias."""
-    state = state_of(request)
-    state.require_ready()
     reg = state.registry
     encoders = [_card(state, k, k) for k in [BASE_KEY, *reg.keys()]]
     # Servable ones only: an encoder still evaluated, or refused by the guard and not forced, answers 409.
@@ -94,10 +91,9 @@ async def list_models(request: Request) -> ModelList:
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS,
             dependencies=[Depends(require_search)], summary="Show one model id (OpenAI-compatible)")
-async def get_model(request: Request, model_id: str = Path(pattern=MODEL_PATTERN)) -> ModelCard:
+async def get_model(model_id: str = Path(pattern=MODEL_PATTERN),
+                    state: ServerState = Depends(ready_state)) -> ModelCard:
     """``model_id`` as ``POST /v1/embeddings`` reads it: an alias first, else an encoder reference."""
-    state = state_of(request)
-    state.require_ready()
     if model_id == DOCUMENTS_MODEL:
         return _documents_card(state)
     ref = model_ref(state.registry, model_id)

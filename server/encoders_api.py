@@ -18,11 +18,11 @@ from qswap.guard import GuardStatus
 from qswap.server.auth import require_admin, require_search
 from qswap.server.backend import runtime_of
 from qswap.server.errors import ForbiddenError, UnsupportedMediaTypeError
-from qswap.server.models import (KEY_PATTERN, NAME_PATTERN, REF_PATTERN, Alias, AliasList, AliasSet, Deleted,
-                                 EncoderInfo, EncoderList, RegisterByPath, RegisterResponse)
+from qswap.server.models import KEY_PATTERN, NAME_PATTERN, REF_PATTERN, AliasList, AliasSet, Deleted, RegisterByPath
+from qswap.answers import Alias, EncoderInfo, EncoderList, RegisterResponse
 from qswap.server.intake import open_under_root
 from qswap.server.registry import EncoderRecord
-from qswap.server.responses import ADMIN_ERRORS, ERRORS, state_of
+from qswap.server.responses import ADMIN_ERRORS, ERRORS, ready_state
 from qswap.server.state import ServerState
 
 router = APIRouter(tags=["encoders"])
@@ -73,7 +73,8 @@ def _form_bool(value: object, field: str) -> bool:
                               "description": "stored; the server's sentinel evaluation is running"}},
              dependencies=[Depends(require_admin)], openapi_extra=_REGISTER_BODY,
              summary="Register an encoder (directory under the encoders root, or uploaded .tar.gz)")
-async def register_encoder(request: Request, response: Response) -> RegisterResponse:
+async def register_encoder(request: Request, response: Response,
+                           state: ServerState = Depends(ready_state)) -> RegisterResponse:
     """JSON ``{"path", "force"}`` registers a directory under the configured encoders root;
     multipart (``archive`` file + ``force`` field) registers an uploaded ``.tar.gz``.
 
@@ -85,8 +86,6 @@ async def register_encoder(request: Request, response: Response) -> RegisterResp
     ``guard_refused`` with the per-sentinel table in ``guard`` (and the encoder is not kept).
     Without sentinels: 201 when created, 200 when the identical encoder was already registered.
     """
-    state = state_of(request)
-    state.require_ready()
     ctype = request.headers.get("content-type", "").lower()
     if ctype.startswith("multipart/form-data"):
         form = await request.form(max_files=1, max_fields=5)
@@ -130,7 +129,7 @@ async def register_encoder(request: Request, response: Response) -> RegisterResp
 @router.get("/v1/encoders", response_model=EncoderList, responses=ERRORS,
             dependencies=[Depends(require_search)], summary="List encoders")
 async def list_encoders(
-        request: Request,
+        state: ServerState = Depends(ready_state),
         limit: int | None = Query(None, ge=1, le=MAX_PAGE,
                                   description=f"at most this many encoders (1..{MAX_PAGE}); the answer's "
                                               "`next` is the cursor of the next page (default: all)"),
@@ -141,8 +140,6 @@ async def list_encoders(
     pass the answer's ``next`` as ``after`` until it is null. A page is read in one step under
     the registry's lock; keys registered meanwhile appear on a later page if they sort after the
     cursor."""
-    state = state_of(request)
-    state.require_ready()
     reg = state.registry
     keys, cursor = reg.page(after, limit)
     return EncoderList(default=reg.default_key(), encoders=[_info(state, k) for k in keys], next=cursor)
@@ -150,49 +147,40 @@ async def list_encoders(
 
 @router.get("/v1/encoders/{ref}", response_model=EncoderInfo, responses=ERRORS,
             dependencies=[Depends(require_search)], summary="Show an encoder ('name' = highest version)")
-async def get_encoder(request: Request, ref: str = Path(pattern=REF_PATTERN)) -> EncoderInfo:
-    state = state_of(request)
-    state.require_ready()
+async def get_encoder(ref: str = Path(pattern=REF_PATTERN), state: ServerState = Depends(ready_state)) -> EncoderInfo:
     return _info(state, state.registry.resolve(encoder=ref))
 
 
 # One resource, one path template: GET reads any reference, DELETE needs the exact version.
 @router.delete("/v1/encoders/{ref}", response_model=Deleted, responses=ADMIN_ERRORS,
                dependencies=[Depends(require_admin)], summary="Delete an encoder version")
-async def delete_encoder(request: Request, ref: str = Path(pattern=KEY_PATTERN,
-                                                           description="the exact name@version")) -> Deleted:
+async def delete_encoder(ref: str = Path(pattern=KEY_PATTERN, description="the exact name@version"),
+                         state: ServerState = Depends(ready_state)) -> Deleted:
     """Refused (409) while an alias or the default points at it; waits for in-flight requests."""
-    state = state_of(request)
-    state.require_ready()
     await asyncio.to_thread(state.registry.delete, ref, state.settings.delete_timeout_s)
     return Deleted(deleted=ref)
 
 
 @router.get("/v1/aliases", response_model=AliasList, responses=ERRORS,
             dependencies=[Depends(require_search)], tags=["aliases"], summary="List domain aliases")
-async def list_aliases(request: Request) -> AliasList:
-    state = state_of(request)
-    state.require_ready()
+async def list_aliases(state: ServerState = Depends(ready_state)) -> AliasList:
     return AliasList(aliases=state.registry.aliases())
 
 
 @router.put("/v1/aliases/{domain}", response_model=Alias, responses=ADMIN_ERRORS,
             dependencies=[Depends(require_admin)], tags=["aliases"], summary="Point a domain at an encoder")
-async def set_alias(body: AliasSet, request: Request, domain: str = Path(pattern=NAME_PATTERN)) -> Alias:
+async def set_alias(body: AliasSet, domain: str = Path(pattern=NAME_PATTERN),
+                    state: ServerState = Depends(ready_state)) -> Alias:
     """Atomic switch: requests admitted before it finish on the previous version. The alias
     ``default`` replaces the configured default encoder. With sentinels, only an encoder whose
     evaluation passed can be aliased (409 ``guard_pending`` / ``guard_refused`` otherwise;
     ``force`` accepts a refused one)."""
-    state = state_of(request)
-    state.require_ready()
     key, previous = await asyncio.to_thread(state.registry.set_alias, domain, body.encoder, body.force)
     return Alias(domain=domain, encoder=key, previous=previous)
 
 
 @router.delete("/v1/aliases/{domain}", response_model=Alias, responses=ADMIN_ERRORS,
                dependencies=[Depends(require_admin)], tags=["aliases"], summary="Remove a domain alias")
-async def delete_alias(request: Request, domain: str = Path(pattern=NAME_PATTERN)) -> Alias:
-    state = state_of(request)
-    state.require_ready()
+async def delete_alias(domain: str = Path(pattern=NAME_PATTERN), state: ServerState = Depends(ready_state)) -> Alias:
     key = await asyncio.to_thread(state.registry.delete_alias, domain)
     return Alias(domain=domain, encoder=key)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Depends, Path
 
 from qswap.errors import ConflictError
 from qswap.feedback.interleave import Interleaving
@@ -18,15 +18,25 @@ from qswap.feedback.store import Feedback
 from qswap.server.auth import require_admin, require_search
 from qswap.server.models import (NAME_PATTERN, Experiment, ExperimentList, ExperimentStart, FeedbackRecorded,
                                  FeedbackRequest)
-from qswap.server.responses import ADMIN_ERRORS, ERRORS, state_of
+from qswap.server.responses import ADMIN_ERRORS, ERRORS, ready_state
 from qswap.server.state import ServerState
 
 router = APIRouter(tags=["feedback"])
 
 
-def _capturing(request: Request) -> ServerState:
-    state = state_of(request)
-    state.require_ready()
+def capturing_state(state: ServerState = Depends(ready_state)) -> ServerState:
+    """The ready state of a server that captures feedback (a dependency of the feedback and
+    experiment routes).
+
+    Args:
+        state: the ready state.
+
+    Returns:
+        The state, whose ``feedback`` and ``experiments`` are set.
+
+    Raises:
+        ConflictError: (409) the server runs without ``--feedback-dir``.
+    """
     if state.feedback is None:
         raise ConflictError("feedback capture is off on this server",
                             "start the server with --feedback-dir DIR (it stores query text)")
@@ -35,7 +45,7 @@ def _capturing(request: Request) -> ServerState:
 
 @router.post("/v1/feedback", response_model=FeedbackRecorded, responses=ERRORS,
              dependencies=[Depends(require_search)], summary="Report clicks or judgements on a search")
-async def feedback(body: FeedbackRequest, request: Request) -> FeedbackRecorded:
+async def feedback(body: FeedbackRequest, state: ServerState = Depends(capturing_state)) -> FeedbackRecorded:
     """Record what the user did with one captured search's results.
 
     ``clicks`` (ids clicked) or ``grades`` (id -> grade); every id must be among the hits that
@@ -43,7 +53,6 @@ async def feedback(body: FeedbackRequest, request: Request) -> FeedbackRecorded:
     result list is 409. On an interleaved search the clicks credit the encoder that contributed
     the clicked documents, and the answer says which won.
     """
-    state = _capturing(request)
     store, exps = state.feedback, state.experiments
 
     def record() -> int | None:
@@ -69,14 +78,13 @@ async def feedback(body: FeedbackRequest, request: Request) -> FeedbackRecorded:
 @router.post("/v1/experiments", response_model=Experiment, status_code=201, responses=ADMIN_ERRORS,
              dependencies=[Depends(require_admin)], tags=["experiments"],
              summary="Start an online comparison on a domain alias")
-async def start_experiment(body: ExperimentStart, request: Request) -> Experiment:
+async def start_experiment(body: ExperimentStart, state: ServerState = Depends(capturing_state)) -> Experiment:
     """Compare ``candidate`` with what the domain alias serves, on ``fraction`` of its searches.
 
     ``shadow`` runs the candidate off the response path when the server is idle and records
     top-k overlap; ``interleave`` shows a team-draft interleaving and credits clicks. One
     running experiment per domain; the candidate must be servable now.
     """
-    state = _capturing(request)
     doc = await asyncio.to_thread(state.experiments.start, body.domain, body.candidate, body.mode, body.fraction,
                                   body.auto_promote_alpha, body.min_decided)
     return Experiment(**doc)
@@ -84,28 +92,27 @@ async def start_experiment(body: ExperimentStart, request: Request) -> Experimen
 
 @router.get("/v1/experiments", response_model=ExperimentList, responses=ERRORS,
             dependencies=[Depends(require_search)], tags=["experiments"], summary="List experiments")
-async def list_experiments(request: Request) -> ExperimentList:
-    state = _capturing(request)
+async def list_experiments(state: ServerState = Depends(capturing_state)) -> ExperimentList:
     docs = await asyncio.to_thread(state.experiments.list)
     return ExperimentList(experiments=[Experiment(**d) for d in docs])
 
 
 @router.get("/v1/experiments/{domain}", response_model=Experiment, responses=ERRORS,
             dependencies=[Depends(require_search)], tags=["experiments"], summary="Show a domain's experiment")
-async def get_experiment(request: Request, domain: str = Path(pattern=NAME_PATTERN)) -> Experiment:
+async def get_experiment(domain: str = Path(pattern=NAME_PATTERN),
+                         state: ServerState = Depends(capturing_state)) -> Experiment:
     """Impressions, wins, losses, ties, the sign test's p-value, shadow overlap and latency."""
-    state = _capturing(request)
     return Experiment(**await asyncio.to_thread(state.experiments.get, domain))
 
 
 @router.post("/v1/experiments/{domain}/{action}", response_model=Experiment, responses=ADMIN_ERRORS,
              dependencies=[Depends(require_admin)], tags=["experiments"],
              summary="Stop an experiment, promote its candidate, or roll a promotion back")
-async def experiment_action(request: Request, action: Literal["stop", "promote", "rollback"],
-                            domain: str = Path(pattern=NAME_PATTERN)) -> Experiment:
+async def experiment_action(action: Literal["stop", "promote", "rollback"],
+                            domain: str = Path(pattern=NAME_PATTERN),
+                            state: ServerState = Depends(capturing_state)) -> Experiment:
     """``stop``: no more traffic takes part (the record stays). ``promote``: point the domain at the
     candidate (atomic alias switch); refused (409) unless the candidate is servable without force
     (its guard passed, or the server runs no guard), or when the alias changed during the
     experiment. ``rollback``: point the domain back at the encoder it served before the promotion."""
-    state = _capturing(request)
     return Experiment(**await asyncio.to_thread(getattr(state.experiments, action), domain))

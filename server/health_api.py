@@ -8,8 +8,10 @@ from fastapi.responses import JSONResponse
 from qswap import __version__
 from qswap.server.auth import require_metrics, require_search
 from qswap.server.errors import NotReadyError, error_body_of
-from qswap.server.models import ErrorBody, Health, Ready, ServerInfo
-from qswap.server.responses import ERRORS, state_of
+from qswap.server.models import ErrorBody, Health, Ready
+from qswap.answers import ServerInfo
+from qswap.server.responses import ERRORS, ready_state, state_of
+from qswap.server.state import ServerState
 
 router = APIRouter(tags=["health"])
 
@@ -44,9 +46,7 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/info", response_model=ServerInfo, responses=ERRORS,
             dependencies=[Depends(require_search)], summary="What is served: model, space, index, limits")
-async def info(request: Request) -> ServerInfo:
-    state = state_of(request)
-    state.require_ready()
+async def info(state: ServerState = Depends(ready_state)) -> ServerInfo:
     s = state.settings
     return ServerInfo(version=__version__, model=state.base.name, space=state.base.space.to_dict(),
                       index=state.index.info(), default_encoder=state.registry.default_key(),

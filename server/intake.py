@@ -8,13 +8,15 @@ Two ways in, nothing trusted on either:
   directory* (``dir_fd``), without following links, checked with ``fstat`` (a regular file
   with one link) and copied from the same descriptor. What is checked is what is copied:
   swapping the directory (or a file) for a link after the check changes nothing.
-- **by upload** (``.tar.gz``): members are written one by one by this code (never
-  ``extractall``), only regular files and directories are accepted, no absolute paths, no
-  ``..``, no links or devices, a bounded number of members and bytes. Work is bounded before
-  it is done: an extended header (PAX, GNU long name) is refused by its declared size before
-  tarfile reads and parses it (a 0.4 MB upload can declare a 400 MB PAX header), sparse
-  members are refused (their size on disk is not their size in the archive), and extraction
-  stops at a deadline or when the server shuts down.
+- **by upload** (``.tar.gz``): extracted member by member by tarfile under an extraction
+  filter (its public filter API: ``data_filter`` plus qswap's rules): only regular files and directories, no
+  absolute paths, no ``..``, no links or devices, each file once, a bounded number of members
+  and bytes. Work is bounded before it is done: tarfile reads the decompressed stream through
+  :class:`_BoundedStream`, which refuses an extended header (PAX, GNU long name) larger than
+  :data:`MAX_HEADER_BYTES` before decompressing it (a 0.4 MB upload can declare a 400 MB PAX
+  header), counts every byte read or skipped against the limit (a gzip bomb stops there), and
+  stops at a deadline or when the server shuts down. Sparse members are refused (their size on
+  disk is not their size in the archive).
 
 Error messages name files relative to what the caller gave (never the server's absolute paths).
 """
@@ -22,6 +24,7 @@ Error messages name files relative to what the caller gave (never the server's a
 from __future__ import annotations
 
 import errno
+import gzip
 import os
 import shutil
 import stat
@@ -41,8 +44,6 @@ _CHUNK = 1 << 20
 _MAX_DEPTH = 2   # an encoder directory is flat; allow one enclosing folder
 # An encoder's member names are short; a PAX record of a few KB already means something odd.
 MAX_HEADER_BYTES = 64 << 10
-_EXTENDED = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
-             tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
 
 
 def _refuse(msg: str) -> InvalidInputError:
@@ -50,13 +51,86 @@ def _refuse(msg: str) -> InvalidInputError:
                              "upload `tar czf enc.tar.gz -C PARENT ENCODER_DIR` of a plain encoder directory")
 
 
-class _BoundedTarInfo(tarfile.TarInfo):
-    """A TarInfo that checks an extended header's declared size before tarfile reads it."""
+class _BoundedStream:
+    """The decompressed archive as tarfile reads it, with the work bounded before it is done.
 
-    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
-        if self.type in _EXTENDED and self.size > MAX_HEADER_BYTES:
-            raise _refuse(f"an extended header declares {self.size} bytes (at most {MAX_HEADER_BYTES})")
-        return super()._proc_member(tarfile_)  # type: ignore[misc]
+    tarfile reads an extended header (PAX, GNU long name) in one read of its declared size, and
+    member data in small pieces: a read larger than :data:`MAX_HEADER_BYTES` is refused before
+    anything is decompressed for it. Nothing past ``limit`` bytes of decompressed stream is read
+    or skipped (a gzip bomb stops there, not at the disk) and every read checks the deadline.
+    """
+
+    def __init__(self, raw: BinaryIO, limit: int, check_time: Callable[[], None]) -> None:
+        self._raw = raw
+        self._limit = limit
+        self._check_time = check_time
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0 or n > MAX_HEADER_BYTES:
+            raise _refuse(f"an extended header declares more than {MAX_HEADER_BYTES} bytes")
+        self._check_time()
+        if self.tell() + n > self._limit:
+            raise _refuse("more than the server's limit of bytes when extracted")
+        return self._raw.read(n)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        target = offset if whence == os.SEEK_SET else self.tell() + offset
+        if whence not in (os.SEEK_SET, os.SEEK_CUR):
+            raise _refuse("the archive cannot be read from its end")
+        while self.tell() < target:   # skipping member data decompresses it: bounded like a read
+            if not self.read(min(target - self.tell(), MAX_HEADER_BYTES)):
+                break
+        if target < self.tell():
+            self._raw.seek(target)
+        return self.tell()
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+
+def _member_filter(max_members: int, max_bytes: int,
+                   check_time: Callable[[], None]) -> Callable[[tarfile.TarInfo, str], tarfile.TarInfo | None]:
+    """The extraction filter (tarfile's public filter API): tarfile's own ``data_filter`` (no
+    absolute paths, nothing outside the destination, safe modes) and qswap's stricter rules: only
+    regular files and directories, no links at all, a flat encoder directory, a bounded number
+    of members and bytes, each file once."""
+    seen: set[PurePosixPath] = set()
+    count = total = 0
+
+    def member_filter(m: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+        nonlocal count, total
+        check_time()
+        count += 1
+        if count > max_members:
+            raise _refuse(f"more than {max_members} members")
+        rel = _member_path(m.name)
+        if m.issym() or m.islnk():
+            raise _refuse(f"member {m.name!r} is a link")
+        if m.issparse():
+            raise _refuse(f"member {m.name!r} is a sparse file")
+        if not (m.isfile() or m.isdir()):
+            raise _refuse(f"member {m.name!r} is not a regular file or directory")
+        if rel is None:
+            return None   # the archive root itself
+        if m.isfile():
+            if rel in seen:
+                raise _refuse(f"member {m.name!r} appears twice")
+            seen.add(rel)
+            total += m.size
+            if total > max_bytes:
+                raise _refuse(f"more than {max_bytes} bytes when extracted")
+        try:
+            return tarfile.data_filter(m, dest)
+        except tarfile.FilterError as e:
+            raise _refuse(f"member {m.name!r}: {e}") from None
+
+    return member_filter
 
 
 def _member_path(name: str) -> PurePosixPath | None:
@@ -80,13 +154,23 @@ def extract_encoder_archive(fileobj: BinaryIO, dest: Path, *, max_bytes: int, ma
     """Extract a gzip tar into the empty directory ``dest``; return the encoder directory in it.
 
     The encoder directory is ``dest`` itself (files at the top) or its single subdirectory.
-    Raises :class:`InvalidInputError` for anything unsafe or malformed, or when ``deadline``
-    (a ``time.monotonic()`` value) passes; stops when ``cancelled()`` turns true.
+
+    Args:
+        fileobj: the uploaded ``.tar.gz``.
+        dest: an empty directory (the store's staging directory).
+        max_bytes: most bytes the files may hold together.
+        max_members: most members the archive may hold.
+        deadline: a ``time.monotonic()`` value after which extraction stops.
+        cancelled: extraction stops once it returns true (the server is shutting down).
+
+    Returns:
+        The encoder directory.
+
+    Raises:
+        InvalidInputError: anything unsafe or malformed, or the deadline passed.
+        InsufficientStorageError: the server's disk filled up.
     """
     dest = Path(dest)
-    root = dest.resolve()
-    total = 0
-    count = 0
 
     def check_time() -> None:
         if cancelled is not None and cancelled():
@@ -98,47 +182,18 @@ def extract_encoder_archive(fileobj: BinaryIO, dest: Path, *, max_bytes: int, ma
         raise InvalidInputError("the archive is not gzip-compressed",
                                 "upload a gzip-compressed tar of one encoder directory (tar czf)")
     fileobj.seek(0)
+    # Headers and their padding beside the files' bytes: a header block and up to one block of
+    # padding per member, and one extended header.
+    limit = max_bytes + (max_members + 2) * 2 * tarfile.BLOCKSIZE + MAX_HEADER_BYTES + tarfile.RECORDSIZE
+    member_filter = _member_filter(max_members, max_bytes, check_time)
     try:
-        with tarfile.open(fileobj=fileobj, mode="r:gz", tarinfo=_BoundedTarInfo) as tar:
-            for m in tar:   # streaming: members are checked before their data is read
-                check_time()
-                count += 1
-                if count > max_members:
-                    raise _refuse(f"more than {max_members} members")
-                rel = _member_path(m.name)
-                if m.issym() or m.islnk():
-                    raise _refuse(f"member {m.name!r} is a link")
-                if m.issparse():
-                    raise _refuse(f"member {m.name!r} is a sparse file")
-                if not (m.isfile() or m.isdir()):
-                    raise _refuse(f"member {m.name!r} is not a regular file or directory")
-                if rel is None:
-                    continue
-                target = dest / rel
-                if not target.resolve().is_relative_to(root):
-                    raise _refuse(f"member {m.name!r} resolves outside the extraction directory")
-                if m.isdir():
-                    target.mkdir(parents=True, exist_ok=True)
-                    continue
-                total += m.size
-                if total > max_bytes:
-                    raise _refuse(f"more than {max_bytes} bytes when extracted")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                src = tar.extractfile(m)
-                if src is None:
-                    raise _refuse(f"member {m.name!r} has no data")
-                written = 0
-                try:
-                    with open(target, "xb") as out:   # "x": a duplicate member is refused, not overwritten
-                        while block := src.read(_CHUNK):
-                            check_time()
-                            written += len(block)
-                            if written > m.size:
-                                raise _refuse(f"member {m.name!r} is longer than its header says")
-                            out.write(block)
-                except FileExistsError:
-                    raise _refuse(f"member {m.name!r} appears twice") from None
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+        with gzip.GzipFile(fileobj=fileobj, mode="rb") as gz, \
+                tarfile.open(fileobj=_BoundedStream(gz, limit, check_time), mode="r:") as tar:
+            # Member by member as the stream comes (extractall would list the whole archive
+            # first, then rewind the gzip stream for every member).
+            for m in tar:
+                tar.extract(m, dest, filter=member_filter)
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, OSError) as e:
         if disk_full(e):   # the server's disk, not the client's archive
             raise InsufficientStorageError("the server's disk is full: the archive could not be extracted",
                                            "free disk space on the server (state dir), then retry") from e

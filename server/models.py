@@ -1,4 +1,5 @@
-"""Request and response bodies of the HTTP API (pydantic; they make the OpenAPI schema).
+"""Request bodies of the HTTP API and the server-only answers (pydantic; they make the OpenAPI
+schema). The answers the client reads too live in :mod:`qswap.answers`.
 
 Request models are strict (``k: "5"``, ``k: true``, ``with_text: "yes"`` are refused, not
 coerced) and their schema says everything the server refuses: patterns for names, keys and
@@ -17,7 +18,7 @@ from annotated_types import Ge, Le
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema,
                       model_validator)
 
-from qswap.guard import GuardStatus
+from qswap.answers import UpsertResult
 
 # Names, versions and domains (qswap.encoders.artifact.validate_name), and name@version keys.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -173,55 +174,6 @@ class SearchRequest(_Strict):
         return [self.query] if self.query is not None else list(self.queries or [])
 
 
-class EncoderRef(BaseModel):
-
-    """Exactly which encoder version served a query."""
-
-    key: str = Field(description="name@version, or 'base' for the base model itself")
-    name: str
-    version: str
-
-
-class Timings(BaseModel):
-    queue_ms: float = Field(description="waiting for a batch slot")
-    encode_ms: float = Field(description="the batch's forward pass")
-    search_ms: float = Field(description="the batch's index search")
-
-
-class ExperimentRef(BaseModel):
-    """The online experiment a query took part in (interleaved: hits come from both encoders)."""
-
-    id: str
-    mode: str = Field(description="shadow | interleave")
-    candidate: str = Field(description="name@version of the candidate encoder")
-
-
-class HitOut(BaseModel):
-    """One hit of a search answer."""
-
-    id: str
-    score: float
-    text: str | None = Field(description="the document text (null with with_text: false), cut at the server's "
-                                         "max_hit_text_chars")
-    metadata: dict[str, Any] = Field(description="the document metadata; {} when it exceeds the server's "
-                                                 "max_hit_metadata_bytes")
-    truncated: bool = Field(False, description="text or metadata was cut (see the server's limits)")
-
-
-class QueryResult(BaseModel):
-    hits: list[HitOut]
-    encoder: EncoderRef
-    truncated: bool = Field(description="the query was cut to the model's max tokens (or max_query_chars)")
-    timings: Timings
-    experiment: ExperimentRef | None = Field(None, description="set when the query took part in an "
-                                             "interleaving experiment on its domain")
-
-
-class SearchResponse(BaseModel):
-    results: list[QueryResult]
-    took_ms: float
-
-
 # ----------------------------------------------------------------------------- encoders
 
 class RegisterByPath(_Strict):
@@ -236,53 +188,6 @@ class RegisterByPath(_Strict):
                                           "registered) instead of at once (202, guard_status 'evaluating')")
 
 
-class EncoderInfo(BaseModel):
-    key: str
-    name: str
-    version: str
-    kind: str
-    space: str = Field(description="embedding-space fingerprint")
-    created_at: float | None = None
-    registered_at: float | None = None
-    source: str | None = None
-    loaded: bool
-    pinned: bool
-    in_flight: int
-    memory_bytes: int | None = None
-    aliases: list[str] = Field(default_factory=list)
-    training: dict[str, Any] | None = None
-    guard: dict[str, Any] | None = Field(None, description="the guard record the encoder's manifest carries "
-                                                           "(self-reported: informational)")
-    guard_status: GuardStatus | None = Field(
-        None, description="the server's own verdict (--sentinels): 'evaluating' until done, then 'passed', "
-                          "'refused', 'insufficient_evidence' (a sentinel has too few judged queries left) or "
-                          "'failed'; 'unguarded' when the server has no sentinels. Only 'passed' and "
-                          "'unguarded' encoders, or forced ones once their verdict is known, serve")
-    forced: bool = Field(False, description="force was given (registration or alias): served once the verdict "
-                                            "is known, whatever it is; never while evaluating")
-    evaluation: dict[str, Any] | None = Field(
-        None, description="the server's guard record: per sentinel and reference encoder (base, aliased "
-                          "encoders) n, nDCG@10 before/after, Wilcoxon statistic, p (raw and Holm), "
-                          "sign test, reciprocal rank, pooled PND Z, verdict")
-    runtime: Literal["torch", "onnx", "onnx-shared"] | None = Field(
-        None, description="what runs its forward passes now: 'onnx-shared' (the shared base session, adapter "
-                          "bound per run) or 'onnx' (its own merged export) once the background export is ready, "
-                          "else 'torch'")
-    runtime_error: str | None = Field(None, description="why the ONNX export failed (torch keeps serving)")
-
-
-class RegisterResponse(BaseModel):
-    encoder: EncoderInfo
-    created: bool = Field(description="false when the identical encoder was already registered")
-
-
-class EncoderList(BaseModel):
-    default: str = Field(description="the encoder that answers requests naming none")
-    encoders: list[EncoderInfo]
-    next: str | None = Field(None, description="with `limit`: the `after` cursor of the next page "
-                                               "(null on the last page, and without `limit`)")
-
-
 class Deleted(BaseModel):
     deleted: str
 
@@ -291,12 +196,6 @@ class AliasSet(_Strict):
     encoder: str = Field(pattern=REF_PATTERN, description="'name' (highest version, frozen now) or 'name@version'")
     force: bool = Field(False, description="point the alias at an encoder the guard refused (never at one "
                                            "still being evaluated)")
-
-
-class Alias(BaseModel):
-    domain: str
-    encoder: str
-    previous: str | None = None
 
 
 class AliasList(BaseModel):
@@ -314,11 +213,6 @@ class DocumentIn(_Strict):
 class UpsertDocuments(_Strict):
     documents: list[DocumentIn] = Field(min_length=1, max_length=MAX_DOCUMENTS,
                                         description="an id given twice in one request: the last one wins")
-
-
-class UpsertResult(BaseModel):
-    upserted: int
-    count: int = Field(description="documents in the index afterwards")
 
 
 class JobError(BaseModel):
@@ -346,11 +240,6 @@ class DeleteDocuments(_Strict):
     ids: list[DocId] = Field(min_length=1, max_length=MAX_DOCUMENTS)
 
 
-class DeleteResult(BaseModel):
-    deleted: int
-    count: int
-
-
 # ----------------------------------------------------------------------------- health
 
 class Health(BaseModel):
@@ -362,17 +251,6 @@ class Ready(BaseModel):
     default_encoder: str | None = None
     index_documents: int | None = None
     encoders_loaded: int | None = None
-
-
-class ServerInfo(BaseModel):
-    version: str
-    model: str
-    space: dict[str, Any]
-    index: dict[str, Any]
-    default_encoder: str
-    backend: str
-    admin: str
-    limits: dict[str, int]
 
 
 class ErrorBody(BaseModel):

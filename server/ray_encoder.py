@@ -92,7 +92,7 @@ class EncoderCore:
         self.registry.load_state()   # shared lock on the state dir, as every replica
         self.backend.prepare(BASE_KEY)
         self.registry.start_polling()
-        self._encode_flagged = getattr(self.backend, "encode_flagged", None)
+        self._encode_flagged = self.backend.encode_flagged
         self.stats = {"requests": 0, "rows": 0, "batches": 0, "loads": 0}
 
     async def load(self, key: str) -> _Lease | None:

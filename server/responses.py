@@ -17,7 +17,33 @@ ADMIN_ERRORS = ERRORS
 
 
 def state_of(request: Request) -> ServerState:
+    """The app's :class:`ServerState` (set by the app factory).
+
+    Args:
+        request: the request being served.
+
+    Returns:
+        The state, ready or not (health routes read it while the server loads).
+    """
     return request.app.state.qs
+
+
+def ready_state(request: Request) -> ServerState:
+    """The app's state once it serves: the one readiness check, a dependency of every route that
+    needs the index or an encoder (route-level auth dependencies run before it).
+
+    Args:
+        request: the request being served.
+
+    Returns:
+        The ready state.
+
+    Raises:
+        NotReadyError: (503) the server is loading, failed to load, or is shutting down.
+    """
+    state = state_of(request)
+    state.require_ready()
+    return state
 
 
 def request_timeout(request: Request, x_request_timeout: float = Header(  # absent, not null

@@ -15,10 +15,11 @@ from qswap.feedback.store import Impression
 from qswap.server.auth import require_search
 from qswap.server.errors import LimitExceededError
 from qswap.server.experiments import interleave_hits
-from qswap.server.models import SearchRequest, SearchResponse
+from qswap.server.models import SearchRequest
+from qswap.answers import SearchResponse
 from qswap.server.registry import split_key
 from qswap.server.rendering import render_search_async
-from qswap.server.responses import ERRORS, request_timeout, state_of
+from qswap.server.responses import ERRORS, ready_state, request_timeout
 from qswap.server.state import ServerState
 
 log = logging.getLogger("qswap.server")
@@ -60,15 +61,14 @@ async def request_tokens(state: ServerState, texts: list[str]) -> list[int] | No
 
 @router.post("/v1/search", response_model=SearchResponse, responses=ERRORS,
              dependencies=[Depends(require_search)], summary="Search with a chosen query encoder")
-async def search(body: SearchRequest, request: Request, timeout_s: float = Depends(request_timeout)) -> Response:
+async def search(body: SearchRequest, request: Request, timeout_s: float = Depends(request_timeout),
+                 state: ServerState = Depends(ready_state)) -> Response:
     """Encode the queries with one encoder (named, by domain alias, or the default) and search.
 
     The encoder is resolved to an exact ``name@version`` when the request is admitted and held
     until the request is done: an alias switch meanwhile does not change what serves it.
     """
     t0 = time.perf_counter()
-    state = state_of(request)
-    state.require_ready()
     s = state.settings
     texts = body.texts()
     if len(texts) > s.max_queries:

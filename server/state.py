@@ -116,7 +116,7 @@ class ServerState:
                 log.error("aliased encoder failed to load", extra={"domain": domain, "encoder": key,
                                                                    "error": str(e)})
         batcher = self.make_batcher(encode=self.backend.encode, search=index.search, truncated=self.truncated,
-                                    encode_flagged=getattr(self.backend, "encode_flagged", None),
+                                    encode_flagged=self.backend.encode_flagged,
                                     window_s=s.batch_window_ms / 1000.0, max_batch=s.max_batch,
                                     max_pending=s.max_pending, max_pending_per_encoder=s.max_pending_per_encoder,
                                     metrics=self.metrics, count_tokens=self.token_counts,
@@ -207,10 +207,9 @@ class ServerState:
             self.registry.stop_guard()
         if self.batcher is not None:
             self.batcher.stop()
-        close_backend = getattr(self.backend, "close", None)
-        if close_backend is not None:
+        if self.backend is not None:
             try:
-                close_backend()
+                self.backend.close()
             except Exception:
                 log.exception("closing the backend failed")
         if self._loader is not None and self._loader.is_alive():
@@ -317,10 +316,10 @@ class ServerState:
         (so upserts never mix precisions in it); built on the first upsert. Worker thread."""
         assert self.base is not None
         if self._documents is None:
-            from qswap.encoders.documents import DocumentEncoder
+            from qswap.encoders.runtime.documents import DocumentEncoder
             from qswap.index.manifest import documents_precision
-            manifest = getattr(self.index, "manifest", None) or {}
-            self._documents = DocumentEncoder(self.base, precision=documents_precision(manifest.get("build", {})),
+            build = self.index.manifest.get("build", {})
+            self._documents = DocumentEncoder(self.base, precision=documents_precision(build),
                                               cache_dir=self.settings.state_dir / "onnx")
         return self._documents
 

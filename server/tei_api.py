@@ -16,7 +16,8 @@ from qswap.server.auth import require_search
 from qswap.server.compat_models import DOCUMENTS_MODEL, TeiEmbedRequest, TeiInfo
 from qswap.server.embeddings import embed_texts, model_ref, texts_of
 from qswap.server.models import REF_PATTERN
-from qswap.server.responses import ERRORS, request_timeout, state_of
+from qswap.server.responses import ERRORS, ready_state, request_timeout
+from qswap.server.state import ServerState
 
 router = APIRouter(tags=["tei"])
 
@@ -24,11 +25,10 @@ router = APIRouter(tags=["tei"])
 @router.post("/tei/{encoder}/embed", response_model=list[list[float]], responses=ERRORS,
              dependencies=[Depends(require_search)], summary="Embed texts (TEI-compatible) with the encoder in the path")
 async def tei_embed(body: TeiEmbedRequest, request: Request, encoder: str = Path(pattern=REF_PATTERN),
-                    timeout_s: float = Depends(request_timeout)) -> Response:
+                    timeout_s: float = Depends(request_timeout), state: ServerState = Depends(ready_state)) -> Response:
     """``encoder`` is a domain alias or an encoder reference. Inputs longer than the model's
     max tokens are refused (422) unless ``truncate`` is true. Vectors are unit length whatever
     ``normalize`` says (every qswap encoder normalises)."""
-    state = state_of(request)
     texts = texts_of(body.inputs)
     model = DOCUMENTS_MODEL if body.prompt_name == "passage" else encoder
     out = await embed_texts(state, texts, model, timeout_s=timeout_s, dimensions=body.dimensions,
@@ -39,9 +39,7 @@ async def tei_embed(body: TeiEmbedRequest, request: Request, encoder: str = Path
 
 @router.get("/tei/{encoder}/info", response_model=TeiInfo, responses=ERRORS, dependencies=[Depends(require_search)],
             summary="What the TEI route of this encoder serves")
-async def tei_info(request: Request, encoder: str = Path(pattern=REF_PATTERN)) -> TeiInfo:
-    state = state_of(request)
-    state.require_ready()
+async def tei_info(encoder: str = Path(pattern=REF_PATTERN), state: ServerState = Depends(ready_state)) -> TeiInfo:
     reg = state.registry
     key = reg.resolve(**model_ref(reg, encoder))
     s = state.settings

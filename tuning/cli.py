@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from qswap import DEFAULT_MODEL
+from qswap.encoders.precision import PRECISIONS
 from qswap.tuning.losses import LOSSES
 from qswap.tuning.losses.similarity import METRICS
 from qswap.tuning.methods import METHODS
-from qswap.tuning.optim import OPTIMIZERS, SCHEDULERS
+from qswap.tuning.optim import LR_RULES, OPTIMIZERS, SCHEDULERS
 from qswap.tuning.recipes import RECIPES, describe, resolve
-from qswap.tuning.run import MINE_CHOICES
+from qswap.tuning.config import MINE_CHOICES, QUERY_RUNTIMES
 
 
 def _ints(s: str) -> list[int]:
@@ -81,7 +82,7 @@ def _add_sentinels(subparsers: Any) -> None:
     m.add_argument("--out", type=Path, required=True, help="sentinels directory (the one given to --sentinels)")
     m.add_argument("--n", type=int, default=1000, help="queries sampled")
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--index", type=Path, help="the served index: judgements on documents it lacks are dropped")
+    m.add_argument("--index", help="the served index: judgements on documents it lacks are dropped")
     m.add_argument("--exclude-qids", type=Path, metavar="FILE",
                    help="query ids to leave out (e.g. the ones an encoder was trained on): one a line or a JSON list")
     m.set_defaults(func=_sentinels_make)
@@ -101,8 +102,8 @@ def _sentinels_make(args: argparse.Namespace) -> int:
         name = args.name or args.lang or Path(args.log).stem
     index_ids = None
     if args.index is not None:
-        from qswap.index import DocumentIndex
-        with DocumentIndex.open(args.index, read_only=True) as idx:
+        from qswap.index import open_index
+        with open_index(args.index, read_only=True) as idx:
             index_ids = idx.export_embeddings()[0]
     meta = make_sentinel(data, args.out, name, args.n, args.seed, index_ids, exclude)
     print(f"sentinel {name}: {meta['queries']} queries (of {meta['available']} available, seed {args.seed}) "
@@ -129,7 +130,7 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--test-size", type=float, default=0.1, help="test size: fraction (<1) or count")
     g.add_argument("--max-samples", type=int, help="use at most this many samples (seeded choice)")
     g = p.add_argument_group("hard negatives")
-    g.add_argument("--index", type=Path,
+    g.add_argument("--index",
                    help="a qswap index of the base's space: documents it holds take its stored embeddings "
                         "(no re-embedding), and --mine index searches it")
     g.add_argument("--mine", default="auto", choices=MINE_CHOICES,
@@ -165,10 +166,10 @@ def _add_run(sub: Any) -> None:
                    help="defaults of the options marked 'the recipe's': " + "; ".join(
                        f"{name} = {describe(name)}" for name in sorted(RECIPES)))
     g.add_argument("--lr", type=float, default=None, help="learning rate (default: the recipe's)")
-    g.add_argument("--lr-rule", choices=("none", "sqrt"), default="none",
+    g.add_argument("--lr-rule", choices=LR_RULES, default="none",
                    help="sqrt: scale --lr from batch 14 to --batch-size by the square-root rule")
     g.add_argument("--batch-size", type=int, default=None, help="queries per step (default: the recipe's)")
-    g.add_argument("--precision", choices=("auto", "fp32", "bf16"), default=None,
+    g.add_argument("--precision", choices=("auto", *PRECISIONS), default=None,
                    help="forward passes of training and validation; auto: bf16 autocast where the device "
                         "multiplies bf16 natively (AVX-512-BF16/AMX, tensor cores), else fp32 (default: the recipe's)")
     g.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
@@ -195,7 +196,7 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--cache-dir", type=Path, help="document-embedding cache (default <data dir>/doc-cache)")
     g.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
-    g.add_argument("--query-runtime", choices=("onnx", "torch"), default="onnx",
+    g.add_argument("--query-runtime", choices=QUERY_RUNTIMES, default="onnx",
                    help="what encodes queries for mining and evaluation: onnx = the serving path's ONNX Runtime "
                         "export (vectors equal to torch's to cosine >= 0.99999), torch = the reference")
     g.add_argument("--export-dir", type=Path, help="ONNX export cache (default <data dir>/onnx-cache)")
@@ -208,7 +209,8 @@ def _add_run(sub: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from qswap.tuning.methods import MethodConfig
     from qswap.tuning.optim import sqrt_scaled_lr
-    from qswap.tuning.run import LossConfig, RunConfig, run_tuning
+    from qswap.tuning.config import LossConfig, RunConfig
+    from qswap.tuning.run import run_tuning
     from qswap.tuning.trainer import TrainConfig
 
     from qswap.encoders.base import default_device
@@ -346,7 +348,7 @@ def _add_eval(sub: Any) -> None:
                    help="also score the queries the encoder was trained or validated on (left out by default, "
                         "by id, from the encoder's training_queries.json)")
     p.add_argument("--cache-dir", type=Path)
-    p.add_argument("--index", type=Path,
+    p.add_argument("--index",
                    help="a qswap index of the base's space: documents it holds take its stored vectors "
                         "(no re-embedding)")
     p.add_argument("--device")
@@ -354,7 +356,7 @@ def _add_eval(sub: Any) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from qswap.encoders import EncoderPool, load_base, load_encoder, read_encoder_manifest
+    from qswap.encoders import load_query_encoder
     from qswap.errors import InvalidInputError
     from qswap.tuning.beir_eval import BeirEvaluator
     from qswap.guard.sentinels import parse_sentinel
@@ -364,21 +366,14 @@ def _eval(args: argparse.Namespace) -> int:
 
     if not (args.beir or args.triplets or args.sentinel):
         raise InvalidInputError("nothing to evaluate on", "give --beir, --triplets or --sentinel")
-    manifest = read_encoder_manifest(args.encoder)
-    base = load_base(args.base or manifest.space["name"], device=args.device)
-    art = load_encoder(args.encoder, expected_space=base.space)
-    pool = EncoderPool(base)
-    pool.add(art)
-
-    def encode(texts: list[str]):
-        return pool.encode(texts, [art.key] * len(texts))
-
-    out: dict[str, Any] = {"encoder": art.key}
+    loaded = load_query_encoder(args.encoder, args.base, device=args.device)
+    base, encode = loaded.base, loaded.encode
+    out: dict[str, Any] = {"encoder": loaded.key}
     stored = None
     if args.index is not None:
-        from qswap.index import DocumentIndex
+        from qswap.index import open_index
         from qswap.tuning.doc_cache import StoredEmbeddings
-        with DocumentIndex.open(args.index, read_only=True) as idx:
+        with open_index(args.index, read_only=True) as idx:
             stored = StoredEmbeddings.from_index(idx)
     # Progress on a terminal or not: bars, else a line every 15 s (qswap.tuning.progress).
     evaluator = BeirEvaluator(base, encode, args.cache_dir, progress=True, stored=stored)
@@ -405,7 +400,7 @@ def _seen_queries(encoder_dir: Path, beir: Path | None, langs: list[str | None])
     """Ids of the queries the encoder trained on (train + validation), to leave out; warns on
     stderr when there is no such record or when the ids do not match the evaluated queries."""
     from qswap.beir import read_queries
-    from qswap.tuning.run import SEEN_QUERIES
+    from qswap.tuning.config import SEEN_QUERIES
 
     path = Path(encoder_dir) / SEEN_QUERIES
     if not path.is_file():

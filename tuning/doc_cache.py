@@ -1,7 +1,7 @@
 """The frozen text tower, used once: document embeddings computed once and cached.
 
 Documents never change during query-tower tuning, so they are embedded a single time by the
-document tower (:func:`qswap.encoders.documents.document_encoder`, fp32) and stored as float16 ``.npy`` under
+document tower (:func:`qswap.encoders.runtime.documents.document_encoder`, fp32) and stored as float16 ``.npy`` under
 ``<cache>/<space fingerprint>/<sha256 of the texts>.npy`` with a JSON record of the space.
 A cached file is used only if its recorded space equals the base's space. Documents a
 qswap index already holds can instead take the index's stored embeddings
@@ -22,7 +22,7 @@ import numpy as np
 
 from qswap.atomic import atomic_write_bytes, atomic_write_json
 from qswap.encoders import BaseEncoder
-from qswap.encoders.documents import document_encoder
+from qswap.encoders.runtime.documents import document_encoder
 from qswap.errors import IntegrityError
 from qswap.paths import data_dir
 from qswap.space import EmbeddingSpace

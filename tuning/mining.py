@@ -13,21 +13,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from qswap.encoders import BaseEncoder
 from qswap.errors import InvalidInputError
+from qswap.index import IndexBackend
 from qswap.tuning.data import Sample
 from qswap.tuning.progress import encode_with_progress
 from qswap.tuning.doc_cache import DocTable, StoredEmbeddings
-
-
-class SearchIndex(Protocol):
-    """What mining needs of ``qswap.index.DocumentIndex``."""
-
-    def search(self, q_emb: np.ndarray, k: int) -> list[list[Any]]: ...
 
 
 @dataclass
@@ -70,11 +65,9 @@ def keep_negatives(cand_rows: Sequence[int], cand_scores: Sequence[float], posit
     return out
 
 
-def _candidates_from_index(index: SearchIndex, base: BaseEncoder, q_emb: np.ndarray, table: DocTable, k: int,
+def _candidates_from_index(index: IndexBackend, base: BaseEncoder, q_emb: np.ndarray, table: DocTable, k: int,
                            by_id: bool) -> list[list[int]]:
-    space = getattr(index, "space", None)
-    if space is not None:
-        base.space.require_same(space, "mining index")
+    base.space.require_same(index.space, "mining index")
     hits = index.search(q_emb, k)
     out = []
     for row_hits in hits:
@@ -89,7 +82,7 @@ def _candidates_from_index(index: SearchIndex, base: BaseEncoder, q_emb: np.ndar
     return out
 
 
-def mine_negatives(samples: list[Sample], base: BaseEncoder, table: DocTable, *, index: SearchIndex | None = None,
+def mine_negatives(samples: list[Sample], base: BaseEncoder, table: DocTable, *, index: IndexBackend | None = None,
                    k: int = 30, n_negatives: int = 1, cutoff: float | None = 0.95,
                    cache_dir: Path | None = None, by_id: bool = False, progress: bool = True,
                    stored: StoredEmbeddings | None = None, chunk: int = 256,

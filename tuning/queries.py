@@ -5,7 +5,7 @@ in training), the language matrix and the guard (base and tuned). :class:`QueryT
 tokenises each text once and hands out token ids (for the training tower's torch forward,
 :meth:`QueryTokens.batch`, and for ONNX Runtime). :class:`FastQueries` runs the base and the
 tuned encoder on ONNX Runtime through the serving path's own backend
-(:class:`qswap.encoders.onnx.OnnxBackend`: merged export, fused graph, checked against torch
+(:class:`qswap.encoders.runtime.onnx.OnnxBackend`: merged export, fused graph, checked against torch
 to cosine >= 0.99999 on probe texts when exported), and memoises the base's vectors by text,
 so queries mining encoded are never encoded again by the evaluation. Exports are cached by
 content digest (``<data dir>/onnx-cache`` by default): the base is exported once per machine,
@@ -88,7 +88,7 @@ class FastQueries:
         self._base_memo: dict[str, np.ndarray] = {}
         if enabled:
             try:
-                from qswap.encoders.onnx import OnnxBackend
+                from qswap.encoders.runtime.onnx import OnnxBackend
                 self.backend = OnnxBackend(self.pool, export_dir or default_export_dir())
             except ImportError as e:   # onnxruntime is a core dependency; a broken install falls back
                 self.runtime[BASE_KEY] = f"torch (no ONNX Runtime: {e})"

@@ -25,6 +25,31 @@ from qswap.errors import InvalidInputError
 from qswap.guard.stats import compare_counts, improvement
 
 
+NDCG_K = 10
+_DISCOUNTS = 1.0 / np.log2(np.arange(2, NDCG_K + 2))
+
+
+def ndcg_at_10(ranked_grades: np.ndarray | Sequence[float], relevant_grades: np.ndarray | Sequence[float]) -> float:
+    """nDCG@10 with linear gains (as trec_eval): the one definition the guard, tuning and the
+    benchmarks score with.
+
+    Args:
+        ranked_grades: the grades of the ranking's documents, best first (0 for a document
+            with no judgement); only the first 10 count.
+        relevant_grades: the grades of every judged document of the query (the ideal ranking
+            sorts the positive ones).
+
+    Returns:
+        DCG@10 over the ideal DCG@10; 0.0 when no document is relevant.
+    """
+    gains = np.asarray(ranked_grades, dtype=np.float64)[:NDCG_K]
+    ideal = np.sort(np.asarray(relevant_grades, dtype=np.float64))[::-1][:NDCG_K]
+    ideal = ideal[ideal > 0]
+    if not ideal.size:
+        return 0.0
+    return float((gains * _DISCOUNTS[:len(gains)]).sum() / (ideal * _DISCOUNTS[:len(ideal)]).sum())
+
+
 @dataclass
 class RankingMetrics:
     """Averages over queries, plus the raw counts the Z-test needs."""
@@ -106,13 +131,10 @@ class _Accumulator:
         hit = bool(ranks[0] == 1)
         s["p_at_1"] += hit
         m.hits_at_1 += hit
-        k = min(10, len(sim))
+        k = min(NDCG_K, len(sim))
         top = np.argpartition(-sim, k - 1)[:k] if k < len(sim) else np.arange(len(sim))
         top = top[np.lexsort((top, -sim[top]))]
-        gains = grades[top].astype(np.float64)
-        ideal = np.sort(grades[rel].astype(np.float64))[::-1][:10]
-        disc = 1.0 / np.log2(np.arange(2, 12))
-        ndcg = float((gains * disc[:len(gains)]).sum() / (ideal * disc[:len(ideal)]).sum())
+        ndcg = ndcg_at_10(grades[top], grades[rel])
         s["ndcg_at_10"] += ndcg
         pq["ndcg_at_10"].append(ndcg)
         for kk in self.ks:

@@ -9,7 +9,9 @@ open, and a query must come from the same embedding space.
     idx = open_index("milvus://milvus.internal:19530?collection=docs")  # Milvus server
 
 :class:`IndexBackend` is what the server and the tools use: search with metadata filters,
-add / upsert / delete by external id, reads by id, ``info()`` (stats) and ``close()``.
+add / upsert / delete by external id, reads by id, the open generation's ``manifest``,
+``config`` and ``space``, ``info()`` (stats) and ``close()`` (also as a context manager).
+Callers type against it and open through :func:`open_index`, never probing for attributes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from qswap.index.config import IndexConfig
 from qswap.index.corpus import Document
 from qswap.index.hit import FilterValue, Hit
 from qswap.space import EmbeddingSpace
@@ -32,13 +35,28 @@ class IndexBackend(Protocol):
     """A document index of one embedding space (FAISS folder or Milvus collection)."""
 
     @property
-    def space(self) -> EmbeddingSpace: ...
+    def space(self) -> EmbeddingSpace:
+        """Embedding space of the stored documents (queries must come from the same one)."""
 
     @property
-    def count(self) -> int: ...
+    def config(self) -> IndexConfig:
+        """The index options of the open generation."""
 
     @property
-    def full_dim(self) -> int: ...
+    def manifest(self) -> dict[str, Any]:
+        """The open generation's manifest: space, options and ``build`` facts (model, precision)."""
+
+    @property
+    def count(self) -> int:
+        """Live documents."""
+
+    @property
+    def dim(self) -> int:
+        """Dimensions kept in the vector index (Matryoshka prefix)."""
+
+    @property
+    def full_dim(self) -> int:
+        """Dimensions of queries and stored embeddings."""
 
     def search(self, queries: np.ndarray, k: int, filter: dict[str, FilterValue] | None = None,
                with_text: bool = True) -> list[list[Hit]]: ...
@@ -62,6 +80,10 @@ class IndexBackend(Protocol):
 
     def close(self) -> None: ...
 
+    def __enter__(self) -> IndexBackend: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
 
 def is_milvus(location: str | Path) -> bool:
     """True for a ``milvus://`` index location."""
@@ -84,7 +106,7 @@ def open_index(location: str | Path, *, read_only: bool = False, expected_space:
         The index, behind the :class:`IndexBackend` interface.
     """
     if is_milvus(location):
-        from qswap.index.backends.milvus import MilvusIndex
+        from qswap.index.backends.milvus.collection import MilvusIndex
         return MilvusIndex.open_location(str(location), read_only=read_only, expected_space=expected_space)
-    from qswap.index.backends.faiss import DocumentIndex
+    from qswap.index.backends.faiss.index import DocumentIndex
     return DocumentIndex.open(Path(location), read_only=read_only, expected_space=expected_space, verify=verify)

@@ -12,8 +12,8 @@ from qswap.space import EmbeddingSpace
 
 
 class BackendCommon:
-    """Shared part of :class:`~qswap.index.backends.faiss.DocumentIndex` and
-    :class:`~qswap.index.backends.milvus.MilvusIndex` (both set ``_space`` and ``_config``)."""
+    """Shared part of :class:`~qswap.index.backends.faiss.index.DocumentIndex` and
+    :class:`~qswap.index.backends.milvus.collection.MilvusIndex` (both set ``_space`` and ``_config``)."""
 
     _space: EmbeddingSpace
     _config: IndexConfig

@@ -6,7 +6,7 @@ import json
 import random
 
 from qswap.beir import read_corpus
-from qswap.bench.loop import CascadeUser, ab_impressions_to_decide, impressions_to_decide, ndcg_at_10
+from qswap.bench.loop import CascadeUser, ab_impressions_to_decide, impressions_to_decide, served_ndcg
 from qswap.cli import main
 from qswap.index import Document, create_index
 
@@ -25,8 +25,8 @@ def test_decision_rules():
     assert impressions_to_decide(lambda n: 0, 0.05, 10, 1000) is None        # ties only
     rng = random.Random(0)
     assert ab_impressions_to_decide(lambda n, arm: arm == "B", rng, 0.05, 10, 1000) is not None
-    assert ndcg_at_10(["x", "a"], {"a": 1}) == 1 / __import__("math").log2(3)
-    assert ndcg_at_10(["a"], {"a": 1}) == 1.0
+    assert served_ndcg(["x", "a"], {"a": 1}) == 1 / __import__("math").log2(3)
+    assert served_ndcg(["a"], {"a": 1}) == 1.0
 
 
 def test_bench_loop_runs_every_phase(tiny_model_dir, tiny_base, tmp_path):

@@ -30,9 +30,9 @@ def test_torch_matches_numpy_and_full_width_is_untouched():
 
 
 def test_index_uses_the_same_function_and_bad_dims_are_refused():
-    import qswap.index.backends.milvus as milvus
-    import qswap.index.faiss_index as faiss_index
-    import qswap.index.search as search
+    import qswap.index.backends.milvus.collection as milvus
+    import qswap.index.backends.faiss.faiss_index as faiss_index
+    import qswap.index.backends.faiss.search as search
     assert faiss_index.truncate is truncate and search.truncate is truncate and milvus.truncate is truncate
     for dim in (0, 9):
         with pytest.raises(InvalidInputError):

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from qswap.encoders import BaseEncoder, save_encoder
+from qswap.bench.data.encoders import perturbed_encoder, random_lora_encoder
+from qswap.encoders import BaseEncoder
 
 
 def random_peft_lora(base: BaseEncoder, seed: int, r: int = 4, targets: tuple[str, ...] = ("query", "value")):
@@ -39,22 +40,14 @@ def noisy(tensors: dict[str, torch.Tensor], scale: float, seed: int) -> dict[str
 def make_lora(base: BaseEncoder, out: Path, name: str, seed: int, r: int = 4,
               targets: tuple[str, ...] = ("query", "value"), version: str = "1") -> Path:
     """A LoRA encoder saved in peft's format with non-zero random B (so it changes outputs)."""
-    model = random_peft_lora(base, seed, r, targets)
-    tmp = out.parent / f".peft-{name}-{seed}"
-    model.save_pretrained(str(tmp))
-    save_encoder(out, name=name, version=version, kind="lora", space=base.space, lora_dir=tmp)
-    return out
+    return random_lora_encoder(base, out, name, rank=r, seed=seed, scale=0.2, alpha=2 * r, targets=targets,
+                               version=version)
 
 
 def make_overrides(base: BaseEncoder, out: Path, name: str, kind: str, seed: int,
                    version: str = "1") -> Path:
     """A bias (all biases) or partial (last block) encoder with perturbed tensors."""
-    last = f"encoder.layer.{base.model.config.num_hidden_layers - 1}."
-    tensors = noisy({n: p for n, p in base.model.named_parameters()
-                     if (kind == "bias" and n.endswith(".bias")) or (kind == "partial" and n.startswith(last))},
-                    0.1, seed)
-    save_encoder(out, name=name, version=version, kind=kind, space=base.space, tensors=tensors)
-    return out
+    return perturbed_encoder(base, out, name, kind=kind, scale=0.1, seed=seed, version=version)
 
 
 def lora_parts(base: BaseEncoder, seed: int = 0, r: int = 4,

@@ -167,3 +167,19 @@ def test_kind_plugins_registry_and_their_save_checks(tiny_base, tmp_path):
     # the same tensor is a valid partial encoder
     save_encoder(tmp_path / "p", name="p", version="1", kind="partial", space=tiny_base.space, tensors=w)
     assert load_encoder(tmp_path / "p", tiny_base.space).overrides.keys() == w.keys()
+
+
+def test_complete_encoder_publishes_a_draft_without_rewriting_it(tiny_base, tmp_path):
+    from qswap.encoders import complete_encoder
+
+    draft = make_overrides(tiny_base, tmp_path / "work" / "draft", "d", "bias", seed=3)
+    tensors = {n: (draft / n).read_bytes() for n in read_encoder_manifest(draft).files}
+    (tmp_path / "report.md").write_text("# report")
+    out = tmp_path / "enc"
+    m = complete_encoder(draft, out, training={"steps": 3}, guard={"passed": True, "checks": []},
+                         extra_files=[tmp_path / "report.md"])
+    assert not draft.exists()                                          # consumed: moved, not copied
+    art = load_encoder(out, tiny_base.space)                           # checksums verify
+    assert art.manifest.training == {"steps": 3} and art.manifest.guard["passed"] is True
+    assert set(m.files) == set(tensors) | {"report.md"}
+    assert all((out / n).read_bytes() == b for n, b in tensors.items())

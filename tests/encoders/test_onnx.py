@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from qswap.encoders import BASE_KEY, EncoderPool, load_base, load_encoder, save_encoder
-from qswap.encoders import onnx as onnx_backend
-from qswap.encoders.onnx import META_FILE, OnnxBackend
-from qswap.encoders.onnx_export import EMBEDDINGS_FILE, MODEL_FILE
+from qswap.encoders.runtime import onnx as onnx_backend
+from qswap.encoders.runtime.onnx import META_FILE, OnnxBackend
+from qswap.encoders.runtime.onnx_export import EMBEDDINGS_FILE, MODEL_FILE
 from qswap.errors import InvalidInputError, NotFoundError
 
 from .adapters import make_lora, make_overrides, noisy

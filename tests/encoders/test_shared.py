@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
-from qswap.encoders import shared as shared_mod
-from qswap.encoders.backend import BACKENDS, make_backend
+from qswap.encoders.runtime import shared as shared_mod
+from qswap.encoders.runtime.backend import BACKENDS, make_backend
 from qswap.encoders.embedding import length_buckets
-from qswap.encoders.shared import SharedBackend, adapter_inputs
-from qswap.encoders.shared_export import SHARED_MODEL_FILE
+from qswap.encoders.runtime.shared import SharedBackend, adapter_inputs
+from qswap.encoders.runtime.shared_export import SHARED_MODEL_FILE
 
 from .adapters import make_lora, make_overrides
 
@@ -226,7 +226,7 @@ def test_bound_inputs_survive_batch_sizes_and_concurrent_runs(two_workers, pool)
 
 
 def test_spread_groups_only_when_work_is_balanced():
-    from qswap.encoders.shared_run import spread_groups
+    from qswap.encoders.runtime.shared_run import spread_groups
 
     assert spread_groups([16, 16, 16], groups=3, workers=2)
     assert not spread_groups([16, 16, 16], groups=3, workers=1)     # one worker: in turn
@@ -320,8 +320,8 @@ def test_factors_beyond_half_range_keep_float32(tiny_base, pool, tmp_path):
 
     from qswap.encoders import save_encoder
 
-    make_lora(tiny_base, tmp_path / "big0", "big", seed=5, r=4)
-    peft = next(tmp_path.glob(".peft-big-*"))
+    peft = make_lora(tiny_base, tmp_path / "big0", "big", seed=5, r=4)   # its files are peft's
+    (peft / "manifest.json").unlink()
     state = load_file(str(peft / "adapter_model.safetensors"))
     save_file({k: v * (1e6 if "lora_A" in k else 1e-6) for k, v in state.items()}, str(peft / "adapter_model.safetensors"))
     path = tmp_path / "big"

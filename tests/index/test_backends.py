@@ -61,7 +61,7 @@ class Backend:
         self.location = self._new_location()
         if self.kind == "faiss":
             return create_index(self.location, docs, x, space, config)
-        from qswap.index.backends.milvus import create_collection, parse_location
+        from qswap.index.backends.milvus.collection import create_collection, parse_location
         uri, coll = parse_location(self.location)
         return create_collection(uri, coll, docs, x, space, config)
 
@@ -70,7 +70,7 @@ class Backend:
         if self.kind == "faiss":
             return build_index(corpus, self.location, hash_embed, make_space(), on_bad_line=on_bad_line,
                                progress=False)
-        from qswap.index.backends.milvus import build_collection, parse_location
+        from qswap.index.backends.milvus.collection import build_collection, parse_location
         uri, coll = parse_location(self.location)
         return build_collection(corpus, uri, coll, hash_embed, make_space(), on_bad_line=on_bad_line,
                                 progress=False)
@@ -83,7 +83,7 @@ class Backend:
             return Path(self.location).exists()
         from pymilvus import MilvusClient
 
-        from qswap.index.backends.milvus import parse_location
+        from qswap.index.backends.milvus.collection import parse_location
         uri, coll = parse_location(str(self.location))
         c = MilvusClient(uri)
         try:
@@ -264,3 +264,15 @@ def test_bad_corpus_lines(backend, tmp_path):
         info = idx.info()
         assert info["build"]["n_bad_lines"] == 2 and info["documents"] == 20
         assert idx.search(hash_embed([rows[12]["text"]]), 1)[0][0].id == "d12"
+
+
+def test_every_backend_has_the_whole_interface(backend):
+    """Callers never probe: each member the protocol names answers on both backends, and the
+    manifest, config and space agree with what was built."""
+    members = [n for n, v in vars(IndexBackend).items()
+               if (not n.startswith("_") or n in ("__enter__", "__exit__")) and (callable(v) or isinstance(v, property))]
+    assert {"manifest", "config", "dim", "space", "search", "close"} <= set(members)
+    with backend.create(corpus_docs(20), IndexConfig(dim=16, kind="flat", quant="sq8")) as idx:
+        assert all(hasattr(idx, n) for n in members), [n for n in members if not hasattr(idx, n)]
+        assert idx.manifest["space"] == idx.space.to_dict()
+        assert idx.config.dim == idx.dim == 16 and idx.full_dim == idx.space.dim

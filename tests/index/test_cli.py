@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from qswap.encoders.runtime.embedder import Embedder
 from qswap.index import cli
 
 
@@ -14,7 +15,7 @@ def fake_model(monkeypatch, space, embed):
 
     def load(model, precision="fp32", runtime=None, threads=None):
         loaded.append(model)
-        return cli.Embedder(model, space, embed, embed)
+        return Embedder(model, space, embed, embed)
 
     monkeypatch.setattr(cli, "load_embedder", load)
     return loaded
@@ -100,7 +101,7 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, jsonl, records, capsys, fake_m
     code, _, err = run(capsys, "reindex", tmp_path / "idx")
     assert code == 2 and "no index option" in err
 
-    monkeypatch.setattr(cli, "load_embedder", lambda m, **kw: cli.Embedder(m, other_space(weights="f"), embed, embed))
+    monkeypatch.setattr(cli, "load_embedder", lambda m, **kw: Embedder(m, other_space(weights="f"), embed, embed))
     code, _, err = run(capsys, "search", tmp_path / "idx", "x")
     assert code == 2 and "embedding space differs in weights_sha256" in err
 

@@ -4,7 +4,7 @@ import pytest
 
 from qswap.errors import InvalidInputError
 from qswap.index import IndexConfig
-from qswap.index.faiss_index import plan
+from qswap.index.backends.faiss.faiss_index import plan
 
 
 def test_defaults_by_corpus_size():

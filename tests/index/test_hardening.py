@@ -12,7 +12,7 @@ import pytest
 
 from qswap.errors import ConflictError, InvalidInputError
 from qswap.index import Document, DocumentIndex, IndexConfig, create_index
-from qswap.index.docstore import MAX_FILTER_FIELDS
+from qswap.index.checks import MAX_FILTER_FIELDS
 from qswap.index.errors import IndexCorruptError
 
 

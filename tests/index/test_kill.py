@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from qswap.index import Document, DocumentIndex, IndexConfig, build_index, create_index
-from qswap.index import faiss_index
+from qswap.index.backends.faiss import faiss_index
 from qswap.index.build import staging_dir
 
 CHILD = textwrap.dedent('''
@@ -44,7 +44,8 @@ CHILD = textwrap.dedent('''
         # Hold the process right after a commit's manifest rename, before it reports the
         # commit: the parent kills it there (the window random kills rarely hit).
         import threading
-        from qswap.index import commit, manifest
+        from qswap.index import manifest
+        from qswap.index.backends.faiss import commit
         def write_then_pause(root, m):
             manifest.write_manifest(root, m)
             print("manifest-written", m["generation"], flush=True)
@@ -211,10 +212,10 @@ STEP_CHILD = textwrap.dedent('''
     import hashlib, os, sys
     import numpy as np
     from qswap.index import Document, DocumentIndex
-    from qswap.index import faiss_index
-    from qswap.index import commit
-    from qswap.index.docstore import DocStore
-    from qswap.index.embeddings import EmbeddingStore
+    from qswap.index.backends.faiss import faiss_index
+    from qswap.index.backends.faiss import commit
+    from qswap.index.backends.faiss.docstore import DocStore
+    from qswap.index.backends.faiss.embeddings import EmbeddingStore
 
     def vec(text):
         seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")

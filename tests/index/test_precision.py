@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from qswap.encoders.runtime.embedder import Embedder, document_embedder
 from qswap.index import IndexConfig, build_index, cli
 from qswap.index.build import staging_dir
 from qswap.index.manifest import documents_precision, require_precision
@@ -58,7 +59,7 @@ def precise_model(monkeypatch, space, embed):
 
     def load(model, precision="fp32", runtime=None, threads=None):
         loaded.append((model, precision))
-        return cli.Embedder(model, space, embed, embed, {"precision": precision, "runtime": runtime or ("onnx" if precision == "fp32" else "torch")})
+        return Embedder(model, space, embed, embed, {"precision": precision, "runtime": runtime or ("onnx" if precision == "fp32" else "torch")})
 
     monkeypatch.setattr(cli, "load_embedder", load)
     return loaded
@@ -81,8 +82,8 @@ def test_cli_add_keeps_the_index_precision(tmp_path, corpus, jsonl, capsys, prec
 
 
 def test_load_embedder_uses_the_document_tower(tiny_model_dir):
-    from qswap.encoders.documents import DocumentEncoder
+    from qswap.encoders.runtime.documents import DocumentEncoder
     emb = cli.load_embedder(str(tiny_model_dir), precision="bf16")
     assert isinstance(emb.documents, DocumentEncoder) and emb.record["precision"] == "bf16"
-    ray_embed = cli.document_embedder(str(tiny_model_dir), "fp32", None, 1)   # what each Ray actor builds
+    ray_embed = document_embedder(str(tiny_model_dir), "fp32", None, 1)   # what each Ray actor builds
     assert isinstance(ray_embed, DocumentEncoder) and ray_embed.threads == 1 and ray_embed.runtime == "onnx"

@@ -8,7 +8,7 @@ import pytest
 
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError
 from qswap.index import Document, DocumentIndex, IndexConfig, create_index
-from qswap.index import commit as store_mod
+from qswap.index.backends.faiss import commit as store_mod
 
 KINDS = [IndexConfig(kind="flat", quant="sq8", dim=16), IndexConfig(kind="hnsw", quant="fp16"),
          IndexConfig(kind="ivf", quant="sq8", nprobe=64)]

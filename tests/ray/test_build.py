@@ -13,7 +13,7 @@ from qswap.index.build import staging_dir
 
 
 def _tiny_embed(model_dir: str):
-    from qswap.index.cli import document_embedder
+    from qswap.encoders.runtime.embedder import document_embedder
     return document_embedder(model_dir)
 
 

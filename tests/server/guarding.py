@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import torch
 
+from qswap.bench.data.encoders import perturbed_encoder
 from qswap.encoders import save_encoder
 
 from .conftest import WORDS
@@ -28,18 +28,11 @@ def wait_verdict(srv: Any, c: httpx.Client, key: str, timeout: float = 120.0) ->
     return info
 
 
-def bias_tensors(tiny_base: Any, scale: float, seed: int) -> dict[str, torch.Tensor]:
-    """Every bias of the base moved by ``scale`` x noise: 3.0 ruins retrieval, 1e-4 changes nothing."""
-    g = torch.Generator().manual_seed(seed)
-    return {n: p.detach() + scale * torch.randn(p.shape, generator=g)
-            for n, p in tiny_base.model.named_parameters() if n.endswith(".bias")}
-
-
 def save_bias(root: Path, folder: str, name: str, version: str, tiny_base: Any, scale: float, seed: int = 3,
               guard: dict | None = None) -> Path:
-    save_encoder(root / folder, name=name, version=version, kind="bias", space=tiny_base.space,
-                 tensors=bias_tensors(tiny_base, scale, seed), guard=guard)
-    return root / folder
+    """Every bias of the base moved by ``scale`` x noise: 3.0 ruins retrieval, 1e-4 changes nothing."""
+    return perturbed_encoder(tiny_base, root / folder, name, kind="bias", scale=scale, seed=seed, version=version,
+                             guard=guard)
 
 
 def build_guard_data(tmp: Path, tiny_base: Any) -> dict[str, Path]:

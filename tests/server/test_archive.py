@@ -1,4 +1,4 @@
-"""server/archive.py: archive layouts, refusals, bounded headers, the extraction deadline."""
+"""server/intake.py (uploads): archive layouts, refusals, bounded headers, the extraction deadline."""
 
 from __future__ import annotations
 

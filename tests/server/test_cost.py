@@ -141,7 +141,7 @@ def test_a_request_over_the_token_limit_is_refused_and_one_within_it_is_served(b
 
 
 def test_hits_are_cut_and_flagged_and_the_whole_answer_is_bounded(bounded):
-    from qswap.server.models import SearchResponse
+    from qswap.answers import SearchResponse
 
     big_text = "chess " * 20000                   # ~120 kB: cut to 128 characters
     big_meta = {"blob": "x" * 500, "n": 1}        # over 96 bytes: left out

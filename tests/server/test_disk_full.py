@@ -54,7 +54,7 @@ class Disk:
                         assert e.errno == errno.ENOSPC
             return
         import qswap.atomic as atomic
-        import qswap.index.docstore as docstore
+        import qswap.index.backends.faiss.docstore as docstore
 
         def full(*a, **kw):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -10,7 +10,7 @@ from .conftest import ADMIN, LiveServer, server_settings
 
 
 def test_upserts_use_the_document_tower_at_the_index_precision(tmp_path, tiny_base, tiny_model_dir, corpus_docs):
-    from qswap.encoders.documents import DocumentEncoder
+    from qswap.encoders.runtime.documents import DocumentEncoder
     from qswap.index import DocumentIndex, build_index
 
     corpus = tmp_path / "corpus.jsonl"

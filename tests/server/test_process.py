@@ -94,6 +94,7 @@ def test_sigkill_during_registration_and_upsert_loses_no_acknowledged_write(tmp_
     for round_ in range(2):
         srv = ServerProcess(tmp_path, tiny_model_dir, private_index).wait_ready()
         stop = threading.Event()
+        registered, upserted = Counter(), Counter()   # this round's acknowledged writes
 
         def register() -> None:
             nonlocal next_encoder
@@ -107,6 +108,7 @@ def test_sigkill_during_registration_and_upsert_loses_no_acknowledged_write(tmp_
                     if r.status_code in (200, 201):
                         acked_encoders.append(r.json()["encoder"]["key"])
                         next_encoder += 1
+                        registered.add()
 
         def upsert() -> None:
             n = 0
@@ -120,12 +122,17 @@ def test_sigkill_during_registration_and_upsert_loses_no_acknowledged_write(tmp_
                         return
                     if r.status_code == 200:
                         acked_docs.append(doc_id)
+                        upserted.add()
                     n += 1
 
         threads = [threading.Thread(target=register), threading.Thread(target=upsert)]
         for t in threads:
             t.start()
-        time.sleep(rng.uniform(0.5, 2.0))
+        # A handshake, not a sleep: kill once this round has acknowledged writes of both kinds
+        # (a random number of them), while both loops keep requests in flight.
+        assert registered.wait_for(rng.randint(1, 3), timeout=120) and upserted.wait_for(rng.randint(1, 3),
+                                                                                         timeout=120), \
+            (registered.value, upserted.value, srv.log_path.read_text()[-2000:])
         srv.kill(signal.SIGKILL)   # mid-request: an upload is being extracted or registered
         stop.set()
         for t in threads:

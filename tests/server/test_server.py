@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from qswap.server.models import SearchResponse
+from qswap.answers import SearchResponse
 
 from ..encoders.adapters import make_lora, make_overrides
 from ..handshake import Counter
@@ -545,8 +545,42 @@ def test_not_ready_answers_503(tmp_path, tiny_model_dir):
             r = c.post("/v1/search", json={"query": "x"})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert c.get("/healthz").status_code == 200
+            # Every route that needs the index or an encoder answers 503 through the one dependency...
+            for method, path, body in [("GET", "/v1/encoders", None), ("GET", "/v1/encoders/base", None),
+                                       ("GET", "/v1/aliases", None), ("GET", "/v1/info", None),
+                                       ("GET", "/v1/models", None), ("GET", "/tei/base/info", None),
+                                       ("POST", "/v1/embeddings", {"input": "x", "model": "base"}),
+                                       ("GET", "/v1/experiments", None)]:
+                r = c.request(method, path, json=body)
+                assert r.status_code == 503 and r.json()["error"] == "not_ready", (path, r.text)
+            # ...after authentication: an admin route answers 401 without a token, 503 with one.
+            assert c.delete("/v1/aliases/games").status_code == 401
+        with srv.client(ADMIN) as c:
+            r = c.delete("/v1/aliases/games")
+            assert r.status_code == 503 and r.json()["error"] == "not_ready", r.text
     finally:
         srv.stop()
+
+
+def test_every_route_that_serves_depends_on_readiness():
+    """One readiness dependency, and no route that reads the index or an encoder without it."""
+    from fastapi.routing import APIRoute
+
+    from qswap.server import (documents_api, embeddings_api, encoders_api, feedback_api, health_api, search_api,
+                              tei_api)
+    from qswap.server.responses import ready_state
+
+    def calls(dependant):
+        for dep in dependant.dependencies:
+            yield dep.call
+            yield from calls(dep)
+
+    unguarded = {"/healthz", "/readyz", "/metrics", "/v1/documents/jobs/{job_id}"}
+    routes = [r for m in (documents_api, embeddings_api, encoders_api, feedback_api, health_api, search_api, tei_api)
+              for r in m.router.routes if isinstance(r, APIRoute)]
+    assert len(routes) > 20
+    for route in routes:
+        assert (ready_state in set(calls(route.dependant))) == (route.path not in unguarded), route.path
 
 
 def test_cli_serve_refusals_and_openapi(tmp_path, monkeypatch):

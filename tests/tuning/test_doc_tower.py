@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from qswap.encoders.documents import document_encoder
+from qswap.encoders.runtime.documents import document_encoder
 from qswap.tuning.cli import register
 from qswap.tuning.doc_cache import embed_documents
 

@@ -16,7 +16,7 @@ from qswap.index import Document, create_index
 from qswap.tuning.cli import register
 from qswap.tuning.data import read_beir
 from qswap.tuning.feedback import export_feedback
-from qswap.tuning.run import SEEN_QUERIES
+from qswap.tuning.config import SEEN_QUERIES
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from qswap.encoders import EncoderPool, load_encoder, read_encoder_manifest
+from qswap.encoders import EncoderPool, load_encoder, read_encoder_manifest, save_encoder
 from qswap.errors import GuardRefusedError, InvalidInputError
 from qswap.tuning.cli import register
 from qswap.guard.checks import check_guard
@@ -24,7 +24,10 @@ def cli(*argv: str) -> int:
 
 
 def test_triplets_run_writes_a_loadable_encoder_and_a_failed_guard(tiny_base, tiny_model_dir, tuning_data,
-                                                                   tmp_path, capsys):
+                                                                   tmp_path, capsys, monkeypatch):
+    import qswap.tuning.export as export
+    saved = []   # the encoder is saved once (a draft, evaluated as saved, then published)
+    monkeypatch.setattr(export, "save_encoder", lambda out, **kw: saved.append(out) or save_encoder(out, **kw))
     out = tmp_path / "enc"
     assert cli("tune", "run", "--base", str(tiny_model_dir), "--train", str(tuning_data["train"]),
                "--out", str(out), "--cache-dir", str(tmp_path / "cache"), *FAST,
@@ -35,6 +38,7 @@ def test_triplets_run_writes_a_loadable_encoder_and_a_failed_guard(tiny_base, ti
     assert "queries dropped" not in printed          # nothing dropped: triplets carry their negatives
     art = load_encoder(out, expected_space=tiny_base.space)
     assert art.manifest.kind == "partial" and art.manifest.name == "enc"
+    assert len(saved) == 1 and not saved[0].exists()   # the draft was moved into place, not copied
     assert art.manifest.training["best_epoch"] > 0
     assert {"report.json", "report.md", "learning_curves.png"} <= set(art.manifest.files)
     guard = art.manifest.guard

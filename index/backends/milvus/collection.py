@@ -10,9 +10,8 @@ Options map to Milvus index types (:func:`milvus_index`): flat -> FLAT; ivf -> I
 IVF_SQ8 / IVF_PQ; hnsw -> HNSW / HNSW_SQ / HNSW_PQ. With rescoring on, ``k * oversample``
 candidates come back with their full vectors and are re-ranked by exact cosine here.
 
-Metadata equality filters become Milvus boolean expressions; every field name and string
-value is written as an escaped string literal (:func:`filter_expr`), so a value can never
-change the expression's structure. Ids in ``id in [...]`` expressions are escaped the same way.
+Metadata equality filters and id lists become Milvus boolean expressions built by
+:mod:`qswap.index.backends.milvus.expr` (the injection defence, alone in its module).
 
 Locations: ``milvus://PATH.db?collection=NAME`` (milvus-lite, a local file) or
 ``milvus://HOST:PORT?collection=NAME`` (a Milvus server; ``milvus+https://`` for TLS); a token
@@ -38,14 +37,13 @@ import qswap
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapError
 from qswap.index.config import IndexConfig
 from qswap.index.corpus import BadLine, Document, check_documents, iter_corpus
-from qswap.index.docstore import check_filter, check_ids
+from qswap.index.checks import as_queries, check_ids, normalize_rows
 from qswap.index.backends.common import BackendCommon
-from qswap.index.embeddings import normalize_rows
+from qswap.index.backends.milvus.expr import filter_expr, ids_expr, tags
 from qswap.matryoshka import truncate
 from qswap.index.errors import IndexCorruptError
 from qswap.index.hit import FilterValue, Hit
 from qswap.index.manifest import now_iso
-from qswap.index.search import as_queries
 from qswap.space import EmbeddingSpace
 
 log = logging.getLogger("qswap.index")
@@ -96,64 +94,6 @@ def _client(uri: str) -> Any:
     except Exception as e:  # noqa: BLE001 - pymilvus raises several unrelated types when it cannot connect
         raise NotFoundError(f"cannot connect to Milvus at {uri} ({type(e).__name__}: {str(e)[:200]})",
                             "check the URI (a .db path for milvus-lite, http://host:19530 for a server)") from None
-
-
-# ---------------------------------------------------------------------- expressions
-_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def quote(value: str) -> str:
-    """A Milvus string literal of ``value``: backslash and quote escaped, so it stays one literal.
-
-    Milvus's parser knows no ``\\u`` escapes: other control characters are refused.
-    """
-    out = []
-    for ch in value:
-        if ch in _ESCAPES:
-            out.append(_ESCAPES[ch])
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            raise InvalidInputError(f"{value[:40]!r} holds control character {ch!r}, which Milvus expressions "
-                                    "cannot carry", "remove control characters from filter values and ids")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
-
-
-def type_tag(value: Any) -> str | None:
-    """A metadata scalar as a typed string ("s:games", "n:2001", "b:true", "z:"): Milvus compares
-    JSON booleans and numbers loosely (``true == 1``); comparing typed strings keeps filters
-    strict, as in the FAISS backend (1 and 1.0 are the same number there too)."""
-    if isinstance(value, bool):
-        return "b:true" if value else "b:false"
-    if value is None:
-        return "z:"
-    if isinstance(value, int):
-        return f"n:{value}"
-    if isinstance(value, float):
-        return f"n:{int(value)}" if value.is_integer() and abs(value) < 2 ** 63 else f"n:{value!r}"
-    if isinstance(value, str):
-        return "s:" + value
-    return None  # lists and objects match no equality filter
-
-
-def _tags(metadata: dict[str, Any]) -> dict[str, str]:
-    return {k: t for k, v in metadata.items() if (t := type_tag(v)) is not None}
-
-
-def filter_expr(flt: dict[str, FilterValue] | None) -> str:
-    """Milvus boolean expression for equality on top-level metadata fields ("" for no filter).
-
-    Types are strict as in the FAISS backend: ``True`` matches JSON ``true`` only, numbers
-    match numbers, strings match strings, ``None`` matches null (see :func:`type_tag`).
-    """
-    if not flt:
-        return ""
-    check_filter(flt)
-    return " and ".join(f"(tags[{quote(field)}] == {quote(str(type_tag(value)))})" for field, value in flt.items())
-
-
-def ids_expr(ids: Iterable[str]) -> str:
-    return f"id in [{', '.join(quote(i) for i in ids)}]"
 
 
 # ---------------------------------------------------------------------- index types
@@ -647,7 +587,7 @@ def _rows(docs: list[Document], x: np.ndarray, dim: int, full_dim: int, full: bo
     pre = truncate(x, dim) if dim < full_dim else np.asarray(x, dtype=np.float32)
     rows = []
     for n, d in enumerate(docs):
-        r = {"id": d.id, "vec": pre[n].tolist(), "text": d.text, "meta": d.metadata, "tags": _tags(d.metadata)}
+        r = {"id": d.id, "vec": pre[n].tolist(), "text": d.text, "meta": d.metadata, "tags": tags(d.metadata)}
         if full:
             r["full"] = np.asarray(x[n], dtype=np.float32).tolist()
         rows.append(r)

@@ -1,7 +1,7 @@
 """ONNX Runtime backend for query encoders: the fast path of a search's query embedding.
 
 Each encoder of an :class:`~qswap.encoders.pool.EncoderPool` (base + adapter, merged) is
-exported once to ONNX (:mod:`qswap.encoders.onnx_export`) in a background thread and then
+exported once to ONNX (:mod:`qswap.encoders.runtime.onnx_export`) in a background thread and then
 served by an ONNX Runtime session; until its export is ready, or if it fails, its rows go
 through the pool's torch path, so answers never wait on an export. Same tokenizer, prefix,
 pooling and normalisation as the torch path; fp32 graphs agree with torch to cosine
@@ -42,8 +42,9 @@ from typing import Any
 import numpy as np
 
 from qswap.atomic import atomic_write_json, recover_dir, staged_dir
-from qswap.encoders.onnx_export import (EMBEDDINGS_FILE, EXPORT_FORMAT, MODEL_FILE, encoder_digest,
+from qswap.encoders.runtime.onnx_export import (EMBEDDINGS_FILE, EXPORT_FORMAT, MODEL_FILE, encoder_digest,
                                         export_onnx, own_tensors)
+from qswap.encoders.runtime.backend import EncodeFlagged
 from qswap.encoders.pool import EncoderPool
 from qswap.errors import InvalidInputError, NotFoundError
 
@@ -101,6 +102,8 @@ class OnnxBackend:
     ``spin``: busy-waiting worker threads (see :func:`make_session`). ``batch_size``: rows
     per ONNX Runtime call.
     """
+
+    encode_flagged: EncodeFlagged | None = None   # the server's tokenizer flags truncation
 
     def __init__(self, pool: EncoderPool, cache_dir: Path, threads: int | None = None,
                  providers: list[str] | None = None, fuse: bool = True, spin: bool = True,
@@ -165,6 +168,10 @@ class OnnxBackend:
             except Exception:   # a timeout or a failed export: both answer "not ready"
                 pass
         return self.ready(key)
+
+    def runtime(self, key: str) -> str:
+        """``onnx-merged`` once ``key``'s export serves, ``torch`` (the pool) until then."""
+        return "onnx-merged" if self.ready(key) else "torch"
 
     def memory_bytes(self, key: str) -> int:
         """Bytes ``key``'s session holds once ready (its graph's weights), counted from the start

@@ -27,7 +27,7 @@ import numpy as np
 
 from qswap.index.errors import IndexCorruptError
 from qswap.errors import InvalidInputError
-from qswap.index.corpus import require_utf8
+from qswap.index.checks import check_filter, check_ids, json_path
 
 DOCS_FILE = "docs.sqlite"
 SCHEMA_VERSION = 1
@@ -48,11 +48,6 @@ CREATE UNIQUE INDEX IF NOT EXISTS docs_live_id ON docs(id) WHERE deleted_gen IS 
 CREATE INDEX IF NOT EXISTS docs_id ON docs(id);
 CREATE TABLE IF NOT EXISTS info (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-
-# Metadata fields one filter may compare (each is a SQL condition; SQLite caps expression depth).
-MAX_FILTER_FIELDS = 64
-# SQLite integers are signed 64-bit.
-_INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1
 
 _LIVE = "added_gen <= ? AND (deleted_gen IS NULL OR deleted_gen > ?)"
 
@@ -79,43 +74,6 @@ def _chunks(seq: list[Any], n: int = _IN_BATCH) -> Iterator[list[Any]]:
         yield seq[i:i + n]
 
 
-def _json_path(field: str) -> str:
-    if not isinstance(field, str) or not field or '"' in field or "\\" in field:
-        raise InvalidInputError(f"bad filter field {field!r}",
-                                "filter on a top-level metadata field name without quotes or backslashes")
-    require_utf8(field, "filter field")
-    return f'$."{field}"'
-
-
-def check_filter(flt: Any) -> None:
-    """Refuse filters no backend can evaluate: not an object, too many fields, values out of range."""
-    if not isinstance(flt, dict):
-        raise InvalidInputError("filter must be an object of field: value", 'e.g. {"section": "games"}')
-    if len(flt) > MAX_FILTER_FIELDS:
-        raise InvalidInputError(f"filter compares {len(flt)} fields; at most {MAX_FILTER_FIELDS} are allowed",
-                                "filter on fewer metadata fields")
-    for field, value in flt.items():
-        _json_path(field)
-        if isinstance(value, str):
-            require_utf8(value, f"filter {field!r} value")
-        elif isinstance(value, int) and not isinstance(value, bool) and not _INT_MIN <= value <= _INT_MAX:
-            raise InvalidInputError(f"filter {field}: {value} is outside the signed 64-bit integer range",
-                                    "filter on integers between -2**63 and 2**63-1")
-        elif isinstance(value, float) and not np.isfinite(value):
-            raise InvalidInputError(f"filter {field}: {value} is not a finite number", "use a finite number")
-        elif value is not None and not isinstance(value, (str, int, float, bool)):
-            raise InvalidInputError(f"filter {field}: unsupported value type {type(value).__name__}",
-                                    "filters compare a field with one string, number, boolean or null")
-
-
-def check_ids(ids: list[Any]) -> None:
-    """External ids given to look up or delete: strings UTF-8 can encode."""
-    for i in ids:
-        if not isinstance(i, str):
-            raise InvalidInputError(f"ids must be strings, got {type(i).__name__}", "pass external ids as str")
-        require_utf8(i, "document id")
-
-
 def filter_sql(flt: dict[str, Scalar]) -> tuple[str, list[Any]]:
     """SQL condition (and parameters) for equality on top-level metadata fields.
 
@@ -126,7 +84,7 @@ def filter_sql(flt: dict[str, Scalar]) -> tuple[str, list[Any]]:
     parts: list[str] = []
     params: list[Any] = []
     for field, value in flt.items():
-        path = _json_path(field)
+        path = json_path(field)
         if isinstance(value, bool):
             parts.append("json_type(meta, ?) = ?")
             params += [path, "true" if value else "false"]

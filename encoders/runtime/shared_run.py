@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from qswap.encoders.onnx_export import OUTPUT
+from qswap.encoders.runtime.onnx_export import OUTPUT
 
 
 class BoundFeed:

@@ -16,10 +16,10 @@ from typing import Any
 import faiss
 import numpy as np
 
-import qswap.index.faiss_index as faiss_index
+import qswap.index.backends.faiss.faiss_index as faiss_index
 from qswap.atomic import remove_stale_temps
 from qswap.errors import ConflictError
-from qswap.index.embeddings import EMB_DIR, EmbeddingStore
+from qswap.index.backends.faiss.embeddings import EMB_DIR, EmbeddingStore
 from qswap.index.manifest import FAISS_DIR, MANIFEST
 from qswap.locks import try_lock_exclusive
 

@@ -1,9 +1,9 @@
 """Changing a FAISS-backed DocumentIndex: add / upsert / delete / save as atomic commits, and undo.
 
-Every change is one commit (see :mod:`qswap.index.backends.faiss`): new immutable files,
+Every change is one commit (see :mod:`qswap.index.backends.faiss.index`): new immutable files,
 SQLite rows tagged with the next generation, then the manifest. A failure before the
 manifest rename is undone in-process (:meth:`CommitMixin._undo`); a killed process is
-recovered by the next writer (:mod:`qswap.index.recovery`).
+recovered by the next writer (:mod:`qswap.index.backends.faiss.recovery`).
 """
 
 from __future__ import annotations
@@ -14,15 +14,16 @@ from typing import Any
 import faiss
 import numpy as np
 
-import qswap.index.faiss_index as faiss_index
+import qswap.index.backends.faiss.faiss_index as faiss_index
 from qswap.errors import ConflictError, InvalidInputError
 from qswap.index.config import IndexConfig
 from qswap.index.corpus import Document, check_documents
-from qswap.index.docstore import check_ids, digest_hex, meta_json, record_hash
-from qswap.index.embeddings import DTYPE, EmbeddingStore, normalize_rows
-from qswap.index.generation import make_manifest
+from qswap.index.checks import check_ids, normalize_rows
+from qswap.index.backends.faiss.docstore import digest_hex, meta_json, record_hash
+from qswap.index.backends.faiss.embeddings import DTYPE, EmbeddingStore
+from qswap.index.backends.faiss.generation import make_manifest
 from qswap.index.manifest import faiss_name, now_iso, write_manifest
-from qswap.index.recovery import peek_generation, reconcile
+from qswap.index.backends.faiss.recovery import peek_generation, reconcile
 
 log = logging.getLogger("qswap.index")
 

@@ -12,7 +12,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-import qswap.index.faiss_index as faiss_index
+import qswap.index.backends.faiss.faiss_index as faiss_index
 from qswap.index.config import IndexConfig
 
 # Options that change what FAISS stores (a change re-indexes); the others are search-time.

@@ -22,7 +22,7 @@ from qswap.index.errors import IndexCorruptError
 from qswap.errors import InvalidInputError
 from qswap.atomic import atomic_write_via
 from qswap.index.config import IndexConfig
-from qswap.index.embeddings import EmbeddingStore
+from qswap.index.backends.faiss.embeddings import EmbeddingStore
 from qswap.matryoshka import truncate
 
 log = logging.getLogger("qswap.index")

@@ -23,8 +23,8 @@ each layer's bias Add into those nodes (``SkipLayerNormalization``'s bias input,
 which the optimiser's own matchers only do for constant biases.
 
 So one session holds the base weights once, and an encoder is only its adapter tensors
-(:mod:`qswap.encoders.shared`). Word embeddings stay outside, as for merged exports
-(:mod:`qswap.encoders.onnx_export`): the caller gathers rows of the base matrix.
+(:mod:`qswap.encoders.runtime.shared`). Word embeddings stay outside, as for merged exports
+(:mod:`qswap.encoders.runtime.onnx_export`): the caller gathers rows of the base matrix.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 
 from qswap.encoders.base import BaseEncoder
 from qswap.encoders.pool import FACTOR_DTYPES
-from qswap.encoders.onnx_export import (EXPORT_LOCK, OPSET, OUTPUT, PooledEncoder, _fuse, build_module, probe_cosine,
+from qswap.encoders.runtime.onnx_export import (EXPORT_LOCK, OPSET, OUTPUT, PooledEncoder, _fuse, build_module, probe_cosine,
                                         probe_inputs)
 from qswap.errors import IntegrityError, InvalidInputError
 

@@ -5,15 +5,15 @@ upserts, tuning's document step and ``qswap bench quality`` embed documents here
 choice of runtime and precision holds everywhere:
 
 - ``fp32`` (default) runs the base's fused ONNX Runtime graph: the same export, cache and
-  probe check as the query path's merged base (:func:`qswap.encoders.onnx.cached_export`),
+  probe check as the query path's merged base (:func:`qswap.encoders.runtime.onnx.cached_export`),
   equal to torch to cosine >= 0.99999;
-- ``bf16`` runs torch with its Linear layers in bf16 (:mod:`qswap.encoders.bf16_linear`;
+- ``bf16`` runs torch with its Linear layers in bf16 (:mod:`qswap.encoders.runtime.bf16_linear`;
   attention, norms and softmax in fp32): ONNX Runtime has no bf16 matrix product on x86 CPUs,
   torch uses AVX-512-BF16/AMX;
 - ``runtime="torch"`` with ``fp32`` is the reference (``encode_texts``'s forward).
 
 Texts are tokenised in windows by a producer thread while the previous window computes, cut
-into token-budget batches (:mod:`qswap.encoders.token_batches`), and put back in input order.
+into token-budget batches (:mod:`qswap.encoders.runtime.token_batches`), and put back in input order.
 Each precision's measured quality against fp32 (:data:`PRECISION_QUALITY`) is what an index
 manifest records (:meth:`DocumentEncoder.record`); documents of different precisions never
 mix in one index (``qswap.index`` checks it).
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from qswap.encoders.base import BaseEncoder
-from qswap.encoders.token_batches import DEFAULT_MAX_TOKENS, token_budget_batches
+from qswap.encoders.runtime.token_batches import DEFAULT_MAX_TOKENS, token_budget_batches
 from qswap.errors import InvalidInputError
 from qswap.throughput import Throughput
 
@@ -166,8 +166,8 @@ class DocumentEncoder:
         """Load (exporting on first use) the base's fused ONNX graph; the query path's cache."""
         if self._session is not None:
             return
-        from qswap.encoders.onnx import available_providers, cached_export, make_session
-        from qswap.encoders.onnx_export import MODEL_FILE
+        from qswap.encoders.runtime.onnx import available_providers, cached_export, make_session
+        from qswap.encoders.runtime.onnx_export import MODEL_FILE
         from qswap.encoders.pool import BASE_KEY
 
         providers = available_providers()
@@ -212,7 +212,7 @@ class DocumentEncoder:
             elif self._model is None:
                 self._model = self.base.model
                 if self.precision == "bf16":
-                    from qswap.encoders.bf16_linear import bf16_linear_copy
+                    from qswap.encoders.runtime.bf16_linear import bf16_linear_copy
                     from qswap.encoders.precision import has_fast_bf16, warn_emulated
                     if not has_fast_bf16(self.base.device):
                         warn_emulated(self.base.device.type)

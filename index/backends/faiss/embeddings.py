@@ -21,7 +21,6 @@ import numpy as np
 
 from qswap.atomic import sha256_file
 from qswap.index.errors import IndexCorruptError
-from qswap.errors import InvalidInputError
 from qswap.atomic import atomic_stream
 
 DTYPE = np.float16
@@ -52,26 +51,6 @@ class Chunk:
 def chunk_name(start: int, end: int, generation: int) -> str:
     """File name of a chunk: its row range and the generation that wrote it (unique)."""
     return f"{EMB_DIR}/{start:012d}-{end:012d}.g{generation:08d}.f16"
-
-
-def normalize_rows(x: Any, full_dim: int, what: str = "embeddings") -> np.ndarray:
-    """Check an (n, full_dim) matrix of finite non-zero rows; return it L2-normalised, float32."""
-    try:
-        a = np.asarray(x, dtype=np.float32)
-    except (TypeError, ValueError) as e:
-        raise InvalidInputError(f"{what} are not a numeric array ({e})", "pass a float32 numpy array") from None
-    if a.ndim != 2 or a.shape[1] != full_dim:
-        raise InvalidInputError(f"{what} have shape {a.shape}, expected (n, {full_dim})",
-                                f"embed with the index's base model (dimension {full_dim})")
-    if not np.isfinite(a).all():
-        bad = int(np.flatnonzero(~np.isfinite(a).all(axis=1))[0])
-        raise InvalidInputError(f"{what}: row {bad} has NaN or infinite values",
-                                "check the embedding model's output")
-    norms = np.linalg.norm(a, axis=1, keepdims=True)
-    if (norms == 0).any():
-        bad = int(np.flatnonzero(norms[:, 0] == 0)[0])
-        raise InvalidInputError(f"{what}: row {bad} is all zeros", "a zero vector has no direction to compare")
-    return a / norms
 
 
 class EmbeddingStore:

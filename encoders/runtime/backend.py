@@ -9,7 +9,7 @@ neither, the ONNX ones export in the background and fall back to the pool until 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -18,13 +18,27 @@ from qswap.encoders.precision import BF16_MIN_QUERY_BATCH, autocast_context, che
 from qswap.errors import InvalidInputError
 
 
+#: ``(texts, keys) -> (vectors, truncated flags)`` from one tokenisation.
+EncodeFlagged = Callable[[list[str], list[str]], tuple[np.ndarray, list[bool]]]
+
+
 class Backend(Protocol):
+    """What the server's batch worker and registry use of a query backend (every backend has
+    every member, so callers never probe for one)."""
+
+    #: ``encode`` that also says which texts the tokenizer cut, from the same tokenisation; ``None``
+    #: where the backend does not tokenise itself (the caller asks the tokenizer).
+    encode_flagged: EncodeFlagged | None
+
     def encode(self, texts: list[str], keys: list[str]) -> np.ndarray: ...
     def prepare(self, key: str) -> None: ...
     def discard(self, key: str) -> None: ...
     def ready(self, key: str) -> bool: ...
     def error(self, key: str) -> str | None: ...
     def memory_bytes(self, key: str) -> int: ...
+    def runtime(self, key: str) -> str:
+        """What runs ``key`` now: ``torch``, ``onnx-merged`` (its own export) or ``onnx-shared``."""
+    def close(self) -> None: ...
 
 
 # --backend choices; the first is the default.
@@ -35,13 +49,8 @@ def runtime_of(backend: Backend, key: str) -> dict[str, str | None]:
     """What runs ``key``'s forward passes now: ``onnx-shared`` (the shared session),
     ``onnx`` (its own merged export) once ready, else ``torch`` (and why an export failed, if
     one did). Operators read it in ``GET /v1/encoders``."""
-    if isinstance(backend, TorchBackend):
-        return {"runtime": "torch", "runtime_error": None}
-    runtime = getattr(backend, "runtime", None)
-    if runtime is not None:
-        name = runtime(key)
-        return {"runtime": "onnx" if name == "onnx-merged" else name, "runtime_error": backend.error(key)}
-    return {"runtime": "onnx" if backend.ready(key) else "torch", "runtime_error": backend.error(key)}
+    name = backend.runtime(key)
+    return {"runtime": "onnx" if name == "onnx-merged" else name, "runtime_error": backend.error(key)}
 
 
 class TorchBackend:
@@ -55,6 +64,7 @@ class TorchBackend:
     """
 
     name = "torch"
+    encode_flagged: EncodeFlagged | None = None   # the server's tokenizer flags truncation
 
     def __init__(self, pool: EncoderPool, precision: str = "fp32",
                  bf16_min_batch: int = BF16_MIN_QUERY_BATCH) -> None:
@@ -91,6 +101,13 @@ class TorchBackend:
         """Nothing beyond the pool's own bytes for the encoder."""
         return 0
 
+    def runtime(self, key: str) -> str:
+        """Always the torch pool."""
+        return "torch"
+
+    def close(self) -> None:
+        """Nothing to release beyond the pool."""
+
 
 def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | None = None,
                  precision: str = "fp32", retry_s: float | None = None) -> Backend:
@@ -107,8 +124,8 @@ def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | N
                                 "drop --query-precision, or use --backend torch")
     if kind in ("shared", "onnx"):
         try:
-            from qswap.encoders.onnx import OnnxBackend
-            from qswap.encoders.shared import SharedBackend
+            from qswap.encoders.runtime.onnx import OnnxBackend
+            from qswap.encoders.runtime.shared import SharedBackend
         except ImportError as e:
             raise InvalidInputError(f"the {kind} backend is not available: {e}",
                                     "install onnxruntime and onnx, or use --backend torch") from None

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import qswap
-import qswap.index.faiss_index as faiss_index
+import qswap.index.backends.faiss.faiss_index as faiss_index
 from qswap.index.config import IndexConfig
-from qswap.index.docstore import DOCS_FILE, SCHEMA_VERSION, DocStore
-from qswap.index.embeddings import Chunk, EmbeddingStore
+from qswap.index.backends.faiss.docstore import DOCS_FILE, SCHEMA_VERSION, DocStore
+from qswap.index.backends.faiss.embeddings import Chunk, EmbeddingStore
 from qswap.index.manifest import FORMAT, FORMAT_VERSION, faiss_name, now_iso, write_manifest
 from qswap.space import EmbeddingSpace
 

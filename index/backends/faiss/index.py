@@ -15,9 +15,9 @@ Thread safety: searches share a read lock, changes take the write lock; a batch 
 is one batched FAISS call.
 
 The class is split by concern: opening, verifying and state here; search in
-:mod:`qswap.index.search`; the commit/undo engine in :mod:`qswap.index.commit`; re-indexing in
-:mod:`qswap.index.reindex`; manifest building in :mod:`qswap.index.generation`; locks and
-recovery in :mod:`qswap.index.recovery`.
+:mod:`qswap.index.backends.faiss.search`; the commit/undo engine in :mod:`qswap.index.backends.faiss.commit`; re-indexing in
+:mod:`qswap.index.backends.faiss.reindex`; manifest building in :mod:`qswap.index.backends.faiss.generation`; locks and
+recovery in :mod:`qswap.index.backends.faiss.recovery`.
 """
 
 from __future__ import annotations
@@ -30,21 +30,21 @@ from typing import Any
 import faiss
 import numpy as np
 
-import qswap.index.faiss_index as faiss_index
+import qswap.index.backends.faiss.faiss_index as faiss_index
 from qswap.atomic import recover_dir
 from qswap.errors import InvalidInputError, NotFoundError, QswapError
 from qswap.index.backends.common import BackendCommon
-from qswap.index.commit import CommitMixin
+from qswap.index.backends.faiss.commit import CommitMixin
 from qswap.index.config import IndexConfig
 from qswap.index.corpus import Document
-from qswap.index.docstore import DOCS_FILE, DocStore
-from qswap.index.embeddings import DTYPE, Chunk, EmbeddingStore
+from qswap.index.backends.faiss.docstore import DOCS_FILE, DocStore
+from qswap.index.backends.faiss.embeddings import DTYPE, Chunk, EmbeddingStore
 from qswap.index.errors import IndexCorruptError
 from qswap.index.manifest import MANIFEST, read_manifest, verify_files
-from qswap.index.recovery import acquire_writer_lock, peek_generation, reconcile, release_lock, remove_orphans
-from qswap.index.reindex import ReindexMixin
-from qswap.index.rwlock import RWLock
-from qswap.index.search import SearchMixin
+from qswap.index.backends.faiss.recovery import acquire_writer_lock, peek_generation, reconcile, release_lock, remove_orphans
+from qswap.index.backends.faiss.reindex import ReindexMixin
+from qswap.index.backends.faiss.rwlock import RWLock
+from qswap.index.backends.faiss.search import SearchMixin
 from qswap.space import EmbeddingSpace
 
 log = logging.getLogger("qswap.index")

@@ -1,6 +1,6 @@
 """Searching a FAISS-backed DocumentIndex: ANN + rescoring, filtered and exact search, hits.
 
-A mixin of :class:`~qswap.index.backends.faiss.DocumentIndex` (it uses the index's state:
+A mixin of :class:`~qswap.index.backends.faiss.index.DocumentIndex` (it uses the index's state:
 ``_faiss``, ``_store``, ``_docs``, ``_config``, ``_tombstones``, the read lock).
 """
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-import qswap.index.faiss_index as faiss_index
+import qswap.index.backends.faiss.faiss_index as faiss_index
 from qswap.errors import InvalidInputError
-from qswap.index.embeddings import normalize_rows
+from qswap.index.checks import as_queries
 from qswap.matryoshka import truncate
 from qswap.index.hit import FilterValue, Hit
 
@@ -184,15 +184,3 @@ class SearchMixin:
                     hits.append(Hit(rec[0], float(score), rec[1], rec[2]))
             out.append(hits)
         return out
-
-
-def as_queries(queries: Any, full_dim: int) -> np.ndarray:
-    q = np.asarray(queries, dtype=np.float32)
-    if q.ndim == 1:
-        q = q[None, :]
-    if q.ndim != 2 or q.shape[1] != full_dim:
-        raise InvalidInputError(f"queries have shape {q.shape}, expected (n, {full_dim})",
-                                "encode queries with an encoder of the index's embedding space")
-    if len(q) == 0:
-        return q
-    return normalize_rows(q, full_dim, "queries")

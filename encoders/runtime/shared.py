@@ -1,20 +1,20 @@
 """The default query backend: ONE ONNX Runtime session of the base, adapters bound per run.
 
-The base is exported once (:mod:`qswap.encoders.shared_export`), fused (MultiHeadAttention,
+The base is exported once (:mod:`qswap.encoders.runtime.shared_export`), fused (MultiHeadAttention,
 SkipLayerNormalization, BiasGelu), with every adapted layer's LoRA factors and biases as graph
 inputs. Each encoder served this way is only its adapter tensors (LoRA factors in the pool's
 storage type: float16 in a server), bound in place (:func:`adapter_inputs`): N LoRA encoders
 cost the base once plus N x their adapter bytes. A batch runs one ONNX Runtime
 call per encoder group (rows of one encoder share its inputs), rows bucketed by real token
-length, each encoder's inputs bound once (:class:`qswap.encoders.shared_run.BoundFeed`). A batch
+length, each encoder's inputs bound once (:class:`qswap.encoders.runtime.shared_run.BoundFeed`). A batch
 of several encoder groups runs its calls side by side on a second, single-threaded session of
-the same graph, one worker per core (:func:`qswap.encoders.shared_run.spread_groups` says when);
+the same graph, one worker per core (:func:`qswap.encoders.runtime.shared_run.spread_groups` says when);
 that session is built when the first such batch comes, so a server whose batches never mix
 encoders does not hold its weights.
 
 Encoders the shared graph cannot express (``partial`` tensors other than biases), and encoders
 pinned with :meth:`SharedBackend.pin` (one that serves most of the traffic may run a little
-faster merged), go to a merged per-encoder export (:class:`qswap.encoders.onnx.OnnxBackend`),
+faster merged), go to a merged per-encoder export (:class:`qswap.encoders.runtime.onnx.OnnxBackend`),
 whose bytes count in the memory budget. Until the shared export is ready, or if it fails, every
 row runs on the torch pool, so answers never wait on an export.
 """
@@ -35,11 +35,11 @@ import torch
 
 from qswap.atomic import atomic_write_json, recover_dir, staged_dir
 from qswap.encoders.embedding import length_buckets
-from qswap.encoders.onnx import OnnxBackend, available_providers, make_session
+from qswap.encoders.runtime.onnx import OnnxBackend, available_providers, make_session
 from qswap.encoders.pool import FACTOR_DTYPES, EncoderPool
-from qswap.encoders.shared_export import (UNREACHED, SHARED_MODEL_FILE, Slots, export_shared, find_slots, ort_input,
+from qswap.encoders.runtime.shared_export import (UNREACHED, SHARED_MODEL_FILE, Slots, export_shared, find_slots, ort_input,
                                           release_freed_memory, shared_digest)
-from qswap.encoders.shared_run import BoundFeed, spread_groups
+from qswap.encoders.runtime.shared_run import BoundFeed, spread_groups
 from qswap.errors import InvalidInputError, NotFoundError
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def adapter_inputs(pool: EncoderPool, key: str, slots: Slots) -> dict[str, torch
 class SharedBackend:
     """Query forwards for every encoder of ``pool`` through one shared ONNX Runtime session.
 
-    Same interface as :class:`~qswap.encoders.backend.TorchBackend`; thread-safe. ``threads``:
+    Same interface as :class:`~qswap.encoders.runtime.backend.TorchBackend`; thread-safe. ``threads``:
     intra-op threads (default: all cores); ``providers``: ONNX Runtime execution providers
     (default :func:`available_providers`: CUDA first where present); ``batch_size``: rows per
     ONNX Runtime call; ``group_workers``: how many encoder groups of one batch run side by side

@@ -1,0 +1,86 @@
+"""Input checks every index backend applies the same way: filters, ids, vectors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from qswap.errors import InvalidInputError
+from qswap.index.corpus import require_utf8
+
+# Metadata fields one filter may compare (each is a SQL condition; SQLite caps expression depth).
+MAX_FILTER_FIELDS = 64
+# Metadata integers are signed 64-bit (SQLite's and Milvus's JSON integers).
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def json_path(field: str) -> str:
+    """The SQLite JSON path of a top-level metadata field (a name without quotes or backslashes)."""
+    if not isinstance(field, str) or not field or '"' in field or "\\" in field:
+        raise InvalidInputError(f"bad filter field {field!r}",
+                                "filter on a top-level metadata field name without quotes or backslashes")
+    require_utf8(field, "filter field")
+    return f'$."{field}"'
+
+
+def check_filter(flt: Any) -> None:
+    """Refuse filters no backend can evaluate: not an object, too many fields, values out of range."""
+    if not isinstance(flt, dict):
+        raise InvalidInputError("filter must be an object of field: value", 'e.g. {"section": "games"}')
+    if len(flt) > MAX_FILTER_FIELDS:
+        raise InvalidInputError(f"filter compares {len(flt)} fields; at most {MAX_FILTER_FIELDS} are allowed",
+                                "filter on fewer metadata fields")
+    for field, value in flt.items():
+        json_path(field)
+        if isinstance(value, str):
+            require_utf8(value, f"filter {field!r} value")
+        elif isinstance(value, int) and not isinstance(value, bool) and not _INT_MIN <= value <= _INT_MAX:
+            raise InvalidInputError(f"filter {field}: {value} is outside the signed 64-bit integer range",
+                                    "filter on integers between -2**63 and 2**63-1")
+        elif isinstance(value, float) and not np.isfinite(value):
+            raise InvalidInputError(f"filter {field}: {value} is not a finite number", "use a finite number")
+        elif value is not None and not isinstance(value, (str, int, float, bool)):
+            raise InvalidInputError(f"filter {field}: unsupported value type {type(value).__name__}",
+                                    "filters compare a field with one string, number, boolean or null")
+
+
+def check_ids(ids: list[Any]) -> None:
+    """External ids given to look up or delete: strings UTF-8 can encode."""
+    for i in ids:
+        if not isinstance(i, str):
+            raise InvalidInputError(f"ids must be strings, got {type(i).__name__}", "pass external ids as str")
+        require_utf8(i, "document id")
+
+
+def normalize_rows(x: Any, full_dim: int, what: str = "embeddings") -> np.ndarray:
+    """Check an (n, full_dim) matrix of finite non-zero rows; return it L2-normalised, float32."""
+    try:
+        a = np.asarray(x, dtype=np.float32)
+    except (TypeError, ValueError) as e:
+        raise InvalidInputError(f"{what} are not a numeric array ({e})", "pass a float32 numpy array") from None
+    if a.ndim != 2 or a.shape[1] != full_dim:
+        raise InvalidInputError(f"{what} have shape {a.shape}, expected (n, {full_dim})",
+                                f"embed with the index's base model (dimension {full_dim})")
+    if not np.isfinite(a).all():
+        bad = int(np.flatnonzero(~np.isfinite(a).all(axis=1))[0])
+        raise InvalidInputError(f"{what}: row {bad} has NaN or infinite values",
+                                "check the embedding model's output")
+    norms = np.linalg.norm(a, axis=1, keepdims=True)
+    if (norms == 0).any():
+        bad = int(np.flatnonzero(norms[:, 0] == 0)[0])
+        raise InvalidInputError(f"{what}: row {bad} is all zeros", "a zero vector has no direction to compare")
+    return a / norms
+
+
+def as_queries(queries: Any, full_dim: int) -> np.ndarray:
+    """A query vector or matrix as checked, L2-normalised ``(n, full_dim)`` float32 rows."""
+    q = np.asarray(queries, dtype=np.float32)
+    if q.ndim == 1:
+        q = q[None, :]
+    if q.ndim != 2 or q.shape[1] != full_dim:
+        raise InvalidInputError(f"queries have shape {q.shape}, expected (n, {full_dim})",
+                                "encode queries with an encoder of the index's embedding space")
+    if len(q) == 0:
+        return q
+    return normalize_rows(q, full_dim, "queries")
