@@ -130,9 +130,8 @@ def _infinity_models(py: Path, base: Any, enc_root: Path, keys: list[tuple[str, 
     Returns:
         (their parent folder, "") or (that folder, why an export failed).
     """
-    from qswap.bench.fixtures import cache_dir
+    from qswap.bench.fixtures import cache_dir, merged_models
     from qswap.bench.infinity_peer import export_onnx
-    from qswap.bench.naive_baseline import merged_models
     merged = merged_models(base, enc_root, keys, onnx=False)
     root = cache_dir() / f"infinity-{enc_root.name}"
     for name, _ in keys:
