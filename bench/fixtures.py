@@ -147,6 +147,68 @@ def lora_encoders(base: Any, names: list[tuple[str, str]], *, rank: int = 32, se
     return root
 
 
+def merged_models(base: Any, enc_root: Path, keys: list[tuple[str, str]], onnx: bool = True) -> dict[str, Path]:
+    """Full model directories, one per domain: the base with that domain's adapter merged (cached),
+    with (``onnx``) its merged ONNX export under ``onnx/``: the one-model-per-domain way of the
+    naive baseline and of peers such as Infinity.
+
+    Args:
+        base: the base model the adapters were made against.
+        enc_root: encoder folders ``<root>/<name>-<version>`` (see :func:`lora_encoders`).
+        keys: (name, version) of each domain.
+        onnx: also export each merged model as qswap's ``--backend onnx`` does.
+
+    Returns:
+        ``{name: model folder}`` (config, tokenizer, ``model.safetensors``; ``onnx/model.onnx``).
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from qswap.encoders import EncoderPool, load_encoder
+
+    root = cache_dir() / f"naive-models-{enc_root.name}"
+    out = {name: root / name for name, _ in keys}
+    todo = [(n, v) for n, v in keys if not (root / n / "done").is_file()
+            or (onnx and not (root / n / "onnx" / "done").is_file())]
+    if not todo:
+        return out
+    pool = EncoderPool(base)
+    for name, version in todo:
+        if (root / name / "done").is_file():
+            pool.add(load_encoder(enc_root / f"{name}-{version}", base.space))
+            _export_domain(base, pool, f"{name}@{version}", root / name / "onnx")
+            pool.remove(f"{name}@{version}")
+            continue
+        d = root / name
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        pool.add(load_encoder(enc_root / f"{name}-{version}", base.space))
+        state = {k: v.detach().to(torch.float32).contiguous().clone() for k, v in
+                 pool.merged_state_dict(f"{name}@{version}").items()}
+        save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+        del state
+        pool.remove(f"{name}@{version}")
+        for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (base.path / f).is_file():
+                shutil.copyfile(base.path / f, d / f)
+        (d / "done").write_text("merged from " + str(enc_root / f"{name}-{version}"))
+        if onnx:
+            pool.add(load_encoder(enc_root / f"{name}-{version}", base.space))
+            _export_domain(base, pool, f"{name}@{version}", d / "onnx")
+            pool.remove(f"{name}@{version}")
+    return out
+
+
+def _export_domain(base: Any, pool: Any, key: str, out: Path) -> None:
+    """The domain's merged model as an ONNX graph, exported and checked as qswap's ``--backend onnx``
+    exports are (same code, transformer fusions on)."""
+    from qswap.encoders.runtime.onnx_export import export_onnx, own_tensors
+
+    shutil.rmtree(out, ignore_errors=True)
+    facts = export_onnx(base, own_tensors(base, pool.merged_state_dict(key)), out, optimize_for="cpu")
+    (out / "done").write_text(json.dumps(facts))
+
+
 def qswap_command() -> list[str]:
     """``qswap`` of this environment (the script next to the interpreter, else ``python -m qswap.cli``)."""
     script = Path(sys.executable).parent / "qswap"

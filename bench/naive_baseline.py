@@ -103,7 +103,7 @@ class _OnnxDomain:
 
 def create_app(domains: dict[str, Path], embeddings: Path, corpus: Path | None = None,
                query_prefix: str = QUERY_PREFIX, runtime: str = "onnx", threads: int | None = None) -> Any:
-    """The naive FastAPI app: ``domains`` maps a name to a full model dir (see :func:`merged_models`);
+    """The naive FastAPI app: ``domains`` maps a name to a full model dir (see :func:`qswap.bench.fixtures.merged_models`);
     ``runtime``: ``onnx`` (its merged ONNX graph) or ``torch`` (sentence-transformers)."""
     import faiss
     import numpy as np
@@ -175,62 +175,6 @@ LOAD = LoadDefaults(levels=ByMode((1, 8, 32), (1, 4)), seconds=ByMode(8.0, 2.0),
 DOMAINS = ByMode(N_DOMAINS, 2)
 
 
-def merged_models(base: Any, enc_root: Path, keys: list[tuple[str, str]], onnx: bool = True) -> dict[str, Path]:
-    """Full model directories, one per domain: the base with that domain's adapter merged (cached),
-    with (``onnx``) its merged ONNX export under ``onnx/``."""
-    import shutil as _sh
-
-    import torch
-    from safetensors.torch import save_file
-
-    from qswap.bench.fixtures import cache_dir
-    from qswap.encoders import EncoderPool, load_encoder
-
-    root = cache_dir() / f"naive-models-{enc_root.name}"
-    out = {name: root / name for name, _ in keys}
-    todo = [(n, v) for n, v in keys if not (root / n / "done").is_file()
-            or (onnx and not (root / n / "onnx" / "done").is_file())]
-    if not todo:
-        return out
-    pool = EncoderPool(base)
-    for name, version in todo:
-        if (root / name / "done").is_file():
-            pool.add(load_encoder(enc_root / f"{name}-{version}", base.space))
-            _export_domain(base, pool, f"{name}@{version}", root / name / "onnx")
-            pool.remove(f"{name}@{version}")
-            continue
-        d = root / name
-        _sh.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
-        pool.add(load_encoder(enc_root / f"{name}-{version}", base.space))
-        state = {k: v.detach().to(torch.float32).contiguous().clone() for k, v in
-                 pool.merged_state_dict(f"{name}@{version}").items()}
-        save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
-        del state
-        pool.remove(f"{name}@{version}")
-        for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (base.path / f).is_file():
-                _sh.copyfile(base.path / f, d / f)
-        (d / "done").write_text("merged from " + str(enc_root / f"{name}-{version}"))
-        if onnx:
-            pool.add(load_encoder(enc_root / f"{name}-{version}", base.space))
-            _export_domain(base, pool, f"{name}@{version}", d / "onnx")
-            pool.remove(f"{name}@{version}")
-    return out
-
-
-def _export_domain(base: Any, pool: Any, key: str, out: Path) -> None:
-    """The domain's merged model as an ONNX graph, exported and checked as qswap's ``--backend onnx``
-    exports are (same code, transformer fusions on)."""
-    import shutil as _sh
-
-    from qswap.encoders.runtime.onnx_export import export_onnx, own_tensors
-
-    _sh.rmtree(out, ignore_errors=True)
-    facts = export_onnx(base, own_tensors(base, pool.merged_state_dict(key)), out, optimize_for="cpu")
-    (out / "done").write_text(json.dumps(facts))
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``qswap bench baseline``."""
     from qswap.bench.fixtures import MODEL
@@ -263,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     from qswap.bench.processes import ServerProcess, free_port, http_json
     from qswap.bench.stats import interleaved, ratio_summary, summarize
     from qswap.bench.loadgen import Request
-    from qswap.bench.fixtures import index_meta, load_space_base, load_workload, lora_encoders, qswap_server, register, search_requests, stamped_index, wait_for_runtime
+    from qswap.bench.fixtures import index_meta, load_space_base, load_workload, lora_encoders, merged_models, qswap_server, register, search_requests, stamped_index, wait_for_runtime
     from qswap.index import IndexConfig
 
     opts = LoadOptions.from_args(args, LOAD)

@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--domains", type=int, default=None, help=f"domains of the second scenario ({DOMAINS.describe()})")
     p.add_argument("--infinity-venv", type=Path, default=None,
                    help=f"Infinity's virtualenv (default {venv_dir()}; installed there when missing)")
+    p.add_argument("--backend", choices=("shared", "onnx"), default="shared",
+                   help="qswap's query backend (default shared, the server's default: one session, adapters as "
+                        "inputs; onnx: one merged export per encoder); timing starts once every encoder runs on it")
     p.add_argument("--no-infinity", action="store_true",
                    help="run qswap's arms only (where Infinity cannot be installed)")
     add_model_argument(p, MODEL)
@@ -130,9 +133,8 @@ def _infinity_models(py: Path, base: Any, enc_root: Path, keys: list[tuple[str, 
     Returns:
         (their parent folder, "") or (that folder, why an export failed).
     """
-    from qswap.bench.fixtures import cache_dir
+    from qswap.bench.fixtures import cache_dir, merged_models
     from qswap.bench.infinity_peer import export_onnx
-    from qswap.bench.naive_baseline import merged_models
     merged = merged_models(base, enc_root, keys, onnx=False)
     root = cache_dir() / f"infinity-{enc_root.name}"
     for name, _ in keys:
@@ -143,7 +145,8 @@ def _infinity_models(py: Path, base: Any, enc_root: Path, keys: list[tuple[str, 
 
 
 def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: Path, enc_root: Path,
-              model: str, py: Path | None, inf_root: Path | None, prefix: str, tmp: Path) -> dict[str, Any]:
+              model: str, backend: str, py: Path | None, inf_root: Path | None, prefix: str,
+              tmp: Path) -> dict[str, Any]:
     """Start both servers for ``n_dom`` domains, check agreement, measure every arm at every level."""
     from qswap.bench.fixtures import qswap_server, register, search_requests, wait_for_runtime
     from qswap.bench.infinity_peer import server_command, server_env
@@ -155,10 +158,11 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
     out: dict[str, Any] = {"label": label, "domains": n_dom, "levels": {}}
     with ExitStack() as stack:
         qs = stack.enter_context(qswap_server(idx_dir, enc_root, tmp / f"state-{n_dom}", tmp / f"qswap-{n_dom}.log",
-                                              model=model))
+                                              model=model, extra=["--backend", backend]))
         for d in domains:
             register(qs, f"{d}-1")
-        out["qswap_runtime_wait_s"] = wait_for_runtime(qs, ["base", *keys], "onnx-shared")
+        out["qswap_runtime_wait_s"] = wait_for_runtime(qs, ["base", *keys],
+                                                       "onnx-shared" if backend == "shared" else backend)
         arms: dict[str, tuple[int, Callable[[int], Request]]] = {
             "qswap search": (qs.port, search_requests(work.queries, keys)),
             "qswap embeddings": (qs.port, embedding_requests(work.queries, keys))}
@@ -212,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
     res: dict[str, Any] = {"workload": work.source, "index": index_meta(idx_dir), "model": args.model,
                            "encoders": f"random LoRA adapters, rank {RANK}, all dense layers", "levels": opts.levels,
                            "seconds_per_run": opts.seconds, "max_requests_per_run": opts.requests,
-                           "rounds": opts.rounds, "query_prefix": prefix, "targets": TARGETS}
+                           "rounds": opts.rounds, "query_prefix": prefix, "targets": TARGETS,
+                           "qswap_backend": args.backend}
     py, inf_root = None, None
     if args.no_infinity:
         res["infinity"] = {"skipped": "--no-infinity"}
@@ -236,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
     for tag, n in (("one", 1), ("many", n_many)):
         label = "one domain" if n == 1 else f"{n} domains"
         res["scenarios"][tag] = _scenario(label, n, opts=opts, work=work, idx_dir=idx_dir, enc_root=enc_root,
-                                          model=args.model, py=py, inf_root=inf_root, prefix=prefix, tmp=dirs.tmp)
+                                          model=args.model, backend=args.backend, py=py, inf_root=inf_root,
+                                          prefix=prefix, tmp=dirs.tmp)
     _summarise(res)
     _write(dirs, res)
     dirs.clean_scratch()
@@ -314,8 +320,10 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
     inf = res["infinity"]
     head = (f"Infinity skipped: {inf['skipped']}." if "skipped" in inf else
             f"Infinity {inf['version']} (onnxruntime {inf['onnxruntime']}), engine {inf['engine']}, {inf['pooling']} "
-            f"pooling; models: {inf['models']}. qswap: its default backend (one shared ONNX Runtime session, "
-            f"adapters bound per run); encoders: {res['encoders']}.")
+            f"pooling; models: {inf['models']}.") + " qswap: " + (
+        "its default backend (one shared ONNX Runtime session, adapters bound per run)"
+        if res["qswap_backend"] == "shared" else "`--backend onnx` (one merged, fused ONNX export per encoder)") + (
+        f"; encoders: {res['encoders']}.")
     md = (f"{head}\n\nWorkload: {res['workload']}; search over {res['index']['documents']:,} documents (k=10). "
           f"One query per call; requests round-robin over the domains; arms alternate at each level "
           f"({res['rounds']} round(s), order reversed every round), each run at most {res['seconds_per_run']:g} s "

@@ -149,16 +149,16 @@ def test_cli_help_lists_every_command():
 #: (exceptions: a benchmark's own arm kept in a second file — `bench serving --ray` in ray_serving,
 #: `bench serving --embeddings` in serving_embeddings,
 #: `bench forward`'s adapter rows in forward_adapters, `bench tuning --e2e` in tuning_phases and `--step` in tuning_step,
-#: `bench embed`'s runtime arms in embed_arms and its Infinity peer in infinity_peer).
+#: `bench embed`'s runtime arms in embed_arms). The Infinity peer (infinity_peer) is library:
+#: `bench embed` and `bench peer` both run it.
 BENCH_LIBRARY = ("provenance", "stats", "results", "plots", "processes", "load_options", "fixtures", "loadgen",
-                 "data")
+                 "data", "infinity_peer", "tiny_model")
 BENCH_ALLOWED = {("qswap.bench.serving", "qswap.bench.ray_serving"),
                  ("qswap.bench.serving", "qswap.bench.serving_embeddings"),
                  ("qswap.bench.forward", "qswap.bench.forward_adapters"),
                  ("qswap.bench.tuning_speed", "qswap.bench.tuning_phases"),
                  ("qswap.bench.tuning_speed", "qswap.bench.tuning_step"),   # modes of `qswap bench tuning`
-                 ("qswap.bench.ray_embed", "qswap.bench.embed_arms"),
-                 ("qswap.bench.embed_arms", "qswap.bench.infinity_peer")}
+                 ("qswap.bench.ray_embed", "qswap.bench.embed_arms")}
 
 
 def test_benchmarks_import_the_library_not_each_other():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from qswap.bench import fixtures
-from qswap.bench.naive_baseline import _OnnxDomain, merged_models
+from qswap.bench.fixtures import merged_models
+from qswap.bench.naive_baseline import _OnnxDomain
 from qswap.encoders import EncoderPool, load_encoder
 
 QUERIES = ["chess puzzle game", "a python library for audio", "linux network server tool"]
