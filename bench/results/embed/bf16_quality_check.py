@@ -9,7 +9,7 @@ top-10 among the first N documents for 500 queries per language (en/de/fr/it). R
 import json, os, sys, time, numpy as np
 os.environ.setdefault("QSWAP_DATA_DIR", "/work/wt/data")
 from qswap.encoders import load_base
-from qswap.encoders.documents import DocumentEncoder
+from qswap.encoders.runtime.documents import DocumentEncoder
 from qswap.index import DocumentIndex
 from qswap.bench.embed_arms import read_corpus, read_queries, quality
 N = int(sys.argv[1])
