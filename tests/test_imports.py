@@ -19,7 +19,8 @@ def _imports() -> list[tuple[str, int, str, str]]:
     out = []
     for pkg in PACKAGES:
         for path in sorted((ROOT / pkg).rglob("*.py")):
-            if "tmp" in path.parts or "results" in path.parts:
+            rel = path.relative_to(ROOT).parts   # a checkout may itself live under /tmp
+            if "tmp" in rel or "results" in rel:
                 continue
             tree = ast.parse(path.read_text(encoding="utf-8"))
             for node in ast.walk(tree):
