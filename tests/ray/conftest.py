@@ -30,7 +30,16 @@ def local_cluster(**env: str) -> Iterator[None]:
     os.environ.setdefault("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "0")
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    for attempt in (1, 2):
+        try:
+            ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+            break
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
+            # Ray gives its raylet a fixed 30 s to register; on a loaded 2-core machine, right after
+            # the previous module's cluster went down, that start can miss it. Start once more.
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            ray.shutdown()
     try:
         yield
     finally:
