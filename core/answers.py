@@ -2,7 +2,7 @@
 
 The server declares them as its routes' response models (they make the OpenAPI schema); the
 client (:mod:`qswap.client`) parses its answers into them. Request bodies, which the server
-validates strictly, stay with the server (:mod:`qswap.server.models`).
+validates strictly, stay with the server (:mod:`qswap.server.http.models`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each error carries a message saying what is wrong and a ``hint`` saying what to do. Each class
 also carries its HTTP ``status`` and machine-readable ``code``: the server answers an error
-with them (``qswap.server.errors``) and the client (``qswap.client``) turns an error answer
+with them (``qswap.server.http.errors``) and the client (``qswap.client``) turns an error answer
 back into the same class (:func:`error_from_body`). A subclass without its own ``code``
 inherits its parent's, so every qswap error maps. The CLI prints them as one line and exits
 with status 2.

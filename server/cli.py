@@ -153,7 +153,7 @@ def _settings(args: argparse.Namespace):
 
 def _serve(args: argparse.Namespace) -> int:
     if args.write_openapi is not None:
-        from qswap.server.app import write_openapi
+        from qswap.server.http.app import write_openapi
         print(write_openapi(args.write_openapi))
         return 0
     from pydantic import ValidationError
@@ -172,9 +172,9 @@ def _serve(args: argparse.Namespace) -> int:
         if not args.ray:
             raise InvalidInputError("--print-config prints the Ray Serve config", "add --ray")
         return _serve_ray(args, settings)   # before logging is configured: stdout is the config
-    from qswap.server.app import DrainingServer, create_app
-    from qswap.server.connections import uvicorn_config
-    from qswap.server.logs import configure_logging
+    from qswap.server.http.app import DrainingServer, create_app
+    from qswap.server.http.connections import uvicorn_config
+    from qswap.server.http.logs import configure_logging
 
     configure_logging(settings.log_json, logging.DEBUG if getattr(args, "verbose", False) else logging.INFO)
     log = logging.getLogger("qswap.server")
@@ -189,7 +189,7 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("starting", extra={"url": f"http://{settings.host}:{settings.port}", "admin": settings.admin_mode,
                                 "index": str(settings.index or "demo"), "model": settings.model})
     # One worker: the model, index and encoder pool live in this process; uvicorn's protocol
-    # with a request-head timeout and a connection cap (qswap.server.connections).
+    # with a request-head timeout and a connection cap (qswap.server.http.connections).
     DrainingServer(uvicorn_config(app, settings)).run()
     # Work that ignores cancellation (a thread in a model call) must not hold the process past
     # the drain bound: the index and registry are closed and every write is atomic by now.
@@ -206,7 +206,7 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
 
     from qswap.errors import InvalidInputError
     try:
-        from qswap.server.ray_serve import RayOptions, serve_forever
+        from qswap.server.ray.serve import RayOptions, serve_forever
     except ModuleNotFoundError as e:
         if e.name and e.name.split(".")[0] == "ray":
             raise InvalidInputError("--ray needs Ray Serve", "pip install 'qswap[ray]'") from None
@@ -231,7 +231,7 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
                       replica_threads=args.replica_threads, max_ongoing_requests=args.max_ongoing_requests)
     opts.check()
     if args.print_config is not None:
-        from qswap.server.ray_config import config_yaml
+        from qswap.server.ray.config import config_yaml
         print(config_yaml(settings, opts, kind=args.print_config), end="")
         return 0
     return serve_forever(settings, opts, address=args.address)

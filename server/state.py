@@ -19,15 +19,15 @@ import numpy as np
 
 from qswap.encoders import BASE_KEY, BaseEncoder, EncoderPool, load_base
 from qswap.errors import QswapError
-from qswap.server.intake import extract_encoder_archive
-from qswap.server.backend import Backend, make_backend
-from qswap.server.batching import MicroBatcher
+from qswap.server.registry.intake import extract_encoder_archive
+from qswap.encoders.runtime.backend import Backend, make_backend
+from qswap.server.serving.batching import MicroBatcher
 from qswap.server.config import ServerSettings
-from qswap.server.errors import NotReadyError
-from qswap.server.jobs import DocumentJobs
-from qswap.server.metrics import Metrics
-from qswap.server.registry import EncoderRecord, EncoderRegistry
-from qswap.server.rendering import ResponseLimits
+from qswap.server.http.errors import NotReadyError
+from qswap.server.serving.jobs import DocumentJobs
+from qswap.server.http.metrics import Metrics
+from qswap.server.registry.facade import EncoderRecord, EncoderRegistry
+from qswap.server.http.rendering import ResponseLimits
 
 log = logging.getLogger("qswap.server")
 
@@ -52,8 +52,8 @@ class ServerState:
         self.batcher: MicroBatcher | None = None
         self.guard: Any = None          # qswap.guard.evaluator.SentinelGuard with --sentinels
         self.feedback: Any = None       # qswap.feedback.store.FeedbackStore with --feedback-dir
-        self.experiments: Any = None    # qswap.server.experiments.Experiments with --feedback-dir
-        self.jobs = DocumentJobs(self)  # document upserts (qswap.server.jobs)
+        self.experiments: Any = None    # qswap.server.traffic.experiments.Experiments with --feedback-dir
+        self.jobs = DocumentJobs(self)  # document upserts (qswap.server.serving.jobs)
         self._closed = False
         self._close_lock = threading.Lock()
         self._loader: threading.Thread | None = None
@@ -124,7 +124,7 @@ class ServerState:
         self.metrics.admitted.set_function(lambda: batcher.pending)
         if s.feedback_dir is not None:
             from qswap.feedback.store import FeedbackStore
-            from qswap.server.experiments import Experiments
+            from qswap.server.traffic.experiments import Experiments
             self.feedback = FeedbackStore(s.feedback_dir, max_bytes=s.feedback_max_bytes,
                                           max_age_s=s.feedback_max_age_s)
             self.experiments = Experiments(self.feedback, registry, self.metrics)

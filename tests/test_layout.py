@@ -185,7 +185,7 @@ def test_frameworks_are_imported_only_by_their_integration():
     broken = [f"{name} imports {imp}" for name, path in mods.items() for imp in _imports(name, path)
               for fw, owner in FRAMEWORKS.items() if _under(imp, fw) and name != owner]
     assert not broken, "framework imported outside its integration: " + "; ".join(sorted(set(broken)))
-    code = ("import sys, qswap.client, qswap.server.app;"
+    code = ("import sys, qswap.client, qswap.server.http.app;"
             "print([m for m in sys.modules if m.split('.')[0] in ('langchain_core', 'llama_index', 'openai')])")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -9,7 +9,7 @@ import pytest
 
 from qswap.errors import (ERRORS, GuardRefusedError, MethodNotAllowedError, NotFoundError, OverloadedError,
                           QswapError, SpaceMismatchError, error_class, error_from_body)
-from qswap.server.errors import error_body_of
+from qswap.server.http.errors import error_body_of
 
 
 def _make(cls: type[QswapError]) -> QswapError:

@@ -28,7 +28,7 @@ def _print(capsys: pytest.CaptureFixture, tmp_path: Path, *extra: str) -> tuple[
 def test_serve_config_validates_and_wires_gpu_encoders(capsys, tmp_path, monkeypatch):
     from ray.serve.schema import ServeDeploySchema
 
-    from qswap.server.ray_serve import RayOptions
+    from qswap.server.ray.serve import RayOptions
     monkeypatch.setenv("QSWAP_ADMIN_TOKEN", TOKEN)
     rc, out, err = _print(capsys, tmp_path, "--print-config", "--encoder-gpus", "1", "--encoder-replicas", "3")
     assert rc == 0, err
@@ -36,7 +36,7 @@ def test_serve_config_validates_and_wires_gpu_encoders(capsys, tmp_path, monkeyp
     cfg = yaml.safe_load(out)
     schema = ServeDeploySchema.model_validate(cfg)
     app = schema.applications[0]
-    assert app.import_path == "qswap.server.ray_serve:app_from_env" and app.route_prefix == "/"
+    assert app.import_path == "qswap.server.ray.serve:app_from_env" and app.route_prefix == "/"
     deps = {d.name: d for d in app.deployments}
     assert set(deps) == {"QswapIngress", "QswapEncoder"}
     assert deps["QswapEncoder"].ray_actor_options.num_gpus == 1.0
@@ -88,7 +88,7 @@ def test_print_config_refuses_what_it_cannot_deploy(capsys, tmp_path):
 
 def test_build_app_puts_encoders_on_gpus_and_the_ingress_on_cpu(tmp_path, tiny_model_dir):
     from qswap.server.config import ServerSettings
-    from qswap.server.ray_serve import ENCODER, INGRESS, RayOptions, build_app
+    from qswap.server.ray.serve import ENCODER, INGRESS, RayOptions, build_app
     s = ServerSettings(index=tmp_path, state_dir=tmp_path / "state", model=str(tiny_model_dir))
     app = build_app(s, RayOptions(replicas=2, encoder_gpus=1, encoder_cpus=2, max_encoders=4))
     ingress = app._bound_deployment

@@ -44,7 +44,7 @@ def ingress_ports(app_name: str = "qswap", want: int = 1, timeout_s: float = 60.
 def test_direct_ingress_serves_a_lora_encoder(direct_cluster, tmp_path, tiny_model_dir, ray_index, ray_encoders):
     from ray import serve
 
-    from qswap.server.ray_serve import RayOptions, deploy
+    from qswap.server.ray.serve import RayOptions, deploy
     s = ray_settings(tmp_path, tiny_model_dir, ray_index, encoders_root=ray_encoders)
     deploy(s, RayOptions(replicas=1, encoder_replicas=1, replica_cpus=0.5))
     try:

@@ -22,7 +22,7 @@ QUERIES = ["chess game", "linux server network", "music audio video", "physics c
 def ray_url(ray_cluster, tmp_path_factory, tiny_model_dir, ray_index, ray_encoders) -> Iterator[str]:
     from ray import serve
 
-    from qswap.server.ray_serve import RayOptions, deploy
+    from qswap.server.ray.serve import RayOptions, deploy
     tmp = tmp_path_factory.mktemp("rayserve")
     s = ray_settings(tmp, tiny_model_dir, ray_index, encoders_root=ray_encoders, feedback_dir=tmp / "feedback")
     url = deploy(s, RayOptions(replicas=2, max_encoders=2, replica_cpus=0.5))
@@ -358,7 +358,7 @@ def test_killed_index_writer_loses_no_acknowledged_write(ray_url, ray_index):
 
     import ray
 
-    from qswap.server.ray_index import NAMESPACE, writer_name
+    from qswap.server.ray.index import NAMESPACE, writer_name
     writer = ray.get_actor(writer_name(ray_index), namespace=NAMESPACE)
     before = _indexed_count(ray_url)
     stop, started = threading.Event(), threading.Event()

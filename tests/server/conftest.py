@@ -35,14 +35,14 @@ class LiveServer:
     def __init__(self, settings: Any) -> None:
         import uvicorn
 
-        from qswap.server.app import create_app
+        from qswap.server.http.app import create_app
         self.app = create_app(settings)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        from qswap.server.connections import uvicorn_config
+        from qswap.server.http.connections import uvicorn_config
         self.server = uvicorn.Server(uvicorn_config(self.app, settings, lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -1,4 +1,4 @@
-"""server/intake.py (uploads): archive layouts, refusals, bounded headers, the extraction deadline."""
+"""server/registry/intake.py (uploads): archive layouts, refusals, bounded headers, the extraction deadline."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from qswap.errors import InvalidInputError
-from qswap.server.intake import extract_encoder_archive
+from qswap.server.registry.intake import extract_encoder_archive
 
 def _tar(members: list[tuple[tarfile.TarInfo, bytes | None]], mode: str = "w:gz") -> io.BytesIO:
     buf = io.BytesIO()

@@ -12,7 +12,7 @@ from qswap.errors import InvalidInputError
 
 def test_torch_backend_runs_large_batches_in_bf16(tiny_base, encoders_root):
     from qswap.encoders import EncoderPool, load_encoder
-    from qswap.server.backend import TorchBackend, make_backend
+    from qswap.encoders.runtime.backend import TorchBackend, make_backend
     pool = EncoderPool(tiny_base)
     pool.add(load_encoder(encoders_root / "ft1", tiny_base.space))
     texts = [f"query number {i} about chess" for i in range(8)]

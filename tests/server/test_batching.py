@@ -1,4 +1,4 @@
-"""server/batching.py: micro-batches, the adaptive window, failure isolation, admission and deadlines."""
+"""server/serving/batching.py: micro-batches, the adaptive window, failure isolation, admission and deadlines."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from qswap.errors import InvalidInputError
-from qswap.server.batching import MicroBatcher
-from qswap.server.errors import DeadlineExceededError, OverloadedError
+from qswap.server.serving.batching import MicroBatcher
+from qswap.server.http.errors import DeadlineExceededError, OverloadedError
 
 def _fake(calls: list, fail_key: str | None = None):
     def encode(texts, keys):

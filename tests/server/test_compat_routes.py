@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from qswap.matryoshka import truncate
-from qswap.server.compat_models import ModelList
+from qswap.server.http.compat_models import ModelList
 from qswap.answers import EmbeddingResponse
 
 from .conftest import ADMIN

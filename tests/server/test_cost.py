@@ -16,8 +16,8 @@ import httpx
 import numpy as np
 import pytest
 
-from qswap.server.batching import MicroBatcher
-from qswap.server.errors import DeadlineExceededError
+from qswap.server.serving.batching import MicroBatcher
+from qswap.server.http.errors import DeadlineExceededError
 
 from .conftest import ADMIN, LiveServer, server_settings
 

@@ -1,10 +1,10 @@
-"""server/errors.py: the one table from error class to HTTP status and code."""
+"""server/http/errors.py: the one table from error class to HTTP status and code."""
 
 from __future__ import annotations
 
 from qswap.errors import (ConflictError, GuardRefusedError, IndexCorruptError, IntegrityError, InvalidInputError,
                           NotFoundError, SpaceMismatchError)
-from qswap.server.errors import DeadlineExceededError, LimitExceededError, OverloadedError, status_for
+from qswap.server.http.errors import DeadlineExceededError, LimitExceededError, OverloadedError, status_for
 
 
 def test_error_map_is_the_one_table():

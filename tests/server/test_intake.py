@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from qswap.errors import InvalidInputError, NotFoundError
-from qswap.server import intake
-from qswap.server.intake import copy_encoder, open_under_root
+from qswap.server.registry import intake
+from qswap.server.registry.intake import copy_encoder, open_under_root
 
 from ..encoders.adapters import make_overrides
 from .conftest import ADMIN, LiveServer, server_settings

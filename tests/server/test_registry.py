@@ -1,4 +1,4 @@
-"""server/registry.py: LRU and budget, persistence, refusals, deletes, version order, names."""
+"""server/registry/facade.py: LRU and budget, persistence, refusals, deletes, version order, names."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import pytest
 
 from qswap.errors import (ConflictError, GuardRefusedError, IntegrityError, InvalidInputError, NotFoundError,
                           SpaceMismatchError)
-from qswap.server.registry import version_order
+from qswap.server.registry.facade import version_order
 
 @pytest.fixture()
 def registry(tmp_path, tiny_base):
     from qswap.encoders import EncoderPool
-    from qswap.server.backend import TorchBackend, make_backend
-    from qswap.server.registry import EncoderRegistry
+    from qswap.encoders.runtime.backend import TorchBackend, make_backend
+    from qswap.server.registry.facade import EncoderRegistry
     def make(budget: int = 1 << 30, default: str = "base", backend: str = "torch") -> EncoderRegistry:
         pool = EncoderPool(tiny_base)   # a new registry is a restart: a new pool
         be = TorchBackend(pool) if backend == "torch" else make_backend(backend, pool, tmp_path / "onnx", 1)
@@ -182,7 +182,7 @@ def test_registry_name_resolves_to_the_highest_version(registry, tiny_base, tmp_
 def test_register_by_path_refuses_hard_links(registry, tiny_base, tmp_path):
     import os
 
-    from qswap.server.intake import open_under_root
+    from qswap.server.registry.intake import open_under_root
 
     from ..encoders.adapters import make_overrides
     r = registry()

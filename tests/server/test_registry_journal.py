@@ -1,4 +1,4 @@
-"""server/records.py: the registry as a snapshot plus a journal (one line per change), its crash
+"""server/registry/records.py: the registry as a snapshot plus a journal (one line per change), its crash
 safety, the migration of a plain registry.json, paging of the listing, and processes sharing a
 state dir (Ray replicas) reading only what changed."""
 
@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 
 from qswap.errors import IntegrityError
-from qswap.server import records
-from qswap.server.records import JOURNAL_FILE, REGISTRY_FILE
+from qswap.server.registry import records
+from qswap.server.registry.records import JOURNAL_FILE, REGISTRY_FILE
 
 from .conftest import ADMIN, LiveServer, server_settings
 
 
 def _make(kind, tmp_path, tiny_base, made):
     from qswap.encoders import EncoderPool
-    from qswap.server.backend import TorchBackend
+    from qswap.encoders.runtime.backend import TorchBackend
 
     def make():
         pool = EncoderPool(tiny_base)
@@ -33,7 +33,7 @@ def _make(kind, tmp_path, tiny_base, made):
 
 @pytest.fixture()
 def registry(tmp_path, tiny_base):
-    from qswap.server.registry import EncoderRegistry
+    from qswap.server.registry.facade import EncoderRegistry
     made: list = []
     yield _make(EncoderRegistry, tmp_path, tiny_base, made)
     for r in made:
@@ -42,7 +42,7 @@ def registry(tmp_path, tiny_base):
 
 @pytest.fixture()
 def replicas(tmp_path, tiny_base):
-    from qswap.server.ray_registry import SharedRegistry
+    from qswap.server.ray.registry import SharedRegistry
     made: list = []
     yield _make(SharedRegistry, tmp_path, tiny_base, made)
     for r in made:

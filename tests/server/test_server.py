@@ -459,7 +459,7 @@ def test_documents_upsert_and_delete(admin, anon):
 
 
 def test_openapi_committed_copy_matches(anon):
-    from qswap.server.app import OPENAPI_FILE, openapi_schema
+    from qswap.server.http.app import OPENAPI_FILE, openapi_schema
     committed = json.loads(OPENAPI_FILE.read_text())
     assert committed == openapi_schema(), "run `qswap serve --write-openapi server/openapi.json`"
     served = anon.get("/openapi.json").json()
@@ -503,7 +503,7 @@ def test_auth_modes_and_read_only(tmp_path, tiny_model_dir, index_dir):
         r = c.post("/v1/documents", json={"documents": [{"id": "a", "text": "b"}]})
         assert r.status_code == 400 and "read-only" in r.json()["detail"]
     from qswap.errors import InvalidInputError
-    from qswap.server.app import create_app
+    from qswap.server.http.app import create_app
     with pytest.raises(InvalidInputError):
         create_app(server_settings(tmp_path / "c", tiny_model_dir, index_dir, insecure=True, host="0.0.0.0"))
 
@@ -566,9 +566,8 @@ def test_every_route_that_serves_depends_on_readiness():
     """One readiness dependency, and no route that reads the index or an encoder without it."""
     from fastapi.routing import APIRoute
 
-    from qswap.server import (documents_api, embeddings_api, encoders_api, feedback_api, health_api, search_api,
-                              tei_api)
-    from qswap.server.responses import ready_state
+    from qswap.server.http.routes import documents, embeddings, encoders, feedback, health, search, tei
+    from qswap.server.http.responses import ready_state
 
     def calls(dependant):
         for dep in dependant.dependencies:
@@ -576,7 +575,7 @@ def test_every_route_that_serves_depends_on_readiness():
             yield from calls(dep)
 
     unguarded = {"/healthz", "/readyz", "/metrics", "/v1/documents/jobs/{job_id}"}
-    routes = [r for m in (documents_api, embeddings_api, encoders_api, feedback_api, health_api, search_api, tei_api)
+    routes = [r for m in (documents, embeddings, encoders, feedback, health, search, tei)
               for r in m.router.routes if isinstance(r, APIRoute)]
     assert len(routes) > 20
     for route in routes:
@@ -598,7 +597,7 @@ def test_cli_serve_refusals_and_openapi(tmp_path, monkeypatch):
     out = tmp_path / "openapi.json"
     args = parser.parse_args(["serve", "--write-openapi", str(out)])
     assert args.func(args) == 0
-    from qswap.server.app import OPENAPI_FILE
+    from qswap.server.http.app import OPENAPI_FILE
     assert json.loads(out.read_text()) == json.loads(OPENAPI_FILE.read_text())
     assert os.path.getsize(out) > 10_000
 

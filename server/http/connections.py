@@ -1,0 +1,159 @@
+"""Connections that cost nothing they do not use: header timeout, connection cap, uvicorn config.
+
+uvicorn closes idle keep-alive connections (``timeout_keep_alive``) but never one that sends
+nothing, or half a request head, after it connects: 1,000 of those held 1,000 file
+descriptors until the process ran out (EMFILE) and normal clients failed. The protocol here
+(uvicorn's own, subclassed) closes a connection that has not delivered a complete request
+head within ``header_timeout_s`` of opening or of the first byte of its next request, and caps open
+connections below the process's open-file limit: at the cap, a new connection first closes the
+idle one (no request running; one that was never served first, then the oldest); only when
+every connection is busy is it refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+import time
+from typing import Any
+
+import uvicorn
+
+from qswap.server.http.errors import error_body
+
+log = logging.getLogger("qswap.server")
+
+# File descriptors kept for everything that is not a client connection: index and model
+# files, SQLite, ONNX exports, the registry, logs, threads' pipes.
+FD_RESERVE_MIN = 128
+
+
+def _refusal() -> bytes:
+    body = json.dumps(error_body("overloaded", "too many open connections",
+                                 "retry after the Retry-After seconds, or reuse connections (keep-alive)")).encode()
+    return (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+            b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def default_max_connections() -> int:
+    """Client connections the open-file limit leaves room for (RLIMIT_NOFILE minus a reserve).
+
+    Returns:
+        The soft limit minus max(128, a quarter of it), at least 16.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 16
+    return max(16, soft - max(FD_RESERVE_MIN, soft // 4))
+
+
+def _base_protocol() -> type[asyncio.Protocol]:
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        return HttpToolsProtocol
+    except ImportError:   # httptools is optional in uvicorn: its pure-Python h11 parser then
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+        return H11Protocol
+
+
+def _idle(conn: Any) -> bool:
+    """No request in progress: between requests, or its request head not yet complete."""
+    cycle = getattr(conn, "cycle", None)
+    return cycle is None or cycle.response_complete
+
+
+def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol with a request-head timeout and a connection cap.
+
+    Args:
+        header_timeout_s: seconds a connection may take to deliver a complete request head,
+            from when it opens or (kept alive) from the first byte of its next request.
+        max_connections: open client connections at most.
+
+    Returns:
+        A protocol class for ``uvicorn.Config(http=...)``.
+    """
+    base: Any = _base_protocol()
+
+    class GuardedProtocol(base):   # type: ignore[misc, valid-type]
+        _header_timer: asyncio.TimerHandle | None = None
+        _opened: float = 0.0
+        _served = 0
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._opened = time.monotonic()
+            if len(self.connections) > max_connections and not self._evict_idle():
+                log.warning("connection refused: every connection is busy",
+                            extra={"connections": len(self.connections), "max_connections": max_connections})
+                transport.write(_REFUSAL)
+                transport.close()
+                return
+            self._arm()   # a new connection must send a request head within the bound
+
+        def _evict_idle(self) -> bool:
+            idle = [c for c in self.connections if c is not self and _idle(c)]
+            if not idle:
+                return False
+            # Connections that never completed a request go first (a slow client's), oldest
+            # first; kept-alive connections of clients that were served go last.
+            victim = min(idle, key=lambda c: (getattr(c, "_served", 0) > 0, getattr(c, "_opened", 0.0)))
+            victim.transport.close()
+            return True
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if _idle(self) and not self.transport.is_closing():
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            # The first bytes of a request on a kept-alive connection start its head's clock
+            # (until then uvicorn's keep-alive timeout applies).
+            if self._header_timer is None and _idle(self):
+                self._arm()
+            super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._served += 1
+            self._disarm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    _REFUSAL = _refusal()
+    GuardedProtocol.__name__ = GuardedProtocol.__qualname__ = f"Guarded{base.__name__}"
+    return GuardedProtocol
+
+
+def uvicorn_config(app: Any, settings: Any, **overrides: Any) -> uvicorn.Config:
+    """The uvicorn configuration of a qswap server: one worker, the connection limits above.
+
+    Args:
+        app: the ASGI app (:func:`qswap.server.http.app.create_app`).
+        settings: its :class:`~qswap.server.config.ServerSettings`.
+        overrides: further ``uvicorn.Config`` arguments (tests pass ``lifespan``).
+
+    Returns:
+        The config for :class:`qswap.server.http.app.DrainingServer`.
+    """
+    cap = settings.max_connections or default_max_connections()
+    kw: dict[str, Any] = dict(
+        host=settings.host, port=settings.port, workers=1, loop="auto",
+        http=guarded_protocol(settings.header_timeout_s, cap), access_log=False, log_config=None,
+        server_header=False, timeout_keep_alive=settings.keep_alive_timeout_s,
+        timeout_graceful_shutdown=settings.shutdown_timeout_s, backlog=settings.backlog)
+    kw.update(overrides)
+    return uvicorn.Config(app, **kw)

@@ -1,0 +1,179 @@
+"""Structured logs (JSON lines) and the per-request context: request id, body limit, metrics.
+
+:class:`RequestContextMiddleware` is a plain ASGI middleware (no per-request task or body
+buffering) that gives every request an id (the client's ``X-Request-ID`` if it is sane),
+enforces the body-size limits, records latency metrics by route template, and writes one
+access-log line.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import re
+import sys
+import time
+import uuid
+from typing import Any, Callable
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from qswap.server.http.errors import InternalServerError, PayloadTooLargeError, QswapError, error_body_of
+
+REQUEST_ID_HEADER = "X-Request-ID"
+_SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("qswap_request_id", default=None)
+access_log = logging.getLogger("qswap.server.access")
+
+_STANDARD = set(vars(logging.LogRecord("x", 0, "x", 0, "x", None, None))) | {"message", "asctime", "taskName",
+                                                                         "color_message"}  # uvicorn's ANSI copy
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, request id and any ``extra`` fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        rid = getattr(record, "request_id", None) or request_id_var.get()
+        if rid:
+            out["request_id"] = rid
+        for k, v in vars(record).items():
+            if k not in _STANDARD and k not in out:
+                out[k] = v if isinstance(v, (str, int, float, bool, type(None), list, dict)) else str(v)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False, default=str)
+
+
+def configure_logging(json_lines: bool = True, level: int = logging.INFO) -> None:
+    """Send every log record (ours and uvicorn's) to stderr, as JSON lines or plain text."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if json_lines
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(level)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        lg = logging.getLogger(name)
+        lg.handlers.clear()
+        lg.propagate = True
+
+
+def new_request_id(given: str | None) -> str:
+    """The client's id when it is short and plain, else a fresh one."""
+    if given and _SANE_ID.match(given):
+        return given
+    return uuid.uuid4().hex
+
+
+class _BodyTooLarge(HTTPException):
+    """Raised from ``receive``; FastAPI re-raises HTTPExceptions met while reading the body (and
+    would turn any other exception there into a 400); the handler answers PayloadTooLargeError."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(PayloadTooLargeError.status, f"request body exceeds {limit} bytes")
+
+
+class RequestContextMiddleware:
+    """Request id, body-size limit, metrics and access log for every HTTP request."""
+
+    def __init__(self, app: ASGIApp, *, limit_for: Callable[[Scope], int],
+                 metrics: Callable[[], Any]) -> None:
+        self.app = app
+        self.limit_for = limit_for
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", ()))
+        rid = new_request_id(headers.get(REQUEST_ID_HEADER.lower()))
+        token = request_id_var.set(rid)
+        scope.setdefault("state", {})["request_id"] = rid
+        start = time.perf_counter()
+        status = 500
+        limit = self.limit_for(scope)
+
+        started = False
+
+        async def send_wrapped(message: Message) -> None:
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                started = True
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = list(message["headers"]) + [(REQUEST_ID_HEADER.encode(), rid.encode())]
+            await send(message)
+
+        try:
+            declared = headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                # Refuse before reading a byte; the client learns the limit.
+                await self._too_large(scope, send_wrapped, limit, rid)
+                return
+            received = 0
+
+            async def receive_limited() -> Message:
+                nonlocal received
+                message = await receive()
+                if message["type"] == "http.request":
+                    received += len(message.get("body", b""))
+                    if received > limit:
+                        raise _BodyTooLarge(limit)
+                return message
+
+            await self.app(scope, receive_limited, send_wrapped)
+        except Exception:
+            # A bug, not bad input: log it with the request id and answer a JSON 500 (with the
+            # X-Request-ID header) instead of letting the outer error middleware do it.
+            logging.getLogger("qswap.server").exception("unhandled error", extra={"request_id": rid})
+            if started:
+                raise
+            await self._send_error(send_wrapped, InternalServerError(
+                "internal server error", "the server logs have the details (search for the request id)"), rid)
+        finally:
+            elapsed = time.perf_counter() - start
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            encoder = scope.get("state", {}).get("encoder", "")
+            m = self.metrics()
+            if m is not None:
+                m.requests.labels(route=template, method=scope["method"], status=str(status)).inc()
+                m.request_seconds.labels(route=template, encoder=encoder).observe(elapsed)
+            if template not in ("/healthz", "/metrics", "/readyz"):
+                access_log.info("request", extra={
+                    "request_id": rid, "method": scope["method"], "path": scope["path"], "route": template,
+                    "status": status, "duration_ms": round(elapsed * 1000, 3), "encoder": encoder or None})
+            request_id_var.reset(token)
+
+    async def _too_large(self, scope: Scope, send: Send, limit: int, rid: str) -> None:
+        await self._send_error(send, PayloadTooLargeError(
+            f"request body exceeds {limit} bytes",
+            "send a smaller body (see the server's max_body_bytes / max_upload_bytes)"), rid, close=True)
+
+    async def _send_error(self, send: Send, exc: QswapError, rid: str, close: bool = False) -> None:
+        """Answer ``exc`` from here, outside the app's exception handlers (same body, same metric)."""
+        status, body, _ = error_body_of(exc, request_id=rid)
+        m = self.metrics()
+        if m is not None:
+            m.errors.labels(code=body["error"], status=str(status)).inc()
+        await self._send_json(send, status, body, close=close)
+
+    @staticmethod
+    async def _send_json(send: Send, status: int, body: dict[str, Any], close: bool = False) -> None:
+        data = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        if close:
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})

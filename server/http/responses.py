@@ -1,0 +1,54 @@
+"""Shared route helpers: the error responses documented in OpenAPI, and the app state accessor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Header, Request
+
+from qswap.server.http.errors import documented_errors
+from qswap.server.http.models import ErrorBody
+from qswap.server.state import ServerState
+
+# Error statuses a route can answer (bodies are always ErrorBody), from the one error table.
+ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorBody, "description": doc}
+                                           for status, doc in sorted(documented_errors().items())}
+ADMIN_ERRORS = ERRORS
+
+
+def state_of(request: Request) -> ServerState:
+    """The app's :class:`ServerState` (set by the app factory).
+
+    Args:
+        request: the request being served.
+
+    Returns:
+        The state, ready or not (health routes read it while the server loads).
+    """
+    return request.app.state.qs
+
+
+def ready_state(request: Request) -> ServerState:
+    """The app's state once it serves: the one readiness check, a dependency of every route that
+    needs the index or an encoder (route-level auth dependencies run before it).
+
+    Args:
+        request: the request being served.
+
+    Returns:
+        The ready state.
+
+    Raises:
+        NotReadyError: (503) the server is loading, failed to load, or is shutting down.
+    """
+    state = state_of(request)
+    state.require_ready()
+    return state
+
+
+def request_timeout(request: Request, x_request_timeout: float = Header(  # absent, not null
+        None, gt=0, le=600, description="seconds this request may take, queueing included; past it, queued "
+                                        "work is dropped and the answer is 504 (default: the server's "
+                                        "request_timeout_s)")) -> float:
+    """The request's deadline in seconds from now (a dependency of search and document routes)."""
+    return x_request_timeout if x_request_timeout is not None else state_of(request).settings.request_timeout_s

@@ -1,0 +1,118 @@
+"""Learning from traffic: ``POST /v1/feedback`` and the online experiments on domain aliases.
+
+Both need capture on (``--feedback-dir``). Feedback follows the search access rule (the
+application that searched reports what its user did); starting, stopping, promoting and
+rolling back experiments are admin routes. Store work runs in threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Path
+
+from qswap.errors import ConflictError
+from qswap.feedback.interleave import Interleaving
+from qswap.feedback.store import Feedback
+from qswap.server.http.auth import require_admin, require_search
+from qswap.server.http.models import (NAME_PATTERN, Experiment, ExperimentList, ExperimentStart, FeedbackRecorded,
+                                 FeedbackRequest)
+from qswap.server.http.responses import ADMIN_ERRORS, ERRORS, ready_state
+from qswap.server.state import ServerState
+
+router = APIRouter(tags=["feedback"])
+
+
+def capturing_state(state: ServerState = Depends(ready_state)) -> ServerState:
+    """The ready state of a server that captures feedback (a dependency of the feedback and
+    experiment routes).
+
+    Args:
+        state: the ready state.
+
+    Returns:
+        The state, whose ``feedback`` and ``experiments`` are set.
+
+    Raises:
+        ConflictError: (409) the server runs without ``--feedback-dir``.
+    """
+    if state.feedback is None:
+        raise ConflictError("feedback capture is off on this server",
+                            "start the server with --feedback-dir DIR (it stores query text)")
+    return state
+
+
+@router.post("/v1/feedback", response_model=FeedbackRecorded, responses=ERRORS,
+             dependencies=[Depends(require_search)], summary="Report clicks or judgements on a search")
+async def feedback(body: FeedbackRequest, state: ServerState = Depends(capturing_state)) -> FeedbackRecorded:
+    """Record what the user did with one captured search's results.
+
+    ``clicks`` (ids clicked) or ``grades`` (id -> grade); every id must be among the hits that
+    search showed. An unknown or expired request id is 404; a second feedback on the same
+    result list is 409. On an interleaved search the clicks credit the encoder that contributed
+    the clicked documents, and the answer says which won.
+    """
+    store, exps = state.feedback, state.experiments
+
+    def record() -> int | None:
+        imp = store.impression(body.request_id, body.query_index)
+        given = list(body.clicks or [])
+        clicks = given if body.grades is None else [d for d, g in body.grades.items() if g > 0]
+        shown = Interleaving(imp.ids, imp.teams) if imp.teams is not None else None
+        outcome = exps.credit_feedback(imp.experiment, shown, clicks)
+        store.add_feedback(body.request_id, body.query_index, Feedback(given, body.grades), outcome)
+        if outcome is not None:
+            exps.after_outcome(imp.domain)
+        return outcome
+
+    try:
+        outcome = await asyncio.to_thread(record)
+    except Exception:
+        state.metrics.feedback.labels(result="refused").inc()
+        raise
+    state.metrics.feedback.labels(result="recorded").inc()
+    return FeedbackRecorded(request_id=body.request_id, query_index=body.query_index, outcome=outcome)
+
+
+@router.post("/v1/experiments", response_model=Experiment, status_code=201, responses=ADMIN_ERRORS,
+             dependencies=[Depends(require_admin)], tags=["experiments"],
+             summary="Start an online comparison on a domain alias")
+async def start_experiment(body: ExperimentStart, state: ServerState = Depends(capturing_state)) -> Experiment:
+    """Compare ``candidate`` with what the domain alias serves, on ``fraction`` of its searches.
+
+    ``shadow`` runs the candidate off the response path when the server is idle and records
+    top-k overlap; ``interleave`` shows a team-draft interleaving and credits clicks. One
+    running experiment per domain; the candidate must be servable now.
+    """
+    doc = await asyncio.to_thread(state.experiments.start, body.domain, body.candidate, body.mode, body.fraction,
+                                  body.auto_promote_alpha, body.min_decided)
+    return Experiment(**doc)
+
+
+@router.get("/v1/experiments", response_model=ExperimentList, responses=ERRORS,
+            dependencies=[Depends(require_search)], tags=["experiments"], summary="List experiments")
+async def list_experiments(state: ServerState = Depends(capturing_state)) -> ExperimentList:
+    docs = await asyncio.to_thread(state.experiments.list)
+    return ExperimentList(experiments=[Experiment(**d) for d in docs])
+
+
+@router.get("/v1/experiments/{domain}", response_model=Experiment, responses=ERRORS,
+            dependencies=[Depends(require_search)], tags=["experiments"], summary="Show a domain's experiment")
+async def get_experiment(domain: str = Path(pattern=NAME_PATTERN),
+                         state: ServerState = Depends(capturing_state)) -> Experiment:
+    """Impressions, wins, losses, ties, the sign test's p-value, shadow overlap and latency."""
+    return Experiment(**await asyncio.to_thread(state.experiments.get, domain))
+
+
+@router.post("/v1/experiments/{domain}/{action}", response_model=Experiment, responses=ADMIN_ERRORS,
+             dependencies=[Depends(require_admin)], tags=["experiments"],
+             summary="Stop an experiment, promote its candidate, or roll a promotion back")
+async def experiment_action(action: Literal["stop", "promote", "rollback"],
+                            domain: str = Path(pattern=NAME_PATTERN),
+                            state: ServerState = Depends(capturing_state)) -> Experiment:
+    """``stop``: no more traffic takes part (the record stays). ``promote``: point the domain at the
+    candidate (atomic alias switch); refused (409) unless the candidate is servable without force
+    (its guard passed, or the server runs no guard), or when the alias changed during the
+    experiment. ``rollback``: point the domain back at the encoder it served before the promotion."""
+    return Experiment(**await asyncio.to_thread(getattr(state.experiments, action), domain))

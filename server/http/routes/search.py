@@ -1,0 +1,170 @@
+"""``POST /v1/search``: resolve the encoder at admission, batch, answer with what served it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from qswap.encoders import BASE_KEY
+from qswap.errors import QswapError
+from qswap.feedback.store import Impression
+from qswap.server.http.auth import require_search
+from qswap.server.http.errors import LimitExceededError
+from qswap.server.traffic.experiments import interleave_hits
+from qswap.server.http.models import SearchRequest
+from qswap.answers import SearchResponse
+from qswap.server.registry.facade import split_key
+from qswap.server.http.rendering import render_search_async
+from qswap.server.http.responses import ERRORS, ready_state, request_timeout
+from qswap.server.state import ServerState
+
+log = logging.getLogger("qswap.server")
+
+router = APIRouter(tags=["search"])
+
+
+# A token covers at most one word and at least half a character (a SentencePiece word marker
+# plus one character); prefix and special tokens come on top. Between these bounds the
+# tokenizer decides; outside them it need not run.
+_TOKENS_PER_CHAR, _EXTRA_TOKENS = 2, 16
+
+
+async def request_tokens(state: ServerState, texts: list[str]) -> list[int] | None:
+    """The queries' token counts when the request may exceed ``max_request_tokens`` (counted off
+    the event loop), else None (a short request is not tokenised twice); refuses one over it.
+
+    Args:
+        state: the server (its settings and tokenizer).
+        texts: the request's queries, already cut to ``max_query_chars``.
+
+    Returns:
+        Token counts per query, or None when the request is certainly within the limit.
+    """
+    limit = state.settings.max_request_tokens
+    most = state.max_text_tokens
+    if sum(min(_TOKENS_PER_CHAR * len(t) + _EXTRA_TOKENS, most) for t in texts) <= limit:
+        return None
+    at_least = sum(min(len(t.split()) + 2, most) for t in texts)   # words, [CLS] and [SEP]
+    tokens = None
+    if at_least <= limit:
+        tokens = await asyncio.to_thread(state.token_counts, texts)
+    if tokens is None or sum(tokens) > limit:
+        n = f"at least {at_least}" if tokens is None else str(sum(tokens))
+        raise LimitExceededError(f"the queries hold {n} tokens; the limit per request is {limit}",
+                                 "send shorter queries, or split them over several requests")
+    return tokens
+
+
+@router.post("/v1/search", response_model=SearchResponse, responses=ERRORS,
+             dependencies=[Depends(require_search)], summary="Search with a chosen query encoder")
+async def search(body: SearchRequest, request: Request, timeout_s: float = Depends(request_timeout),
+                 state: ServerState = Depends(ready_state)) -> Response:
+    """Encode the queries with one encoder (named, by domain alias, or the default) and search.
+
+    The encoder is resolved to an exact ``name@version`` when the request is admitted and held
+    until the request is done: an alias switch meanwhile does not change what serves it.
+    """
+    t0 = time.perf_counter()
+    s = state.settings
+    texts = body.texts()
+    if len(texts) > s.max_queries:
+        raise LimitExceededError(f"{len(texts)} queries in one request; the limit is {s.max_queries}",
+                                 "split the queries over several requests")
+    k = body.k if "k" in body.model_fields_set else min(body.k, s.max_k)   # the default fits any limit
+    if k > s.max_k:
+        raise LimitExceededError(f"k={k} exceeds the limit {s.max_k}", f"ask for at most {s.max_k} hits")
+    if body.offset > s.max_k:
+        raise LimitExceededError(f"offset={body.offset} exceeds the limit {s.max_k}",
+                                 f"page through at most {s.max_k} hits past the first ones")
+    cut = [len(t) > s.max_query_chars for t in texts]
+    texts = [t[:s.max_query_chars] for t in texts]
+    tokens = await request_tokens(state, texts)
+    key = state.registry.acquire(body.encoder, body.domain)
+    request.state.encoder = key
+    rid = getattr(request.state, "request_id", None) or ""
+    exps = state.experiments
+    arm = exps.assign(body.domain, rid) if exps is not None else None
+    if arm is not None and arm.mode == "interleave" and arm.control == key:
+        # Both encoders run in the same batch (mixed-encoder batching): no second round trip.
+        out, cand = await asyncio.gather(_run(state, key, texts, tokens, k + body.offset, body, timeout_s),
+                                         _candidate(state, arm.candidate, texts, tokens, k + body.offset, body,
+                                                    timeout_s))
+    else:
+        out, cand = await _run(state, key, texts, tokens, k + body.offset, body, timeout_s), None
+    name, version = (BASE_KEY, state.base_version) if key == BASE_KEY else split_key(key)
+    ref = {"key": key, "name": name, "version": version}
+    timings = {"queue_ms": round(out.queue_s * 1000, 3), "encode_ms": round(out.encode_s * 1000, 3),
+               "search_ms": round(out.search_s * 1000, 3)}
+    flags = [bool(out.truncated[i] or cut[i]) for i in range(len(out.hits))]
+    hits: list[list[Any]] = []
+    teams: list[list[str] | None] = []
+    experiment: list[dict[str, Any] | None] = [None] * len(out.hits)
+    threshold = body.score_threshold
+    for i, qhits in enumerate(out.hits):
+        team: list[str] | None = None
+        if cand is not None:
+            qhits, team = interleave_hits(qhits, cand.hits[i], k + body.offset, f"{rid}:{i}")
+            experiment[i] = {"id": arm.experiment, "mode": arm.mode, "candidate": arm.candidate}
+        keep = [j for j in range(body.offset, len(qhits)) if threshold is None or qhits[j].score >= threshold]
+        hits.append([qhits[j] for j in keep])
+        teams.append([team[j] for j in keep] if team is not None else None)
+    shown = [[h.id for h in q] for q in hits]
+    if state.feedback is not None:
+        exp = arm.experiment if cand is not None else None
+        state.feedback.record([Impression(request_id=rid, qi=i, domain=body.domain, encoder=key, query=texts[i],
+                                          ids=shown[i], teams=teams[i], experiment=exp) for i in range(len(texts))])
+        state.metrics.captured.inc(len(texts))
+    if arm is not None and arm.mode == "shadow" and arm.control == key:
+        # Off the response path, and only on an idle worker: live traffic never waits for it.
+        exps.spawn_shadow(arm, shown, lambda: _candidate(state, arm.candidate, texts, tokens, k + body.offset, body,
+                                                         timeout_s, strict=True),
+                          idle=state.batcher.pending == 0)
+    n_trunc = sum(flags)
+    state.metrics.queries.labels(encoder=key).inc(len(texts))
+    if n_trunc:
+        state.metrics.truncated.inc(n_trunc)
+    # The hot path answers with JSON written directly in the SearchResponse shape (a test checks
+    # it against the model) instead of building pydantic objects for FastAPI to validate again;
+    # texts, metadata and the whole answer are bounded there (qswap.server.http.rendering).
+    payload, _ = await render_search_async(hits, flags, ref, timings, body.with_text,
+                                           round((time.perf_counter() - t0) * 1000, 3), state.response_limits,
+                                           experiment)
+    return Response(payload, media_type="application/json")
+
+
+async def _run(state: Any, key: str, texts: list[str], tokens: Any, k: int, body: SearchRequest,
+               timeout_s: float) -> Any:
+    """Search with an acquired encoder; the batcher releases the reference exactly once."""
+    reg = state.registry
+    submitted = False
+    try:
+        await state.prepare_encoder(key)   # first use after start or eviction
+        submitted = True   # from here the batcher releases the reference, exactly once
+        return await state.batcher.search(texts, key, k, body.filter, body.with_text,
+                                          on_done=lambda: reg.release(key), timeout_s=timeout_s, tokens=tokens)
+    finally:
+        if not submitted:
+            reg.release(key)
+
+
+async def _candidate(state: Any, ref: str, texts: list[str], tokens: Any, k: int, body: SearchRequest,
+                     timeout_s: float, strict: bool = False) -> Any:
+    """The experiment candidate's search; ``None`` (the control alone answers) when it cannot run,
+    unless ``strict`` (shadow runs count the failure as skipped)."""
+    try:
+        key = state.registry.acquire(ref)
+    except QswapError:
+        if strict:
+            raise
+        log.warning("experiment candidate not servable", extra={"encoder": ref})
+        return None
+    try:
+        return await _run(state, key, texts, tokens, k, body, timeout_s)
+    except QswapError:
+        if strict:
+            raise
+        return None

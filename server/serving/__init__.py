@@ -1,0 +1,1 @@
+"""The query path inside the server: micro-batching, embedding for the compatibility routes, upsert jobs."""

@@ -1,0 +1,169 @@
+"""Embedding texts for the OpenAI- and TEI-compatible routes: one path for both.
+
+A query encoder (a domain alias or an encoder reference, resolved and held like a search's)
+embeds through the micro-batcher, so embedding rows share forward passes with searches and
+pass the same admission (429), deadlines (504) and metrics. The frozen document tower
+(:data:`DOCUMENTS_MODEL`) embeds with the function that embeds the index's documents
+(:meth:`ServerState.embed_documents`), on the same worker thread. Large inputs are encoded ``max_batch`` at a time, one chunk after the
+other, so a 2,000-input request holds one batch of activations at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from qswap.errors import InvalidInputError, LimitExceededError
+from qswap.matryoshka import truncate
+from qswap.server.http.compat_models import DOCUMENTS_MODEL, token_ids_given
+from qswap.server.state import ServerState
+
+# Tokenising this many inputs or more leaves the event loop (a thread does it).
+_TOKENIZE_INLINE = 64
+
+
+@dataclass
+class Embedded:
+    """Vectors of one request and what made them."""
+
+    vectors: np.ndarray      # (n, dims) float32, unit length
+    model: str               # name@version, 'base' or 'qswap/documents'
+    tokens: list[int]        # tokens the model read, per input
+    truncated: list[bool]    # inputs cut to the model's max tokens
+
+
+class _Hold:
+    """One registry reference shared by a request and its chunk jobs: released (on whichever
+    thread finishes last) once the request is done and every job it submitted has finished."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release = release
+        self._n = 1
+        self._lock = threading.Lock()
+
+    def add(self) -> Callable[[], None]:
+        with self._lock:
+            self._n += 1
+        return self.done
+
+    def done(self) -> None:
+        with self._lock:
+            self._n -= 1
+            last = self._n == 0
+        if last:
+            self._release()
+
+
+def texts_of(value: Any) -> list[str]:
+    """The texts of an ``input`` / ``inputs`` field (a string or a list of strings).
+
+    Args:
+        value: the validated field.
+
+    Returns:
+        The texts, in order.
+
+    Raises:
+        InvalidInputError: the field holds token ids (tiktoken's, not this model's vocabulary).
+    """
+    if token_ids_given(value):
+        raise InvalidInputError(
+            "input holds token ids; this server embeds text (token ids from the client's tokenizer are not "
+            "this model's vocabulary)",
+            "send the texts themselves: with LangChain, OpenAIEmbeddings(..., check_embedding_ctx_length=False)")
+    return [value] if isinstance(value, str) else list(value)
+
+
+def model_ref(registry: Any, model: str) -> dict[str, str]:
+    """How a ``model`` id resolves: a domain alias of that name first, else an encoder reference.
+
+    Args:
+        registry: the server's encoder registry.
+        model: the id the client sent.
+
+    Returns:
+        Keyword arguments for ``registry.resolve`` / ``registry.acquire``.
+    """
+    return {"domain": model} if model in registry.aliases() else {"encoder": model}
+
+
+def _tokenize(state: ServerState, texts: list[str], prefix: str) -> tuple[list[int], list[bool]]:
+    encs = state.base.tokenizer.encode_batch([prefix + t for t in texts])
+    return [len(e.ids) for e in encs], [bool(e.overflowing) for e in encs]
+
+
+async def embed_texts(state: ServerState, texts: list[str], model: str, *, timeout_s: float,
+                      dimensions: int | None = None, on_key: Callable[[str], None] | None = None,
+                      refuse_truncated: bool = False) -> Embedded:
+    """Embed ``texts`` with ``model`` (alias, encoder reference, or ``qswap/documents``).
+
+    Args:
+        state: the server's state (ready: the route's ``ready_state`` dependency checked it).
+        texts: the inputs (at most ``max_embedding_inputs``).
+        model: a domain alias (checked first), an encoder reference, or :data:`DOCUMENTS_MODEL`.
+        timeout_s: the request's deadline from now.
+        dimensions: keep this many leading coordinates and renormalise (Matryoshka).
+        on_key: called with the resolved key before any work (the route logs it).
+        refuse_truncated: refuse inputs longer than the model's max tokens instead of cutting them.
+
+    Returns:
+        The vectors, the resolved model and the token counts.
+    """
+    s = state.settings
+    if len(texts) > s.max_embedding_inputs:
+        raise LimitExceededError(f"{len(texts)} inputs in one request; the limit is {s.max_embedding_inputs}",
+                                 "split the inputs over several requests (LangChain: chunk_size)")
+    dim = state.base.dim
+    if dimensions is not None and dimensions > dim:
+        raise LimitExceededError(f"dimensions={dimensions} exceeds the model's {dim}",
+                                 f"ask for at most {dim} dimensions")
+    deadline = time.perf_counter() + timeout_s
+    step = s.max_batch
+    out = np.empty((len(texts), dim), dtype=np.float32)
+    documents = model == DOCUMENTS_MODEL
+    prefix = state.base.spec.document_prefix if documents else state.base.spec.query_prefix
+    if len(texts) < _TOKENIZE_INLINE:
+        tokens, cut = _tokenize(state, texts, prefix)
+    else:
+        tokens, cut = await asyncio.to_thread(_tokenize, state, texts, prefix)
+    if refuse_truncated and any(cut):
+        raise LimitExceededError(f"input {cut.index(True)} is longer than the model's max tokens",
+                                 "shorten it, or send truncate=true")
+    if documents:
+        key = DOCUMENTS_MODEL
+        if on_key is not None:
+            on_key(key)
+        for i in range(0, len(texts), step):
+            out[i:i + step] = await state.batcher.call(state.embed_documents, texts[i:i + step],
+                                                       timeout_s=deadline - time.perf_counter())
+    else:
+        reg = state.registry
+        key = reg.acquire(**model_ref(reg, model))
+        hold = _Hold(lambda: reg.release(key))
+        try:
+            if on_key is not None:
+                on_key(key)
+            await state.prepare_encoder(key)   # first use after start or eviction
+            for i in range(0, len(texts), step):
+                done = await state.batcher.embed(texts[i:i + step], key, on_done=hold.add(),
+                                                 timeout_s=deadline - time.perf_counter())
+                out[i:i + step] = done.vectors
+        finally:
+            hold.done()
+    state.metrics.embedded.labels(encoder=key).inc(len(texts))
+    if dimensions is not None and dimensions < dim:
+        out = truncate(out, dimensions)
+    return Embedded(out, key, tokens, cut)
+
+
+def encode_vector(v: np.ndarray, encoding_format: str) -> list[float] | str:
+    """One embedding as OpenAI sends it: floats, or base64 of its little-endian float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode("ascii")
+    return v.tolist()
