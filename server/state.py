@@ -20,7 +20,8 @@ import numpy as np
 from qswap.encoders import BASE_KEY, BaseEncoder, EncoderPool, load_base
 from qswap.errors import QswapError
 from qswap.server.registry.intake import extract_encoder_archive
-from qswap.encoders.runtime.backend import Backend, make_backend
+from qswap.encoders.runtime.backend import make_backend
+from qswap.encoders.runtime.protocol import Backend
 from qswap.server.serving.batching import MicroBatcher
 from qswap.server.config import ServerSettings
 from qswap.server.http.errors import NotReadyError
