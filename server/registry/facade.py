@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
-from qswap.encoders.artifact import ENCODER_MANIFEST, EncoderArtifact, validate_name
+from qswap.encoders.artifact import ENCODER_MANIFEST, EncoderArtifact
+from qswap.names import validate_name
 from qswap.errors import (ConflictError, GuardPendingError, GuardRefusedError, InvalidInputError, NotFoundError,
                           QswapError)
 from qswap.guard import GuardStatus
