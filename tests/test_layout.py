@@ -273,3 +273,23 @@ def test_the_circle_finder_sees_a_circle():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _circles(edges) == [["a", "b", "c"]]
     assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_wheel_ships_the_package_not_the_benchmark_results(tmp_path):
+    """bench/results/ (figures, scripts, data paths of the machines they ran on) stays in the
+    repository: a wheel built from the tree holds the code and its package data, none of it."""
+    import shutil
+    import zipfile
+    tree = tmp_path / "tree"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for rel in filter(None, files.decode().split("\0")):
+        if (ROOT / rel).is_file():
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, tree / rel)
+    assert any((tree / "bench" / "results").rglob("*.json"))
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(tmp_path / "out"), str(tree)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    names = zipfile.ZipFile(next((tmp_path / "out").glob("qswap-*.whl"))).namelist()
+    assert "qswap/server/openapi.json" in names and "qswap/bench/results.py" in names
+    assert not [n for n in names if n.startswith("qswap/bench/results/")]

@@ -38,7 +38,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
