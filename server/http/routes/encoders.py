@@ -52,9 +52,9 @@ _REGISTER_BODY = {
 
 def _info(state: ServerState, key: str) -> EncoderInfo:
     info = state.registry.info(key, state.base_version)
-    if state.backend is not None:
-        info.update(runtime_of(state.backend, key))
-    return EncoderInfo(**info)
+    if state.backend is None:
+        return info
+    return info.model_copy(update=runtime_of(state.backend, key))
 
 
 def _form_bool(value: object, field: str) -> bool:
