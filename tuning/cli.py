@@ -328,7 +328,7 @@ def _eval(args: argparse.Namespace) -> int:
     from qswap.errors import InvalidInputError
     from qswap.tuning.beir_eval import BeirEvaluator
     from qswap.guard.sentinels import parse_sentinel
-    from qswap.tuning.guard import evaluate_sentinels, triplet_metrics
+    from qswap.tuning.sentinel_scores import evaluate_sentinels, triplet_metrics
     from qswap.guard.evaluation import compare_metrics
     from qswap.tuning.multilingual import language_matrix, plot_heatmap
 
