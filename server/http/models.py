@@ -19,7 +19,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 
 from qswap.answers import UpsertResult
-from qswap.names import KEY_PATTERN, NAME_PATTERN, REF_PATTERN
+from qswap.names import NAME_PATTERN, REF_PATTERN
 
 # A path under the encoders root: no NUL and no '..' component (written without look-ahead,
 # which the validator's regex engine lacks).
