@@ -18,6 +18,9 @@ from qswap.tuning.optim import LR_RULES, OPTIMIZERS, SCHEDULERS
 from qswap.tuning.recipes import RECIPES, describe, resolve
 from qswap.tuning.config import MINE_CHOICES, QUERY_RUNTIMES
 
+# `qswap tune run` exit status when no epoch improved (2 is a usage error, 1 a failure).
+IDENTITY_EXIT = 3
+
 
 def _ints(s: str) -> list[int]:
     try:
@@ -196,6 +199,9 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--cache-dir", type=Path, help="document-embedding cache (default <data dir>/doc-cache)")
     g.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.add_argument("--allow-identity", action="store_true",
+                   help=f"exit 0 when no epoch improved (the encoder is then the base); without it: exit "
+                        f"{IDENTITY_EXIT} with a message")
     g.add_argument("--query-runtime", choices=QUERY_RUNTIMES, default="onnx",
                    help="what encodes queries for mining and evaluation: onnx = the serving path's ONNX Runtime "
                         "export (vectors equal to torch's to cosine >= 0.99999), torch = the reference")
@@ -262,6 +268,12 @@ def _run(args: argparse.Namespace) -> int:
     print(_summary(res.report))
     if res.registration is not None:
         print(f"registered: {json.dumps(res.registration)}")
+    if res.report["training"]["best_epoch"] == 0 and not args.allow_identity:
+        # An encoder that equals the base is rarely what the user wanted: say so even with --quiet.
+        print(f"qswap: error: no epoch improved both validation loss and validation errors; {args.out} holds the "
+              "base model (kind identity) -- check the training data (queries and positives that match), or "
+              "try more data, a higher --lr or more --max-epochs; --allow-identity accepts it", file=sys.stderr)
+        return IDENTITY_EXIT
     return 0
 
 
