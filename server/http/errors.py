@@ -20,19 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qswap.atomic import disk_full
 from qswap.server.http.dialects import dialect_for, retry_headers, shape_error
-from qswap.errors import (ERRORS, ConflictError, DeadlineExceededError, ForbiddenError, GuardPendingError,
-                          GuardRefusedError, IndexCorruptError, InsufficientStorageError, IntegrityError,
-                          InternalServerError,
-                          InvalidInputError, InvalidRequestError, LimitExceededError, MethodNotAllowedError,
-                          NotFoundError, NotReadyError, OverloadedError, PayloadTooLargeError, QswapError,
-                          SpaceMismatchError, UnauthorizedError, UnsupportedMediaTypeError, error_class)
-
-__all__ = ["ConflictError", "DeadlineExceededError", "ForbiddenError", "GuardPendingError", "GuardRefusedError",
-           "IndexCorruptError", "IntegrityError", "InternalServerError", "InvalidInputError", "InvalidRequestError",
-           "LimitExceededError", "MethodNotAllowedError", "NotFoundError", "NotReadyError", "OverloadedError",
-           "PayloadTooLargeError", "QswapError", "SpaceMismatchError", "UnauthorizedError",
-           "UnsupportedMediaTypeError", "documented_errors", "error_body", "error_body_of", "install_error_handlers",
-           "status_for"]
+from qswap.errors import (ERRORS, GuardRefusedError, InsufficientStorageError, InvalidRequestError, OverloadedError,
+                          QswapError, SpaceMismatchError, error_class)
 
 log = logging.getLogger("qswap.server")
 

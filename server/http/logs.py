@@ -21,8 +21,9 @@ from typing import Any, Callable
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from qswap.errors import InternalServerError, PayloadTooLargeError, QswapError
 from qswap.server.http.dialects import dialect_for, shape_error
-from qswap.server.http.errors import InternalServerError, PayloadTooLargeError, QswapError, error_body_of
+from qswap.server.http.errors import error_body_of
 
 REQUEST_ID_HEADER = "X-Request-ID"
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
