@@ -268,7 +268,7 @@ def _run(args: argparse.Namespace) -> int:
     print(res.report.summary())
     if res.registration is not None:
         print(f"registered: {json.dumps(res.registration)}")
-    if res.report["training"]["best_epoch"] == 0 and not args.allow_identity:
+    if res.report.training["best_epoch"] == 0 and not args.allow_identity:
         # An encoder that equals the base is rarely what the user wanted: say so even with --quiet.
         print(f"qswap: error: no epoch improved both validation loss and validation errors; {args.out} holds the "
               "base model (kind identity) -- check the training data (queries and positives that match), or "
