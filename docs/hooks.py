@@ -265,7 +265,8 @@ def _provenance(doc: Mapping[str, Any]) -> dict[str, str]:
 
 
 def _page_uri(name: str) -> str:
-    return f"benchmarks/{name}.md"
+    # a folder per result set: a set named "index" must not become the folder's index page
+    return f"benchmark/{name}/results.md"
 
 
 def benchmark_section(path: Path, root: Path = RESULTS) -> tuple[str, list[Path]]:

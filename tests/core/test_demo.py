@@ -31,6 +31,7 @@ def test_tour_files_are_consistent_and_held_out(tmp_path):
 def test_demo_command(tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path / "t"), "--docs", "40"]) == 0
     assert len(_rows(tmp_path / "t" / "corpus.jsonl")) == 40
+    capsys.readouterr()
     assert main(["demo", "--out", str(tmp_path / "u"), "--docs", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("qswap: error:")

@@ -65,7 +65,7 @@ def test_benchmarks_page_shows_every_results_file_with_its_provenance(site: Path
         assert meta["command"] and meta["git"]["commit"] and meta["machine"]["cpu_model"], f"{f}: provenance"
         assert meta["git"]["commit"][:12] in text, f"{f}: its commit is not on the summary"
         name = f.parent.relative_to(results).as_posix()
-        page = _text(site, f"benchmarks/{name}")            # one click away: its own page
+        page = _text(site, f"benchmark/{name}/results")            # one click away: its own page
         assert meta["command"][:40].replace("<", " ") in page or meta["git"]["commit"][:12] in page, name
     for png in (REPO / "bench" / "results").rglob("*.png"):
         rel = png.relative_to(REPO / "bench" / "results")
