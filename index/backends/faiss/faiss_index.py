@@ -9,6 +9,7 @@ keeps removed rows as tombstones and excludes them with an ID selector.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -263,6 +264,14 @@ def to_gpu(index: faiss.Index, config: IndexConfig) -> GpuIndex | None:
         return None
 
 
+@functools.lru_cache(maxsize=1)
+def _say_no_faiss_gpu() -> None:
+    """Say once per process why FAISS searches on the CPU although there is a GPU."""
+    log.warning("faiss has no GPU support here (faiss-cpu): large flat indexes are searched on the GPU with torch, "
+                "IVF and smaller indexes on the CPU; pip install 'qswap[gpu]' (faiss-gpu-cu12) where a wheel exists "
+                "for this platform and CUDA version")
+
+
 def _torch_gpu(index: faiss.Index, config: IndexConfig) -> GpuIndex | None:
     """Without faiss-gpu: a large flat index's exact top-k on a CUDA device through torch."""
     import sys
@@ -271,6 +280,7 @@ def _torch_gpu(index: faiss.Index, config: IndexConfig) -> GpuIndex | None:
     if config.kind != "flat" or torch is None or not torch.cuda.is_available():
         return None
     from qswap.index.backends.faiss.torch_flat import torch_flat
+    _say_no_faiss_gpu()
     try:
         flat = torch_flat(index, str(config.quant))
     except Exception as e:  # noqa: BLE001 - any CUDA failure (memory) means: stay on the CPU
