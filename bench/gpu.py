@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     p.add_argument("--docs", type=int, default=None, help="documents per throughput arm (default 10,000; quick 200)")
+    p.add_argument("--cpu-trial", action="store_true",
+                   help="run the GPU phases on the CPU too (use with --quick: checks the phases before a device run)")
 
 
 def _cuda() -> tuple[bool, str]:
@@ -92,14 +94,15 @@ def run(args: argparse.Namespace) -> int:
            "commit": os.environ.get("QSWAP_COMMIT") or writer.meta.get("git", {}).get("commit"),
            "docs": args.docs or (200 if args.quick else 10_000), "warm": 16 if args.quick else 256,
            "reps": 5 if args.quick else 100, "quality_queries": 100 if args.quick else 2000,
-           "flat_rows": 20_000 if args.quick else 1_000_000, "ranks": [2, 4, 8, 16] if args.quick else [8, 16, 32, 64]}
+           "flat_rows": 20_000 if args.quick else 1_000_000, "quick": args.quick, "ranks": [2, 4, 8, 16] if args.quick else [8, 16, 32, 64]}
     print(f"qswap bench gpu: {device}; budget {args.budget_s:.0f} s; results in {out}", file=sys.stderr)
     try:
         cfg["model"] = _model(args, work)
     except Exception as e:   # noqa: BLE001 - recorded: the run still says what it found
         results["model_error"] = f"{type(e).__name__}: {e}"
         chosen = ["env"]
-    todo = [p for p in PHASES if p in chosen and (has_gpu or PHASES[p][1])]
+    runs_all = has_gpu or args.cpu_trial
+    todo = [p for p in PHASES if p in chosen and (runs_all or PHASES[p][1])]
     for name in (p for p in PHASES if p in chosen):
         if name not in todo:
             results["phases"][name] = {"status": GPU_ONLY_NOTE}

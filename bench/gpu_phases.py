@@ -109,20 +109,27 @@ def texts_and_queries(cfg: dict[str, Any]) -> tuple[list[str], list[str]]:
     return docs, [" ".join(rng.choice(words) for _ in range(rng.randint(2, 9))) for _ in range(2000)]
 
 
-def make_encoders(base: Any, root: Path, n_lora: int, ranks: tuple[int, ...]) -> list[Path]:
+def make_encoders(model: str, root: Path, n_lora: int, ranks: tuple[int, ...]) -> list[Path]:
     """``n_lora`` random LoRA encoders (ranks cycling through ``ranks``, every Linear), two bias
-    encoders and one partial encoder, made on ``base`` (written once per work folder)."""
+    encoders and one partial encoder, made on a CPU copy of the base (written once per folder)."""
     from qswap.bench.data.encoders import perturbed_encoder, random_lora_encoder
+    from qswap.encoders import load_base
+    made: list[Any] = []
+
+    def base() -> Any:
+        if not made:
+            made.append(load_base(model, device="cpu"))
+        return made[0]
     dirs = []
     for i in range(n_lora):
         d = root / f"l{i}"
         if not d.exists():
-            random_lora_encoder(base, d, f"l{i}", rank=ranks[i % len(ranks)], seed=i, scale=0.02, targets=LORA_TARGETS)
+            random_lora_encoder(base(), d, f"l{i}", rank=ranks[i % len(ranks)], seed=i, scale=0.02, targets=LORA_TARGETS)
         dirs.append(d)
     for name, kind, seed in (("b0", "bias", 100), ("b1", "bias", 101), ("p0", "partial", 200)):
         d = root / name
         if not d.exists():
-            perturbed_encoder(base, d, name, kind=kind, scale=0.02, seed=seed)
+            perturbed_encoder(base(), d, name, kind=kind, scale=0.02, seed=seed)
         dirs.append(d)
     return dirs
 
@@ -181,7 +188,7 @@ def phase_twin(rec: Recorder, cfg: dict[str, Any]) -> None:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rec.put("device", device_name())
     ref_base = load_base(cfg["model"], device="cpu")
-    dirs = make_encoders(ref_base, Path(cfg["work"]) / "encoders", 16, tuple(cfg["ranks"]))
+    dirs = make_encoders(cfg["model"], Path(cfg["work"]) / "encoders", 16, tuple(cfg["ranks"]))
     ref = TorchBackend(pool_of(ref_base, dirs))
     base = ref_base if dev == "cpu" else load_base(cfg["model"], device=dev)
     pool = ref.pool if dev == "cpu" else pool_of(base, dirs)
@@ -211,7 +218,8 @@ def phase_query(rec: Recorder, cfg: dict[str, Any]) -> None:
 
     rec.put("device", device_name())
     base = load_base(cfg["model"])
-    dirs = make_encoders(base, Path(cfg["work"]) / "encoders-q", 17, (32, 8, 16, 64))   # l0: rank 32
+    ranks = tuple(cfg["ranks"]) if cfg["quick"] else (32, 8, 16, 64)   # l0: rank 32 (quick: a tiny model's)
+    dirs = make_encoders(cfg["model"], Path(cfg["work"]) / "encoders-q", 17, ranks)
     pool = pool_of(base, dirs, "float16")   # the server's default factor storage
     keys = [f"l{i}@1" for i in range(17)] + ["b0@1", "b1@1", BASE_KEY]   # 20 encoders the table serves
     _, qs = texts_and_queries({**cfg, "docs": 0})
@@ -222,7 +230,7 @@ def phase_query(rec: Recorder, cfg: dict[str, Any]) -> None:
         def arm(make: Callable[[], Any] = make) -> dict[str, Any]:
             be = make()
             mixed = [keys[i % 20] for i in range(32)]
-            out = {"one query LoRA r=32 ms": median_ms(lambda: be.encode(qs[:1], ["l0@1"]), reps),
+            out = {f"one query LoRA r={ranks[0]} ms": median_ms(lambda: be.encode(qs[:1], ["l0@1"]), reps),
                    "32 queries base ms": median_ms(lambda: be.encode(qs[:32], [BASE_KEY] * 32), reps),
                    "32 queries over 20 encoders ms": median_ms(lambda: be.encode(qs[:32], mixed), reps),
                    "256 queries one LoRA ms": median_ms(lambda: be.encode(qs[:256], ["l0@1"] * 256), max(5, reps // 4))}
@@ -315,7 +323,7 @@ def phase_search(rec: Recorder, cfg: dict[str, Any]) -> None:
     else:
         base = load_base(cfg["model"], device=dev)
         index = open_index(idx, read_only=True)
-        dirs = make_encoders(base, Path(cfg["work"]) / "encoders-s", 20, (16, 32))
+        dirs = make_encoders(cfg["model"], Path(cfg["work"]) / "encoders-s", 20, (16, 32))
         pool = pool_of(base, dirs[:20], "float16")
         _, qs = texts_and_queries({**cfg, "docs": 0})
         be = CudaBackend(pool, precision="fp16")
@@ -372,7 +380,8 @@ def phase_tune(rec: Recorder, cfg: dict[str, Any]) -> None:
            "--base", cfg["model"], "--method", "partial", "--negatives", "3", "--mine", "index",
            "--device", "cuda" if torch.cuda.is_available() else "cpu", "--quiet", "--out", str(out),
            "--cache-dir", str(work / "tune-cache"), "--eval-langs", ",".join(langs),
-           "--val-size", "400", "--test-size", "1000"]
+           *(["--val-size", "20", "--test-size", "40", "--epoch-batches", "2", "--max-epochs", "1"] if cfg["quick"]
+             else ["--val-size", "400", "--test-size", "1000"])]
     for lg in langs[1:]:
         cmd += ["--sentinel", f"{lg}=beir:{beir}:{lg}"]
 

@@ -16,6 +16,7 @@ the CPU twin that ``make test`` checks.
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,8 @@ import torch
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 #: Tokens of a bucket (capped at the model's maximum length, which is always a bucket).
 LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+log = logging.getLogger("qswap.encoders")
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
@@ -83,6 +86,7 @@ class BucketRunner:
             raise ValueError("CUDA graphs need a CUDA device")
         self.captures = 0   # buckets set up (captured as graphs on a GPU)
         self.replays = 0    # batches run
+        self.failed_captures = 0
         self._buckets: dict[tuple[int, int, int], _Bucket] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.graphs else None
 
@@ -130,7 +134,12 @@ class BucketRunner:
                          slots=torch.zeros(b, dtype=torch.long, device=dev))
         bucket.mask[:, 0] = 1
         if self.graphs:
-            self._capture(bucket, rank)
+            try:
+                self._capture(bucket, rank)
+            except RuntimeError as e:   # a capture the driver refuses: this bucket runs eagerly
+                log.warning("CUDA graph capture of bucket %s failed, running it eagerly: %s", key, e)
+                bucket.graph, bucket.out = None, None
+                self.failed_captures += 1
         self._buckets[key] = bucket
         self.captures += 1
         return bucket
@@ -145,7 +154,8 @@ class BucketRunner:
                     self.forward(bucket.ids, bucket.mask, bucket.slots, rank)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool):
+            # thread_local: another thread's CUDA work (a document upsert) does not break the capture.
+            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
                 bucket.out = self.forward(bucket.ids, bucket.mask, bucket.slots, rank)
         bucket.graph = graph
 
