@@ -375,6 +375,7 @@ def phase_tune(rec: Recorder, cfg: dict[str, Any]) -> None:
         return
     from qswap.beir import available_languages
     langs = available_languages(Path(beir)) or ["en"]
+    langs = sorted(langs, key=lambda lg: lg != "en")   # train on English, the others are sentinels
     out = work / "tuned"
     cmd = [sys.executable, "-m", "qswap.cli", "tune", "run", "--beir", beir, "--lang", langs[0], "--index", str(idx),
            "--base", cfg["model"], "--method", "partial", "--negatives", "3", "--mine", "index",
