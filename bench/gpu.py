@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
            "docs": args.docs or (200 if args.quick else 10_000), "warm": 16 if args.quick else 256,
            "reps": 5 if args.quick else 100, "quality_queries": 100 if args.quick else 2000,
            "flat_rows": 20_000 if args.quick else 1_000_000, "quick": args.quick, "ranks": [2, 4, 8, 16] if args.quick else [8, 16, 32, 64]}
+    results["commit"] = cfg["commit"]   # on a machine without git: the payload's (QSWAP_COMMIT)
     print(f"qswap bench gpu: {device}; budget {args.budget_s:.0f} s; results in {out}", file=sys.stderr)
     try:
         cfg["model"] = _model(args, work)
