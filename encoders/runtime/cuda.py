@@ -32,6 +32,8 @@ from qswap.errors import InvalidInputError
 
 log = logging.getLogger("qswap.encoders")
 
+#: Table slots by default on a CPU (on a GPU: DEFAULT_CAPACITY, about 1 GiB at fp16 for e5-small).
+CPU_CAPACITY = 8
 #: Query precisions of the cuda backend.
 CUDA_PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -42,7 +44,7 @@ class CudaBackend:
     Args:
         pool: the encoders (and the base, on the device queries run on).
         precision: ``fp32``, ``fp16`` or ``bf16``.
-        capacity: table slots, the base's included.
+        capacity: table slots, the base's included (default 64 on a GPU, 8 on a CPU).
         max_rank: the largest LoRA rank served from the table.
         graphs: capture CUDA graphs (default: when the base is on a CUDA device).
     """
@@ -50,7 +52,7 @@ class CudaBackend:
     name = "cuda"
     encode_flagged = None   # the server's tokenizer flags truncation
 
-    def __init__(self, pool: EncoderPool, precision: str = "fp32", capacity: int = DEFAULT_CAPACITY,
+    def __init__(self, pool: EncoderPool, precision: str = "fp32", capacity: int | None = None,
                  max_rank: int = DEFAULT_MAX_RANK, graphs: bool | None = None) -> None:
         if precision not in CUDA_PRECISIONS:
             raise InvalidInputError(f"unknown precision {precision!r} for the cuda backend",
@@ -59,6 +61,8 @@ class CudaBackend:
         self.base = pool.base
         self.precision = precision
         dev = self.base.device
+        if capacity is None:   # a CPU twin's table is host memory: keep it small there
+            capacity = DEFAULT_CAPACITY if dev.type == "cuda" else CPU_CAPACITY
         self.table = AdapterTable(self.base.model, capacity, max_rank, CUDA_PRECISIONS[precision], dev)
         self.forward = GatheredForward(self.base.model, self.base.spec, self.table)
         tok = self.base.tokenizer
