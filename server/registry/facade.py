@@ -52,6 +52,7 @@ from qswap.guard import GuardStatus
 from qswap.server.registry import intake
 from qswap.server.registry.cache import EncoderCache
 from qswap.server.registry.guard_scheduler import GuardScheduler
+from qswap.server.registry.guard_side import GuardSide
 from qswap.server.registry.intake import EncoderDir
 from qswap.server.registry.lease import Lease
 from qswap.server.registry.records import (REGISTRY_FILE, STATE_LOCK_FILE, EncoderRecord, RecordTable, split_key,
@@ -101,7 +102,7 @@ def guard_error(rec: EncoderRecord, force: bool) -> QswapError | None:
                              "re-tune it, or use force=true to accept it anyway", guard=ev)
 
 
-class EncoderRegistry:
+class EncoderRegistry(GuardSide):
     """See the module docstring. Blocking methods (``register``, ``delete``, ``set_alias``,
     ``ensure_loaded``) must run off the event loop; ``acquire``/``release``/lookups are cheap."""
 
@@ -450,7 +451,7 @@ class EncoderRegistry:
         if force and not existing.forced and not existing.guard_status.servable:
             existing = self.table.update(key, forced=True)   # serves once its verdict is known
         if existing.guard_status == GuardStatus.EVALUATING:
-            return existing, False, self.scheduler.jobs.get(key) if self.scheduler is not None else None
+            return existing, False, self.scheduler.job(key) if self.scheduler is not None else None
         if existing.guard_status == GuardStatus.FAILED and self.scheduler is not None:
             rec = self.table.update(key, guard_status=GuardStatus.EVALUATING)
             return rec, False, self.scheduler.schedule(key)
