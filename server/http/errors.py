@@ -143,8 +143,37 @@ def storage_error(exc: BaseException) -> InsufficientStorageError | None:
         return exc
     if not disk_full(exc):
         return None
+    path = _failed_path(exc)
+    # The operator's question is what needed the space: say it in the log (the answer stays generic).
+    log.warning("disk full: a write failed", extra={"path": path, "writing": _what_needed_space(path),
+                                                    "error": f"{type(exc).__name__}: {exc}"})
     return InsufficientStorageError("the server's disk is full: the change was not made",
                                     "free disk space on the server (state dir, index), then retry")
+
+
+def _failed_path(exc: BaseException | None) -> str | None:
+    """The file named by the first OSError in ``exc``'s chain (None when no error names one)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.filename:
+            return str(exc.filename)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _what_needed_space(path: str | None) -> str:
+    """What a write to ``path`` was for, in the operator's words."""
+    if path is None:
+        return "unknown (the library did not name the file; see the error)"
+    parts = path.replace("\\", "/").split("/")
+    if "onnx" in parts:
+        return "an ONNX export (the first use of an encoder, or of the document tower by the first upsert)"
+    if "feedback" in path or path.endswith((".sqlite", ".sqlite-wal", ".db", ".db-wal")):
+        return "the feedback capture store"
+    if "encoders" in parts or any(p.startswith(".upload-") for p in parts):
+        return "an encoder registration (its stored copy)"
+    return "the document index or the registry (see path)"
 
 
 async def _qswap_error(request: Request, exc: QswapError) -> JSONResponse:

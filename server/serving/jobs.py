@@ -119,6 +119,8 @@ class DocumentJobs:
             err = storage_error(e) or e
             if isinstance(err, QswapError):
                 status, code = status_for(err)
+                log.warning("document job failed", extra={"job": job.id, "status": status, "error": code,
+                                                          "detail": err.message})
                 job.error = {"status": status, "error": code, "detail": err.message, "hint": err.hint}
             else:
                 log.exception("document job failed", extra={"job": job.id})
