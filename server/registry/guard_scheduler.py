@@ -47,7 +47,7 @@ class GuardHost(Protocol):
     def evaluation_targets(self, key: str) -> tuple[list[str], dict[str, str]] | None:
         """What ``key`` is judged against and every judged file digest; None when it is gone."""
 
-    def write_verdict(self, key: str, digest: str, status: GuardStatus, record: dict[str, Any]) -> bool:
+    def write_verdict(self, key: str, digest: str, status: GuardStatus, record: GuardRecord) -> bool:
         """Store a verdict if ``key`` still holds the files judged; False when dropped."""
 
     def aliases_of(self, key: str) -> list[str]:
@@ -90,7 +90,7 @@ class GuardScheduler:
         self.guard.submit(lambda: self._warm(warm, versions))
         if reg.metrics is not None:
             for k, r in done:
-                reg.metrics.export_guard(k, GuardRecord.of(r.evaluation), r.guard_status)
+                reg.metrics.export_guard(k, r.evaluation, r.guard_status)
         for key in sorted(todo):
             self.schedule(key)
         if todo:
@@ -124,28 +124,28 @@ class GuardScheduler:
                 for k in (key, *against):
                     reg.ensure_loaded(k)
                 record = self.guard.evaluate(key, against, versions)
-                status = GuardStatus(record["verdict"])
+                status = GuardStatus(record.verdict)
             except EvaluationCancelled:   # shutdown: no verdict stored, the encoder stays 'evaluating'
                 log.info("guard evaluation cancelled", extra={"encoder": key})
                 return   # (leaving the block releases what it held)
             except Exception as e:   # fail closed: an evaluation that breaks leaves the encoder unservable
                 log.exception("guard evaluation failed", extra={"encoder": key})
                 msg = e.message if isinstance(e, QswapError) else f"{type(e).__name__}: {e}"
-                record = {"source": "server", "passed": False, "verdict": GuardStatus.FAILED.value, "error": msg,
-                          "checks": [], "sentinels": self.guard.fingerprint, "evaluated_at": time.time()}
+                record = GuardRecord(source="server", passed=False, verdict=GuardStatus.FAILED, error=msg, checks=[],
+                                     sentinels=self.guard.fingerprint, evaluated_at=time.time())
                 status = GuardStatus.FAILED
-        record["encoder_digest"] = versions[key]
+        record = record.model_copy(update={"encoder_digest": versions[key]})
         if not self.store_verdict(key, versions[key], status, record):
             return
         if reg.metrics is not None:
-            reg.metrics.export_guard(key, GuardRecord.of(record), status, time.perf_counter() - t0)
+            reg.metrics.export_guard(key, record, status, time.perf_counter() - t0)
         if status != GuardStatus.PASSED:
             aliased = reg.aliases_of(key)
             if aliased:
                 log.error("an aliased encoder failed the guard; its aliases keep serving it",
                           extra={"encoder": key, "domains": aliased, "guard_status": status})
 
-    def store_verdict(self, key: str, digest: str, status: GuardStatus, record: dict[str, Any]) -> bool:
+    def store_verdict(self, key: str, digest: str, status: GuardStatus, record: GuardRecord) -> bool:
         """Write a verdict onto ``key`` if the record still holds the files it judged; False when
         it was dropped (deleted, re-registered with other files, shutting down)."""
         if self.stopping:

@@ -13,7 +13,7 @@ import threading
 from typing import Any, Callable
 
 from qswap.encoders import BASE_KEY
-from qswap.guard import GuardStatus
+from qswap.guard import GuardRecord, GuardStatus
 from qswap.server.registry.records import RecordTable
 
 log = logging.getLogger("qswap.server")
@@ -38,7 +38,7 @@ class GuardSide:
             recs = self.table.records
             todo = [k for k, r in recs.items()
                     if r.guard_status in (GuardStatus.UNGUARDED, GuardStatus.EVALUATING, GuardStatus.FAILED)
-                    or (r.evaluation or {}).get("sentinels") != fingerprint]
+                    or (r.evaluation.sentinels if r.evaluation else None) != fingerprint]
             warm = [BASE_KEY, *sorted({k for k in self.table.aliases.values() if k != BASE_KEY})]
             done = [(k, r) for k, r in recs.items() if k not in todo and r.evaluation]
             digests = self._digests(warm)
@@ -58,7 +58,7 @@ class GuardSide:
                                           if k not in (BASE_KEY, key) and k in self.table.records})]
             return against, self._digests([key, *against])
 
-    def write_verdict(self, key: str, digest: str, status: GuardStatus, record: dict[str, Any]) -> bool:
+    def write_verdict(self, key: str, digest: str, status: GuardStatus, record: GuardRecord) -> bool:
         """Store a verdict on ``key`` if its record still holds the files judged (``digest``)."""
         with self.admin_lock:
             with self._lock:

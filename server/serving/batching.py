@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from qswap.server.http.errors import DeadlineExceededError, NotReadyError, OverloadedError
+from qswap.errors import DeadlineExceededError, NotReadyError, OverloadedError
 from qswap.server.serving.admission import Ticket, token_slices
 
 log = logging.getLogger("qswap.server")
