@@ -267,10 +267,7 @@ def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 #: Circles known and being removed elsewhere (each with its reason); the test fails on any other.
-KNOWN_CIRCLES: list[list[str]] = [
-    # the guard scheduler calls back into the registry façade; being replaced by a narrow protocol (issue 34)
-    ["qswap.server.registry.facade", "qswap.server.registry.guard_scheduler"],
-]
+KNOWN_CIRCLES: list[list[str]] = []
 
 
 def test_no_import_circle_between_files():

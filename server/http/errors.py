@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qswap.atomic import disk_full
@@ -24,6 +24,17 @@ from qswap.errors import (ERRORS, GuardRefusedError, InsufficientStorageError, I
                           QswapError, SpaceMismatchError, error_class)
 
 log = logging.getLogger("qswap.server")
+
+# nginx's "client closed request": logged, never seen by anyone (the connection is gone)
+CLIENT_GONE_STATUS = 499
+
+
+class ClientGoneError(Exception):
+    """The client closed the connection before its answer: the request's remaining work was
+    dropped (:mod:`qswap.server.serving.admission`). Not an error of the table: nobody reads it."""
+
+    def __init__(self) -> None:
+        super().__init__("the client went away before its answer; its remaining work was dropped")
 
 # What each status means, for the OpenAPI responses of every route (the codes are in the table).
 _STATUS_DOCS = {
@@ -124,8 +135,37 @@ def storage_error(exc: BaseException) -> InsufficientStorageError | None:
         return exc
     if not disk_full(exc):
         return None
+    path = _failed_path(exc)
+    # The operator's question is what needed the space: say it in the log (the answer stays generic).
+    log.warning("disk full: a write failed", extra={"path": path, "writing": _what_needed_space(path),
+                                                    "error": f"{type(exc).__name__}: {exc}"})
     return InsufficientStorageError("the server's disk is full: the change was not made",
                                     "free disk space on the server (state dir, index), then retry")
+
+
+def _failed_path(exc: BaseException | None) -> str | None:
+    """The file named by the first OSError in ``exc``'s chain (None when no error names one)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.filename:
+            return str(exc.filename)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _what_needed_space(path: str | None) -> str:
+    """What a write to ``path`` was for, in the operator's words."""
+    if path is None:
+        return "unknown (the library did not name the file; see the error)"
+    parts = path.replace("\\", "/").split("/")
+    if "onnx" in parts:
+        return "an ONNX export (the first use of an encoder, or of the document tower by the first upsert)"
+    if "feedback" in path or path.endswith((".sqlite", ".sqlite-wal", ".db", ".db-wal")):
+        return "the feedback capture store"
+    if "encoders" in parts or any(p.startswith(".upload-") for p in parts):
+        return "an encoder registration (its stored copy)"
+    return "the document index or the registry (see path)"
 
 
 async def _qswap_error(request: Request, exc: QswapError) -> JSONResponse:
@@ -164,6 +204,11 @@ async def _write_error(request: Request, exc: Exception) -> JSONResponse:
     return await _qswap_error(request, full)
 
 
+async def _client_gone(request: Request, exc: ClientGoneError) -> Response:
+    log.info("client went away: its remaining work was dropped", extra={"status": CLIENT_GONE_STATUS})
+    return Response(status_code=CLIENT_GONE_STATUS)
+
+
 def _jsonable(v: object) -> object:
     return v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
 
@@ -173,6 +218,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(QswapError, _qswap_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientGoneError, _client_gone)  # type: ignore[arg-type]
     for write_error in (OSError, sqlite3.Error, RuntimeError):
         app.add_exception_handler(write_error, _write_error)  # type: ignore[arg-type]
     # Anything else is a bug: RequestContextMiddleware (qswap.server.http.logs) logs it and answers

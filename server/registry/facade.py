@@ -52,7 +52,9 @@ from qswap.guard import GuardRecord, GuardStatus
 from qswap.server.registry import intake
 from qswap.server.registry.cache import EncoderCache
 from qswap.server.registry.guard_scheduler import GuardScheduler
+from qswap.server.registry.guard_side import GuardSide
 from qswap.server.registry.intake import EncoderDir
+from qswap.server.registry.lease import Lease
 from qswap.server.registry.records import (REGISTRY_FILE, STATE_LOCK_FILE, EncoderRecord, RecordTable, split_key,
                                   version_order)
 from qswap.space import EmbeddingSpace
@@ -101,7 +103,7 @@ def guard_error(rec: EncoderRecord, force: bool) -> QswapError | None:
                              "re-tune it, or use force=true to accept it anyway", guard=evidence)
 
 
-class EncoderRegistry:
+class EncoderRegistry(GuardSide):
     """See the module docstring. Blocking methods (``register``, ``delete``, ``set_alias``,
     ``ensure_loaded``) must run off the event loop; ``acquire``/``release``/lookups are cheap."""
 
@@ -218,6 +220,16 @@ class EncoderRegistry:
             self._refs[key] = self._refs.get(key, 0) + 1
             self.cache.touch(key)
             return key
+
+    def lease(self, encoder: str | None = None, domain: str | None = None) -> Lease:
+        """:meth:`acquire` as a :class:`Lease` (share it with jobs; released once, by the last holder)."""
+        key = self.acquire(encoder, domain)
+        return Lease(key, lambda: self.release(key))
+
+    def held(self, key: str) -> Lease:
+        """:meth:`hold` as a :class:`Lease` (the guard's own use of an encoder)."""
+        self.hold(key)
+        return Lease(key, lambda: self.release(key))
 
     def _require_servable(self, key: str, force: bool) -> None:
         """Raise unless ``key`` may serve (holds ``_lock``); see :func:`guard_error`."""
@@ -440,7 +452,7 @@ class EncoderRegistry:
         if force and not existing.forced and not existing.guard_status.servable:
             existing = self.table.update(key, forced=True)   # serves once its verdict is known
         if existing.guard_status == GuardStatus.EVALUATING:
-            return existing, False, self.scheduler.jobs.get(key) if self.scheduler is not None else None
+            return existing, False, self.scheduler.job(key) if self.scheduler is not None else None
         if existing.guard_status == GuardStatus.FAILED and self.scheduler is not None:
             rec = self.table.update(key, guard_status=GuardStatus.EVALUATING)
             return rec, False, self.scheduler.schedule(key)

@@ -23,8 +23,9 @@ from qswap.server.http.auth import require_search
 from qswap.server.http.compat_models import (DOCUMENTS_MODEL, TeiDecodeRequest, TeiEmbedRequest, TeiInfo, TeiToken,
                                              TeiTokenizeRequest)
 from qswap.server.http.models import REF_PATTERN
-from qswap.server.http.responses import ERRORS, ready_state, request_timeout
+from qswap.server.http.responses import ERRORS, ready_state
 from qswap.server.serving.embeddings import embed_texts, model_ref, texts_of
+from qswap.server.serving.gate import Admission, admission
 from qswap.server.state import ServerState
 
 router = APIRouter(tags=["tei"])
@@ -64,18 +65,19 @@ def keep_tail(tok: Tokenizer, texts: list[str], prefix: str, max_tokens: int) ->
 @router.post("/tei/{encoder}/embed", response_model=list[list[float]], responses=ERRORS,
              dependencies=[Depends(require_search)], summary="Embed texts (TEI-compatible) with the encoder in the path")
 async def tei_embed(body: TeiEmbedRequest, request: Request, encoder: str = _ENCODER,
-                    timeout_s: float = Depends(request_timeout), state: ServerState = Depends(ready_state)) -> Response:
+                    adm: Admission = Depends(admission)) -> Response:
     """``encoder`` is a domain alias or an encoder reference. Inputs longer than the model's
     max tokens are refused (422) unless ``truncate`` is true (then cut at the end, or at the start
     with ``truncation_direction: left``). Vectors are unit length whatever ``normalize`` says
     (every qswap encoder normalises)."""
     texts = texts_of(body.inputs)
+    state = adm.state
     if body.truncate and body.truncation_direction.lower() == "left":
         base = state.base
         prefix = base.spec.document_prefix if body.documents else base.spec.query_prefix
         limit = _max_tokens(base.tokenizer, base.spec.max_length)
         texts = await asyncio.to_thread(keep_tail, base.tokenizer, texts, prefix, limit)
-    out = await embed_texts(state, texts, DOCUMENTS_MODEL if body.documents else encoder, timeout_s=timeout_s,
+    out = await embed_texts(adm, texts, DOCUMENTS_MODEL if body.documents else encoder,
                             dimensions=body.dimensions, on_key=lambda key: setattr(request.state, "encoder", key),
                             refuse_truncated=not body.truncate)
     return Response(json.dumps(out.vectors.tolist(), separators=(",", ":")).encode(), media_type="application/json")
@@ -85,9 +87,9 @@ async def tei_embed(body: TeiEmbedRequest, request: Request, encoder: str = _ENC
              dependencies=[Depends(require_search)],
              summary="Embed texts (TEI's root route, what huggingface_hub's feature_extraction posts to)")
 async def tei_root(body: TeiEmbedRequest, request: Request, encoder: str = _ENCODER,
-                   timeout_s: float = Depends(request_timeout), state: ServerState = Depends(ready_state)) -> Response:
+                   adm: Admission = Depends(admission)) -> Response:
     """The same as ``POST /tei/{encoder}/embed`` (TEI answers an embedding model's ``POST /`` so)."""
-    return await tei_embed(body, request, encoder, timeout_s, state)
+    return await tei_embed(body, request, encoder, adm)
 
 
 router.add_api_route("/tei/{encoder}/", tei_root, methods=["POST"], response_model=list[list[float]],
