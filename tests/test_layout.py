@@ -152,7 +152,7 @@ def test_cli_help_lists_every_command():
 #: `bench embed`'s runtime arms in embed_arms). The Infinity peer (infinity_peer) is library:
 #: `bench embed` and `bench peer` both run it.
 BENCH_LIBRARY = ("provenance", "stats", "results", "plots", "processes", "load_options", "fixtures", "loadgen",
-                 "data", "infinity_peer", "tiny_model")
+                 "data", "infinity_peer", "tiny_model", "milvus_server")
 BENCH_ALLOWED = {("qswap.bench.serving", "qswap.bench.ray_serving"),
                  ("qswap.bench.serving", "qswap.bench.serving_embeddings"),
                  ("qswap.bench.forward", "qswap.bench.forward_adapters"),
