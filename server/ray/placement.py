@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from qswap.errors import InvalidInputError
 
-if TYPE_CHECKING:
-    from qswap.server.ray.serve import RayOptions
+# ``opts`` below is a qswap.server.ray.serve.RayOptions (not imported: serve imports this module).
+RayOptions = Any
 
 log = logging.getLogger("qswap.server")
 
@@ -50,7 +50,7 @@ def start_replicas(n: int | str, autoscaling: dict[str, Any] | None = None) -> i
     return n if isinstance(n, int) else 1
 
 
-def groups(opts: "RayOptions") -> list[Group]:
+def groups(opts: RayOptions) -> list[Group]:
     """The ingress and encoder replica groups of ``opts`` (CPUs: 1 where not given)."""
     ing_cpus = DEFAULT_REPLICA_CPUS if opts.replica_cpus is None else opts.replica_cpus
     enc_cpus = ing_cpus if opts.encoder_cpus is None else opts.encoder_cpus
@@ -80,7 +80,7 @@ def packs(gs: list[Group], nodes: list[dict[str, float]]) -> bool:
     return True
 
 
-def fit_layout(opts: "RayOptions", nodes: list[dict[str, float]]) -> "RayOptions":
+def fit_layout(opts: RayOptions, nodes: list[dict[str, float]]) -> RayOptions:
     """``opts`` with CPUs per replica that fit ``nodes`` (see the module doc).
 
     Raises:
@@ -102,7 +102,7 @@ def fit_layout(opts: "RayOptions", nodes: list[dict[str, float]]) -> "RayOptions
     return fitted
 
 
-def _share_cpus(opts: "RayOptions", nodes: list[dict[str, float]]) -> "RayOptions":
+def _share_cpus(opts: RayOptions, nodes: list[dict[str, float]]) -> RayOptions:
     """CPUs for the replicas whose CPUs were not given: 1 each if all fit, else an equal share."""
     ing, enc = groups(opts)
     fixed = sum(g.count * g.cpus for g, given in ((ing, opts.replica_cpus is not None),
@@ -118,7 +118,7 @@ def _share_cpus(opts: "RayOptions", nodes: list[dict[str, float]]) -> "RayOption
     return replace(opts, replica_cpus=ing_cpus, encoder_cpus=enc_cpus)
 
 
-def _largest_packing_share(opts: "RayOptions", nodes: list[dict[str, float]], share: float) -> float:
+def _largest_packing_share(opts: RayOptions, nodes: list[dict[str, float]], share: float) -> float:
     """Shrink ``share`` in 0.05 steps until the replicas pack (nodes of unequal size), down to the minimum."""
     while share > MIN_REPLICA_CPUS:
         trial = replace(opts, replica_cpus=share if opts.replica_cpus is None else opts.replica_cpus,
