@@ -380,7 +380,7 @@ def _backend_row(backend: str, label: str, opts: dict[str, Any], base: Any, quer
         idx: Any = create_index(path, docs, base, space, cfg)
         where = path
     else:
-        from qswap.index.backends.milvus.collection import create_collection
+        from qswap.index.backends.milvus.build import create_collection
         # A fresh milvus-lite file per setting (its embedded server keeps a file's state while it runs).
         where = work / f"milvus-{time.monotonic_ns()}.db"
         idx = create_collection(str(where), "bench", docs, base, space, cfg)

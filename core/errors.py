@@ -161,6 +161,13 @@ class NotReadyError(QswapError):
     status, code = 503, "not_ready"
 
 
+class IndexUnavailableError(NotReadyError):
+    """The index's store (a Milvus server) cannot be reached or did not answer in time: retry
+    after ``Retry-After``; a write that got this answer was not acknowledged."""
+
+    status, code = 503, "index_unavailable"
+
+
 class DeadlineExceededError(QswapError):
     """The request's deadline (``X-Request-Timeout`` or the server default) passed before it ran."""
 
@@ -173,7 +180,8 @@ ERRORS: tuple[type[QswapError], ...] = (
     InvalidInputError, InvalidRequestError, LimitExceededError, UnsupportedMediaTypeError, NotFoundError,
     ConflictError, SpaceMismatchError, GuardRefusedError, GuardPendingError, IntegrityError, UnauthorizedError,
     ForbiddenError, MethodNotAllowedError, PayloadTooLargeError, OverloadedError, InternalServerError,
-    IndexCorruptError, NotReadyError, DeadlineExceededError, InsufficientStorageError, QswapError,
+    IndexCorruptError, NotReadyError, IndexUnavailableError, DeadlineExceededError, InsufficientStorageError,
+    QswapError,
 )
 _BY_CODE: dict[str, type[QswapError]] = {cls.code: cls for cls in ERRORS}
 

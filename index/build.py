@@ -34,9 +34,9 @@ from qswap.atomic import atomic_write_json, replace_dir, sha256_file
 from qswap.errors import ConflictError, InvalidInputError
 from qswap.atomic import atomic_stream, fsync_dir, remove_stale_temps
 from qswap.index.config import IndexConfig
-from qswap.index.corpus import BadLine, Document, check_documents, corpus_file, iter_corpus
+from qswap.index.corpus import BadLine, Document, corpus_file, iter_corpus
 from qswap.index.backends.faiss.docstore import DOCS_FILE, DocStore, meta_json
-from qswap.index.checks import normalize_rows
+from qswap.index.checks import documents_with_embeddings, normalize_rows
 from qswap.index.backends.faiss.embeddings import DTYPE, Chunk, EmbeddingStore, chunk_name
 from qswap.index.manifest import MANIFEST, documents_precision, read_manifest
 from qswap.index.backends.faiss.index import DocumentIndex
@@ -142,13 +142,7 @@ def create_index(out_dir: Path, docs: list[Document], embeddings: np.ndarray, sp
                  config: IndexConfig | None = None, *, build: dict[str, Any] | None = None,
                  progress: bool = False) -> DocumentIndex:
     """Write a new index from documents and their embeddings (no corpus file, no model)."""
-    docs = list(docs)
-    check_documents(docs)
-    if not docs:
-        raise InvalidInputError("no documents to index", "pass at least one document")
-    x = normalize_rows(embeddings, space.dim)
-    if len(x) != len(docs):
-        raise InvalidInputError(f"{len(docs)} documents but {len(x)} embeddings", "pass one embedding per document")
+    docs, x = documents_with_embeddings(docs, embeddings, space.dim)
     out_dir = Path(out_dir)
     _check_target(out_dir)
     cfg = (config or IndexConfig()).resolve(len(docs), space.dim)

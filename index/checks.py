@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from qswap.errors import InvalidInputError
-from qswap.index.corpus import require_utf8
+from qswap.index.corpus import Document, check_documents, require_utf8
 
 # Metadata fields one filter may compare (each is a SQL condition; SQLite caps expression depth).
 MAX_FILTER_FIELDS = 64
@@ -84,3 +84,16 @@ def as_queries(queries: Any, full_dim: int) -> np.ndarray:
     if len(q) == 0:
         return q
     return normalize_rows(q, full_dim, "queries")
+
+
+def documents_with_embeddings(docs: Any, embeddings: Any, full_dim: int) -> tuple[list[Document], np.ndarray]:
+    """Documents for a new index and their embeddings, checked: at least one document, one
+    finite non-zero row per document; the rows come back L2-normalised."""
+    docs = list(docs)
+    check_documents(docs)
+    if not docs:
+        raise InvalidInputError("no documents to index", "pass at least one document")
+    x = normalize_rows(embeddings, full_dim)
+    if len(x) != len(docs):
+        raise InvalidInputError(f"{len(docs)} documents but {len(x)} embeddings", "pass one embedding per document")
+    return docs, x

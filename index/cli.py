@@ -233,7 +233,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     emb = load_embedder(args.model, precision=args.precision, runtime=args.runtime)
     idx: IndexBackend
     if args.backend == "milvus":
-        from qswap.index.backends.milvus.collection import build_collection
+        from qswap.index.backends.milvus.build import build_collection
         idx = build_collection(args.corpus, args.uri, args.collection, emb.documents, emb.space, cfg,
                                on_bad_line=args.on_bad_line, progress=not args.no_progress,
                                format=args.format, model=args.model, replace=args.replace,

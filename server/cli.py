@@ -122,8 +122,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "passed through (e.g. '{\"min_replicas\": 1, \"max_replicas\": 4}'); overrides --encoder-replicas")
     r.add_argument("--max-encoders-per-replica", type=int, default=8, metavar="M",
                    help="encoders each encoder replica keeps loaded (Ray Serve multiplexing LRU, default 8)")
-    r.add_argument("--replica-cpus", type=float, default=1.0, metavar="C", help="CPUs reserved per ingress replica "
-                   "(Ray resource accounting, default 1)")
+    r.add_argument("--replica-cpus", type=float, default=None, metavar="C", help="CPUs reserved per ingress replica "
+                   "(Ray resource accounting; default: 1, or an equal share where the replicas would not fit)")
     r.add_argument("--encoder-cpus", type=float, default=None, metavar="C", help="CPUs reserved per encoder replica "
                    "(default: --replica-cpus)")
     r.add_argument("--encoder-gpus", type=float, default=0.0, metavar="G", help="GPUs per encoder replica "

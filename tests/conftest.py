@@ -40,3 +40,29 @@ def other_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_base(tiny_model_dir: Path):
     from qswap.encoders.base import load_base
     return load_base(tiny_model_dir, device="cpu")
+
+
+_MILVUS_FACTS: dict = {}
+
+
+@pytest.fixture(scope="session")
+def milvus_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real Milvus server process (the `milvus` package's standalone build) for the whole session:
+    started on first use, stopped at the end; its version is printed in the run's summary."""
+    from qswap.bench.milvus_server import LocalMilvus, milvus_package_version
+    if milvus_package_version() is None:
+        pytest.skip("no Milvus server build installed (pip install 'qswap[milvus]')")
+    srv = LocalMilvus(tmp_path_factory.mktemp("milvus-server"))
+    try:
+        srv.start()
+        _MILVUS_FACTS.update(srv.facts())
+        yield srv
+    finally:
+        srv.stop()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _MILVUS_FACTS:
+        f = _MILVUS_FACTS
+        terminalreporter.write_line(f"Milvus server under test: {f['server_version']} ({f['package']}, "
+                                    f"started in {f['start_seconds']} s)")

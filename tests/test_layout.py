@@ -167,7 +167,7 @@ def test_cli_help_imports_no_command_and_its_lines_are_the_commands_own(tmp_path
 #: `bench embed`'s runtime arms in embed_arms). The Infinity peer (infinity_peer) is library:
 #: `bench embed` and `bench peer` both run it.
 BENCH_LIBRARY = ("provenance", "stats", "results", "plots", "processes", "load_options", "fixtures", "loadgen",
-                 "data", "infinity_peer", "tiny_model")
+                 "data", "infinity_peer", "tiny_model", "milvus_server")
 BENCH_ALLOWED = {("qswap.bench.serving", "qswap.bench.ray_serving"),
                  ("qswap.bench.serving", "qswap.bench.serving_embeddings"),
                  ("qswap.bench.forward", "qswap.bench.forward_adapters"),

@@ -36,6 +36,7 @@ from qswap.server.serving.batching import MicroBatcher
 from qswap.server.config import ServerSettings
 from qswap.server.ray.encoder import Encoded, EncoderCore, rows_of, set_threads, split_rows
 from qswap.server.ray.index import SharedIndex, get_or_create_writer, qswap_error_of
+from qswap.server.ray.placement import cluster_nodes, fit_layout, groups
 from qswap.server.ray.registry import SharedRegistry
 from qswap.server.state import ServerState
 
@@ -62,8 +63,9 @@ class RayOptions:
         autoscaling: Ray Serve ``autoscaling_config`` of the encoder deployment (overrides
             ``encoder_replicas``).
         max_encoders: encoders each encoder replica keeps loaded (multiplexing LRU).
-        replica_cpus: ``num_cpus`` of each ingress replica.
-        encoder_cpus: ``num_cpus`` of each encoder replica (None: ``replica_cpus``).
+        replica_cpus: ``num_cpus`` of each ingress replica (None: fitted to the cluster at deploy,
+            1 when every replica gets one; :mod:`qswap.server.ray.placement`).
+        encoder_cpus: ``num_cpus`` of each encoder replica (None: as ``replica_cpus``).
         encoder_gpus: ``num_gpus`` of each encoder replica (0: CPU encoders).
         replica_threads: torch/FAISS threads per replica (None: Ray's, = ``num_cpus``).
         max_ongoing_requests: Ray Serve ``max_ongoing_requests`` of both deployments (None:
@@ -74,7 +76,7 @@ class RayOptions:
     encoder_replicas: int | str | None = None
     autoscaling: dict[str, Any] | None = None
     max_encoders: int = 8
-    replica_cpus: float = 1.0
+    replica_cpus: float | None = None
     encoder_cpus: float | None = None
     encoder_gpus: float = 0.0
     replica_threads: int | None = None
@@ -119,9 +121,10 @@ def deployment_options(settings: ServerSettings, opts: RayOptions) -> dict[str, 
     opts.check()
     # Ray Serve's default of 5 ongoing requests per replica would cap a micro-batch at 5.
     max_ongoing = opts.max_ongoing_requests or settings.max_batch
+    ing_group, enc_group = groups(opts)
     ingress: dict[str, Any] = {"num_replicas": opts.replicas, "max_ongoing_requests": max_ongoing,
-                               "ray_actor_options": {"num_cpus": opts.replica_cpus}}
-    encoder_actor: dict[str, Any] = {"num_cpus": opts.replica_cpus if opts.encoder_cpus is None else opts.encoder_cpus}
+                               "ray_actor_options": {"num_cpus": ing_group.cpus}}
+    encoder_actor: dict[str, Any] = {"num_cpus": enc_group.cpus}
     if opts.encoder_gpus:
         encoder_actor["num_gpus"] = opts.encoder_gpus
     encoder: dict[str, Any] = {"max_ongoing_requests": max_ongoing, "ray_actor_options": encoder_actor}
@@ -419,6 +422,7 @@ def deploy(settings: ServerSettings, opts: RayOptions | None = None, *, app_name
         the HTTP URL of Serve's proxy (once every replica is constructed).
     """
     from ray import serve
+    opts = fit_layout(opts or RayOptions(), cluster_nodes())   # refuses what would wait forever
     settings = prepare_index(settings)
     # No per-request access log lines from Serve's proxy and replicas (qswap logs its own
     # errors): on a small machine writing and shipping them cost more than the request.

@@ -18,8 +18,9 @@ from qswap.index import Document, IndexConfig, build_index, create_index
 from qswap.index.backends import IndexBackend, open_index
 
 from .conftest import doc_record, hash_embed, make_space, write_jsonl
+from .test_milvus_expr import INJECTIONS
 
-BACKENDS = ["faiss", "milvus"]
+BACKENDS = ["faiss", "milvus", "milvus-server"]
 INJECTION = 'x" or id > 0 or "'
 _names = itertools.count()
 
@@ -43,8 +44,8 @@ def corpus_docs(n: int = 90) -> list[Document]:
 class Backend:
     """Creates, builds and reopens indexes of one backend kind under one temporary folder."""
 
-    def __init__(self, kind: str, root: Path, db: Path) -> None:
-        self.kind = kind
+    def __init__(self, kind: str, root: Path, db: Path | str) -> None:
+        self.kind = "milvus" if kind.startswith("milvus") else kind
         self.root = root
         self.db = db
         self.location: str | Path = ""
@@ -61,7 +62,8 @@ class Backend:
         self.location = self._new_location()
         if self.kind == "faiss":
             return create_index(self.location, docs, x, space, config)
-        from qswap.index.backends.milvus.collection import create_collection, parse_location
+        from qswap.index.backends.milvus.build import create_collection
+        from qswap.index.backends.milvus.connection import parse_location
         uri, coll = parse_location(self.location)
         return create_collection(uri, coll, docs, x, space, config)
 
@@ -70,7 +72,8 @@ class Backend:
         if self.kind == "faiss":
             return build_index(corpus, self.location, hash_embed, make_space(), on_bad_line=on_bad_line,
                                progress=False)
-        from qswap.index.backends.milvus.collection import build_collection, parse_location
+        from qswap.index.backends.milvus.build import build_collection
+        from qswap.index.backends.milvus.connection import parse_location
         uri, coll = parse_location(self.location)
         return build_collection(corpus, uri, coll, hash_embed, make_space(), on_bad_line=on_bad_line,
                                 progress=False)
@@ -83,7 +86,7 @@ class Backend:
             return Path(self.location).exists()
         from pymilvus import MilvusClient
 
-        from qswap.index.backends.milvus.collection import parse_location
+        from qswap.index.backends.milvus.connection import parse_location
         uri, coll = parse_location(str(self.location))
         c = MilvusClient(uri)
         try:
@@ -99,6 +102,9 @@ def milvus_db(tmp_path_factory) -> Path:
 
 @pytest.fixture(params=BACKENDS)
 def backend(request, tmp_path, milvus_db) -> Backend:
+    if request.param == "milvus-server":
+        srv = request.getfixturevalue("milvus_server")
+        return Backend(request.param, tmp_path, f"127.0.0.1:{srv.port}")
     return Backend(request.param, tmp_path, milvus_db)
 
 
@@ -191,6 +197,21 @@ def test_expression_injection_matches_nothing(backend):
         assert idx.delete([INJECTION, 'd1" or id != "']) == 0
         assert idx.count == 20
         assert idx.get(['d1" or id != "']) == [None]
+
+
+def test_hostile_literals_round_trip_as_values_and_ids(backend):
+    """Every hostile string of the expression builder's tests, stored as an id and as a metadata
+    value, is found by exactly that filter and that id, and by nothing else, on the real engine."""
+    hostile = INJECTIONS
+    docs = [Document(f"h{n}" if n % 2 else v, f"hostile text {n}", {"v": v}) for n, v in enumerate(hostile)]
+    docs += [Document(f"plain{i}", f"plain text {i}", {"v": "plain"}) for i in range(5)]
+    with backend.create(docs) as idx:
+        for d in docs[:len(hostile)]:
+            hits = idx.search(QUERIES[:1], 20, filter={"v": d.metadata["v"]})[0]
+            assert [h.id for h in hits] == [d.id], d.metadata["v"]
+            assert idx.get([d.id]) == [d]
+        assert idx.delete([v for n, v in enumerate(hostile) if n % 2]) == 0   # values, not ids: nothing
+        assert idx.count == len(docs)
 
 
 @pytest.mark.parametrize("flt", [{"\udc00": "x"}, {"section": "\udc00"}, {"n": 2 ** 63},

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from qswap.index.backends.milvus.collection import build_collection
+from qswap.index.backends.milvus.build import build_collection
 
 from ..server.conftest import ADMIN, LiveServer, make_docs, server_settings
 

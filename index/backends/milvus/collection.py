@@ -2,8 +2,9 @@
 
 A collection holds one row per document: ``id`` (external id, primary key), ``vec`` (the
 Matryoshka prefix of ``dim`` dimensions, renormalised, indexed), ``full`` (the full vector,
-only when ``dim`` is below the model's dimension and rescoring is on), ``text`` and ``meta``
-(JSON). qswap's manifest (embedding space and fingerprint, options, build facts) is a
+only when ``dim`` is below the model's dimension and rescoring is on: a second vector field, or a
+FLOAT array on servers with one vector field per collection), ``text``, ``meta`` (JSON) and
+``tags`` (typed metadata for filters). qswap's manifest (embedding space and fingerprint, options, build facts) is a
 collection property, checked on every open exactly like a FAISS folder's manifest.
 
 Options map to Milvus index types (:func:`milvus_index`): flat -> FLAT; ivf -> IVF_FLAT /
@@ -15,35 +16,33 @@ Metadata equality filters and id lists become Milvus boolean expressions built b
 
 Locations: ``milvus://PATH.db?collection=NAME`` (milvus-lite, a local file) or
 ``milvus://HOST:PORT?collection=NAME`` (a Milvus server; ``milvus+https://`` for TLS); a token
-for an authenticated server is read from ``QSWAP_MILVUS_TOKEN``.
+for an authenticated server is read from ``QSWAP_MILVUS_TOKEN``. Connections, deadlines and how
+failures map (an unreachable server is a 503 ``index_unavailable``) are in
+:mod:`~qswap.index.backends.milvus.connection`; building in :mod:`~qswap.index.backends.milvus.build`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs
 
 import numpy as np
 
-import qswap
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapError
 from qswap.index.config import IndexConfig
-from qswap.index.corpus import BadLine, Document, check_documents, iter_corpus
+from qswap.index.corpus import Document, check_documents
 from qswap.index.checks import as_queries, check_ids, normalize_rows
 from qswap.index.backends.common import BackendCommon
+from qswap.index.backends.milvus.connection import (BUILD_TIMEOUT_S, Connection, connect, milvus_error,
+                                                    parse_location)
 from qswap.index.backends.milvus.expr import filter_expr, ids_expr, tags
 from qswap.matryoshka import truncate
 from qswap.index.errors import IndexCorruptError
 from qswap.index.hit import FilterValue, Hit
-from qswap.index.manifest import now_iso
 from qswap.space import EmbeddingSpace
 
 log = logging.getLogger("qswap.index")
@@ -57,43 +56,6 @@ _INSERT_BATCH = 512
 _ID_BATCH = 500
 # Milvus caps topk (and offset + limit) at 16384.
 MAX_FETCH = 16_384
-
-Embed = Callable[[list[str]], np.ndarray]
-
-
-# ---------------------------------------------------------------------- locations
-def parse_location(location: str) -> tuple[str, str]:
-    """``milvus://...?collection=NAME`` -> (pymilvus URI, collection name)."""
-    scheme = "http://"
-    rest = location
-    for prefix, sch in (("milvus+https://", "https://"), ("milvus://", "http://")):
-        if rest.startswith(prefix):
-            rest, scheme = rest[len(prefix):], sch
-            break
-    else:
-        raise InvalidInputError(f"{location!r} is not a milvus:// location",
-                                "write milvus://PATH.db?collection=NAME or milvus://HOST:PORT?collection=NAME")
-    where, _, query = rest.partition("?")
-    names = parse_qs(query).get("collection", [])
-    if not where or len(names) != 1 or not names[0]:
-        raise InvalidInputError(f"{location!r} names no collection",
-                                "write milvus://PATH.db?collection=NAME or milvus://HOST:PORT?collection=NAME")
-    uri = where if where.endswith(".db") else scheme + where
-    return uri, names[0]
-
-
-def _client(uri: str) -> Any:
-    try:
-        from pymilvus import MilvusClient
-    except ImportError:
-        raise InvalidInputError("the Milvus backend needs pymilvus", "pip install 'qswap[milvus]'") from None
-    if uri.endswith(".db"):
-        Path(uri).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        return MilvusClient(uri=uri, token=os.environ.get("QSWAP_MILVUS_TOKEN", ""))
-    except Exception as e:  # noqa: BLE001 - pymilvus raises several unrelated types when it cannot connect
-        raise NotFoundError(f"cannot connect to Milvus at {uri} ({type(e).__name__}: {str(e)[:200]})",
-                            "check the URI (a .db path for milvus-lite, http://host:19530 for a server)") from None
 
 
 # ---------------------------------------------------------------------- index types
@@ -127,25 +89,13 @@ def _rescoring(cfg: IndexConfig, full_dim: int) -> bool:
     return bool(cfg.rescore) and not (cfg.is_exact and cfg.dim == full_dim)
 
 
-# pymilvus' names for "this row does not fit the schema": the caller's data, not a damaged index.
-_INPUT_ERRORS = ("DataNotMatchException", "ParamError", "DataTypeNotSupportException")
-
-
-def _milvus_error(e: Exception, what: str) -> QswapError:
-    if type(e).__name__ in _INPUT_ERRORS:
-        return InvalidInputError(f"Milvus refused the data of {what} ({str(e)[:300]})",
-                                 "metadata must be JSON with 64-bit integers; see the request schema")
-    return IndexCorruptError(f"Milvus refused {what} ({type(e).__name__}: {str(e)[:300]})",
-                             "check that the Milvus server is up and the collection is loaded")
-
-
 # ---------------------------------------------------------------------- the index
 class MilvusIndex(BackendCommon):
     """A qswap index in a Milvus collection (see the module doc)."""
 
-    def __init__(self, client: Any, uri: str, collection: str, manifest: dict[str, Any], read_only: bool) -> None:
-        self._c = client
-        self.uri = uri
+    def __init__(self, conn: Connection, collection: str, manifest: dict[str, Any], read_only: bool) -> None:
+        self._conn = conn
+        self.uri = conn.uri
         self.collection = collection
         self._m = manifest
         self._space = EmbeddingSpace.from_dict(manifest["space"])
@@ -166,13 +116,12 @@ class MilvusIndex(BackendCommon):
     def open(cls, uri: str, collection: str, *, read_only: bool = False,
              expected_space: EmbeddingSpace | None = None) -> "MilvusIndex":
         """Open a collection built by qswap, checking its manifest and embedding space."""
-        c = _client(uri)
-        if not c.has_collection(collection):
-            c.close()
-            raise NotFoundError(f"Milvus at {uri} has no collection {collection!r}",
-                                "build it with `qswap index build CORPUS --backend milvus --uri URI "
-                                "--collection NAME`")
+        c = connect(uri)
         try:
+            if not c.call("has_collection", "a collection check", collection):
+                raise NotFoundError(f"Milvus at {uri.split('@')[-1]} has no collection {collection!r}",
+                                    "build it with `qswap index build CORPUS --backend milvus --uri URI "
+                                    "--collection NAME`")
             m = read_manifest(c, collection)
             space = EmbeddingSpace.from_dict(m["space"])
             if space.fingerprint != m.get("fingerprint"):
@@ -180,8 +129,8 @@ class MilvusIndex(BackendCommon):
                                         "rebuild the collection with qswap")
             if expected_space is not None:
                 expected_space.require_same(space, f"collection {collection!r}")
-            c.load_collection(collection)
-            return cls(c, uri, collection, m, read_only)
+            c.call("load_collection", "loading the collection", collection, timeout_s=BUILD_TIMEOUT_S)
+            return cls(c, collection, m, read_only)
         except BaseException:
             c.close()
             raise
@@ -198,10 +147,8 @@ class MilvusIndex(BackendCommon):
         return self._count
 
     def _query_count(self) -> int:
-        try:
-            r = self._c.query(self.collection, filter="", output_fields=["count(*)"])
-        except Exception as e:  # noqa: BLE001
-            raise _milvus_error(e, "a count") from None
+        r = self._conn.call_loaded(self.collection, "query", "a count", self.collection, filter="",
+                                   output_fields=["count(*)"])
         return int(r[0]["count(*)"])
 
     @property
@@ -235,11 +182,9 @@ class MilvusIndex(BackendCommon):
         if "ef" in sp:
             sp = {"ef": max(sp["ef"], fetch)}
         fields = ["meta"] + (["text"] if with_text else []) + ([self._full_field] if rescore else [])
-        try:
-            res = self._c.search(self.collection, truncate(q, self.dim).tolist(), anns_field="vec",
-                                 limit=fetch, filter=expr, output_fields=fields, search_params={"params": sp})
-        except Exception as e:  # noqa: BLE001
-            raise _milvus_error(e, "a search") from None
+        res = self._conn.call_loaded(self.collection, "search", "a search", self.collection,
+                                     truncate(q, self.dim).tolist(), anns_field="vec", limit=fetch, filter=expr,
+                                     output_fields=fields, search_params={"params": sp})
         out = []
         for j, hits in enumerate(res):
             rows = list(hits)
@@ -280,7 +225,8 @@ class MilvusIndex(BackendCommon):
 
     def _iterate(self, expr: str, fields: list[str], batch: int = 1000) -> Iterable[list[dict[str, Any]]]:
         try:
-            it = self._c.query_iterator(self.collection, batch_size=batch, filter=expr, output_fields=fields)
+            it = self._conn.call_loaded(self.collection, "query_iterator", "a scan", self.collection,
+                                        batch_size=batch, filter=expr, output_fields=fields)
             while True:
                 part = it.next()
                 if not part:
@@ -290,7 +236,7 @@ class MilvusIndex(BackendCommon):
         except QswapError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise _milvus_error(e, "a scan") from None
+            raise milvus_error(e, "a scan", self.uri) from None
 
     # ------------------------------------------------------------------ reads by id
     def _fetch(self, ids: list[str], fields: list[str]) -> dict[str, dict[str, Any]]:
@@ -300,10 +246,8 @@ class MilvusIndex(BackendCommon):
         uniq = sorted(set(ids))
         for i in range(0, len(uniq), _ID_BATCH):
             part = uniq[i:i + _ID_BATCH]
-            try:
-                rows = self._c.query(self.collection, filter=ids_expr(part), output_fields=fields)
-            except Exception as e:  # noqa: BLE001
-                raise _milvus_error(e, "a read by id") from None
+            rows = self._conn.call_loaded(self.collection, "query", "a read by id", self.collection,
+                                          filter=ids_expr(part), output_fields=fields)
             out.update({r["id"]: r for r in rows})
         return out
 
@@ -346,12 +290,9 @@ class MilvusIndex(BackendCommon):
                     raise ConflictError(f"{len(present)} ids already in the index: {some}",
                                         "use upsert to replace them, or delete them first")
             rows = _rows(docs, x, self.dim, self.full_dim, self._has_full)
-            try:
-                for i in range(0, len(rows), _INSERT_BATCH):
-                    self._c.upsert(self.collection, rows[i:i + _INSERT_BATCH])
-            except Exception as e:  # noqa: BLE001
-                raise _milvus_error(e, "an upsert") from None
             self._count = None
+            for i in range(0, len(rows), _INSERT_BATCH):
+                self._conn.call("upsert", "an upsert", self.collection, rows[i:i + _INSERT_BATCH])
         return len(docs)
 
     @property
@@ -367,12 +308,9 @@ class MilvusIndex(BackendCommon):
             present = sorted(self._fetch(ids, ["id"]))
             if not present:
                 return 0
-            try:
-                for i in range(0, len(present), _ID_BATCH):
-                    self._c.delete(self.collection, filter=ids_expr(present[i:i + _ID_BATCH]))
-            except Exception as e:  # noqa: BLE001
-                raise _milvus_error(e, "a delete") from None
             self._count = None
+            for i in range(0, len(present), _ID_BATCH):
+                self._conn.call("delete", "a delete", self.collection, filter=ids_expr(present[i:i + _ID_BATCH]))
         return len(present)
 
     # ------------------------------------------------------------------ info
@@ -393,7 +331,8 @@ class MilvusIndex(BackendCommon):
             "full_dim": self.full_dim,
             "config": self._config.index_dict(),
             "milvus": {"index_type": t, "params": params, "search_params": sp,
-                       "full_vectors": self._has_full},
+                       "full_vectors": self._has_full, "full_vectors_field": self._m.get("full_field", "vector"),
+                       "server": self._conn.features.to_dict()},
             "rescoring": _rescoring(self._config, self.full_dim),
             "bytes": {"milvus_lite_file": size} if size is not None else {},
             "bytes_per_doc": {"milvus_lite_file": size / n} if size is not None else {},
@@ -408,10 +347,7 @@ class MilvusIndex(BackendCommon):
         if self._closed:
             return
         self._closed = True
-        try:
-            self._c.close()
-        except Exception:  # noqa: BLE001 - closing a dead connection is not an error
-            pass
+        self._conn.close()
 
     def __enter__(self) -> "MilvusIndex":
         return self
@@ -424,11 +360,9 @@ class MilvusIndex(BackendCommon):
 
 
 # ---------------------------------------------------------------------- manifest
-def read_manifest(client: Any, collection: str) -> dict[str, Any]:
-    try:
-        props = client.describe_collection(collection).get("properties", {})
-    except Exception as e:  # noqa: BLE001
-        raise _milvus_error(e, "describe_collection") from None
+def read_manifest(conn: Connection, collection: str) -> dict[str, Any]:
+    """The qswap manifest kept in ``collection``'s properties, checked."""
+    props = conn.call("describe_collection", "describe_collection", collection).get("properties", {})
     raw = props.get(MANIFEST_PROPERTY)
     if raw is None:
         raise IndexCorruptError(f"collection {collection!r} has no qswap manifest",
@@ -443,144 +377,6 @@ def read_manifest(client: Any, collection: str) -> dict[str, Any]:
         raise IndexCorruptError(f"collection {collection!r}: the qswap manifest is malformed ({e})",
                                 "rebuild the collection with qswap") from None
     return m
-
-
-def _manifest(space: EmbeddingSpace, cfg: IndexConfig, full: bool, build: dict[str, Any]) -> dict[str, Any]:
-    t, params, _ = milvus_index(cfg)
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "qswap_version": qswap.__version__,
-            "created_at": now_iso(), "space": space.to_dict(), "fingerprint": space.fingerprint,
-            "metric": "inner_product", "normalized": True, "full_dim": space.dim, "dim": cfg.dim,
-            "config": cfg.index_dict(), "full_vectors": full, "index_type": t, "index_params": params,
-            "build": build}
-
-
-# ---------------------------------------------------------------------- building
-def create_collection(uri: str, collection: str, docs: list[Document], embeddings: np.ndarray,
-                      space: EmbeddingSpace, config: IndexConfig | None = None, *, replace: bool = False,
-                      build: dict[str, Any] | None = None) -> MilvusIndex:
-    """A new collection from documents and their embeddings (the Milvus twin of ``create_index``)."""
-    docs = list(docs)
-    check_documents(docs)
-    if not docs:
-        raise InvalidInputError("no documents to index", "pass at least one document")
-    x = normalize_rows(embeddings, space.dim)
-    if len(x) != len(docs):
-        raise InvalidInputError(f"{len(docs)} documents but {len(x)} embeddings", "pass one embedding per document")
-
-    def batches() -> Iterable[tuple[list[Document], np.ndarray]]:
-        for i in range(0, len(docs), _INSERT_BATCH):
-            yield docs[i:i + _INSERT_BATCH], x[i:i + _INSERT_BATCH]
-
-    return _build(uri, collection, len(docs), batches(), space, config or IndexConfig(), replace=replace,
-                  build={"documents": len(docs), **(build or {})})
-
-
-def build_collection(corpus_path: Path, uri: str, collection: str, embed: Embed, space: EmbeddingSpace,
-                     config: IndexConfig | None = None, on_bad_line: str = "stop", progress: bool = True, *,
-                     format: str = "auto", model: str | None = None, replace: bool = False,
-                     embedding: dict[str, Any] | None = None) -> MilvusIndex:
-    """Embed a JSONL/BEIR corpus into a new Milvus collection (bad lines stop or are skipped).
-
-    ``embedding``: how ``embed`` embeds (precision, runtime, measured quality), recorded in the
-    collection's manifest.
-    """
-    from qswap.atomic import sha256_file
-    from qswap.index.corpus import corpus_file
-
-    config = config or IndexConfig()
-    config.validate(space.dim)
-    corpus = corpus_file(corpus_path)
-    bad: list[BadLine] = []
-    # First pass: validate every line (a bad corpus changes nothing) and count documents.
-    n = sum(1 for _ in iter_corpus(corpus, format=format, on_bad_line=on_bad_line, bad_lines=bad))
-    if n == 0:
-        raise InvalidInputError(f"{corpus}: no documents{f' ({len(bad)} bad lines skipped)' if bad else ''}",
-                                "give a JSONL file with one {\"id\", \"text\"} object per line")
-    from tqdm import tqdm
-    bar = tqdm(total=n, unit="doc", desc="embedding", file=sys.stderr, disable=not progress, dynamic_ncols=True)
-    bs = int(config.batch_size)
-
-    def batches() -> Iterable[tuple[list[Document], np.ndarray]]:
-        buf: list[Any] = []
-        for rec in iter_corpus(corpus, format=format, on_bad_line=on_bad_line, bad_lines=[]):
-            buf.append(rec)
-            if len(buf) >= bs:
-                yield _embed_batch(buf, embed, space.dim)
-                bar.update(len(buf))
-                buf = []
-        if buf:
-            yield _embed_batch(buf, embed, space.dim)
-            bar.update(len(buf))
-
-    build = {"corpus": str(corpus.resolve()), "corpus_sha256": sha256_file(corpus), "format": format,
-             "model": model, "on_bad_line": on_bad_line, "documents": n, "n_bad_lines": len(bad),
-             "bad_lines": [b.to_dict() for b in bad[:100]], "batch_size": bs}
-    if embedding:
-        build["embedding"] = embedding
-    try:
-        return _build(uri, collection, n, batches(), space, config, replace=replace, build=build)
-    finally:
-        bar.close()
-
-
-def _embed_batch(recs: list[Any], embed: Embed, full_dim: int) -> tuple[list[Document], np.ndarray]:
-    e = normalize_rows(embed([r.embed_text for r in recs]), full_dim, "embed() output")
-    if len(e) != len(recs):
-        raise InvalidInputError(f"embed() returned {len(e)} rows for {len(recs)} texts",
-                                "the embed function must return one row per text")
-    return [r.doc for r in recs], e
-
-
-def _build(uri: str, collection: str, n: int, batches: Iterable[tuple[list[Document], np.ndarray]],
-           space: EmbeddingSpace, config: IndexConfig, *, replace: bool, build: dict[str, Any]) -> MilvusIndex:
-    """Write a collection under a staging name, index it, then put it in place of ``collection``."""
-    from pymilvus import DataType, MilvusClient
-
-    cfg = config.resolve(n, space.dim)
-    full = _rescoring(cfg, space.dim) and cfg.dim < space.dim
-    t0 = time.time()
-    c = _client(uri)
-    try:
-        if c.has_collection(collection) and not replace:
-            raise ConflictError(f"Milvus at {uri} already has a collection {collection!r}",
-                                "pass --replace to rebuild it, or choose another --collection")
-        staging = f"{collection}__qswap_building"
-        if c.has_collection(staging):
-            c.drop_collection(staging)
-        schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
-        schema.add_field("id", DataType.VARCHAR, is_primary=True, max_length=MAX_ID_CHARS)
-        schema.add_field("vec", DataType.FLOAT_VECTOR, dim=int(cfg.dim))
-        if full:
-            schema.add_field("full", DataType.FLOAT_VECTOR, dim=space.dim)
-        schema.add_field("text", DataType.VARCHAR, max_length=MAX_TEXT_CHARS)
-        schema.add_field("meta", DataType.JSON)
-        schema.add_field("tags", DataType.JSON)  # typed copy of the scalar metadata, for filters
-        c.create_collection(staging, schema=schema, consistency_level="Strong")
-        seen = 0
-        for docs, x in batches:
-            _check_sizes(docs)
-            rows = _rows(docs, x, int(cfg.dim), space.dim, full)
-            c.insert(staging, rows)
-            seen += len(rows)
-        t, params, _ = milvus_index(cfg)
-        ip = c.prepare_index_params()
-        ip.add_index("vec", index_type=t, metric_type="IP", params=params)
-        if full:
-            ip.add_index("full", index_type="FLAT", metric_type="IP")
-        c.create_index(staging, ip)
-        build = {**build, "documents": seen, "seconds": round(time.time() - t0, 3), "started_at": t0}
-        c.alter_collection_properties(staging, {MANIFEST_PROPERTY: json.dumps(_manifest(space, cfg, full, build))})
-        if c.has_collection(collection):
-            c.drop_collection(collection)
-        c.rename_collection(staging, collection)
-    except QswapError:
-        c.close()
-        raise
-    except Exception as e:  # noqa: BLE001
-        c.close()
-        raise _milvus_error(e, "the build") from None
-    c.close()
-    return MilvusIndex.open(uri, collection)
 
 
 def _rows(docs: list[Document], x: np.ndarray, dim: int, full_dim: int, full: bool) -> list[dict[str, Any]]:
