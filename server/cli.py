@@ -94,7 +94,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--encoder-memory-mb", type=int, help="memory budget of loaded adapters (default 1024)")
     lim = p.add_argument_group("what one request may cost (all limits: docs/reliability.md)")
     lim.add_argument("--max-request-tokens", type=int, metavar="N",
-                     help="tokens of one search request; beyond: 422 (default 8192)")
+                     help="tokens of one request that runs the model (search, embeddings); beyond: 422 (default 32768)")
     lim.add_argument("--max-batch-tokens", type=int, metavar="N",
                      help="rows x longest row of one forward pass (default 2048)")
     lim.add_argument("--slice-tokens", type=int, metavar="N", help="one request's share of a forward pass: larger "

@@ -104,8 +104,9 @@ class ServerSettings(BaseSettings):
     max_queries: int = Field(64, ge=1, description="queries per search request")
     max_k: int = Field(100, ge=1)
     max_query_chars: int = Field(2048, ge=1, description="longer queries are cut (and flagged truncated)")
-    max_request_tokens: int = Field(8192, ge=1, description="tokens of one search request (all its queries, "
-                                    "each counted up to the model's max length); beyond: 422 limit_exceeded")
+    max_request_tokens: int = Field(32768, ge=1, description="tokens of one request that runs the model (a search's "
+                                    "queries, an embedding request's inputs, either tower; each text counted up to "
+                                    "the model's max length); beyond: 422 limit_exceeded")
     max_batch_tokens: int = Field(2048, ge=1, description="rows x longest row of one forward pass at most")
     slice_tokens: int = Field(256, ge=1, description="one request's share of a forward pass: a larger search (or "
                               "document upsert) is split into slices of this, and other requests run between them")

@@ -120,7 +120,8 @@ class ServerState:
                                     window_s=s.batch_window_ms / 1000.0, max_batch=s.max_batch,
                                     max_pending=s.max_pending, max_pending_per_encoder=s.max_pending_per_encoder,
                                     metrics=self.metrics, count_tokens=self.token_counts,
-                                    max_batch_tokens=s.max_batch_tokens, slice_tokens=s.slice_tokens)
+                                    max_batch_tokens=s.max_batch_tokens, slice_tokens=s.slice_tokens,
+                                    encode_documents=lambda texts: self.embed_documents(texts))
         self.metrics.admitted.set_function(lambda: batcher.pending)
         if s.feedback_dir is not None:
             from qswap.feedback.store import FeedbackStore

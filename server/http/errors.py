@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qswap.atomic import disk_full
@@ -29,11 +29,22 @@ from qswap.errors import (ERRORS, ConflictError, DeadlineExceededError, Forbidde
 __all__ = ["ConflictError", "DeadlineExceededError", "ForbiddenError", "GuardPendingError", "GuardRefusedError",
            "IndexCorruptError", "IntegrityError", "InternalServerError", "InvalidInputError", "InvalidRequestError",
            "LimitExceededError", "MethodNotAllowedError", "NotFoundError", "NotReadyError", "OverloadedError",
-           "PayloadTooLargeError", "QswapError", "SpaceMismatchError", "UnauthorizedError",
+           "ClientGoneError", "PayloadTooLargeError", "QswapError", "SpaceMismatchError", "UnauthorizedError",
            "UnsupportedMediaTypeError", "documented_errors", "error_body", "error_body_of", "install_error_handlers",
            "status_for"]
 
 log = logging.getLogger("qswap.server")
+
+# nginx's "client closed request": logged, never seen by anyone (the connection is gone)
+CLIENT_GONE_STATUS = 499
+
+
+class ClientGoneError(Exception):
+    """The client closed the connection before its answer: the request's remaining work was
+    dropped (:mod:`qswap.server.serving.admission`). Not an error of the table: nobody reads it."""
+
+    def __init__(self) -> None:
+        super().__init__("the client went away before its answer; its remaining work was dropped")
 
 # What each status means, for the OpenAPI responses of every route (the codes are in the table).
 _STATUS_DOCS = {
@@ -172,6 +183,11 @@ async def _write_error(request: Request, exc: Exception) -> JSONResponse:
     return await _qswap_error(request, full)
 
 
+async def _client_gone(request: Request, exc: ClientGoneError) -> Response:
+    log.info("client went away: its remaining work was dropped", extra={"status": CLIENT_GONE_STATUS})
+    return Response(status_code=CLIENT_GONE_STATUS)
+
+
 def _jsonable(v: object) -> object:
     return v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
 
@@ -181,6 +197,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(QswapError, _qswap_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientGoneError, _client_gone)  # type: ignore[arg-type]
     for write_error in (OSError, sqlite3.Error, RuntimeError):
         app.add_exception_handler(write_error, _write_error)  # type: ignore[arg-type]
     # Anything else is a bug: RequestContextMiddleware (qswap.server.http.logs) logs it and answers

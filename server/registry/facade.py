@@ -53,6 +53,7 @@ from qswap.server.registry import intake
 from qswap.server.registry.cache import EncoderCache
 from qswap.server.registry.guard_scheduler import GuardScheduler
 from qswap.server.registry.intake import EncoderDir
+from qswap.server.registry.lease import Lease
 from qswap.server.registry.records import (REGISTRY_FILE, STATE_LOCK_FILE, EncoderRecord, RecordTable, split_key,
                                   version_order)
 from qswap.space import EmbeddingSpace
@@ -217,6 +218,16 @@ class EncoderRegistry:
             self._refs[key] = self._refs.get(key, 0) + 1
             self.cache.touch(key)
             return key
+
+    def lease(self, encoder: str | None = None, domain: str | None = None) -> Lease:
+        """:meth:`acquire` as a :class:`Lease` (share it with jobs; released once, by the last holder)."""
+        key = self.acquire(encoder, domain)
+        return Lease(key, lambda: self.release(key))
+
+    def held(self, key: str) -> Lease:
+        """:meth:`hold` as a :class:`Lease` (the guard's own use of an encoder)."""
+        self.hold(key)
+        return Lease(key, lambda: self.release(key))
 
     def _require_servable(self, key: str, force: bool) -> None:
         """Raise unless ``key`` may serve (holds ``_lock``); see :func:`guard_error`."""

@@ -9,12 +9,15 @@ pipeline, so that each stage of one batch overlaps the others' work on the next:
    to ``max_batch`` queries; with ``window_s`` > 0 it waits that long for more), encodes all rows
    in one ``encode(texts, keys)`` call (rows of different encoders together) and hands the
    finished requests on. A model that is idle starts at once; requests arriving while it runs
-   form the next batch. Other model work (embedding documents) is serialised on this thread
-   through :meth:`MicroBatcher.call`;
+   form the next batch;
 3. **answers** (:mod:`qswap.server.serving.answers`): searches the index for them (one call per
    distinct filter) and posts the answers while the next forward runs.
 
-The event loop never runs model code.
+The event loop never runs model code. Texts for the frozen document tower (``documents=True``: upserts, and
+embeddings of ``qswap/documents``) are jobs of the same queue, sliced the same way, in batches
+of their own; index writes are serialised on the forward thread through :meth:`MicroBatcher.call`.
+Every job carries its request's :class:`~qswap.server.serving.admission.Ticket` (deadline,
+client still there): the one admission path that every route reaching the model goes through.
 
 Work is bounded in tokens as well as rows: a batch holds at most ``max_batch_tokens`` (rows
 times its longest row, padding included: what the forward pass computes), and one request
@@ -43,13 +46,13 @@ from typing import Any, Callable
 import numpy as np
 
 from qswap.server.http.errors import DeadlineExceededError, NotReadyError, OverloadedError
+from qswap.server.serving.admission import Ticket, token_slices
 from qswap.server.serving.answers import EmbedOutcome, SearchFn, SearchOutcome, answer_batch
 from qswap.server.serving.answers import post as _post
 
 log = logging.getLogger("qswap.server")
 
 EncodeFn = Callable[[list[str], list[str]], np.ndarray]
-__all__ = ["EmbedOutcome", "MicroBatcher", "SearchOutcome", "token_slices"]
 _STOP = object()
 
 
@@ -74,6 +77,7 @@ class _Job:
     encode_s: float = 0.0
     failed: bool = False                 # its error is posted; nothing more runs for it
     vectors_only: bool = False           # an embedding request: encoded in the batch, not searched
+    documents: bool = False              # rows for the document tower: never in a batch with queries
     answering: bool = False              # handed to the answer stage, which finishes it
 
 
@@ -98,32 +102,6 @@ class _Call:
     finished: bool = False
 
 
-def token_slices(tokens: list[int], max_tokens: int | None, max_rows: int | None = None) -> list[tuple[int, int]]:
-    """Consecutive row ranges for forward passes: rows x longest row within ``max_tokens`` and
-    at most ``max_rows`` rows, at least one row each (a row alone may exceed the bound).
-
-    Args:
-        tokens: tokens per row.
-        max_tokens: the bound of one forward pass (None: none).
-        max_rows: rows per pass at most (None: none).
-
-    Returns:
-        ``(lo, hi)`` ranges covering every row, in order.
-    """
-    out: list[tuple[int, int]] = []
-    lo, longest = 0, 0
-    for i, t in enumerate(tokens):
-        top = max(longest, t)
-        n = i - lo + 1
-        if i > lo and ((max_tokens is not None and n * top > max_tokens) or (max_rows is not None and n > max_rows)):
-            out.append((lo, i))
-            lo, top = i, t
-        longest = top
-    if lo < len(tokens):
-        out.append((lo, len(tokens)))
-    return out
-
-
 class MicroBatcher:
     """One worker thread that batches searches; see the module docstring."""
 
@@ -134,15 +112,18 @@ class MicroBatcher:
                  name: str = "qswap-batcher", adaptive: bool = True,
                  encode_flagged: Callable[[list[str], list[str]], tuple[np.ndarray, list[bool]]] | None = None,
                  count_tokens: Callable[[list[str]], list[int]] | None = None,
-                 max_batch_tokens: int | None = None, slice_tokens: int | None = None) -> None:
+                 max_batch_tokens: int | None = None, slice_tokens: int | None = None,
+                 encode_documents: Callable[[list[str]], np.ndarray] | None = None) -> None:
         # count_tokens: tokens per query as the model sees them (None: every row costs one);
         # max_batch_tokens: rows x longest row per forward pass at most (None: no bound);
         # slice_tokens: one request's share of a pass: a larger request is split into slices
         # of this, and small requests fill the rest of the pass (None: max_batch_tokens).
         # encode_flagged: vectors and truncation flags from one tokenisation (replaces both
         # ``encode`` and ``truncated`` when the backend offers it).
+        # encode_documents: the document tower (jobs submitted with documents=True).
         self._encode_flagged = encode_flagged
         self._encode = encode
+        self._encode_documents = encode_documents
         self._search = search
         self._truncated = truncated
         self.window_s = window_s
@@ -270,51 +251,57 @@ class MicroBatcher:
                 "retry later, or give a longer X-Request-Timeout") from None
 
     async def search(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None = None,
-                     with_text: bool = True, on_done: Callable[[], None] | None = None,
-                     timeout_s: float | None = None, tokens: list[int] | None = None) -> SearchOutcome:
+                     with_text: bool = True, on_done: Callable[[], None] | None = None, *, ticket: Ticket,
+                     tokens: list[int] | None = None) -> SearchOutcome:
         """Encode ``texts`` with encoder ``key`` and search; ``on_done`` runs exactly once,
         on the worker thread, when the job is finished, failed or found cancelled (or here,
-        at once, when the job is refused). ``timeout_s`` is the request's deadline from now;
-        ``tokens``: the queries' token counts when the caller has them (else the worker counts)."""
-        return await self._submit(texts, key, k, filter, with_text, on_done, timeout_s, tokens, vectors_only=False)
+        at once, when the job is refused). ``ticket``: the request's admission (its deadline,
+        and whether its client is still there); ``tokens``: the queries' token counts when the
+        caller has them (else the worker counts)."""
+        return await self._submit(texts, key, k, filter, with_text, on_done, ticket, tokens, vectors_only=False)
 
-    async def embed(self, texts: list[str], key: str, on_done: Callable[[], None] | None = None,
-                    timeout_s: float | None = None, tokens: list[int] | None = None) -> EmbedOutcome:
-        """Encode ``texts`` with encoder ``key`` and return the vectors (no search).
+    async def embed(self, texts: list[str], key: str, on_done: Callable[[], None] | None = None, *,
+                    ticket: Ticket, tokens: list[int] | None = None, documents: bool = False) -> EmbedOutcome:
+        """Encode ``texts`` with encoder ``key`` (or the document tower) and return the vectors.
 
         The rows join search batches like any query (same admission, deadline, token budget and
-        forward pass); ``on_done``, ``timeout_s`` and ``tokens`` as in :meth:`search`.
+        forward pass); document rows are sliced the same way in batches of their own.
 
         Args:
-            texts: the inputs (callers chunk long lists).
-            key: the exact encoder key (held by the caller until ``on_done``).
+            texts: the inputs.
+            key: the exact encoder key (held by the caller until ``on_done``); with
+                ``documents``, the name admission counts them under.
             on_done: runs exactly once when the job is finished, failed, dropped or refused.
-            timeout_s: the request's deadline in seconds from now.
+            ticket: the request's admission (deadline; a client gone drops the rest).
             tokens: the inputs' token counts, when the caller has them.
+            documents: embed with the frozen document tower instead of a query encoder.
 
         Returns:
             The vectors (float32, one row per text) and which texts the tokenizer cut.
         """
-        return await self._submit(texts, key, 0, None, False, on_done, timeout_s, tokens, vectors_only=True)
+        return await self._submit(texts, key, 0, None, False, on_done, ticket, tokens, vectors_only=True,
+                                  documents=documents)
 
     async def _submit(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None, with_text: bool,
-                      on_done: Callable[[], None] | None, timeout_s: float | None, tokens: list[int] | None,
-                      vectors_only: bool) -> Any:
+                      on_done: Callable[[], None] | None, ticket: Ticket, tokens: list[int] | None,
+                      vectors_only: bool, documents: bool = False) -> Any:
         try:
+            if documents and self._encode_documents is None:
+                raise NotReadyError("this server has no document tower", "send documents to a server with one")
             self._admit(key)
         except (NotReadyError, OverloadedError):
             if on_done is not None:
                 on_done()
             raise
         loop = asyncio.get_running_loop()
-        now = time.perf_counter()
-        deadline = now + timeout_s if timeout_s is not None else float("inf")
-        job = _Job(list(texts), key, k, filter, with_text, loop.create_future(), loop, now, deadline, on_done,
-                   tokens=list(tokens) if tokens is not None else None, vectors_only=vectors_only)
+        job = _Job(list(texts), key, k, filter, with_text, loop.create_future(), loop, time.perf_counter(),
+                   ticket.deadline, on_done, tokens=list(tokens) if tokens is not None else None,
+                   vectors_only=vectors_only, documents=documents)
+        ticket.watch(job.future)
         with self._count_lock:
             self._live.add(job)
         self._q.put(job)
-        return await self._wait(job.future, deadline)
+        return await self._wait(job.future, job.deadline)
 
     async def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
                    **kwargs: Any) -> Any:
@@ -346,6 +333,10 @@ class MicroBatcher:
                     continue
                 batch = [self._first_slice(item)]
                 rows, longest = batch[0].hi - batch[0].lo, self._longest(batch[0])
+                if item.documents:   # the document tower runs its own forward pass
+                    self._last_requests = 1
+                    self._process(batch)
+                    continue
                 # Adaptive window: after a batch of one (no concurrency), waiting only adds
                 # latency, so take what is already queued and go; under load batches hold
                 # several requests and the window lets more join.
@@ -358,7 +349,8 @@ class MicroBatcher:
                     except queue.Empty:
                         break
                     # Only whole requests join a batch; the first one is the one that is split.
-                    if not isinstance(nxt, _Job) or nxt.next_row or rows + len(nxt.texts) > self.max_batch:
+                    if (not isinstance(nxt, _Job) or nxt.next_row or nxt.documents
+                            or rows + len(nxt.texts) > self.max_batch):
                         carry = nxt
                         break
                     self._counted(nxt)
@@ -508,7 +500,10 @@ class MicroBatcher:
         keys = [sl.job.key for sl in slices for _ in range(sl.lo, sl.hi)]
         t0 = time.perf_counter()
         try:
-            if self._encode_flagged is not None:
+            if slices[0].job.documents:   # a document batch holds document rows only
+                assert self._encode_documents is not None
+                emb, trunc = self._encode_documents(texts), [False] * len(texts)
+            elif self._encode_flagged is not None:
                 emb, trunc = self._encode_flagged(texts, keys)
             else:
                 trunc = self._truncated(texts) if self._truncated else [False] * len(texts)

@@ -1,19 +1,18 @@
 """Embedding texts for the OpenAI- and TEI-compatible routes: one path for both.
 
-A query encoder (a domain alias or an encoder reference, resolved and held like a search's)
-embeds through the micro-batcher, so embedding rows share forward passes with searches and
-pass the same admission (429), deadlines (504) and metrics. The frozen document tower
-(:data:`DOCUMENTS_MODEL`) embeds with the function that embeds the index's documents
-(:meth:`ServerState.embed_documents`), on the same worker thread. Large inputs are encoded ``max_batch`` at a time, one chunk after the
-other, so a 2,000-input request holds one batch of activations at a time.
+Both towers embed through the cost gate (:mod:`qswap.server.serving.gate`) and the
+micro-batcher: a query encoder (a domain alias or an encoder reference, leased like a
+search's) shares forward passes with searches; the frozen document tower
+(:data:`DOCUMENTS_MODEL`, the function that embeds the index's documents) runs batches of its
+own on the same worker. Either way a request is bounded in tokens, split into token slices
+that other requests interleave with, dropped at its deadline and dropped when its client goes
+away, with the same 422/429/504 answers as search.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,6 +21,7 @@ import numpy as np
 from qswap.errors import InvalidInputError, LimitExceededError
 from qswap.matryoshka import truncate
 from qswap.server.http.compat_models import DOCUMENTS_MODEL, token_ids_given
+from qswap.server.serving.gate import Admission
 from qswap.server.state import ServerState
 
 # Tokenising this many inputs or more leaves the event loop (a thread does it).
@@ -36,28 +36,6 @@ class Embedded:
     model: str               # name@version, 'base' or 'qswap/documents'
     tokens: list[int]        # tokens the model read, per input
     truncated: list[bool]    # inputs cut to the model's max tokens
-
-
-class _Hold:
-    """One registry reference shared by a request and its chunk jobs: released (on whichever
-    thread finishes last) once the request is done and every job it submitted has finished."""
-
-    def __init__(self, release: Callable[[], None]) -> None:
-        self._release = release
-        self._n = 1
-        self._lock = threading.Lock()
-
-    def add(self) -> Callable[[], None]:
-        with self._lock:
-            self._n += 1
-        return self.done
-
-    def done(self) -> None:
-        with self._lock:
-            self._n -= 1
-            last = self._n == 0
-        if last:
-            self._release()
 
 
 def texts_of(value: Any) -> list[str]:
@@ -98,16 +76,14 @@ def _tokenize(state: ServerState, texts: list[str], prefix: str) -> tuple[list[i
     return [len(e.ids) for e in encs], [bool(e.overflowing) for e in encs]
 
 
-async def embed_texts(state: ServerState, texts: list[str], model: str, *, timeout_s: float,
-                      dimensions: int | None = None, on_key: Callable[[str], None] | None = None,
-                      refuse_truncated: bool = False) -> Embedded:
+async def embed_texts(adm: Admission, texts: list[str], model: str, *, dimensions: int | None = None,
+                      on_key: Callable[[str], None] | None = None, refuse_truncated: bool = False) -> Embedded:
     """Embed ``texts`` with ``model`` (alias, encoder reference, or ``qswap/documents``).
 
     Args:
-        state: the server's state (ready: the route's ``ready_state`` dependency checked it).
+        adm: the request's pass through the cost gate (its server, deadline and token bound).
         texts: the inputs (at most ``max_embedding_inputs``).
         model: a domain alias (checked first), an encoder reference, or :data:`DOCUMENTS_MODEL`.
-        timeout_s: the request's deadline from now.
         dimensions: keep this many leading coordinates and renormalise (Matryoshka).
         on_key: called with the resolved key before any work (the route logs it).
         refuse_truncated: refuse inputs longer than the model's max tokens instead of cutting them.
@@ -115,6 +91,7 @@ async def embed_texts(state: ServerState, texts: list[str], model: str, *, timeo
     Returns:
         The vectors, the resolved model and the token counts.
     """
+    state = adm.state
     s = state.settings
     if len(texts) > s.max_embedding_inputs:
         raise LimitExceededError(f"{len(texts)} inputs in one request; the limit is {s.max_embedding_inputs}",
@@ -123,10 +100,8 @@ async def embed_texts(state: ServerState, texts: list[str], model: str, *, timeo
     if dimensions is not None and dimensions > dim:
         raise LimitExceededError(f"dimensions={dimensions} exceeds the model's {dim}",
                                  f"ask for at most {dim} dimensions")
-    deadline = time.perf_counter() + timeout_s
-    step = s.max_batch
-    out = np.empty((len(texts), dim), dtype=np.float32)
     documents = model == DOCUMENTS_MODEL
+    await adm.bound_tokens(texts, documents=documents)   # before the tokenizer reads a huge request
     prefix = state.base.spec.document_prefix if documents else state.base.spec.query_prefix
     if len(texts) < _TOKENIZE_INLINE:
         tokens, cut = _tokenize(state, texts, prefix)
@@ -139,23 +114,15 @@ async def embed_texts(state: ServerState, texts: list[str], model: str, *, timeo
         key = DOCUMENTS_MODEL
         if on_key is not None:
             on_key(key)
-        for i in range(0, len(texts), step):
-            out[i:i + step] = await state.batcher.call(state.embed_documents, texts[i:i + step],
-                                                       timeout_s=deadline - time.perf_counter())
+        done = await state.batcher.embed(texts, key, ticket=adm, tokens=tokens, documents=True)
     else:
-        reg = state.registry
-        key = reg.acquire(**model_ref(reg, model))
-        hold = _Hold(lambda: reg.release(key))
-        try:
+        with state.registry.lease(**model_ref(state.registry, model)) as lease:
+            key = lease.key
             if on_key is not None:
                 on_key(key)
             await state.prepare_encoder(key)   # first use after start or eviction
-            for i in range(0, len(texts), step):
-                done = await state.batcher.embed(texts[i:i + step], key, on_done=hold.add(),
-                                                 timeout_s=deadline - time.perf_counter())
-                out[i:i + step] = done.vectors
-        finally:
-            hold.done()
+            done = await state.batcher.embed(texts, key, on_done=lease.share(), ticket=adm, tokens=tokens)
+    out = done.vectors
     state.metrics.embedded.labels(encoder=key).inc(len(texts))
     if dimensions is not None and dimensions < dim:
         out = truncate(out, dimensions)

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from qswap.errors import NotFoundError, QswapError
-from qswap.server.serving.batching import token_slices
+from qswap.server.http.compat_models import DOCUMENTS_MODEL
+from qswap.server.serving.admission import Ticket, token_slices
 from qswap.server.http.errors import OverloadedError, status_for, storage_error
 
 log = logging.getLogger("qswap.server")
@@ -88,12 +89,19 @@ class DocumentJobs:
                                 f"jobs are kept in memory (the last {KEEP_JOBS}); a restart forgets them")
         return job
 
-    async def _call(self, fn: Any, *args: Any) -> Any:
+    async def _retry(self, submit: Any) -> Any:
         while True:
             try:
-                return await self.state.batcher.call(fn, *args)
-            except OverloadedError:   # searches fill the queue: a background write waits its turn
+                return await submit()
+            except OverloadedError:   # searches fill the queue: a background job waits its turn
                 await asyncio.sleep(_ADMISSION_RETRY_S)
+
+    async def _embed(self, texts: list[str], tokens: list[int]) -> np.ndarray:
+        """One slice of the job's documents through the batch worker's document path (a job has
+        no client to lose and no deadline: it runs until done or the server stops)."""
+        out = await self._retry(lambda: self.state.batcher.embed(texts, DOCUMENTS_MODEL, ticket=Ticket(),
+                                                                 tokens=tokens, documents=True))
+        return out.vectors
 
     async def _run(self, job: DocumentJob, docs: list[Any]) -> None:
         state = self.state
@@ -102,10 +110,10 @@ class DocumentJobs:
             job.status = "running"
             parts = []
             for lo, hi in token_slices(counts, state.settings.slice_tokens):
-                parts.append(await self._call(state.embed_documents, [d.text for d in docs[lo:hi]]))
+                parts.append(await self._embed([d.text for d in docs[lo:hi]], counts[lo:hi]))
                 job.embedded = hi
             emb = np.concatenate(parts) if parts else np.zeros((0, 0), np.float32)
-            n, count = await self._call(state.upsert_embedded, docs, emb)
+            n, count = await self._retry(lambda: state.batcher.call(state.upsert_embedded, docs, emb))
         except Exception as e:   # the job's answer: the error as the API would have said it
             job.exception = e
             err = storage_error(e) or e

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from qswap.errors import InvalidInputError
+from qswap.server.serving.admission import Ticket
 from qswap.server.serving.batching import MicroBatcher
 from qswap.server.http.errors import DeadlineExceededError, OverloadedError
 
@@ -50,7 +51,7 @@ def test_batcher_merges_concurrent_requests_into_one_pass():
     with running(encode=enc, search=srch, window_s=0.2, max_batch=64, adaptive=False) as b:
         async def main():
             texts = [["a" * (i + 1)] * (1 + i % 2) for i in range(10)]
-            outs = await asyncio.gather(*[b.search(t, f"k{i % 3}", k=2 + i % 3) for i, t in enumerate(texts)])
+            outs = await asyncio.gather(*[b.search(t, f"k{i % 3}", k=2 + i % 3, ticket=Ticket()) for i, t in enumerate(texts)])
             return texts, outs, threading.current_thread().name
         texts, outs, loop_thread = _run(main())
     encodes = [c for c in calls if c[0] == "encode"]
@@ -72,12 +73,12 @@ def test_batcher_adaptive_window_skips_the_wait_when_idle():
     with running(encode=enc, search=srch, window_s=0.5, max_batch=64) as b:
         async def lone():
             t0 = time.perf_counter()
-            await b.search(["x"], "k", k=1)
+            await b.search(["x"], "k", k=1, ticket=Ticket())
             return time.perf_counter() - t0
         assert _run(lone()) < 0.25                    # did not wait the 0.5 s window
         b._last_requests = 2                          # as after a batch of several requests
         async def burst():
-            return await asyncio.gather(*[b.search(["y"], "k", k=1) for _ in range(5)])
+            return await asyncio.gather(*[b.search(["y"], "k", k=1, ticket=Ticket()) for _ in range(5)])
         outs = _run(burst())
     assert all(o.batch_requests == 5 for o in outs)   # the window collected the whole burst
 
@@ -89,10 +90,10 @@ def test_batcher_isolates_failures():
     with running(encode=enc, search=srch, window_s=0.2, max_batch=64, adaptive=False) as b:
         async def main():
             return await asyncio.gather(
-                b.search(["x"], "good", 1, {"s": "a"}, on_done=lambda: done.append("1")),
-                b.search(["yy"], "bad", 1, on_done=lambda: done.append("2")),
-                b.search(["zzz"], "good", 1, {"s": "b"}, on_done=lambda: done.append("3")),
-                b.search(["w"], "good", 1, {"s": "a"}, on_done=lambda: done.append("4")),
+                b.search(["x"], "good", 1, {"s": "a"}, on_done=lambda: done.append("1"), ticket=Ticket()),
+                b.search(["yy"], "bad", 1, on_done=lambda: done.append("2"), ticket=Ticket()),
+                b.search(["zzz"], "good", 1, {"s": "b"}, on_done=lambda: done.append("3"), ticket=Ticket()),
+                b.search(["w"], "good", 1, {"s": "a"}, on_done=lambda: done.append("4"), ticket=Ticket()),
                 return_exceptions=True)
         outs = _run(main())
     assert isinstance(outs[1], InvalidInputError)
@@ -105,8 +106,8 @@ def test_batcher_one_search_per_distinct_filter():
     enc, srch = _fake(calls)
     with running(encode=enc, search=srch, window_s=0.2, max_batch=64, adaptive=False) as b:
         async def main():
-            return await asyncio.gather(b.search(["x"], "k", 1, {"s": "a"}), b.search(["yy"], "k", 3, {"s": "b"}),
-                                        b.search(["zzz"], "k", 2, {"s": "a"}))
+            return await asyncio.gather(b.search(["x"], "k", 1, {"s": "a"}, ticket=Ticket()), b.search(["yy"], "k", 3, {"s": "b"}, ticket=Ticket()),
+                                        b.search(["zzz"], "k", 2, {"s": "a"}, ticket=Ticket()))
         outs = _run(main())
     assert len([c for c in calls if c[0] == "encode"]) == 1
     assert sorted((str(c[3]), c[1], c[2]) for c in calls if c[0] == "search") == [
@@ -119,7 +120,7 @@ def test_batcher_respects_max_batch_and_runs_calls_on_worker():
     enc, srch = _fake(calls)
     with running(encode=enc, search=srch, window_s=0.2, max_batch=4, adaptive=False) as b:
         async def main():
-            outs = await asyncio.gather(*[b.search(["q"] * 3, "k", 1) for _ in range(4)])
+            outs = await asyncio.gather(*[b.search(["q"] * 3, "k", 1, ticket=Ticket()) for _ in range(4)])
             name = await b.call(lambda: threading.current_thread().name)
             return outs, name
         outs, name = _run(main())
@@ -145,17 +146,17 @@ def test_batcher_admission_limits_and_deadlines():
         b = MicroBatcher(encode=encode, search=search, window_s=0.0, max_batch=1, max_pending=3,
                          max_pending_per_encoder=2)
         b.start()
-        first = asyncio.ensure_future(b.search(["a"], "e1", 1, on_done=finished["first"].set))
+        first = asyncio.ensure_future(b.search(["a"], "e1", 1, on_done=finished["first"].set, ticket=Ticket()))
         assert await asyncio.to_thread(entered.wait, 10)                 # first runs, blocked in encode
-        queued = asyncio.ensure_future(b.search(["b"], "e1", 1, timeout_s=0.1,     # waits, expires
+        queued = asyncio.ensure_future(b.search(["b"], "e1", 1, ticket=Ticket(0.1),     # waits, expires
                                                 on_done=finished["queued"].set))
         await asyncio.sleep(0)                                           # let it be admitted (no time passes)
         with pytest.raises(OverloadedError):                             # e1 has 2 admitted
-            await b.search(["c"], "e1", 1)
-        other = asyncio.ensure_future(b.search(["d"], "e2", 1, on_done=finished["other"].set))  # overall 3 of 3
+            await b.search(["c"], "e1", 1, ticket=Ticket())
+        other = asyncio.ensure_future(b.search(["d"], "e2", 1, on_done=finished["other"].set, ticket=Ticket()))  # overall 3 of 3
         await asyncio.sleep(0)
         with pytest.raises(OverloadedError):
-            await b.search(["e"], "e3", 1)
+            await b.search(["e"], "e3", 1, ticket=Ticket())
         with pytest.raises(DeadlineExceededError):
             await queued
         release.set()
@@ -164,10 +165,10 @@ def test_batcher_admission_limits_and_deadlines():
         for name, done in finished.items():                             # each job's count released
             assert await asyncio.to_thread(done.wait, 10), name
         assert b.pending == 0                                            # the dropped job left the count
-        await b.search(["f"], "e1", 1)
+        await b.search(["f"], "e1", 1, ticket=Ticket())
         b.drain()
         with pytest.raises(Exception, match="shutting down"):
-            await b.search(["g"], "e1", 1)
+            await b.search(["g"], "e1", 1, ticket=Ticket())
         b.stop()
     _run(main())
 
@@ -195,9 +196,9 @@ def test_pipeline_answers_one_batch_while_the_next_is_encoded():
 
     with running(encode=encode, search=search, count_tokens=count, window_s=0.0, max_batch=64) as b:
         async def main():
-            first = asyncio.ensure_future(b.search(["a"], "k", 1))
+            first = asyncio.ensure_future(b.search(["a"], "k", 1, ticket=Ticket()))
             assert await asyncio.to_thread(first_encoded.wait, 10)   # batch 1 encoded, now searching
-            second = await b.search(["b"], "k", 1)
+            second = await b.search(["b"], "k", 1, ticket=Ticket())
             return await first, second
         first, second = _run(main())
     assert first.hits == [[True]] and second.hits == [[True]]

@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
+from qswap.server.serving.admission import Ticket
 from qswap.server.serving.batching import MicroBatcher
 from qswap.server.http.errors import DeadlineExceededError
 
@@ -56,9 +57,9 @@ def test_a_large_request_is_split_and_other_requests_interleave():
     big = ["a" * (i + 1) for i in range(6)]   # 6 queries: three micro-batches of two rows
     try:
         async def main():
-            big_task = asyncio.create_task(b.search(big, "k", 1))
+            big_task = asyncio.create_task(b.search(big, "k", 1, ticket=Ticket()))
             assert await asyncio.to_thread(model.entered.wait, 30)   # its first micro-batch is running
-            small_task = asyncio.create_task(b.search(["zzzzzzzzzz"], "k", 1))
+            small_task = asyncio.create_task(b.search(["zzzzzzzzzz"], "k", 1, ticket=Ticket()))
             await asyncio.sleep(0)   # one loop turn: the small request is queued (no timing involved)
             model.go.set()
             return await big_task, await small_task
@@ -78,10 +79,10 @@ def test_a_request_past_its_deadline_stops_between_micro_batches():
     try:
         async def main():
             with pytest.raises(DeadlineExceededError):
-                await b.search(["a" * (i + 1) for i in range(6)], "k", 1, timeout_s=0.2,
+                await b.search(["a" * (i + 1) for i in range(6)], "k", 1, ticket=Ticket(0.2),
                                on_done=lambda: released.append("big"))
             model.go.set()   # its first micro-batch ends only now, after the 504
-            return await b.search(["q"], "k", 1)
+            return await b.search(["q"], "k", 1, ticket=Ticket())
         after = asyncio.run(main())
     finally:
         b.stop()
@@ -98,11 +99,11 @@ def test_a_large_request_never_joins_a_batch_whole_but_takes_its_share_in_slices
     big = ["b" * (i + 1) for i in range(6)]
     try:
         async def main():
-            first = asyncio.create_task(b.search(["a"], "k", 1))
+            first = asyncio.create_task(b.search(["a"], "k", 1, ticket=Ticket()))
             assert await asyncio.to_thread(model.entered.wait, 30)
-            small = asyncio.create_task(b.search(["cc"], "k", 1))
+            small = asyncio.create_task(b.search(["cc"], "k", 1, ticket=Ticket()))
             await asyncio.sleep(0)   # queued before the big one (one loop turn, no timing)
-            large = asyncio.create_task(b.search(big, "k", 1))
+            large = asyncio.create_task(b.search(big, "k", 1, ticket=Ticket()))
             await asyncio.sleep(0)
             model.go.set()
             return await first, await small, await large

@@ -1,7 +1,8 @@
 """Index changes (admin): upsert documents embedded by the base document tower, delete by id.
 
-An upsert is a job (:mod:`qswap.server.serving.jobs`): its embedding runs on the batch worker in
-token-bounded slices between search batches, then one index commit writes it. A small upsert
+An upsert passes the cost gate (:mod:`qswap.server.serving.gate`) and is a job
+(:mod:`qswap.server.serving.jobs`): its embedding runs on the batch worker in token-bounded
+slices between search batches, then one index commit writes it. A small upsert
 answers when written (200); a large one (more than ``sync_upsert_documents``), or one still
 running at its deadline, answers 202 with the job to poll.
 """
@@ -18,6 +19,7 @@ from qswap.server.http.errors import LimitExceededError
 from qswap.server.http.models import DeleteDocuments, DocumentJobInfo, UpsertDocuments
 from qswap.answers import DeleteResult, UpsertResult
 from qswap.server.http.responses import ADMIN_ERRORS, ready_state, request_timeout, state_of
+from qswap.server.serving.gate import Admission, admission
 from qswap.server.state import ServerState
 
 router = APIRouter(tags=["documents"])
@@ -28,8 +30,7 @@ router = APIRouter(tags=["documents"])
                                        "written in the background; poll the Location"}},
              dependencies=[Depends(require_admin)], summary="Add or replace documents")
 async def upsert_documents(body: UpsertDocuments, request: Request,
-                           timeout_s: float = Depends(request_timeout),
-                           state: ServerState = Depends(ready_state)) -> Response:
+                           adm: Admission = Depends(admission)) -> Response:
     """Embed and add documents; an id given twice in one request is written once, with its
     last occurrence (as if the request were applied in order).
 
@@ -39,6 +40,7 @@ async def upsert_documents(body: UpsertDocuments, request: Request,
     """
     from qswap.index import Document
 
+    state = adm.state
     s = state.settings
     if len(body.documents) > s.max_documents:
         raise LimitExceededError(f"{len(body.documents)} documents in one request; the limit is {s.max_documents}",
@@ -48,7 +50,7 @@ async def upsert_documents(body: UpsertDocuments, request: Request,
     job = state.jobs.submit(docs)
     assert job.task is not None
     if len(docs) <= s.sync_upsert_documents:
-        done, _ = await asyncio.wait({job.task}, timeout=timeout_s)
+        done, _ = await asyncio.wait({job.task}, timeout=max(adm.remaining(), 0.0))
         if done:
             if job.exception is not None:
                 raise job.exception

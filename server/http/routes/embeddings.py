@@ -20,15 +20,16 @@ from qswap.server.http.compat_models import DOCUMENTS_MODEL, MODEL_PATTERN, Embe
 from qswap.answers import EmbeddingResponse, ModelCard
 from qswap.server.serving.embeddings import embed_texts, encode_vector, model_ref, texts_of
 from qswap.guard import GuardStatus
-from qswap.server.http.responses import ERRORS, ready_state, request_timeout
+from qswap.server.http.responses import ERRORS, ready_state
+from qswap.server.serving.gate import Admission, admission
 from qswap.server.state import ServerState
 
 router = APIRouter(tags=["openai"])
 
 
-async def _embeddings(body: EmbeddingRequest, request: Request, state: ServerState, timeout_s: float) -> Response:
+async def _embeddings(body: EmbeddingRequest, request: Request, adm: Admission) -> Response:
     texts = texts_of(body.input)
-    out = await embed_texts(state, texts, body.model, timeout_s=timeout_s, dimensions=body.dimensions,
+    out = await embed_texts(adm, texts, body.model, dimensions=body.dimensions,
                             on_key=lambda key: setattr(request.state, "encoder", key))
     n = sum(out.tokens)
     payload = {"object": "list",
@@ -44,21 +45,20 @@ _EMBED = dict(response_model=EmbeddingResponse, responses=ERRORS, dependencies=[
 
 @router.post("/v1/embeddings", summary="Embed texts (OpenAI-compatible): a query encoder or the documents",
              **_EMBED)
-async def embeddings(body: EmbeddingRequest, request: Request, state: ServerState = Depends(ready_state),
-                     timeout_s: float = Depends(request_timeout)) -> Response:
+async def embeddings(body: EmbeddingRequest, request: Request, adm: Admission = Depends(admission)) -> Response:
     """Embed ``input`` with ``model``: a domain alias, an encoder (``name``, ``name@version``,
     ``base``), or ``qswap/documents`` (the frozen document tower, as the index embeds its
     documents). ``dimensions`` keeps a Matryoshka prefix, renormalised; ``encoding_format``
     ``base64`` sends little-endian float32. Same admission (429), deadline (504) and auth as search."""
-    return await _embeddings(body, request, state, timeout_s)
+    return await _embeddings(body, request, adm)
 
 
 @router.post("/embeddings", summary="Embed texts (OpenAI-compatible, for clients whose base URL has no /v1)",
              **_EMBED)
-async def embeddings_unversioned(body: EmbeddingRequest, request: Request, state: ServerState = Depends(ready_state),
-                                 timeout_s: float = Depends(request_timeout)) -> Response:
+async def embeddings_unversioned(body: EmbeddingRequest, request: Request,
+                                 adm: Admission = Depends(admission)) -> Response:
     """The same as ``POST /v1/embeddings``."""
-    return await _embeddings(body, request, state, timeout_s)
+    return await _embeddings(body, request, adm)
 
 
 def _card(state: ServerState, model_id: str, key: str, alias: bool = False) -> ModelCard:

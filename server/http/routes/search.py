@@ -19,56 +19,26 @@ from qswap.server.http.models import SearchRequest
 from qswap.answers import SearchResponse
 from qswap.server.registry.facade import split_key
 from qswap.server.http.rendering import render_search_async
-from qswap.server.http.responses import ERRORS, ready_state, request_timeout
-from qswap.server.state import ServerState
+from qswap.server.http.responses import ERRORS
+from qswap.server.registry.lease import Lease
+from qswap.server.serving.admission import Ticket
+from qswap.server.serving.gate import Admission, admission
 
 log = logging.getLogger("qswap.server")
 
 router = APIRouter(tags=["search"])
 
 
-# A token covers at most one word and at least half a character (a SentencePiece word marker
-# plus one character); prefix and special tokens come on top. Between these bounds the
-# tokenizer decides; outside them it need not run.
-_TOKENS_PER_CHAR, _EXTRA_TOKENS = 2, 16
-
-
-async def request_tokens(state: ServerState, texts: list[str]) -> list[int] | None:
-    """The queries' token counts when the request may exceed ``max_request_tokens`` (counted off
-    the event loop), else None (a short request is not tokenised twice); refuses one over it.
-
-    Args:
-        state: the server (its settings and tokenizer).
-        texts: the request's queries, already cut to ``max_query_chars``.
-
-    Returns:
-        Token counts per query, or None when the request is certainly within the limit.
-    """
-    limit = state.settings.max_request_tokens
-    most = state.max_text_tokens
-    if sum(min(_TOKENS_PER_CHAR * len(t) + _EXTRA_TOKENS, most) for t in texts) <= limit:
-        return None
-    at_least = sum(min(len(t.split()) + 2, most) for t in texts)   # words, [CLS] and [SEP]
-    tokens = None
-    if at_least <= limit:
-        tokens = await asyncio.to_thread(state.token_counts, texts)
-    if tokens is None or sum(tokens) > limit:
-        n = f"at least {at_least}" if tokens is None else str(sum(tokens))
-        raise LimitExceededError(f"the queries hold {n} tokens; the limit per request is {limit}",
-                                 "send shorter queries, or split them over several requests")
-    return tokens
-
-
 @router.post("/v1/search", response_model=SearchResponse, responses=ERRORS,
              dependencies=[Depends(require_search)], summary="Search with a chosen query encoder")
-async def search(body: SearchRequest, request: Request, timeout_s: float = Depends(request_timeout),
-                 state: ServerState = Depends(ready_state)) -> Response:
+async def search(body: SearchRequest, request: Request, adm: Admission = Depends(admission)) -> Response:
     """Encode the queries with one encoder (named, by domain alias, or the default) and search.
 
     The encoder is resolved to an exact ``name@version`` when the request is admitted and held
     until the request is done: an alias switch meanwhile does not change what serves it.
     """
     t0 = time.perf_counter()
+    state = adm.state
     s = state.settings
     texts = body.texts()
     if len(texts) > s.max_queries:
@@ -82,19 +52,12 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
                                  f"page through at most {s.max_k} hits past the first ones")
     cut = [len(t) > s.max_query_chars for t in texts]
     texts = [t[:s.max_query_chars] for t in texts]
-    tokens = await request_tokens(state, texts)
-    key = state.registry.acquire(body.encoder, body.domain)
-    request.state.encoder = key
+    tokens = await adm.bound_tokens(texts)
+    with state.registry.lease(body.encoder, body.domain) as lease:
+        out, cand, arm = await _searches(adm, lease, body, texts, tokens, k + body.offset, request)
+    key = lease.key
     rid = getattr(request.state, "request_id", None) or ""
     exps = state.experiments
-    arm = exps.assign(body.domain, rid) if exps is not None else None
-    if arm is not None and arm.mode == "interleave" and arm.control == key:
-        # Both encoders run in the same batch (mixed-encoder batching): no second round trip.
-        out, cand = await asyncio.gather(_run(state, key, texts, tokens, k + body.offset, body, timeout_s),
-                                         _candidate(state, arm.candidate, texts, tokens, k + body.offset, body,
-                                                    timeout_s))
-    else:
-        out, cand = await _run(state, key, texts, tokens, k + body.offset, body, timeout_s), None
     name, version = (BASE_KEY, state.base_version) if key == BASE_KEY else split_key(key)
     ref = {"key": key, "name": name, "version": version}
     timings = {"queue_ms": round(out.queue_s * 1000, 3), "encode_ms": round(out.encode_s * 1000, 3),
@@ -120,8 +83,9 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
         state.metrics.captured.inc(len(texts))
     if arm is not None and arm.mode == "shadow" and arm.control == key:
         # Off the response path, and only on an idle worker: live traffic never waits for it.
-        exps.spawn_shadow(arm, shown, lambda: _candidate(state, arm.candidate, texts, tokens, k + body.offset, body,
-                                                         timeout_s, strict=True),
+        # A background run: no client to lose, the request's deadline.
+        exps.spawn_shadow(arm, shown, lambda: _candidate(Ticket(adm.remaining()), state, arm.candidate, texts, tokens,
+                                                         k + body.offset, body, strict=True),
                           idle=state.batcher.pending == 0)
     n_trunc = sum(flags)
     state.metrics.queries.labels(encoder=key).inc(len(texts))
@@ -136,34 +100,44 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
     return Response(payload, media_type="application/json")
 
 
-async def _run(state: Any, key: str, texts: list[str], tokens: Any, k: int, body: SearchRequest,
-               timeout_s: float) -> Any:
-    """Search with an acquired encoder; the batcher releases the reference exactly once."""
-    reg = state.registry
-    submitted = False
-    try:
-        await state.prepare_encoder(key)   # first use after start or eviction
-        submitted = True   # from here the batcher releases the reference, exactly once
-        return await state.batcher.search(texts, key, k, body.filter, body.with_text,
-                                          on_done=lambda: reg.release(key), timeout_s=timeout_s, tokens=tokens)
-    finally:
-        if not submitted:
-            reg.release(key)
+async def _searches(adm: Admission, lease: Lease, body: SearchRequest, texts: list[str], tokens: Any, k: int,
+                    request: Request) -> tuple[Any, Any, Any]:
+    """The control's search, and the candidate's when an interleave experiment assigns one."""
+    state, key = adm.state, lease.key
+    request.state.encoder = key
+    rid = getattr(request.state, "request_id", None) or ""
+    exps = state.experiments
+    arm = exps.assign(body.domain, rid) if exps is not None else None
+    if arm is not None and arm.mode == "interleave" and arm.control == key:
+        # Both encoders run in the same batch (mixed-encoder batching): no second round trip.
+        out, cand = await asyncio.gather(_run(adm, state, lease, texts, tokens, k, body),
+                                         _candidate(adm, state, arm.candidate, texts, tokens, k, body))
+        return out, cand, arm
+    return await _run(adm, state, lease, texts, tokens, k, body), None, arm
 
 
-async def _candidate(state: Any, ref: str, texts: list[str], tokens: Any, k: int, body: SearchRequest,
-                     timeout_s: float, strict: bool = False) -> Any:
+async def _run(ticket: Ticket, state: Any, lease: Lease, texts: list[str], tokens: Any, k: int,
+               body: SearchRequest) -> Any:
+    """Search with a leased encoder; the batch job holds a share of the lease until it is done."""
+    await state.prepare_encoder(lease.key)   # first use after start or eviction
+    return await state.batcher.search(texts, lease.key, k, body.filter, body.with_text, on_done=lease.share(),
+                                      ticket=ticket, tokens=tokens)
+
+
+async def _candidate(ticket: Ticket, state: Any, ref: str, texts: list[str], tokens: Any, k: int,
+                     body: SearchRequest, strict: bool = False) -> Any:
     """The experiment candidate's search; ``None`` (the control alone answers) when it cannot run,
     unless ``strict`` (shadow runs count the failure as skipped)."""
     try:
-        key = state.registry.acquire(ref)
+        lease = state.registry.lease(ref)
     except QswapError:
         if strict:
             raise
         log.warning("experiment candidate not servable", extra={"encoder": ref})
         return None
     try:
-        return await _run(state, key, texts, tokens, k, body, timeout_s)
+        with lease:
+            return await _run(ticket, state, lease, texts, tokens, k, body)
     except QswapError:
         if strict:
             raise

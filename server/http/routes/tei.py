@@ -16,7 +16,8 @@ from qswap.server.http.auth import require_search
 from qswap.server.http.compat_models import DOCUMENTS_MODEL, TeiEmbedRequest, TeiInfo
 from qswap.server.serving.embeddings import embed_texts, model_ref, texts_of
 from qswap.server.http.models import REF_PATTERN
-from qswap.server.http.responses import ERRORS, ready_state, request_timeout
+from qswap.server.http.responses import ERRORS, ready_state
+from qswap.server.serving.gate import Admission, admission
 from qswap.server.state import ServerState
 
 router = APIRouter(tags=["tei"])
@@ -25,13 +26,13 @@ router = APIRouter(tags=["tei"])
 @router.post("/tei/{encoder}/embed", response_model=list[list[float]], responses=ERRORS,
              dependencies=[Depends(require_search)], summary="Embed texts (TEI-compatible) with the encoder in the path")
 async def tei_embed(body: TeiEmbedRequest, request: Request, encoder: str = Path(pattern=REF_PATTERN),
-                    timeout_s: float = Depends(request_timeout), state: ServerState = Depends(ready_state)) -> Response:
+                    adm: Admission = Depends(admission)) -> Response:
     """``encoder`` is a domain alias or an encoder reference. Inputs longer than the model's
     max tokens are refused (422) unless ``truncate`` is true. Vectors are unit length whatever
     ``normalize`` says (every qswap encoder normalises)."""
     texts = texts_of(body.inputs)
     model = DOCUMENTS_MODEL if body.prompt_name == "passage" else encoder
-    out = await embed_texts(state, texts, model, timeout_s=timeout_s, dimensions=body.dimensions,
+    out = await embed_texts(adm, texts, model, dimensions=body.dimensions,
                             on_key=lambda key: setattr(request.state, "encoder", key),
                             refuse_truncated=not body.truncate)
     return Response(json.dumps(out.vectors.tolist(), separators=(",", ":")).encode(), media_type="application/json")

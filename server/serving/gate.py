@@ -1,0 +1,121 @@
+"""The cost gate: the one admission path of every route that runs the model.
+
+A route that encodes anything (search, ``/v1/embeddings`` for queries and for
+``qswap/documents``, TEI embed, document upserts) takes an :class:`Admission` with the
+:func:`admission` dependency and passes it to the batch worker with each job. It gives the
+request, in one place:
+
+1. a token bound (:meth:`Admission.bound_tokens`): at most ``max_request_tokens`` tokens per
+   request, each text counted up to the model's max length, else 422 ``limit_exceeded``;
+2. a deadline (``X-Request-Timeout`` or ``request_timeout_s``), read by the worker between
+   slices: 504 ``deadline_exceeded``;
+3. cancellation when the client disconnects: a watcher on the connection fails the request's
+   jobs, and the worker drops the rest of them at its next slice;
+4. the worker's own admission bound (429 ``overloaded``) and token slices interleaved fairly
+   with other requests (:mod:`qswap.server.serving.batching`).
+
+Background work (an upsert job, a shadow run) has no client to lose: it passes a plain
+:class:`~qswap.server.serving.admission.Ticket`. ``tests/server/test_gate.py`` walks every route
+so that a new one cannot reach the model without the gate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+from fastapi import Depends, Request
+from starlette.types import Receive
+
+from qswap.server.http.errors import LimitExceededError
+from qswap.server.http.responses import ready_state, request_timeout
+from qswap.server.serving.admission import Ticket
+from qswap.server.state import ServerState
+
+# A token covers at most one word and at least half a character (a SentencePiece word marker
+# plus one character); prefix and special tokens come on top. Between these bounds the
+# tokenizer decides; outside them it need not run.
+_TOKENS_PER_CHAR, _EXTRA_TOKENS = 2, 16
+
+
+class Admission(Ticket):
+    """One HTTP request's pass through the cost gate (see the module docstring)."""
+
+    def __init__(self, state: ServerState, timeout_s: float, receive: Receive | None = None) -> None:
+        super().__init__(timeout_s)
+        self.state = state
+        self._receive = receive
+        self._watcher: asyncio.Task | None = None
+
+    def watch(self, fut: asyncio.Future) -> None:
+        """Fail ``fut`` when the client disconnects (the watcher starts with the first job)."""
+        super().watch(fut)
+        if self._receive is not None and self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_disconnect())
+
+    async def _watch_disconnect(self) -> None:
+        # The body is read: the next message of the connection is its end (or the answer's).
+        assert self._receive is not None
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        if self.abandon():
+            self.state.metrics.rejected.labels(reason="client_gone").inc()
+
+    async def close(self) -> None:
+        """Stop watching the connection (the answer is written, or the request failed)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._watcher
+
+    async def bound_tokens(self, texts: list[str], *, documents: bool = False,
+                           exact: bool = False) -> list[int] | None:
+        """Refuse a request over ``max_request_tokens``; its token counts when they were needed.
+
+        Args:
+            texts: the request's texts (each counted up to the model's max length).
+            documents: count with the document prefix (texts for the document tower).
+            exact: always count (the caller needs the counts); else a request certainly
+                within the bound is not tokenised here (the worker counts it once).
+
+        Returns:
+            Tokens per text, or None when the request is certainly within the bound.
+
+        Raises:
+            LimitExceededError: (422) the texts hold more tokens than the bound.
+        """
+        state = self.state
+        limit = state.settings.max_request_tokens
+        most = state.max_text_tokens
+        if not exact and sum(min(_TOKENS_PER_CHAR * len(t) + _EXTRA_TOKENS, most) for t in texts) <= limit:
+            return None
+        at_least = sum(min(len(t.split()) + 2, most) for t in texts)   # words, [CLS] and [SEP]
+        tokens = None
+        if at_least <= limit:
+            tokens = await asyncio.to_thread(state.token_counts, texts, documents)
+        if tokens is None or sum(tokens) > limit:
+            n = f"at least {at_least}" if tokens is None else str(sum(tokens))
+            raise LimitExceededError(f"the inputs hold {n} tokens; the limit per request is {limit}",
+                                     "send fewer or shorter inputs per request (split them over several; "
+                                     "LangChain: chunk_size), or raise max_request_tokens")
+        return tokens
+
+
+async def admission(request: Request, timeout_s: float = Depends(request_timeout),
+                    state: ServerState = Depends(ready_state)) -> AsyncIterator[Admission]:
+    """The request's :class:`Admission` (a FastAPI dependency of every route that runs the model).
+
+    Args:
+        request: the request (its connection is watched for a disconnect).
+        timeout_s: its deadline from now.
+        state: the ready server.
+
+    Yields:
+        The admission, closed when the request is done.
+    """
+    adm = Admission(state, timeout_s, request.receive)
+    try:
+        yield adm
+    finally:
+        await adm.close()
