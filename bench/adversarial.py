@@ -54,7 +54,9 @@ SLOW = ByMode(1000, 100)
 NOFILE = 1024
 HUGE_CHARS = 1_900_000
 UPSERT_DOCS = ByMode(850, 100)
-ATTACKS = ("long_queries", "huge_answers", "big_upsert", "slow_connections")
+ATTACKS = ("long_queries", "huge_answers", "big_upsert", "slow_connections", "document_embeddings",
+           "abandoned_requests")
+ABANDON_AFTER_S = 0.5               # an abandoning attacker closes its connection this long after sending
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,16 +114,30 @@ class Attacker:
 
     def _run(self) -> None:
         {"long_queries": self._requests, "huge_answers": self._requests, "big_upsert": self._upserts,
-         "slow_connections": self._slow}[self.name]()
+         "slow_connections": self._slow, "document_embeddings": self._requests,
+         "abandoned_requests": self._abandon}[self.name]()
 
     def _requests(self) -> None:
         c = _Http(self.port)
-        body = self.payloads[self.name]
+        path, body = _target(self.name, self.payloads[self.name])
         while not self.stop.is_set():
-            status, data = c.call("POST", "/v1/search", body)
+            status, data = c.call("POST", path, body)
             self.statuses[str(status)] += 1
             self.answer_bytes.append(len(data))
         c.close()
+
+    def _abandon(self) -> None:
+        """Heavy requests (a search and a document embedding at the token bound, 120 s deadline)
+        whose client goes away shortly after sending: the server must stop their work."""
+        bodies = [_target(n, self.payloads[n]) for n in ("long_queries", "document_embeddings")]
+        i = 0
+        while not self.stop.is_set():
+            path, body = bodies[i % len(bodies)]
+            s = send_raw(self.port, path, body, {"X-Request-Timeout": "120"})
+            self.stop.wait(ABANDON_AFTER_S)
+            s.close()
+            self.statuses["abandoned"] += 1
+            i += 1
 
     def _upserts(self) -> None:
         c = _Http(self.port)
@@ -229,6 +245,54 @@ class HealthProbe:
         self.thread.join(60)
 
 
+def _target(name: str, body: Any) -> tuple[str, Any]:
+    """The route an attack's payload goes to."""
+    return ("/v1/embeddings" if name == "document_embeddings" else "/v1/search"), body
+
+
+def send_raw(port: int, path: str, body: Any, headers: dict[str, str] | None = None) -> socket.socket:
+    """Send one JSON POST on a new connection and return the socket, unread (to abandon it)."""
+    data = json.dumps(body).encode()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    s = socket.create_connection((LOAD_HOST, port), timeout=60)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {LOAD_HOST}\r\nContent-Type: application/json\r\n{extra}"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def _metric(port: int, name: str) -> float:
+    """One unlabelled sample of the server's /metrics."""
+    _, body = http_json("GET", f"http://{LOAD_HOST}:{port}/metrics", None, timeout=30)
+    for line in body.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise InvalidInputError(f"/metrics has no {name}", "is this a qswap server?")
+
+
+def busy_after_disconnect(port: int, payloads: dict[str, Any], held_s: float = 3.0) -> dict[str, Any]:
+    """Worker time an abandoned request still costs: each heavy request runs ``held_s``, then its
+    client goes away; the model time spent from the disconnect until the server is idle is
+    compared with one slice (the mean forward pass). No other traffic meanwhile."""
+    out: dict[str, Any] = {}
+    for name in ("long_queries", "document_embeddings"):
+        path, body = _target(name, payloads[name])
+        s = send_raw(port, path, body, {"X-Request-Timeout": "120"})
+        time.sleep(held_s)   # the request is running: this is the attacker's choice, not an ordering
+        busy0, passes0 = _metric(port, "qswap_encode_seconds_sum"), _metric(port, "qswap_encode_seconds_count")
+        s.close()
+        t0 = time.perf_counter()
+        while _metric(port, "qswap_admitted_requests") > 0:
+            time.sleep(0.01)
+            if time.perf_counter() - t0 > 300:
+                break
+        busy1, passes1 = _metric(port, "qswap_encode_seconds_sum"), _metric(port, "qswap_encode_seconds_count")
+        mean_pass = busy0 / passes0 if passes0 else None
+        out[name] = {"held_s": held_s, "busy_after_s": busy1 - busy0, "passes_after": passes1 - passes0,
+                     "idle_after_s": time.perf_counter() - t0, "mean_pass_s": mean_pass,
+                     "within_one_slice": mean_pass is not None and busy1 - busy0 <= 2 * mean_pass}
+    return out
+
+
 def _payloads(work: Any, quick: bool) -> dict[str, Any]:
     rng = random.Random(0)
     words = " ".join(d.text for d in work.docs[:200]).split()
@@ -238,7 +302,9 @@ def _payloads(work: Any, quick: bool) -> dict[str, Any]:
             for i in range(n)]
     return {"long_queries": {"queries": [long_query] * 64, "k": 10},
             "huge_answers": {"queries": [q for q in work.queries[:64]], "k": 100, "filter": {"section": "huge"}},
-            "big_upsert": {"documents": docs}}
+            "big_upsert": {"documents": docs},
+            # the issue's 33 KB request: 64 texts of 255 '. ' for the document tower
+            "document_embeddings": {"model": "qswap/documents", "input": [". " * 255] * 64}}
 
 
 def _window(port: int, reqs: list[Request], seconds: float, rate: float,
@@ -333,6 +399,9 @@ def run(args: argparse.Namespace) -> int:
                   f"(x{ratio or float('nan'):.2f}), failed {attacked['failed']}, RSS "
                   f"{rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB", file=sys.stderr)
         res["rss_end_bytes"] = srv.rss()
+        if "abandoned_requests" in attacks:
+            res["busy_after_disconnect"] = busy_after_disconnect(port, payloads)
+            print(f"busy after disconnect: {res['busy_after_disconnect']}", file=sys.stderr)
     _write(dirs, res)
     dirs.clean_scratch()
     ok = all(a["attacked"]["failed"] == 0 and (a["p99_ratio"] or 99) <= 2.0 and abs(a["rss_change"]) <= 0.10

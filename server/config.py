@@ -132,7 +132,7 @@ class ServerSettings(BaseSettings):
                                        "job to poll (GET /v1/documents/jobs/ID); smaller ones answer when written "
                                        "(or 202 once their deadline passes)")
     max_embedding_inputs: int = Field(2048, ge=1, description="inputs per embeddings request (OpenAI's limit; "
-                                                              "encoded max_batch at a time)")
+                                                              "sliced like any request; max_request_tokens bounds their tokens)")
     # -- logs
     log_json: bool = True
 

@@ -8,6 +8,19 @@ import pytest
 
 from qswap.bench.tiny_model import make_tiny_model
 
+# Per-test bound (pytest-timeout) of tests with real weights or a Ray cluster: their fixtures
+# (a cluster start with one retry, a model export) run inside the first test that uses them.
+SLOW_TIMEOUT_S = 900
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give slow-marked and Ray tests the longer bound, unless a test sets its own."""
+    for item in items:
+        if item.get_closest_marker("timeout") is None and (
+                item.get_closest_marker("slow") is not None or "tests/ray/" in item.nodeid):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
+
 __all__ = ["make_tiny_model"]
 
 

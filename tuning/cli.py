@@ -259,42 +259,10 @@ def _run(args: argparse.Namespace) -> int:
         query_runtime=args.query_runtime, export_dir=args.export_dir,
         recipe={"name": args.recipe, "settings": {**sched, "lr": lr, "lr_rule": args.lr_rule}})
     res = run_tuning(cfg)
-    print(_summary(res.report))
+    print(res.report.summary())
     if res.registration is not None:
         print(f"registered: {json.dumps(res.registration)}")
     return 0
-
-
-def _summary(r: dict[str, Any]) -> str:
-    enc, tr, g = r["encoder"], r["training"], r["guard"]
-    lines = [f"encoder   {enc['path']}  ({enc['name']}@{enc['version']}, kind {enc['kind']})",
-             f"training  best epoch {tr['best_epoch']}, stopped by {tr['stopped']}, {tr['steps']} steps, "
-             f"{tr['wall_seconds']:.1f} s"]
-    data = r.get("data") or {}
-    dropped, before = data.get("dropped_without_negative") or {}, data.get("split_before_mining") or {}
-    if any(dropped.values()):
-        total = sum(before.get(k, 0) for k in dropped)
-        parts = ", ".join(f"{k} {n} of {before.get(k, 0)}" for k, n in dropped.items() if n)
-        lines.append(f"data      {sum(dropped.values())} of {total} queries dropped: no negative left after mining "
-                     f"({parts}; raise --fn-cutoff or use --loss infonce to keep them)")
-    for key, label in (("test", "test"), ("retrieval", "retrieval")):
-        ev = r["evaluation"].get(key)
-        if ev:
-            m, nd = ev["metrics"]["pnd_cos"], ev["metrics"]["ndcg_at_10"]
-            z = ev["z_tests"].get("pnd_cos", {})
-            imp = "n/a" if m["improvement"] is None else f"{100 * m['improvement']:+.2f}%"
-            lines.append(f"{label:9s} PND(cos) {m['base']:.4f} -> {m['tuned']:.4f} (I {imp}, Z {z.get('z', 0):+.2f}); "
-                         f"nDCG@10 {nd['base']:.4f} -> {nd['tuned']:.4f}")
-    ml = r["evaluation"].get("multilingual")
-    if ml:
-        c = ml["counts"]
-        lines.append(f"languages {c['improved']}/{c['worsened']} of {c['pairs']} pairs significantly improved/worsened")
-    lines.append(f"guard     {'passed' if g['passed'] else 'FAILED'} ({len(g['checks'])} checks)")
-    if r.get("phases"):
-        lines.append(f"time      {r['wall_seconds_total']:.0f} s: "
-                     + ", ".join(f"{k} {v:.0f} s" for k, v in r["phases"].items()))
-    lines.append(f"report    {Path(enc['path']) / 'report.md'}")
-    return "\n".join(lines)
 
 
 def _add_plan(sub: Any) -> None:
@@ -391,7 +359,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.sentinel:
         sents = [parse_sentinel(s) for s in args.sentinel]
         excl = {Path(s.path).resolve(): seen for s in sents if s.kind == "beir"}
-        out["guard"] = evaluate_sentinels(sents, base, encode, evaluator, args.cache_dir, exclude=excl)
+        out["guard"] = evaluate_sentinels(sents, base, encode, evaluator, args.cache_dir, exclude=excl).to_json()
     print(json.dumps(out, indent=2))
     return 0
 

@@ -306,11 +306,6 @@ class FeedbackStore:
                                             (domain, exp_id, json.dumps(doc))),
                                  db.execute("INSERT OR IGNORE INTO experiment_stats (id) VALUES (?)", (exp_id,))))
 
-    def drop_experiment(self, domain: str) -> None:
-        """Forget a domain's experiment (its statistics stay, under its id)."""
-        with self._lock:
-            self._tx(lambda db: db.execute("DELETE FROM experiments WHERE domain=?", (domain,)))
-
     def experiments(self, wait: bool = True) -> dict[str, dict[str, Any]] | None:
         """Every domain's experiment document, as stored.
 

@@ -127,8 +127,8 @@ class DrainingServer(uvicorn.Server):
     """uvicorn that, on SIGTERM/SIGINT, first makes the app stop admitting requests (503 with
     ``Connection: close`` from then on) and cancels guard evaluations; then stops accepting
     connections and waits for the requests in flight, at most ``timeout_graceful_shutdown``
-    seconds. Requests still running then are answered 503 JSON (not cancelled into a bare
-    500), and uvicorn gets a short grace to write those answers."""
+    seconds less a short grace. Requests still running then are answered 503 JSON (not
+    cancelled into a bare 500), and uvicorn gets that grace to write those answers."""
 
     ANSWER_GRACE_S = 1.0
 
@@ -147,7 +147,9 @@ class DrainingServer(uvicorn.Server):
             for server in self.servers:
                 server.close()   # no new connections while the admitted requests finish
             loop = asyncio.get_running_loop()
-            end = loop.time() + self.config.timeout_graceful_shutdown
+            # The answer grace comes out of the bound, so the process exits within shutdown_timeout
+            # (plus closing: the worker ends its slice, the stores close).
+            end = loop.time() + max(self.config.timeout_graceful_shutdown - self.ANSWER_GRACE_S, 0.0)
             while state.batcher.pending and loop.time() < end:
                 await asyncio.sleep(0.05)
             state.abort_in_flight()

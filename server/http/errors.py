@@ -19,19 +19,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qswap.atomic import disk_full
-from qswap.errors import (ERRORS, ConflictError, DeadlineExceededError, ForbiddenError, GuardPendingError,
-                          GuardRefusedError, IndexCorruptError, InsufficientStorageError, IntegrityError,
-                          InternalServerError,
-                          InvalidInputError, InvalidRequestError, LimitExceededError, MethodNotAllowedError,
-                          NotFoundError, NotReadyError, OverloadedError, PayloadTooLargeError, QswapError,
-                          SpaceMismatchError, UnauthorizedError, UnsupportedMediaTypeError, error_class)
-
-__all__ = ["ConflictError", "DeadlineExceededError", "ForbiddenError", "GuardPendingError", "GuardRefusedError",
-           "IndexCorruptError", "IntegrityError", "InternalServerError", "InvalidInputError", "InvalidRequestError",
-           "LimitExceededError", "MethodNotAllowedError", "NotFoundError", "NotReadyError", "OverloadedError",
-           "ClientGoneError", "PayloadTooLargeError", "QswapError", "SpaceMismatchError", "UnauthorizedError",
-           "UnsupportedMediaTypeError", "documented_errors", "error_body", "error_body_of", "install_error_handlers",
-           "status_for"]
+from qswap.server.http.dialects import dialect_for, retry_headers, shape_error
+from qswap.errors import (ERRORS, GuardRefusedError, InsufficientStorageError, InvalidRequestError, OverloadedError,
+                          QswapError, SpaceMismatchError, error_class)
 
 log = logging.getLogger("qswap.server")
 
@@ -134,7 +124,9 @@ def _respond(request: Request, status: int, body: dict[str, Any],
     metrics = getattr(getattr(request.app.state, "qs", None), "metrics", None)
     if metrics is not None:
         metrics.errors.labels(code=body["error"], status=str(status)).inc()
-    return JSONResponse(body, status_code=status, headers=headers)
+    headers = {**retry_headers(status, body["error"]), **(headers or {})}
+    return JSONResponse(shape_error(dialect_for(request.scope["path"]), status, body), status_code=status,
+                        headers=headers)
 
 
 def storage_error(exc: BaseException) -> InsufficientStorageError | None:
@@ -143,8 +135,37 @@ def storage_error(exc: BaseException) -> InsufficientStorageError | None:
         return exc
     if not disk_full(exc):
         return None
+    path = _failed_path(exc)
+    # The operator's question is what needed the space: say it in the log (the answer stays generic).
+    log.warning("disk full: a write failed", extra={"path": path, "writing": _what_needed_space(path),
+                                                    "error": f"{type(exc).__name__}: {exc}"})
     return InsufficientStorageError("the server's disk is full: the change was not made",
                                     "free disk space on the server (state dir, index), then retry")
+
+
+def _failed_path(exc: BaseException | None) -> str | None:
+    """The file named by the first OSError in ``exc``'s chain (None when no error names one)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.filename:
+            return str(exc.filename)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _what_needed_space(path: str | None) -> str:
+    """What a write to ``path`` was for, in the operator's words."""
+    if path is None:
+        return "unknown (the library did not name the file; see the error)"
+    parts = path.replace("\\", "/").split("/")
+    if "onnx" in parts:
+        return "an ONNX export (the first use of an encoder, or of the document tower by the first upsert)"
+    if "feedback" in path or path.endswith((".sqlite", ".sqlite-wal", ".db", ".db-wal")):
+        return "the feedback capture store"
+    if "encoders" in parts or any(p.startswith(".upload-") for p in parts):
+        return "an encoder registration (its stored copy)"
+    return "the document index or the registry (see path)"
 
 
 async def _qswap_error(request: Request, exc: QswapError) -> JSONResponse:

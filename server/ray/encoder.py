@@ -26,6 +26,7 @@ import numpy as np
 from qswap.encoders import BASE_KEY
 from qswap.server.config import ServerSettings
 from qswap.server.ray.registry import SharedRegistry
+from qswap.server.registry.lease import Lease
 
 log = logging.getLogger("qswap.server")
 
@@ -48,24 +49,11 @@ def set_threads(threads: int | None) -> None:
         faiss.omp_set_num_threads(threads)
 
 
-class _Lease:
-    """What Ray Serve's multiplexed LRU holds per encoder; dropping it detaches the encoder."""
-
-    def __init__(self, registry: SharedRegistry, key: str) -> None:
-        self.registry = registry
-        self.key = key
-        self._released = False
-
-    def __del__(self) -> None:
-        # Serve drops it once when its LRU evicts the encoder; the garbage collector may call
-        # this again later, when the same key may be loaded anew: only the first counts.
-        if self._released:
-            return
-        self._released = True
-        try:
-            self.registry.unload(self.key)
-        except Exception:  # noqa: BLE001 - never fail an eviction
-            log.exception("unloading an evicted encoder failed")
+def _unload(registry: SharedRegistry, key: str) -> None:
+    try:
+        registry.unload(key)
+    except Exception:  # noqa: BLE001 - never fail an eviction
+        log.exception("unloading an evicted encoder failed")
 
 
 class EncoderCore:
@@ -96,30 +84,30 @@ class EncoderCore:
         self._encode_flagged = self.backend.encode_flagged
         self.stats = {"requests": 0, "rows": 0, "batches": 0, "loads": 0}
 
-    async def load(self, key: str) -> _Lease | None:
+    async def load(self, key: str) -> Lease | None:
         """Load ``key`` here (the body of the replica's ``@serve.multiplexed`` loader).
 
         Args:
             key: an exact ``name@version``, or ``base``.
 
         Returns:
-            the lease Ray Serve's LRU keeps for it (None for ``base``, always loaded).
+            the lease Ray Serve's LRU keeps for it (None for ``base``, always loaded): dropping
+            it (an LRU eviction) detaches the encoder, once.
         """
         if key == BASE_KEY:
             return None
         if not self.registry.is_loaded(key):
             self.stats["loads"] += 1
             await asyncio.to_thread(self.registry.ensure_loaded, key)
-        return _Lease(self.registry, key)
+        registry = self.registry   # not self: the lease must not keep the replica alive
+        return Lease(key, lambda: _unload(registry, key), release_on_collect=True)
 
-    def hold(self, key: str) -> str:
+    def lease(self, key: str) -> Lease:
         """Hold ``key`` for one call (NotFoundError if it was deleted meanwhile)."""
         self.stats["requests"] += 1
-        return key if key == BASE_KEY else self.registry.acquire(encoder=key)
-
-    def release(self, key: str) -> None:
-        if key != BASE_KEY:
-            self.registry.release(key)
+        if key == BASE_KEY:
+            return Lease(key, lambda: None)   # always loaded, never deleted
+        return self.registry.lease(encoder=key)
 
     def encode_rows(self, texts: list[str], keys: list[str]) -> Encoded:
         """Encode a mixed batch (one row per text, ``keys[i]`` encodes ``texts[i]``). Blocking.

@@ -298,11 +298,8 @@ def _encoder_class(max_encoders: int, max_batch: int) -> Any:
             """Encode ``texts`` with encoder ``key`` (batched with concurrent calls)."""
             if key != BASE_KEY:
                 await self.get_encoder(key)   # loads it here, or marks it used in the LRU
-            held = self.core.hold(key)
-            try:
+            with self.core.lease(key):
                 out = await self._batch((list(texts), key))
-            finally:
-                self.core.release(held)
             if isinstance(out, BaseException):
                 raise out
             return out

@@ -38,20 +38,21 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from concurrent.futures import Future
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
+from qswap.answers import EncoderInfo
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
-from qswap.encoders.artifact import ENCODER_MANIFEST, EncoderArtifact, validate_name
+from qswap.encoders.artifact import ENCODER_MANIFEST, EncoderArtifact
+from qswap.names import validate_name
 from qswap.errors import (ConflictError, GuardPendingError, GuardRefusedError, InvalidInputError, NotFoundError,
                           QswapError)
-from qswap.guard import GuardStatus
+from qswap.guard import GuardRecord, GuardStatus
 from qswap.server.registry import intake
 from qswap.server.registry.cache import EncoderCache
 from qswap.server.registry.guard_scheduler import GuardScheduler
+from qswap.server.registry.guard_side import GuardSide
 from qswap.server.registry.intake import EncoderDir
 from qswap.server.registry.lease import Lease
 from qswap.server.registry.records import (REGISTRY_FILE, STATE_LOCK_FILE, EncoderRecord, RecordTable, split_key,
@@ -87,21 +88,22 @@ def guard_error(rec: EncoderRecord, force: bool) -> QswapError | None:
                                  f"retry when GET /v1/encoders/{key} shows guard_status 'passed'")
     if force or rec.servable:
         return None
-    ev = rec.evaluation or {}
+    ev = rec.evaluation or GuardRecord(passed=False)
+    evidence = ev.to_json()
     if rec.guard_status == GuardStatus.FAILED:
         return GuardRefusedError(f"encoder {key} could not be evaluated on the server's sentinels: "
-                                 f"{ev.get('error', 'unknown error')}",
-                                 "register it again to retry the evaluation, or use force=true", guard=ev)
+                                 f"{ev.error or 'unknown error'}",
+                                 "register it again to retry the evaluation, or use force=true", guard=evidence)
     if rec.guard_status == GuardStatus.INSUFFICIENT:
         return GuardRefusedError(f"encoder {key} could not be judged: {insufficient_table(ev)}",
                                  "rebuild the sentinels over the current index (`qswap sentinels make "
-                                 "--index`) and restart, or use force=true to accept it unjudged", guard=ev)
+                                 "--index`) and restart, or use force=true to accept it unjudged", guard=evidence)
     return GuardRefusedError(f"encoder {key} significantly degrades sentinel(s): "
                              f"{guard_table(ev, only_bad=True) or 'see its evaluation'}",
-                             "re-tune it, or use force=true to accept it anyway", guard=ev)
+                             "re-tune it, or use force=true to accept it anyway", guard=evidence)
 
 
-class EncoderRegistry:
+class EncoderRegistry(GuardSide):
     """See the module docstring. Blocking methods (``register``, ``delete``, ``set_alias``,
     ``ensure_loaded``) must run off the event loop; ``acquire``/``release``/lookups are cheap."""
 
@@ -450,7 +452,7 @@ class EncoderRegistry:
         if force and not existing.forced and not existing.guard_status.servable:
             existing = self.table.update(key, forced=True)   # serves once its verdict is known
         if existing.guard_status == GuardStatus.EVALUATING:
-            return existing, False, self.scheduler.jobs.get(key) if self.scheduler is not None else None
+            return existing, False, self.scheduler.job(key) if self.scheduler is not None else None
         if existing.guard_status == GuardStatus.FAILED and self.scheduler is not None:
             rec = self.table.update(key, guard_status=GuardStatus.EVALUATING)
             return rec, False, self.scheduler.schedule(key)
@@ -620,19 +622,22 @@ class EncoderRegistry:
         with self._lock:
             return self.table.records.get(key)
 
-    def info(self, key: str, base_version: str) -> dict[str, Any]:
-        """A JSON-able description of one encoder (``base`` included)."""
+    def info(self, key: str, base_version: str) -> EncoderInfo:
+        """What ``GET /v1/encoders/{key}`` answers of one encoder (``base`` included), less its runtime."""
         with self._lock:
             pinned = self._pinned()
             aliases = sorted(d for d, k in self.table.aliases.items() if k == key)
             if key == BASE_KEY:
-                return {"key": BASE_KEY, "name": BASE_KEY, "version": base_version, "kind": "identity",
-                        "space": self.space.fingerprint, "loaded": True, "pinned": True,
-                        "in_flight": self._refs.get(key, 0), "memory_bytes": 0, "aliases": aliases,
-                        "source": "base model"}
+                return EncoderInfo(key=BASE_KEY, name=BASE_KEY, version=base_version, kind="identity",
+                                   space=self.space.fingerprint, loaded=True, pinned=True,
+                                   in_flight=self._refs.get(key, 0), memory_bytes=0, aliases=aliases,
+                                   source="base model")
             rec = self.table.records.get(key)
             if rec is None:
                 raise NotFoundError(f"encoder {key} is not registered", "list encoders with GET /v1/encoders")
-            return {**asdict(rec), "loaded": key in self.cache.loaded, "pinned": key in pinned,
-                    "in_flight": self._refs.get(key, 0), "memory_bytes": self.cache.loaded.get(key),
-                    "aliases": aliases}
+            return EncoderInfo(key=rec.key, name=rec.name, version=rec.version, kind=rec.kind, space=rec.space,
+                               created_at=rec.created_at, registered_at=rec.registered_at, source=rec.source,
+                               training=rec.training, guard=rec.guard, guard_status=rec.guard_status,
+                               forced=rec.forced, evaluation=rec.evaluation, loaded=key in self.cache.loaded,
+                               pinned=key in pinned, in_flight=self._refs.get(key, 0),
+                               memory_bytes=self.cache.loaded.get(key), aliases=aliases)

@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from qswap.server.http.errors import DeadlineExceededError, NotReadyError, OverloadedError
+from qswap.errors import DeadlineExceededError, NotReadyError, OverloadedError
 from qswap.server.serving.admission import Ticket, token_slices
 from qswap.server.serving.answers import EmbedOutcome, SearchFn, SearchOutcome, answer_batch
 from qswap.server.serving.answers import post as _post

@@ -28,7 +28,7 @@ from typing import AsyncIterator
 from fastapi import Depends, Request
 from starlette.types import Receive
 
-from qswap.server.http.errors import LimitExceededError
+from qswap.errors import LimitExceededError
 from qswap.server.http.responses import ready_state, request_timeout
 from qswap.server.serving.admission import Ticket
 from qswap.server.state import ServerState

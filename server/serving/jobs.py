@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from qswap.errors import NotFoundError, QswapError
+from qswap.errors import NotFoundError, OverloadedError, QswapError
 from qswap.server.http.compat_models import DOCUMENTS_MODEL
 from qswap.server.serving.admission import Ticket, token_slices
-from qswap.server.http.errors import OverloadedError, status_for, storage_error
+from qswap.server.http.errors import status_for, storage_error
 
 log = logging.getLogger("qswap.server")
 
@@ -119,6 +119,8 @@ class DocumentJobs:
             err = storage_error(e) or e
             if isinstance(err, QswapError):
                 status, code = status_for(err)
+                log.warning("document job failed", extra={"job": job.id, "status": status, "error": code,
+                                                          "detail": err.message})
                 job.error = {"status": status, "error": code, "detail": err.message, "hint": err.hint}
             else:
                 log.exception("document job failed", extra={"job": job.id})

@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from qswap.errors import InvalidInputError
+from qswap.errors import DeadlineExceededError, InvalidInputError, OverloadedError
 from qswap.server.serving.admission import Ticket
 from qswap.server.serving.batching import MicroBatcher
-from qswap.server.http.errors import DeadlineExceededError, OverloadedError
+
 
 def _fake(calls: list, fail_key: str | None = None):
     def encode(texts, keys):

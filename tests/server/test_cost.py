@@ -18,7 +18,7 @@ import pytest
 
 from qswap.server.serving.admission import Ticket
 from qswap.server.serving.batching import MicroBatcher
-from qswap.server.http.errors import DeadlineExceededError
+from qswap.errors import DeadlineExceededError
 
 from .conftest import ADMIN, LiveServer, server_settings
 

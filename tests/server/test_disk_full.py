@@ -141,3 +141,21 @@ def test_full_disk_answers_507_and_loses_nothing_acknowledged(disk, tiny_model_d
     with LiveServer(s) as srv, srv.client(ADMIN) as c:
         assert {e["key"] for e in c.get("/v1/encoders").json()["encoders"]} == {"base", "ft@1", "bias@1"}
         assert c.get("/v1/aliases").json()["aliases"] == aliases
+
+
+def test_a_full_disk_says_in_the_log_what_needed_the_space(caplog):
+    """The 507 answer stays generic; the log names the file and what it was for (e.g. the
+    document tower's ONNX export that the first upsert makes)."""
+    import errno
+    import logging
+
+    from qswap.server.http.errors import storage_error
+
+    exc = OSError(errno.ENOSPC, "No space left on device", "/srv/qswap/state/onnx/documents-fp32.onnx")
+    with caplog.at_level(logging.WARNING, logger="qswap.server"):
+        err = storage_error(RuntimeError("export failed"))
+        assert err is None                                   # not a full disk: nothing logged
+        err = storage_error(exc)
+    assert err is not None and err.status == 507
+    rec = [r for r in caplog.records if r.getMessage() == "disk full: a write failed"]
+    assert len(rec) == 1 and rec[0].path.endswith("documents-fp32.onnx") and "ONNX export" in rec[0].writing

@@ -64,8 +64,8 @@ async def embeddings_unversioned(body: EmbeddingRequest, request: Request,
 def _card(state: ServerState, model_id: str, key: str, alias: bool = False) -> ModelCard:
     info = state.registry.info(key, state.base_version)
     runtime = runtime_of(state.backend, key)["runtime"] if state.backend is not None else None
-    return ModelCard(id=model_id, created=int(info.get("registered_at") or 0), kind="alias" if alias else info["kind"],
-                     encoder=key, dimensions=state.base.dim, guard_status=info.get("guard_status"), runtime=runtime)
+    return ModelCard(id=model_id, created=int(info.registered_at or 0), kind="alias" if alias else info.kind,
+                     encoder=key, dimensions=state.base.dim, guard_status=info.guard_status, runtime=runtime)
 
 
 def _documents_card(state: ServerState) -> ModelCard:
@@ -80,8 +80,8 @@ async def list_models(state: ServerState = Depends(ready_state)) -> ModelList:
     reg = state.registry
     encoders = [_card(state, k, k) for k in [BASE_KEY, *reg.keys()]]
     # Servable ones only: an encoder still evaluated, or refused by the guard and not forced, answers 409.
-    forced = {k for k in reg.keys() if (i := reg.info(k, state.base_version)).get("forced")
-              and i.get("guard_status") != GuardStatus.EVALUATING}
+    forced = {k for k in reg.keys() if (i := reg.info(k, state.base_version)).forced
+              and i.guard_status != GuardStatus.EVALUATING}
     encoders = [c for c in encoders if c.guard_status is None or GuardStatus(c.guard_status).servable
                 or c.encoder in forced]
     cards = [_documents_card(state), *encoders]

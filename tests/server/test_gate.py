@@ -1,0 +1,215 @@
+"""The cost gate: every route that runs the model is token-bounded, sliced between other
+requests, dropped at its deadline and dropped when its client goes away, the same way.
+
+Ordering between the event loop and the batch worker uses events and semaphores, never sleeps.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+import socket
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import httpx
+import pytest
+
+from .conftest import ADMIN, LiveServer, server_settings
+
+LONG = " ".join(["chess game music"] * 30)   # ~64 tokens: the tiny model's max length
+
+# Every route that runs the model, with a request over the 400-token bound below (8 x ~64 tokens).
+OVER_THE_BOUND: dict[tuple[str, str], dict[str, Any]] = {
+    ("POST", "/v1/search"): {"queries": [LONG] * 8},
+    ("POST", "/v1/embeddings"): {"model": "base", "input": [LONG] * 8},
+    ("POST", "/embeddings"): {"model": "qswap/documents", "input": [LONG] * 8},
+    ("POST", "/tei/{encoder}/embed"): {"inputs": [LONG] * 8, "truncate": True, "prompt_name": "passage"},
+    ("POST", "/tei/{encoder}"): {"inputs": [LONG] * 8, "truncate": True},
+    ("POST", "/tei/{encoder}/"): {"inputs": [LONG] * 8, "truncate": True},
+}
+# Model routes whose work is a background job (bounded by max_documents, sliced the same way).
+JOBS = {("POST", "/v1/documents")}
+# Routes that need the server ready but never run the model themselves.
+NO_MODEL = {("GET", "/v1/models"), ("GET", "/v1/models/{model_id:path}"), ("GET", "/tei/{encoder}/info"),
+            ("GET", "/v1/encoders"), ("GET", "/v1/encoders/{ref}"), ("DELETE", "/v1/encoders/{ref}"),
+            ("GET", "/v1/aliases"), ("PUT", "/v1/aliases/{domain}"), ("DELETE", "/v1/aliases/{domain}"),
+            ("DELETE", "/v1/documents"), ("POST", "/v1/feedback"), ("POST", "/v1/experiments"),
+            ("GET", "/v1/experiments"), ("GET", "/v1/experiments/{domain}"),
+            ("POST", "/v1/experiments/{domain}/{action}"), ("GET", "/v1/info"),
+            # the tokenizer only
+            ("GET", "/tei/{encoder}/health"), ("POST", "/tei/{encoder}/tokenize"), ("POST", "/tei/{encoder}/decode"),
+            # a registration's guard evaluation is background work on the guard thread
+            ("POST", "/v1/encoders")}
+
+
+def _routes() -> list[Any]:
+    from fastapi.routing import APIRoute
+
+    from qswap.server.http.app import create_app
+    from qswap.server.config import ServerSettings
+    app = create_app(ServerSettings.model_construct(), check=False)
+    # included routers are kept whole (FastAPI >= 0.160): walk into them
+    routers = [getattr(r, "original_router", None) for r in app.routes]
+    routes = [r for router in routers if router is not None for r in router.routes if isinstance(r, APIRoute)]
+    assert len(routes) > 20
+    return routes
+
+
+def _calls(dependant: Any) -> Iterator[Callable[..., Any]]:
+    for dep in dependant.dependencies:
+        yield dep.call
+        yield from _calls(dep)
+
+
+def test_every_route_that_runs_the_model_passes_the_gate():
+    """A route that needs the ready server either takes an Admission or is listed as not running
+    the model; every gated route has its over-the-bound request below (or is a job). The batch
+    worker refuses work without a ticket, so a route cannot run the model around the gate."""
+    from qswap.server.http.responses import ready_state
+    from qswap.server.serving.batching import MicroBatcher
+    from qswap.server.serving.gate import admission
+
+    gated = set()
+    for route in _routes():
+        deps = set(_calls(route.dependant))
+        for method in route.methods:
+            if admission in deps:
+                gated.add((method, route.path))
+            elif ready_state in deps:
+                assert (method, route.path) in NO_MODEL, f"{method} {route.path} needs the server, takes no Admission"
+    assert gated == set(OVER_THE_BOUND) | JOBS | {("POST", "/embeddings"), ("POST", "/v1/embeddings")}
+    for fn in (MicroBatcher.search, MicroBatcher.embed):
+        p = inspect.signature(fn).parameters["ticket"]
+        assert p.kind is p.KEYWORD_ONLY and p.default is p.empty, fn
+
+
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory, tiny_model_dir, index_dir) -> Iterator[LiveServer]:
+    tmp = tmp_path_factory.mktemp("gated")
+    shutil.copytree(index_dir, tmp / "index")
+    s = server_settings(tmp, tiny_model_dir, tmp / "index", admin_token=ADMIN, backend="torch",
+                        max_request_tokens=400, max_batch_tokens=256, slice_tokens=64, batch_window_ms=0.0)
+    with LiveServer(s) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("route", sorted(OVER_THE_BOUND), ids=lambda r: r[1])
+def test_a_request_over_the_token_bound_is_refused_alike_on_every_route(gated, route):
+    method, path = route
+    url = path.replace("{encoder}", "base")
+    body = OVER_THE_BOUND[route]
+    with gated.client() as c:
+        r = c.request(method, url, json=body)
+        # the same status and message everywhere, in each route family's error dialect
+        assert r.status_code == 422 and "the limit per request is 400" in r.text, r.text
+        within = json.loads(json.dumps(body).replace(json.dumps([LONG] * 8), json.dumps([LONG] * 3)))
+        assert c.request(method, url, json=within).status_code == 200   # ~192 tokens: sliced, served
+
+
+class _Gate:
+    """Wraps an encode function: each call waits for a permit; calls are counted."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn, self.sizes = fn, []
+        self.entered = threading.Semaphore(0)
+        self.permits = threading.Semaphore(0)
+
+    def __call__(self, texts: list[str], *rest: Any) -> Any:
+        self.sizes.append(len(texts))
+        self.entered.release()
+        assert self.permits.acquire(timeout=30)
+        return self.fn(texts, *rest)
+
+    def open(self) -> None:
+        for _ in range(1000):
+            self.permits.release()
+
+
+def _gate_documents(state: Any) -> _Gate:
+    g = _Gate(state.embed_documents)
+    state.embed_documents = g   # the batcher calls state.embed_documents late-bound
+    return g
+
+
+def _gate_queries(state: Any) -> _Gate:
+    g = _Gate(state.batcher._encode_flagged)
+    state.batcher._encode_flagged = g
+    return g
+
+
+def test_document_embeddings_are_sliced_and_a_search_runs_between_slices(gated):
+    """``qswap/documents`` embeddings (and TEI passage) are batch jobs in token slices: a search
+    that arrives while the first slice runs is answered before the second, not after all."""
+    state = gated.app.state.qs
+    real = state.embed_documents
+    g = _gate_documents(state)
+    texts = [f"chess {i}" for i in range(30)]
+    out: list[httpx.Response] = []
+    try:
+        with gated.client() as c, gated.client() as other:
+            worker = threading.Thread(target=lambda: out.append(
+                c.post("/v1/embeddings", json={"model": "qswap/documents", "input": texts})), daemon=True)
+            worker.start()
+            assert g.entered.acquire(timeout=30)                    # slice 1 is on the worker
+            found: list[httpx.Response] = []
+            searcher = threading.Thread(target=lambda: found.append(other.post("/v1/search", json={"query": "chess"})),
+                                        daemon=True)
+            searcher.start()
+            _until(lambda: state.batcher.pending >= 2)               # the search is queued behind slice 1
+            g.permits.release()                                      # slice 1 ends; the search runs next
+            searcher.join(30)
+            assert found and found[0].status_code == 200
+            assert len(g.sizes) <= 2                                 # at most slice 2 started meanwhile
+            g.open()
+            worker.join(30)
+    finally:
+        g.open()
+        state.embed_documents = real
+    assert out and out[0].status_code == 200 and len(out[0].json()["data"]) == 30
+    assert len(g.sizes) > 2 and max(g.sizes) < 30 and sum(g.sizes) == 30
+
+
+def _until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Poll ``cond`` (a state another thread changes) until it holds; fail after ``timeout``."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "the condition never held"
+        time.sleep(0.002)
+
+
+def _raw_post(port: int, path: str, body: dict[str, Any]) -> socket.socket:
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+@pytest.mark.parametrize("path,body,gate", [
+    ("/v1/search", {"queries": [f"{i} {LONG}" for i in range(6)], "k": 3}, _gate_queries),
+    ("/v1/embeddings", {"model": "qswap/documents", "input": [f"chess {i}" for i in range(30)]}, _gate_documents),
+], ids=["search", "documents"])
+def test_an_abandoned_request_stops_at_its_next_slice(gated, path, body, gate):
+    """The client closes the connection while slice 1 runs: the rest of the request never runs,
+    and its encoder reference is given back."""
+    state = gated.app.state.qs
+    gone = state.metrics.rejected.labels(reason="client_gone")
+    before = gone._value.get()
+    real, real_queries = state.embed_documents, state.batcher._encode_flagged
+    g = gate(state)
+    try:
+        sock = _raw_post(gated.port, path, body)
+        assert g.entered.acquire(timeout=30)                        # slice 1 is on the worker
+        sock.close()                                                 # the client goes away
+        _until(lambda: gone._value.get() > before)                   # the gate saw the disconnect
+        g.open()                                                     # slice 1 ends
+        _until(lambda: state.batcher.pending == 0 and state.registry.in_flight("base") == 0)
+    finally:
+        g.open()
+        state.embed_documents, state.batcher._encode_flagged = real, real_queries
+    assert len(g.sizes) == 1, g.sizes                                # nothing after the slice that ran
+    with gated.client() as c:                                        # and the server serves on
+        assert c.post("/v1/search", json={"query": "chess"}).status_code == 200
