@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from qswap.bench.load_options import ByMode, LoadDefaults, LoadOptions, RunDirs, add_load_arguments, warm_up
+from qswap.bench.load_options import ByMode, LoadDefaults, LoadOptions, RunDirs, add_load_arguments, load_point, warm_up
 
 NAME = "cycle"
 LOAD = LoadDefaults(levels=ByMode((32,), (4,)), seconds=ByMode(20.0, 1.0), requests=ByMode(1_000_000, 60),
@@ -86,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
     """``qswap bench cycle``."""
     from qswap.bench.fixtures import (index_meta, load_space_base, load_workload, lora_encoders, qswap_server,
                                       register, search_requests, stamped_index, wait_for_runtime)
-    from qswap.bench.peer import _point
 
     opts = LoadOptions.from_args(args, LOAD)
     dirs = RunDirs.create(NAME, opts.quick, args.out)
@@ -109,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         for c in opts.levels:
             raw = dirs.tmp / f"pyspy-{c}.txt"
             spy = None if args.no_profile else _profiled(qs.proc.pid, opts.seconds, raw)
-            point = _point(opts.run(qs.port, make, c))
+            point = load_point(opts.run(qs.port, make, c))
             if spy is not None:
                 _, err = spy.communicate(timeout=opts.seconds + 60)
                 point["profile"] = collapse(raw.read_text()) if raw.exists() else {"error": err.decode()[-300:]}

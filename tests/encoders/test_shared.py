@@ -237,7 +237,8 @@ def test_one_encoder_stays_one_call_on_the_multithreaded_session(two_workers, mo
     call = two_workers._call
     monkeypatch.setattr(two_workers, "_call", lambda s, *a: (used.append(s), call(s, *a))[1])
     two_workers.encode(TEXTS, ["l1@1"] * len(TEXTS))
-    assert used == [two_workers._session]
+    # Its rows may be cut into calls by length (padded_splits); none leaves that session.
+    assert used and set(used) == {two_workers._session}
 
 
 def test_bound_inputs_survive_batch_sizes_and_concurrent_runs(two_workers, pool):
