@@ -25,7 +25,7 @@ import gzip
 import io
 import json
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
@@ -244,59 +244,56 @@ def _id_of(obj: dict[str, Any]) -> tuple[str | None, str]:
     return None, ("missing field '_id'" if v is None else "field '_id' must be a non-empty string or an integer")
 
 
-def _read_corpus_file(path: Path, prepend_title: bool) -> Corpus:
-    errors = LineErrors(path)
-    corpus: Corpus = {}
+def _unique_lines(path: Path, errors: LineErrors, read: Callable[[dict[str, Any]], tuple[Any, str]]) -> dict[str, Any]:
+    """``_id -> read(line)`` over a JSONL file, each bad line recorded in ``errors``: one without a
+    valid ``_id``, one ``read`` refuses (it returns ``(None, why)``), one repeating an ``_id``."""
+    out: dict[str, Any] = {}
     first_line: dict[str, int] = {}
     for no, obj in iter_jsonl(path, errors):
-        did, problem = _id_of(obj)
-        if did is None:
+        key, problem = _id_of(obj)
+        value = None
+        if key is not None:
+            value, problem = read(obj)
+        if key is None or value is None:
             errors.add(no, problem)
-            continue
+        elif key in first_line:
+            errors.add(no, f"duplicate _id {key!r} (first on line {first_line[key]})")
+        else:
+            first_line[key] = no
+            out[key] = value
+    return out
+
+
+def _read_corpus_file(path: Path, prepend_title: bool) -> Corpus:
+    def document(obj: dict[str, Any]) -> tuple[BeirDocument | None, str]:
         text = obj.get("text")
         if not isinstance(text, str):
-            errors.add(no, "missing field 'text'" if text is None else "field 'text' must be a string")
-            continue
+            return None, "missing field 'text'" if text is None else "field 'text' must be a string"
         meta = obj.get("metadata") or {}
         if not isinstance(meta, dict):
-            errors.add(no, "field 'metadata' must be an object")
-            continue
-        if did in first_line:
-            errors.add(no, f"duplicate _id {did!r} (first on line {first_line[did]})")
-            continue
+            return None, "field 'metadata' must be an object"
         title = obj.get("title")
         title = title if isinstance(title, str) else ""
         full = document_text(title, text) if prepend_title else text
         if not full.strip():
-            errors.add(no, "empty document" + ("" if prepend_title else " (its title, if any, is not embedded)"))
-            continue
-        meta = dict(meta)
-        if title:
-            meta["title"] = title
-        first_line[did] = no
-        corpus[did] = BeirDocument(full, meta)
+            return None, "empty document" + ("" if prepend_title else " (its title, if any, is not embedded)")
+        return BeirDocument(full, {**meta, "title": title} if title else dict(meta)), ""
+
+    errors = LineErrors(path)
+    corpus = _unique_lines(path, errors, document)
     errors.raise_if_any('corpus lines are {"_id": str, "title": str, "text": str, "metadata": {...}}, ids unique')
     return corpus
 
 
 def _read_queries_file(path: Path) -> Queries:
-    errors = LineErrors(path)
-    queries: Queries = {}
-    first_line: dict[str, int] = {}
-    for no, obj in iter_jsonl(path, errors):
-        qid, problem = _id_of(obj)
-        if qid is None:
-            errors.add(no, problem)
-            continue
+    def query(obj: dict[str, Any]) -> tuple[str | None, str]:
         text = obj.get("text")
         if not isinstance(text, str) or not text.strip():
-            errors.add(no, "missing field 'text'" if text is None else "field 'text' must be a non-empty string")
-            continue
-        if qid in first_line:
-            errors.add(no, f"duplicate _id {qid!r} (first on line {first_line[qid]})")
-            continue
-        first_line[qid] = no
-        queries[qid] = text
+            return None, "missing field 'text'" if text is None else "field 'text' must be a non-empty string"
+        return text, ""
+
+    errors = LineErrors(path)
+    queries = _unique_lines(path, errors, query)
     errors.raise_if_any('query lines are {"_id": str, "text": str}, ids unique')
     return queries
 

@@ -6,7 +6,12 @@ import re
 
 from qswap.errors import InvalidInputError
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_NAME_RE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+_NAME = re.compile(rf"^{_NAME_RE}$")
+# The same rule as JSON-schema patterns (the HTTP models): a name, a name or key, a key (name@version).
+NAME_PATTERN = rf"^{_NAME_RE}$"
+REF_PATTERN = rf"^{_NAME_RE}(@{_NAME_RE})?$"
+KEY_PATTERN = rf"^{_NAME_RE}@{_NAME_RE}$"
 
 
 def validate_name(name: str, what: str = "encoder name") -> str:

@@ -276,6 +276,43 @@ def _chunk_path(staging: Path, k: int) -> Path:
     return staging / CHUNKS / f"{k:06d}.f16"
 
 
+def missing_chunks(staging: Path, n: int, full_dim: int, chunk_rows: int,
+                   resume_parts: bool) -> tuple[list[tuple[int, int, int, int]], int]:
+    """The chunks of ``n`` rows still to embed, for a build that starts or resumes.
+
+    Args:
+        staging: the build's staging folder (its chunk folder is created, stale temporaries removed).
+        n: rows (documents) of the corpus.
+        full_dim: the embedding width.
+        chunk_rows: rows per chunk.
+        resume_parts: a chunk's ``.part`` file (the local build grows one batch by batch) counts
+            its whole rows as done.
+
+    Returns:
+        ``([(chunk, first row, end row, rows already in its .part), ...], rows already embedded)``.
+    """
+    (staging / CHUNKS).mkdir(exist_ok=True)
+    remove_stale_temps(staging / CHUNKS)
+    row_bytes = full_dim * np.dtype(DTYPE).itemsize
+    todo: list[tuple[int, int, int, int]] = []
+    done_rows = 0
+    for k in range((n + chunk_rows - 1) // chunk_rows):
+        a, b = k * chunk_rows, min(n, (k + 1) * chunk_rows)
+        p = _chunk_path(staging, k)
+        part = p.with_suffix(".part")
+        have = 0
+        if p.is_file() and p.stat().st_size == (b - a) * row_bytes:
+            done_rows += b - a
+            continue
+        if resume_parts and part.is_file():
+            have = min(part.stat().st_size // row_bytes, b - a)  # a torn last row is embedded again
+            done_rows += have
+        todo.append((k, a, b, have))
+    if todo and done_rows:
+        log.warning("resuming build: %d of %d documents already embedded", done_rows, n)
+    return todo, done_rows
+
+
 def _embed_chunks(staging: Path, n: int, embed: Embed, full_dim: int, batch_size: int, chunk_rows: int,
                   progress: bool) -> None:
     """Embed every missing chunk; finished chunks (from an earlier run) are kept.
@@ -283,36 +320,18 @@ def _embed_chunks(staging: Path, n: int, embed: Embed, full_dim: int, batch_size
     A chunk in progress grows batch by batch in ``<k>.part`` (each batch flushed and synced),
     so a killed build resumes at the last whole batch, not at the start of its chunk.
     """
-    (staging / CHUNKS).mkdir(exist_ok=True)
-    remove_stale_temps(staging / CHUNKS)
     row_bytes = full_dim * np.dtype(DTYPE).itemsize
-    n_chunks = (n + chunk_rows - 1) // chunk_rows
-    todo: list[tuple[int, int]] = []  # (chunk, rows already in its .part file)
-    done_rows = 0
-    for k in range(n_chunks):
-        rows = min(n, (k + 1) * chunk_rows) - k * chunk_rows
-        p = _chunk_path(staging, k)
-        part = p.with_suffix(".part")
-        if p.is_file() and p.stat().st_size == rows * row_bytes:
-            done_rows += rows
-        elif part.is_file():
-            have = min(part.stat().st_size // row_bytes, rows)  # a torn last row is embedded again
-            done_rows += have
-            todo.append((k, have))
-        else:
-            todo.append((k, 0))
+    todo, done_rows = missing_chunks(staging, n, full_dim, chunk_rows, resume_parts=True)
     if not todo:
         return
-    if done_rows:
-        log.warning("resuming build: %d of %d documents already embedded", done_rows, n)
     from tqdm import tqdm
     bar = tqdm(total=n, initial=done_rows, unit="doc", desc="embedding", file=sys.stderr, disable=not progress,
                dynamic_ncols=True, smoothing=0.1)
     meter = Throughput()
     con = sqlite3.connect(staging / INGEST)
     try:
-        for k, have in todo:
-            a, b = k * chunk_rows + have, min(n, (k + 1) * chunk_rows)
+        for k, start, b, have in todo:
+            a = start + have
             texts = [r[0] for r in con.execute(
                 "SELECT COALESCE(c.etext, c.text) FROM sorted s JOIN corpus c ON c.pos = s.pos "
                 "WHERE s.row >= ? AND s.row < ? ORDER BY s.row", (a, b))]

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from qswap.atomic import atomic_stream, remove_stale_temps
+from qswap.atomic import atomic_stream
 from qswap.errors import InvalidInputError
-from qswap.index.build import CHUNKS, INGEST, Embed, EmbedChunks, _chunk_path, build_index
+from qswap.index.build import INGEST, Embed, EmbedChunks, _chunk_path, build_index, missing_chunks
 from qswap.index.config import IndexConfig
 from qswap.index.checks import normalize_rows
 from qswap.index.backends.faiss.embeddings import DTYPE
@@ -93,21 +93,10 @@ def ray_embed_chunks(make_embed: Callable[[], Embed], *, workers: int = 1, gpus_
                      progress: bool) -> None:
         import ray
 
-        (staging / CHUNKS).mkdir(exist_ok=True)
-        remove_stale_temps(staging / CHUNKS)
-        row_bytes = full_dim * np.dtype(DTYPE).itemsize
-        n_chunks = (n + chunk_rows - 1) // chunk_rows
-        todo: dict[int, tuple[int, int]] = {}
-        for k in range(n_chunks):
-            a, b = k * chunk_rows, min(n, (k + 1) * chunk_rows)
-            p = _chunk_path(staging, k)
-            if not (p.is_file() and p.stat().st_size == (b - a) * row_bytes):
-                todo[k] = (a, b)
+        missing, done_rows = missing_chunks(staging, n, full_dim, chunk_rows, resume_parts=False)
+        todo = {k: (a, b) for k, a, b, _ in missing}
         if not todo:
             return
-        done_rows = n - sum(b - a for a, b in todo.values())
-        if done_rows:
-            log.warning("resuming build: %d of %d documents already embedded", done_rows, n)
         con = sqlite3.connect(staging / INGEST)
         try:
             rows: list[int] = []

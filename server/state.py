@@ -48,7 +48,7 @@ class ServerState:
         self.backend: Backend | None = None
         self.registry: EncoderRegistry | None = None
         self.batcher: MicroBatcher | None = None
-        self.guard: Any = None          # qswap.guard.evaluator.SentinelGuard with --sentinels
+        self.guard: Any = None          # qswap.guard.evaluator.GuardEvaluator with --sentinels
         self.feedback: Any = None       # qswap.feedback.store.FeedbackStore with --feedback-dir
         self.experiments: Any = None    # qswap.server.traffic.experiments.Experiments with --feedback-dir
         self.jobs = DocumentJobs(self)  # document upserts (qswap.server.serving.jobs)
@@ -92,9 +92,10 @@ class ServerState:
                                     s.query_precision, retry_s=s.export_retry_s, spin=s.onnx_spin)
         guard = None
         if s.sentinels is not None:
-            from qswap.guard.evaluator import SentinelGuard, load_sentinels
+            from qswap.guard.evaluator import GuardEvaluator
+            from qswap.guard.sentinels import load_sentinels
             sentinels = load_sentinels(s.sentinels)
-            guard = SentinelGuard(sentinels, index, self.backend.encode, self.metrics, s.guard_alpha,
+            guard = GuardEvaluator(sentinels, index, self.backend.encode, self.metrics, s.guard_alpha,
                                   s.guard_min_queries)
             guard.check_coverage()
             log.info("sentinels loaded", extra={"sentinels": guard.summary(), "fingerprint": guard.fingerprint})

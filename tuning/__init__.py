@@ -6,6 +6,6 @@ LoRA, full) and is trained with the papers' losses (:mod:`~qswap.tuning.losses`)
 fixed-size epochs with early stopping (:mod:`~qswap.tuning.trainer`). A run
 (:mod:`~qswap.tuning.run`) evaluates base vs tuned (:mod:`~qswap.guard.evaluation`,
 :mod:`~qswap.guard.stats`, :mod:`~qswap.tuning.multilingual`), checks sentinel sets
-(:mod:`~qswap.tuning.guard`, judged by the shared :mod:`qswap.guard`) and writes an encoder
+(:mod:`~qswap.tuning.sentinel_scores`, judged by the shared :mod:`qswap.guard`) and writes an encoder
 directory with its report.
 """

@@ -17,7 +17,7 @@ from qswap.tuning.beir_eval import BeirEvaluator
 from qswap.tuning.config import RunConfig
 from qswap.tuning.data import BeirData
 from qswap.tuning.doc_cache import StoredEmbeddings
-from qswap.tuning.guard import evaluate_sentinels
+from qswap.tuning.sentinel_scores import evaluate_sentinels
 from qswap.tuning.methods import QueryTower
 from qswap.tuning.multilingual import language_matrix, plot_heatmap
 from qswap.tuning.preparation import Prepared

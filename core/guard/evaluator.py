@@ -34,9 +34,9 @@ from qswap.errors import QswapError
 from qswap.guard.checks import guard_record, judge_sentinel
 from qswap.guard.evaluation import evaluate_retrieval
 from qswap.guard.record import GuardRecord
-from qswap.guard.sentinels import SentinelSet, load_sentinels, sentinel_coverage, sentinels_fingerprint
+from qswap.guard.sentinels import IndexSentinel, sentinel_coverage, sentinels_fingerprint
 
-__all__ = ["EvaluationCancelled", "SentinelGuard", "SentinelSet", "load_sentinels"]
+__all__ = ["EvaluationCancelled", "GuardEvaluator"]
 
 log = logging.getLogger("qswap.server")   # it runs inside the server: its log stream
 
@@ -51,10 +51,10 @@ class EvaluationCancelled(QswapError):
     """The server is shutting down: the evaluation stopped without a verdict (a restart runs it again)."""
 
 
-class SentinelGuard:
+class GuardEvaluator:
     """Evaluates encoders on the sentinels with the server's own backend and index."""
 
-    def __init__(self, sentinels: list[SentinelSet], index: Any, encode: Encode, metrics: Any = None,
+    def __init__(self, sentinels: list[IndexSentinel], index: Any, encode: Encode, metrics: Any = None,
                  alpha: float = 0.05, min_queries: int = 1) -> None:
         self.sentinels = sentinels
         self.index = index

@@ -1,9 +1,10 @@
 """Sentinel sets, in both their forms, and ``qswap sentinels make``.
 
-- **Tuning** (``qswap tune run --sentinel``): a spec ``[NAME=]beir:DIR[:QLANG[-DLANG]]`` (a
-  BEIR directory with its own corpus, embedded by the base) or ``[NAME=]triplets:FILE``
-  (:func:`parse_sentinel`).
-- **Serving** (``qswap serve --sentinels``): the folders below (:func:`load_sentinels`).
+- **Tuning** (``qswap tune run --sentinel``): a :class:`TuneSentinel`, from a spec
+  ``[NAME=]beir:DIR[:QLANG[-DLANG]]`` (a BEIR directory with its own corpus, embedded by the
+  base) or ``[NAME=]triplets:FILE`` (:func:`parse_sentinel`).
+- **Serving** (``qswap serve --sentinels``): an :class:`IndexSentinel` per folder below
+  (:func:`load_sentinels`), made by ``qswap sentinels make`` from :class:`JudgedQueries`.
 
 A sentinel is a folder ``OUT/<name>/`` in BEIR layout without a corpus (the corpus is the
 served index): ``queries.jsonl``, ``qrels/test.tsv`` and ``sentinel.json`` (language, source,
@@ -34,7 +35,7 @@ SENTINEL_FORMS = "beir:DIR[:QLANG[-DLANG]] or triplets:FILE, optionally prefixed
 
 
 @dataclass
-class SentinelData:
+class JudgedQueries:
     """Judged queries before sampling: id -> text, id -> {doc id: grade > 0}."""
 
     queries: dict[str, str]
@@ -44,7 +45,7 @@ class SentinelData:
 
 
 @dataclass
-class SentinelSet:
+class IndexSentinel:
     """One sentinel: judged queries whose relevant documents are in the served index."""
 
     name: str
@@ -57,7 +58,7 @@ class SentinelSet:
         return {d for r in self.qrels for d in r}
 
 
-def load_sentinels(directory: Path) -> list[SentinelSet]:
+def load_sentinels(directory: Path) -> list[IndexSentinel]:
     """Every sentinel under ``directory`` (sorted by name); a bad one is a named error."""
     directory = Path(directory)
     if not directory.is_dir():
@@ -85,13 +86,13 @@ def load_sentinels(directory: Path) -> list[SentinelSet]:
         if not qids:
             raise InvalidInputError(f"sentinel {sub.name}: no query has a relevant document in qrels/test.tsv",
                                     "check that qrels name the queries of queries.jsonl")
-        out.append(SentinelSet(sub.name, meta.get("lang") if isinstance(meta, dict) else None, qids,
+        out.append(IndexSentinel(sub.name, meta.get("lang") if isinstance(meta, dict) else None, qids,
                                [queries[q] for q in qids],
                                [{d: g for d, g in qrels[q].items() if g > 0} for q in qids]))
     return out
 
 
-def sentinels_fingerprint(sentinels: list[SentinelSet]) -> str:
+def sentinels_fingerprint(sentinels: list[IndexSentinel]) -> str:
     """sha256 of the sentinels' names, queries and judgements (a verdict names what it judged)."""
     h = hashlib.sha256()
     for s in sentinels:
@@ -99,7 +100,7 @@ def sentinels_fingerprint(sentinels: list[SentinelSet]) -> str:
     return h.hexdigest()[:16]
 
 
-def sentinel_coverage(sentinels: list[SentinelSet], index_ids: set[str]) -> list[dict[str, Any]]:
+def sentinel_coverage(sentinels: list[IndexSentinel], index_ids: set[str]) -> list[dict[str, Any]]:
     """How much of each sentinel the index still judges: per sentinel its name, its judged
     queries, the queries left with a relevant document in the index, and the judgements dropped.
 
@@ -118,15 +119,15 @@ def sentinel_coverage(sentinels: list[SentinelSet], index_ids: set[str]) -> list
     return out
 
 
-def from_beir(directory: Path, lang: str | None, split: str = "test") -> SentinelData:
+def from_beir(directory: Path, lang: str | None, split: str = "test") -> JudgedQueries:
     """Queries of ``lang`` that have a relevant document in the BEIR qrels."""
     corpus, queries, qrels = load_beir(directory, lang, split=split, strict=False)
     rel = {q: {d: g for d, g in r.items() if g > 0} for q, r in qrels.items()}
     rel = {q: r for q, r in rel.items() if r and q in queries}
-    return SentinelData({q: queries[q] for q in queries if q in rel}, rel, f"beir:{directory}", lang)
+    return JudgedQueries({q: queries[q] for q in queries if q in rel}, rel, f"beir:{directory}", lang)
 
 
-def from_log(path: Path, lang: str | None = None) -> SentinelData:
+def from_log(path: Path, lang: str | None = None) -> JudgedQueries:
     """Labelled query logs, one ``{"query", "relevant", "id"?}`` a line (ids default to ``log-<line>``)."""
     errors = LineErrors(path)
     queries: dict[str, str] = {}
@@ -154,10 +155,10 @@ def from_log(path: Path, lang: str | None = None) -> SentinelData:
     errors.raise_if_any('log lines are {"query": str, "relevant": [doc id, ...] or {doc id: grade}, "id"?: str}')
     if not queries:
         raise InvalidInputError(f"{path} has no query with a relevant document", "label some queries")
-    return SentinelData(queries, qrels, f"log:{path}", lang)
+    return JudgedQueries(queries, qrels, f"log:{path}", lang)
 
 
-def make_sentinel(data: SentinelData, out: Path, name: str, n: int, seed: int = 0,
+def make_sentinel(data: JudgedQueries, out: Path, name: str, n: int, seed: int = 0,
                   index_ids: Collection[str] | None = None,
                   exclude_qids: Collection[str] = ()) -> dict[str, Any]:
     """Sample ``n`` queries (seeded) into ``out/<name>/`` atomically; returns what ``sentinel.json`` holds."""
@@ -210,7 +211,7 @@ def read_qid_file(path: Path) -> set[str]:
 
 
 @dataclass(frozen=True)
-class Sentinel:
+class TuneSentinel:
     """A sentinel set: a BEIR (query language, document language) pair or a triplets file."""
 
     name: str
@@ -220,7 +221,7 @@ class Sentinel:
     doc_lang: str | None = None
 
 
-def parse_sentinel(spec: str) -> Sentinel:
+def parse_sentinel(spec: str) -> TuneSentinel:
     """Parse ``[NAME=]beir:DIR[:QLANG[-DLANG]]`` or ``[NAME=]triplets:FILE``."""
     name = None
     if "=" in spec.split(":", 1)[0]:
@@ -229,7 +230,7 @@ def parse_sentinel(spec: str) -> Sentinel:
     if kind not in ("beir", "triplets") or not rest:
         raise InvalidInputError(f"bad sentinel {spec!r}", f"use {SENTINEL_FORMS}")
     if kind == "triplets":
-        return Sentinel(name or f"triplets:{Path(rest).name}", kind, Path(rest))
+        return TuneSentinel(name or f"triplets:{Path(rest).name}", kind, Path(rest))
     path, ql, dl = rest, None, None
     head, sep, tail = rest.rpartition(":")
     if sep and head and not Path(rest).exists():
@@ -237,4 +238,4 @@ def parse_sentinel(spec: str) -> Sentinel:
         ql, _, dl = langs.partition("-")
         ql, dl = ql or None, dl or None
     label = f"{ql or 'queries'}->{dl or 'corpus'}"
-    return Sentinel(name or f"{Path(path).name}:{label}", kind, Path(path), ql, dl or None)
+    return TuneSentinel(name or f"{Path(path).name}:{label}", kind, Path(path), ql, dl or None)

@@ -18,8 +18,9 @@ from qswap.encoders.runtime.protocol import Backend, EncodeFlagged
 from qswap.errors import InvalidInputError
 
 
-# --backend choices; the first is the default.
-BACKENDS = ("shared", "onnx", "torch")
+# --backend choices; the first is the default. ``cuda``: the gathered-adapter forward in CUDA
+# graphs (qswap.encoders.runtime.cuda; on a machine without a GPU its buckets run eagerly).
+BACKENDS = ("shared", "onnx", "torch", "cuda")
 
 
 def runtime_of(backend: Backend, key: str) -> dict[str, str | None]:
@@ -90,13 +91,17 @@ def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | N
                  precision: str = "fp32", retry_s: float | None = None, spin: bool = True) -> Backend:
     """The configured backend (:data:`BACKENDS`); ONNX Runtime is imported only when asked for.
 
-    ``precision`` is the torch backend's query precision; the ONNX graphs are fp32 only.
+    ``precision`` is the torch and cuda backends' query precision (cuda also takes ``fp16``); the
+    ONNX graphs are fp32 only.
     ``retry_s``: the shared backend tries a failed export again after this many seconds
     (doubling); None: never. ``spin``: ONNX Runtime's intra-op workers busy-wait inside a
     forward (:func:`qswap.encoders.runtime.onnx.make_session`).
     """
     if kind == "torch":
         return TorchBackend(pool, precision)
+    if kind == "cuda":
+        from qswap.encoders.runtime.cuda import CudaBackend
+        return CudaBackend(pool, precision)
     if precision != "fp32":
         raise InvalidInputError(f"query precision {precision} is only available on the torch backend",
                                 "drop --query-precision, or use --backend torch")

@@ -15,6 +15,7 @@ import re
 import sys
 import time
 import uuid
+from datetime import datetime, timezone
 from typing import Any, Callable
 
 from starlette.exceptions import HTTPException
@@ -33,12 +34,17 @@ _STANDARD = set(vars(logging.LogRecord("x", 0, "x", 0, "x", None, None))) | {"me
                                                                          "color_message"}  # uvicorn's ANSI copy
 
 
+def _iso(created: float) -> str:
+    """A record's time in ISO 8601, UTC, to the microsecond (what log stacks parse without a pattern)."""
+    return datetime.fromtimestamp(created, timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, request id and any ``extra`` fields."""
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": round(record.created, 6),
+            "ts": _iso(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -64,10 +70,17 @@ def configure_logging(json_lines: bool = True, level: int = logging.INFO) -> Non
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(level)
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+    # uvicorn's loggers and the libraries that keep a stderr handler of their own (transformers)
+    # go through this one handler; Python warnings too, so that stderr stays one JSON object a line.
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "transformers", "py.warnings"):
         lg = logging.getLogger(name)
         lg.handlers.clear()
         lg.propagate = True
+    logging.captureWarnings(True)
+    # transformers re-adds its own handler (and stops propagation) when it configures itself later
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
 
 
 def new_request_id(given: str | None) -> str:

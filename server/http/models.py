@@ -19,11 +19,8 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 
 from qswap.answers import UpsertResult
+from qswap.names import NAME_PATTERN, REF_PATTERN
 
-# Names, versions and domains (qswap.encoders.artifact.validate_name), and name@version keys.
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-REF_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}(@[A-Za-z0-9][A-Za-z0-9._-]{0,63})?$"
-KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}@[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 # A path under the encoders root: no NUL and no '..' component (written without look-ahead,
 # which the validator's regex engine lacks).
 _COMPONENT = r"(\.?|\.\.[^\x00/]+|\.[^\x00/.][^\x00/]*|[^\x00/.][^\x00/]*)"

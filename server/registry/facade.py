@@ -117,7 +117,7 @@ class EncoderRegistry(GuardSide):
         self.backend = backend
         self.default_ref = default_encoder
         self.metrics = metrics
-        self.guard = guard                      # a qswap.guard.evaluator.SentinelGuard, or None
+        self.guard = guard                      # a qswap.guard.evaluator.GuardEvaluator, or None
         self._lock = threading.RLock()
         self._released = threading.Condition(self._lock)   # a reference was released (delete waits)
         self.admin_lock = threading.Lock()

@@ -1,6 +1,6 @@
 """When the server's guard runs, and where its verdicts go.
 
-Evaluations run one at a time on the guard's thread (:class:`qswap.guard.evaluator.SentinelGuard`):
+Evaluations run one at a time on the guard's thread (:class:`qswap.guard.evaluator.GuardEvaluator`):
 a registration queues one; at start, every encoder without a verdict on these sentinels is
 queued again. A verdict is written onto the record only if the record still holds the files it
 judged (the digest of its files): an encoder deleted and registered again with other files
@@ -59,7 +59,7 @@ class GuardScheduler:
 
     def __init__(self, registry: GuardHost, guard: Any) -> None:
         self.registry = registry
-        self.guard = guard                      # a qswap.guard.evaluator.SentinelGuard
+        self.guard = guard                      # a qswap.guard.evaluator.GuardEvaluator
         self.jobs: dict[str, Future] = {}
         self._jobs_lock = threading.Lock()
         self.stopping = False

@@ -233,8 +233,8 @@ def test_a_large_upsert_is_a_job_and_searches_run_between_its_slices(tmp_path, t
 def test_closing_the_guard_stops_a_running_evaluation_at_its_next_chunk():
     """SIGTERM cancels guard evaluations: close() (called when the drain begins) stops the
     one running at its next chunk of sentinel queries instead of letting it run on."""
-    from qswap.guard.evaluator import EvaluationCancelled, SentinelGuard
-    from qswap.guard.sentinels import SentinelSet
+    from qswap.guard.evaluator import EvaluationCancelled, GuardEvaluator
+    from qswap.guard.sentinels import IndexSentinel
 
     texts = [f"query {i}" for i in range(100)]   # several chunks
     entered, go, calls = threading.Event(), threading.Event(), []
@@ -245,8 +245,8 @@ def test_closing_the_guard_stops_a_running_evaluation_at_its_next_chunk():
         assert go.wait(30)
         return np.zeros((len(chunk), 2), dtype=np.float32)
 
-    s = SentinelSet("s", None, [str(i) for i in range(len(texts))], texts, [{"d": 1}] * len(texts))
-    guard = SentinelGuard([s], index=None, encode=encode)
+    s = IndexSentinel("s", None, [str(i) for i in range(len(texts))], texts, [{"d": 1}] * len(texts))
+    guard = GuardEvaluator([s], index=None, encode=encode)
     job = guard.submit(lambda: guard.evaluate("k", ["base"]))
     assert entered.wait(30)   # the first chunk is being encoded
     guard.close()

@@ -6,7 +6,8 @@ import numpy as np
 
 
 def test_guard_encodes_sentinels_length_sorted_but_keeps_query_order():
-    from qswap.guard.evaluator import SentinelGuard, SentinelSet
+    from qswap.guard.evaluator import GuardEvaluator
+    from qswap.guard.sentinels import IndexSentinel
     texts = [("q" * n) + f" {i}" for i, n in enumerate([3, 40, 1, 17, 25, 2, 33] * 10)]
     calls: list[list[str]] = []
 
@@ -14,8 +15,8 @@ def test_guard_encodes_sentinels_length_sorted_but_keeps_query_order():
         calls.append(chunk)
         return np.array([[len(t), float(t.split()[-1])] for t in chunk], dtype=np.float32)
 
-    s = SentinelSet("s", None, [str(i) for i in range(len(texts))], texts, [{"d": 1}] * len(texts))
-    guard = SentinelGuard([s], index=None, encode=encode)
+    s = IndexSentinel("s", None, [str(i) for i in range(len(texts))], texts, [{"d": 1}] * len(texts))
+    guard = GuardEvaluator([s], index=None, encode=encode)
     try:
         emb = guard._embeddings("k", "v1", lambda n: None)[0]
     finally:

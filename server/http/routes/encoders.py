@@ -17,7 +17,8 @@ from qswap.guard import GuardStatus
 from qswap.server.http.auth import require_admin, require_search
 from qswap.encoders.runtime.backend import runtime_of
 from qswap.errors import ForbiddenError, UnsupportedMediaTypeError
-from qswap.server.http.models import KEY_PATTERN, NAME_PATTERN, REF_PATTERN, AliasList, AliasSet, Deleted, RegisterByPath
+from qswap.names import KEY_PATTERN, NAME_PATTERN, REF_PATTERN
+from qswap.server.http.models import AliasList, AliasSet, Deleted, RegisterByPath
 from qswap.answers import Alias, EncoderInfo, EncoderList, RegisterResponse
 from qswap.server.registry.intake import open_under_root
 from qswap.server.registry.facade import EncoderRecord

@@ -11,10 +11,10 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 from qswap.errors import InvalidInputError
 from qswap.guard.checks import guard_record, judge_sentinel
 from qswap.guard.record import GuardRecord, SentinelCheck
-from qswap.guard.sentinels import Sentinel
+from qswap.guard.sentinels import TuneSentinel
 
 
-def evaluate_sentinels(sentinels: Sequence[Sentinel], base: Any, encode_tuned: Callable[[list[str]], Any],
+def evaluate_sentinels(sentinels: Sequence[TuneSentinel], base: Any, encode_tuned: Callable[[list[str]], Any],
                        evaluator: Any = None, cache_dir: Path | None = None,
                        exclude: Mapping[Path, Collection[str]] | None = None,
                        progress: bool = True, extra_checks: Sequence[SentinelCheck] = ()) -> GuardRecord:
