@@ -154,3 +154,12 @@ class RunDirs:
         """Remove ``tmp/`` after a full run (kept after ``--quick``)."""
         if not self.quick:
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def load_point(r: "LoadResult") -> dict[str, Any]:
+    """One measured run: QPS, latency percentiles, failures, the load average when it ended."""
+    from qswap.bench.provenance import loadavg
+    from qswap.bench.stats import summarize
+    lat = summarize(r.latencies_ms())
+    return {"qps": r.qps, "p50_ms": lat["p50"], "p99_ms": lat["p99"], "ok": len(r.ok), "failed": r.failed,
+            "errors": r.errors(), "seconds": r.elapsed_s, "loadavg": loadavg()}

@@ -32,8 +32,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from qswap.bench.load_options import ByMode, LoadDefaults, LoadOptions, RunDirs, add_load_arguments, warm_up
-from qswap.bench.loadgen import LoadResult, Request
+from qswap.bench.load_options import (ByMode, LoadDefaults, LoadOptions, RunDirs, add_load_arguments, load_point,
+                                      warm_up)
+from qswap.bench.loadgen import Request
 
 NAME = "peer"
 LOAD = LoadDefaults(levels=ByMode((1, 8, 32), (1, 4)), seconds=ByMode(15.0, 1.0), requests=ByMode(1_000_000, 40),
@@ -118,15 +119,6 @@ def agreement(qs_url: str, inf_url: str, texts: list[str], domains: list[str], p
             "passes": low >= AGREEMENT_BAR}
 
 
-def _point(r: LoadResult) -> dict[str, Any]:
-    """One measured run: QPS, latency percentiles, failures, the load average when it ended."""
-    from qswap.bench.provenance import loadavg
-    from qswap.bench.stats import summarize
-    lat = summarize(r.latencies_ms())
-    return {"qps": r.qps, "p50_ms": lat["p50"], "p99_ms": lat["p99"], "ok": len(r.ok), "failed": r.failed,
-            "errors": r.errors(), "seconds": r.elapsed_s, "loadavg": loadavg()}
-
-
 def _infinity_models(py: Path, base: Any, enc_root: Path, keys: list[tuple[str, str]]) -> tuple[Path, str]:
     """Infinity's folders: each domain's merged model, exported to ONNX by optimum (cached).
 
@@ -185,7 +177,7 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
             if warm.failed:
                 raise RuntimeError(f"{label}: warm-up of {name} failed: {warm.errors()} {warm.statuses()}")
         for c in opts.levels:
-            got = interleaved({a: (lambda p=p, mk=mk, c=c: _point(opts.run(p, mk, c))) for a, (p, mk) in arms.items()},
+            got = interleaved({a: (lambda p=p, mk=mk, c=c: load_point(opts.run(p, mk, c))) for a, (p, mk) in arms.items()},
                               rounds=opts.rounds, warmup=0)
             out["levels"][str(c)] = got
             print(f"{label} c={c}: " + ", ".join(f"{a} {[round(x['qps'], 1) for x in v]}/s p99 "

@@ -41,21 +41,56 @@ def embed_batch(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     return torch.nn.functional.normalize(x, dim=-1) if spec.normalize else x
 
 
+def padded_splits(widths: list[int], max_rows: int, call_tokens: int | None = None) -> list[tuple[int, int]]:
+    """Where to cut rows sorted longest first into forward calls: ranges ``(lo, hi)``.
+
+    Without ``call_tokens``: consecutive runs of ``max_rows``. With it, the cuts that minimise
+    the tokens computed (rows x the call's longest row, padding included) plus ``call_tokens``
+    per call, the fixed cost of one call counted in tokens (exact dynamic programme over the
+    cut points; a batch is at most a few hundred rows).
+
+    Args:
+        widths: token counts, non-increasing.
+        max_rows: rows per call at most.
+        call_tokens: what one more call costs, in tokens of compute.
+
+    Returns:
+        Ranges covering every row in order.
+    """
+    n = len(widths)
+    if call_tokens is None:
+        return [(s, min(s + max_rows, n)) for s in range(0, n, max_rows)]
+    best = [0.0] + [float("inf")] * n   # best[i]: cost of rows [0, i)
+    cut = [0] * (n + 1)
+    for i in range(1, n + 1):
+        for lo in range(max(0, i - max_rows), i):
+            c = best[lo] + (i - lo) * widths[lo] + call_tokens   # widths[lo]: the range's longest row
+            if c < best[i]:
+                best[i], cut[i] = c, lo
+    out, i = [], n
+    while i > 0:
+        out.append((cut[i], i))
+        i = cut[i]
+    return out[::-1]
+
+
 def length_buckets(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_size: int,
                    encodings: list[Any] | None = None, lengths_out: list[int] | None = None,
-                   ) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
+                   call_tokens: int | None = None) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
     """Tokenise once, then yield ``(indices, input_ids, attention_mask)`` int64 numpy batches
     grouped by real token length, longest first; each batch is cut to its own longest row.
     ``encodings``: the texts' encodings when the caller already has them (then not re-tokenised).
-    ``lengths_out`` receives every text's token count once tokenised (before the first batch)."""
+    ``lengths_out`` receives every text's token count once tokenised (before the first batch).
+    ``call_tokens``: split where padding would cost more than another call (:func:`padded_splits`);
+    None: batches of ``batch_size``."""
     encs = encodings if encodings is not None else tokenizer.encode_batch([prefix + t for t in texts])
     # attention_mask, not ids: the tokenizer pads, so every row's ids have the same length.
     lengths = [sum(e.attention_mask) for e in encs]
     if lengths_out is not None:
         lengths_out.extend(lengths)
     order = sorted(range(len(texts)), key=lambda i: -lengths[i])
-    for s in range(0, len(order), batch_size):
-        idx = order[s:s + batch_size]
+    for lo, hi in padded_splits([lengths[i] for i in order], batch_size, call_tokens):
+        idx = order[lo:hi]
         width = max(lengths[i] for i in idx)
         ids = np.array([encs[i].ids[:width] for i in idx], dtype=np.int64)
         mask = np.array([encs[i].attention_mask[:width] for i in idx], dtype=np.int64)

@@ -66,7 +66,10 @@ class ServerSettings(BaseSettings):
     insecure: bool = Field(False, description="admin routes without a token, loopback only")
     # -- throughput
     backend: Literal["shared", "onnx", "torch", "cuda"] = "shared"
-    onnx_threads: int | None = Field(None, ge=1)
+    onnx_threads: int | None = Field(None, ge=1, description="ONNX Runtime intra-op threads per forward (default: "
+                                     "all cores)")
+    onnx_spin: bool = Field(True, description="ONNX Runtime's workers busy-wait inside a forward (its default); off: "
+                            "they sleep, leaving the cores to the event loop and the index (see docs/serving.md)")
     export_retry_s: float = Field(10.0, gt=0, description="a failed background ONNX export (EMFILE, full disk) is "
                                   "tried again after this, doubling up to 5 minutes; torch serves meanwhile")
     query_precision: Literal["fp32", "bf16", "fp16"] = Field(

@@ -89,7 +89,7 @@ class ServerState:
         pool = EncoderPool(base, factor_dtype=s.lora_factors)
         self.pool = pool
         self.backend = make_backend(s.backend, pool, s.state_dir / "onnx", s.onnx_threads,
-                                    s.query_precision, retry_s=s.export_retry_s)
+                                    s.query_precision, retry_s=s.export_retry_s, spin=s.onnx_spin)
         guard = None
         if s.sentinels is not None:
             from qswap.guard.evaluator import GuardEvaluator

@@ -88,13 +88,14 @@ class TorchBackend:
 
 
 def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | None = None,
-                 precision: str = "fp32", retry_s: float | None = None) -> Backend:
+                 precision: str = "fp32", retry_s: float | None = None, spin: bool = True) -> Backend:
     """The configured backend (:data:`BACKENDS`); ONNX Runtime is imported only when asked for.
 
     ``precision`` is the torch and cuda backends' query precision (cuda also takes ``fp16``); the
     ONNX graphs are fp32 only.
     ``retry_s``: the shared backend tries a failed export again after this many seconds
-    (doubling); None: never.
+    (doubling); None: never. ``spin``: ONNX Runtime's intra-op workers busy-wait inside a
+    forward (:func:`qswap.encoders.runtime.onnx.make_session`).
     """
     if kind == "torch":
         return TorchBackend(pool, precision)
@@ -112,6 +113,6 @@ def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | N
             raise InvalidInputError(f"the {kind} backend is not available: {e}",
                                     "install onnxruntime and onnx, or use --backend torch") from None
         if kind == "shared":
-            return SharedBackend(pool, cache_dir, threads=threads, retry_s=retry_s)
-        return OnnxBackend(pool, cache_dir, threads=threads)
+            return SharedBackend(pool, cache_dir, threads=threads, retry_s=retry_s, spin=spin)
+        return OnnxBackend(pool, cache_dir, threads=threads, spin=spin)
     raise InvalidInputError(f"unknown backend {kind!r}", f"use one of {', '.join(BACKENDS)}")

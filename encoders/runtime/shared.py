@@ -43,6 +43,9 @@ from qswap.errors import InvalidInputError, NotFoundError
 
 log = logging.getLogger(__name__)
 RETRY_MAX_S = 300.0   # the longest wait between two export attempts
+# What one more ONNX Runtime call costs, in tokens of forward compute: a batch's rows (longest
+# first) are cut into calls where the padding saved outweighs it (encoders.embedding.padded_splits).
+CALL_TOKENS = 16
 SHARED_DIR = "_shared"
 
 
@@ -358,7 +361,7 @@ class SharedBackend:
                 raise NotFoundError(f"encoder {k} is not loaded", "register it or use a loaded encoder")
             for idx, ids, mask in length_buckets(self.base.tokenizer, [texts[i] for i in rows],
                                                  self.base.spec.query_prefix, self.batch_size,
-                                                 encodings=[encs[i] for i in rows]):
+                                                 encodings=[encs[i] for i in rows], call_tokens=CALL_TOKENS):
                 calls.append((feeds[k], [rows[j] for j in idx], ids, mask))
         if len(groups) > 1 and group_session is None:
             self._start_group_session()

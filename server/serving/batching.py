@@ -1,12 +1,21 @@
 """Dynamic micro-batching: concurrent searches share one forward pass and one index search.
 
-Request handlers put a job on a queue and await an asyncio future; one dedicated worker thread
-takes the first waiting job, collects whatever else arrives within ``window_s`` of it (up to
-``max_batch`` queries), encodes all rows in one ``encode(texts, keys)`` call (rows of different
-encoders together) and searches them with one index call per distinct filter. The event loop
-never runs model code. Texts for the frozen document tower (``documents=True``: upserts, and
+Request handlers put a job on a queue and await an asyncio future. Three threads work in a
+pipeline, so that each stage of one batch overlaps the others' work on the next:
+
+1. **tokens**: counts each new job's tokens (what it costs a forward pass), off the event loop
+   and off the forward thread;
+2. **forward** (the batch worker): takes the first waiting job and whatever else is queued (up
+   to ``max_batch`` queries; with ``window_s`` > 0 it waits that long for more), encodes all rows
+   in one ``encode(texts, keys)`` call (rows of different encoders together) and hands the
+   finished requests on. A model that is idle starts at once; requests arriving while it runs
+   form the next batch;
+3. **answers** (:mod:`qswap.server.serving.answers`): searches the index for them (one call per
+   distinct filter) and posts the answers while the next forward runs.
+
+The event loop never runs model code. Texts for the frozen document tower (``documents=True``: upserts, and
 embeddings of ``qswap/documents``) are jobs of the same queue, sliced the same way, in batches
-of their own; index writes are serialised on the same thread through :meth:`MicroBatcher.call`.
+of their own; index writes are serialised on the forward thread through :meth:`MicroBatcher.call`.
 Every job carries its request's :class:`~qswap.server.serving.admission.Ticket` (deadline,
 client still there): the one admission path that every route reaching the model goes through.
 
@@ -27,7 +36,6 @@ dropped without running (:class:`DeadlineExceededError`, 504), and its caller st
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import queue
 import threading
@@ -39,34 +47,13 @@ import numpy as np
 
 from qswap.errors import DeadlineExceededError, NotReadyError, OverloadedError
 from qswap.server.serving.admission import Ticket, token_slices
+from qswap.server.serving.answers import EmbedOutcome, SearchFn, SearchOutcome, answer_batch
+from qswap.server.serving.answers import post as _post
 
 log = logging.getLogger("qswap.server")
 
 EncodeFn = Callable[[list[str], list[str]], np.ndarray]
-SearchFn = Callable[[np.ndarray, int, "dict[str, Any] | None", bool], list[list[Any]]]
 _STOP = object()
-
-
-@dataclass
-class SearchOutcome:
-    """What one request gets back: hits per query and where its time went."""
-
-    hits: list[list[Any]]
-    truncated: list[bool]
-    queue_s: float
-    encode_s: float
-    search_s: float
-    batch_requests: int
-
-
-@dataclass
-class EmbedOutcome:
-    """What an embedding request gets back: one vector per text, as the encoder returns it."""
-
-    vectors: np.ndarray
-    truncated: list[bool]
-    queue_s: float
-    encode_s: float
 
 
 @dataclass(eq=False)   # identity: jobs live in a set
@@ -91,6 +78,7 @@ class _Job:
     failed: bool = False                 # its error is posted; nothing more runs for it
     vectors_only: bool = False           # an embedding request: encoded in the batch, not searched
     documents: bool = False              # rows for the document tower: never in a batch with queries
+    answering: bool = False              # handed to the answer stage, which finishes it
 
 
 @dataclass
@@ -112,23 +100,6 @@ class _Call:
     deadline: float = float("inf")
     key: str = ""
     finished: bool = False
-
-
-def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
-
-
-def _post(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
-          exc: BaseException | None = None) -> None:
-    try:
-        loop.call_soon_threadsafe(_resolve, fut, result, exc)
-    except RuntimeError:   # the loop is closed: nobody waits any more
-        pass
 
 
 class MicroBatcher:
@@ -168,8 +139,12 @@ class MicroBatcher:
         self._live: set[Any] = set()   # admitted jobs and calls not finished (for abort)
         self._count_lock = threading.Lock()
         self._draining = False
-        self._q: queue.Queue = queue.Queue()
+        self._q: queue.Queue = queue.Queue()        # submitted, tokens not counted yet
+        self._ready: queue.Queue = queue.Queue()    # counted: the forward thread's input
+        self._answers: queue.Queue = queue.Queue()  # encoded batches: the answer thread's input
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._stages = [threading.Thread(target=self._count_loop, name=f"{name}-tokens", daemon=True),
+                        threading.Thread(target=self._answer_loop, name=f"{name}-answers", daemon=True)]
         self._stopped = False
         self.adaptive = adaptive
         self._last_requests = 1
@@ -177,16 +152,20 @@ class MicroBatcher:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
+        for t in self._stages:
+            t.start()
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Finish the batch in progress, refuse what is still queued, end the thread."""
+        """Finish the batch in progress and answer it, refuse what is still queued, end the threads."""
         if self._stopped:
             return
         self._stopped = True
-        self._q.put(_STOP)
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        self._q.put(_STOP)   # passes through every stage in order, behind what is queued
+        end = time.monotonic() + timeout
+        for t in (self._stages[0], self._thread, self._stages[1]):
+            if t.is_alive():
+                t.join(max(0.0, end - time.monotonic()))
 
     @property
     def thread(self) -> threading.Thread:
@@ -344,7 +323,7 @@ class MicroBatcher:
     def _run(self) -> None:
         carry: Any = None
         while True:
-            item = carry if carry is not None else self._q.get()
+            item = carry if carry is not None else self._ready.get()
             carry = None
             if item is _STOP:
                 break
@@ -366,7 +345,7 @@ class MicroBatcher:
                 while rows < self.max_batch:
                     wait = deadline - time.perf_counter()
                     try:
-                        nxt = self._q.get(timeout=wait) if wait > 0 else self._q.get_nowait()
+                        nxt = self._ready.get(timeout=wait) if wait > 0 else self._ready.get_nowait()
                     except queue.Empty:
                         break
                     # Only whole requests join a batch; the first one is the one that is split.
@@ -387,6 +366,39 @@ class MicroBatcher:
             except Exception:   # never let the worker die: requests would hang
                 log.exception("batch worker error")
         self._drain()
+        self._answers.put(_STOP)
+
+    # -- the other stages ----------------------------------------------------------------------
+
+    def _count_loop(self) -> None:
+        """Stage 1: count each new job's tokens, then queue it for the forward thread."""
+        while True:
+            item = self._q.get()
+            if isinstance(item, _Job):
+                try:
+                    self._counted(item)
+                except Exception:   # a tokenizer failure: every row costs one; the encode reports the error
+                    item.tokens = [1] * len(item.texts)
+            self._ready.put(item)
+            if item is _STOP:
+                return
+
+    def _answer_loop(self) -> None:
+        """Stage 3: search and answer the requests each forward pass completed."""
+        while True:
+            item = self._answers.get()
+            if item is _STOP:
+                return
+            jobs, batch_requests, start = item
+            try:
+                answer_batch(jobs, batch_requests, start, self._search, self.metrics)
+            except Exception as e:   # never leave a caller waiting
+                log.exception("answer stage error")
+                for j in jobs:
+                    _post(j.loop, j.future, exc=e)
+            finally:
+                for j in jobs:
+                    self._finish(j)
 
     # -- token budget (worker thread) ---------------------------------------------------------
 
@@ -402,25 +414,22 @@ class MicroBatcher:
         return max(sl.job.tokens[sl.lo:sl.hi]) if sl.job.tokens else 1
 
     def _first_slice(self, job: _Job) -> _Slice:
-        """The next rows of ``job`` that fit one batch (at least one row)."""
-        try:
-            self._counted(job)
-        except Exception:   # a tokenizer failure: every row costs one; the encode reports the error
-            job.tokens = [1] * len(job.texts)
+        """The next rows of ``job`` that fit one batch (at least one row); its tokens are counted."""
         assert job.tokens is not None
         lo = job.next_row
         _, n = token_slices(job.tokens[lo:], self.slice_tokens, self.max_batch)[0]
         return _Slice(job, lo, lo + n)
 
     def _drain(self) -> None:
-        while True:
-            try:
-                item = self._q.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, (_Job, _Call)):
-                _post(item.loop, item.future, exc=NotReadyError("the server is shutting down", "retry"))
-                self._finish(item)
+        for q in (self._ready, self._q):   # the tokens stage has ended: nothing moves between them
+            while True:
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, (_Job, _Call)):
+                    _post(item.loop, item.future, exc=NotReadyError("the server is shutting down", "retry"))
+                    self._finish(item)
 
     def _do_call(self, c: _Call) -> None:
         try:
@@ -479,8 +488,10 @@ class MicroBatcher:
             for sl in live:
                 j = sl.job
                 if j.next_row < len(j.texts) and not j.failed:
-                    self._q.put(j)   # its next micro-batch waits behind the requests queued meanwhile
-                else:
+                    # Back through the intake: its next micro-batch waits behind every request
+                    # submitted meanwhile, counted or not.
+                    self._q.put(j)
+                elif not j.answering:
                     self._finish(j)
 
     def _encode_slices(self, slices: list[_Slice]) -> bool:
@@ -520,52 +531,10 @@ class MicroBatcher:
         return True
 
     def _run_batch(self, slices: list[_Slice], start: float) -> None:
-        """Encode the slices; search (one call per distinct filter) the requests they complete."""
+        """Encode the slices; hand the requests they complete to the answer stage."""
         self._encode_slices(slices)
         jobs = [sl.job for sl in slices if sl.job.next_row == len(sl.job.texts) and not sl.job.failed]
-        if not jobs:
-            return
-        emb = np.concatenate([p for j in jobs for p in j.parts])
-        offsets, o = [], 0
-        for j in jobs:
-            offsets.append(o)
-            o += len(j.texts)
-        groups: dict[str, list[int]] = {}
-        m = self.metrics
-        for i, j in enumerate(jobs):
-            if j.vectors_only:   # an embedding request: its rows are its answer
-                off, n = offsets[i], len(j.texts)
-                queue_s = max(0.0, (j.started or start) - j.enqueued)
-                if m is not None:
-                    m.queue_seconds.observe(queue_s)
-                _post(j.loop, j.future, EmbedOutcome(np.array(emb[off:off + n], dtype=np.float32),
-                                                     list(j.trunc), queue_s, j.encode_s))
-                j.parts.clear()
-            else:
-                groups.setdefault(json.dumps(j.filter, sort_keys=True, default=str), []).append(i)
-        for members in groups.values():
-            rows = [offsets[i] + r for i in members for r in range(len(jobs[i].texts))]
-            kmax = max(jobs[i].k for i in members)
-            with_text = any(jobs[i].with_text for i in members)
-            t0 = time.perf_counter()
-            try:
-                hits = self._search(np.ascontiguousarray(emb[rows]), kmax, jobs[members[0]].filter, with_text)
-            except Exception as e:
-                for i in members:
-                    _post(jobs[i].loop, jobs[i].future, exc=e)
-                continue
-            search_s = time.perf_counter() - t0
-            if m is not None:
-                m.search_seconds.observe(search_s)
-            pos = 0
-            for i in members:
-                j = jobs[i]
-                n = len(j.texts)
-                queue_s = max(0.0, (j.started or start) - j.enqueued)
-                if m is not None:
-                    m.queue_seconds.observe(queue_s)
-                _post(j.loop, j.future, SearchOutcome(
-                    hits=[list(h[:j.k]) for h in hits[pos:pos + n]], truncated=list(j.trunc),
-                    queue_s=queue_s, encode_s=j.encode_s, search_s=search_s, batch_requests=len(slices)))
-                j.parts.clear()
-                pos += n
+        if jobs:
+            for j in jobs:
+                j.answering = True
+            self._answers.put((jobs, len(slices), start))

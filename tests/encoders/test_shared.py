@@ -12,7 +12,7 @@ import pytest
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
 from qswap.encoders.runtime import shared as shared_mod
 from qswap.encoders.runtime.backend import BACKENDS, make_backend
-from qswap.encoders.embedding import length_buckets
+from qswap.encoders.embedding import length_buckets, padded_splits
 from qswap.encoders.runtime.shared import SharedBackend, adapter_inputs
 from qswap.encoders.runtime.shared_export import SHARED_MODEL_FILE
 
@@ -170,6 +170,32 @@ def test_length_buckets_pad_each_batch_to_its_own_longest(tiny_base):
     assert seen[0] < seen[1] and seen[3] < seen[1]   # short rows do not pay for the long one
 
 
+def _cost(widths, splits, call):
+    return sum((hi - lo) * widths[lo] + call for lo, hi in splits)
+
+
+def test_padded_splits_are_the_cheapest_cuts():
+    """Against every way to cut 9 sorted rows (2^8 of them): the programme finds the least
+    tokens-plus-calls cost within the row bound, covering every row in order."""
+    import itertools
+    import random
+    rng = random.Random(0)
+    for _ in range(20):
+        widths = sorted((rng.randint(1, 60) for _ in range(9)), reverse=True)
+        call, most = rng.choice([0, 8, 48, 500]), rng.choice([2, 4, 9])
+        got = padded_splits(widths, most, call)
+        assert [lo for lo, _ in got] == [0] + [hi for _, hi in got[:-1]] and got[-1][1] == 9
+        assert all(hi - lo <= most for lo, hi in got)
+        best = min(_cost(widths, s, call) for cuts in itertools.product([0, 1], repeat=8)
+                   for s in [list(zip([0] + [i + 1 for i in range(8) if cuts[i]],
+                                      [i + 1 for i in range(8) if cuts[i]] + [9]))]
+                   if all(hi - lo <= most for lo, hi in s))
+        assert _cost(widths, got, call) == best
+    assert padded_splits([5, 4, 3], 2) == [(0, 2), (2, 3)]          # no call cost: runs of max_rows
+    assert padded_splits([40, 12, 12, 12], 64, 8) == [(0, 1), (1, 4)]  # the long row alone
+    assert padded_splits([40, 12, 12, 12], 64, 100) == [(0, 4)]       # a call dearer than the padding
+
+
 def test_truncation_flags_come_from_the_forward_tokenisation(backend, pool):
     long = "chess " * 5000
     vecs, flags = backend.encode_flagged([TEXTS[0], long], ["l1@1", "l1@1"])
@@ -211,7 +237,8 @@ def test_one_encoder_stays_one_call_on_the_multithreaded_session(two_workers, mo
     call = two_workers._call
     monkeypatch.setattr(two_workers, "_call", lambda s, *a: (used.append(s), call(s, *a))[1])
     two_workers.encode(TEXTS, ["l1@1"] * len(TEXTS))
-    assert used == [two_workers._session]
+    # Its rows may be cut into calls by length (padded_splits); none leaves that session.
+    assert used and set(used) == {two_workers._session}
 
 
 def test_bound_inputs_survive_batch_sizes_and_concurrent_runs(two_workers, pool):

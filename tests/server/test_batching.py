@@ -171,3 +171,35 @@ def test_batcher_admission_limits_and_deadlines():
             await b.search(["g"], "e1", 1, ticket=Ticket())
         b.stop()
     _run(main())
+
+
+def test_pipeline_answers_one_batch_while_the_next_is_encoded():
+    """Tokens are counted on their own thread, and a batch's search runs on the answer thread
+    while the forward thread encodes the next batch (held until then: without the overlap the
+    search gives up after 10 s and the answer says so)."""
+    first_encoded, second_encoded = threading.Event(), threading.Event()
+    names: dict[str, str] = {}
+
+    def count(texts):
+        names.setdefault("count", threading.current_thread().name)
+        return [1] * len(texts)
+
+    def encode(texts, keys):
+        names.setdefault("encode", threading.current_thread().name)
+        (second_encoded if first_encoded.is_set() else first_encoded).set()
+        return np.ones((len(texts), 2), dtype=np.float32)
+
+    def search(q, k, flt, with_text):
+        names.setdefault("search", threading.current_thread().name)
+        overlapped = second_encoded.wait(10)
+        return [[overlapped] * k for _ in q]
+
+    with running(encode=encode, search=search, count_tokens=count, window_s=0.0, max_batch=64) as b:
+        async def main():
+            first = asyncio.ensure_future(b.search(["a"], "k", 1, ticket=Ticket()))
+            assert await asyncio.to_thread(first_encoded.wait, 10)   # batch 1 encoded, now searching
+            second = await b.search(["b"], "k", 1, ticket=Ticket())
+            return await first, second
+        first, second = _run(main())
+    assert first.hits == [[True]] and second.hits == [[True]]
+    assert names == {"count": "qswap-batcher-tokens", "encode": "qswap-batcher", "search": "qswap-batcher-answers"}
