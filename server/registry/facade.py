@@ -57,7 +57,7 @@ from qswap.server.registry.records import (REGISTRY_FILE, STATE_LOCK_FILE, Encod
                                   version_order)
 from qswap.space import EmbeddingSpace
 from qswap.guard.checks import check_guard
-from qswap.server.registry.serving import Use, is_forced, serving_error
+from qswap.server.registry.serving import Use, is_forced, needs_force, serving_error
 
 __all__ = ["DEFAULT_ALIAS", "REGISTRY_FILE", "STATE_LOCK_FILE", "EncoderRecord", "EncoderRegistry", "GuardStatus",
            "split_key", "version_order"]
@@ -437,7 +437,7 @@ class EncoderRegistry:
         """The identical encoder is registered already (holds ``admin_lock``): ``force`` accepts
         a known verdict; a failed evaluation is retried; a pending one is returned with its job."""
         key = existing.key
-        if force and not existing.forced and not existing.guard_status.servable:
+        if force and not existing.forced and needs_force(existing):
             existing = self.table.update(key, forced=True)   # serves once its verdict is known
         if existing.guard_status == GuardStatus.EVALUATING:
             return existing, False, self.scheduler.jobs.get(key) if self.scheduler is not None else None

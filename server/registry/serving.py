@@ -85,6 +85,11 @@ def serving_error(rec: EncoderRecord | None, use: Use, force: bool = False) -> Q
     return _refusal(rec, use)
 
 
+def needs_force(rec: EncoderRecord) -> bool:
+    """Whether ``rec``'s verdict (known or pending) is not a pass: serving it asks for force."""
+    return not rec.guard_status.servable
+
+
 def is_forced(rec: EncoderRecord | None) -> bool:
     """Whether ``rec`` answers only because an admin forced it (its verdict is not a pass)."""
     return rec is not None and not rec.guard_status.servable and rec.guard_status != GuardStatus.EVALUATING
@@ -113,4 +118,4 @@ def _refusal(rec: EncoderRecord, use: Use) -> GuardRefusedError:
                              f"re-tune it, or {hint}", guard=ev)
 
 
-__all__ = ["Use", "is_forced", "serving_error"]
+__all__ = ["Use", "is_forced", "needs_force", "serving_error"]
