@@ -149,7 +149,7 @@ class ServerSettings(BaseSettings):
             raise InvalidInputError(
                 f"--insecure opens admin routes without a token; refusing to listen on {self.host}",
                 "use --host 127.0.0.1 with --insecure, or set an admin token (--token / QSWAP_ADMIN_TOKEN)")
-        for name in ("admin_token", "search_token", "metrics_token"):
+        for name in ("admin_token", "search_token", "metrics_token", "feedback_secret"):
             tok = getattr(self, name)
             if tok is not None and (not tok.get_secret_value().strip()
                                     or any(c.isspace() for c in tok.get_secret_value())):

@@ -20,10 +20,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError
 from qswap.feedback.experiment import ExperimentRecord, ExperimentStats
+from qswap.feedback.space import SizeBound, is_full
 
 log = logging.getLogger("qswap.feedback")
 
@@ -98,7 +99,9 @@ class FeedbackStore:
 
     Args:
         directory: the feedback directory (created).
-        max_bytes: the file is pruned (oldest impressions first) beyond this size.
+        max_bytes: the file, its WAL and its shared memory together stay under this at every
+            moment (:mod:`qswap.feedback.space`): the oldest impressions are pruned before a
+            write that would not fit.
         max_age_s: impressions older than this are pruned, with their feedback.
         queue_size: impressions waiting for the writer at most; more are dropped and counted.
     """
@@ -117,6 +120,10 @@ class FeedbackStore:
         self._db.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: a commit survives a process kill
         self._db.executescript(_SCHEMA)
         self._migrate()
+        self._bound = SizeBound(self.path, max_bytes)
+        self._bound.configure(self._db)
+        if self._bound.too_big(self._db):
+            self._shrink()
         self._queue: queue.Queue[Impression | ShadowRun | None] = queue.Queue(maxsize=queue_size)
         self._writes_since_prune = 0
         self._writer = threading.Thread(target=self._write_loop, name="qswap-feedback", daemon=True)
@@ -128,6 +135,22 @@ class FeedbackStore:
             have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
             if column not in have:
                 self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+
+    def _shrink(self) -> None:
+        """At open, a store larger than its bound (written under a larger one): drop the oldest
+        impressions until the rows fit, then rewrite the file once (the one vacuum)."""
+        self._db.execute("PRAGMA max_page_count = 2147483646")
+        total = self._db.execute("SELECT count(*) FROM impressions").fetchone()[0]
+        while self._used_pages() > self._bound.max_pages * 9 // 10 and self._drop_oldest(max(1, total // 20)):
+            pass
+        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self._db.execute("VACUUM")
+        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self._bound.configure(self._db)
+
+    def _used_pages(self) -> int:
+        count = self._db.execute("PRAGMA page_count").fetchone()[0]
+        return count - self._db.execute("PRAGMA freelist_count").fetchone()[0]
 
     # -- capture -----------------------------------------------------------------------------
 
@@ -157,27 +180,17 @@ class FeedbackStore:
             try:
                 if shadows:
                     with self._lock:
-                        self._tx(lambda db: [self._bump(r.experiment, shadow_skipped=1) if r.overlap is None
-                                             else self._bump(r.experiment, shadow_runs=1, overlap_sum=r.overlap,
-                                                             latency_ms_sum=r.latency_ms or 0.0)
-                                             for r in shadows])
-                if rows:
-                    counts: dict[str, int] = {}
-                    for r in rows:   # interleaved impressions count towards their experiment
-                        if r[8] is not None and r[7] is not None:
-                            counts[r[8]] = counts.get(r[8], 0) + 1
-
-                    def write(db: sqlite3.Connection) -> None:
-                        db.executemany("INSERT OR IGNORE INTO impressions (request_id, qi, ts, domain, encoder, "
-                                       "query, ids, teams, experiment, client) VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
-                        for exp, n in counts.items():
-                            self._bump(exp, impressions=n)
-                    with self._lock:
-                        self._tx(write)
-                    self._writes_since_prune += len(rows)
-                    if self._writes_since_prune >= 1000:
-                        self._writes_since_prune = 0
-                        self.prune()
+                        self._write(lambda db: [self._bump(r.experiment, shadow_skipped=1) if r.overlap is None
+                                                else self._bump(r.experiment, shadow_runs=1, overlap_sum=r.overlap,
+                                                                latency_ms_sum=r.latency_ms or 0.0)
+                                                for r in shadows], 64 * len(shadows))
+                for chunk in self._chunks(rows):
+                    self._insert(chunk)
+                    rows = rows[len(chunk):]
+                self._writes_since_prune += len(batch)
+                if self._writes_since_prune >= 1000:   # the age bound (the size bound holds at every write)
+                    self._writes_since_prune = 0
+                    self.prune()
             except sqlite3.Error as e:   # a full disk must not kill capture for good
                 self.dropped += len(rows)
                 log.error("feedback capture failed", extra={"error": str(e)})
@@ -187,7 +200,47 @@ class FeedbackStore:
             if stop:
                 return
 
-    def _tx(self, fn: Any) -> Any:
+    def _chunks(self, rows: list[tuple]) -> Iterator[list[tuple]]:
+        """Rows in transactions of at most half the WAL's share each (the size bound)."""
+        chunk: list[tuple] = []
+        size = 0
+        for r in rows:
+            n = _row_bytes(r)
+            if chunk and size + n > self._bound.tx_bytes:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(r)
+            size += n
+        if chunk:
+            yield chunk
+
+    def _insert(self, rows: list[tuple]) -> None:
+        counts: dict[str, int] = {}
+        for r in rows:   # interleaved impressions count towards their experiment
+            if r[8] is not None and r[7] is not None:
+                counts[r[8]] = counts.get(r[8], 0) + 1
+
+        def write(db: sqlite3.Connection) -> None:
+            db.executemany("INSERT OR IGNORE INTO impressions (request_id, qi, ts, domain, encoder, query, ids, "
+                           "teams, experiment, client) VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
+            for exp, n in counts.items():
+                self._bump(exp, impressions=n)
+        with self._lock:
+            self._write(write, sum(_row_bytes(r) for r in rows))
+
+    def _write(self, fn: Callable[[sqlite3.Connection], Any], nbytes: int) -> Any:
+        """One write transaction of about ``nbytes`` within the size bound (holds ``_lock``):
+        room is made first (the oldest impressions pruned); a write SQLite still refuses for
+        want of pages prunes more and is tried again."""
+        for attempt in range(6):
+            self._bound.make_room(self._db, nbytes << attempt, self._drop_oldest)
+            try:
+                return self._tx(fn)
+            except sqlite3.Error as e:
+                if not is_full(e) or attempt == 5:
+                    raise
+
+    def _tx(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         self._db.execute("BEGIN IMMEDIATE")
         try:
             out = fn(self._db)
@@ -195,6 +248,7 @@ class FeedbackStore:
             self._db.execute("ROLLBACK")
             raise
         self._db.execute("COMMIT")
+        self._bound.after_commit(self._db)
         return out
 
     def flush(self) -> None:
@@ -262,7 +316,7 @@ class FeedbackStore:
                     self._bump(imp.experiment, **{{1: "wins", -1: "losses", 0: "ties"}[outcome]: 1})
                     if outcome:
                         self._count_evidence(imp.experiment, imp.client or "", outcome, max_per_client)
-            self._tx(write)
+            self._write(write, len(imp.query) + 64 * (len(fb.clicks) + len(fb.grades or {})) + 256)
 
     def _count_evidence(self, exp_id: str, client: str, outcome: int, cap: int | None) -> None:
         """A decided outcome counts as evidence while its client has given fewer than ``cap``
@@ -305,7 +359,8 @@ class FeedbackStore:
     # -- retention ---------------------------------------------------------------------------
 
     def prune(self, now: float | None = None) -> int:
-        """Drop impressions past the age bound, then the oldest ones while the file is too big.
+        """Drop impressions past the age bound, with their feedback (the size bound needs no
+        pass of its own: every write makes its room first).
 
         Returns:
             Impressions removed.
@@ -313,41 +368,36 @@ class FeedbackStore:
         now = time.time() if now is None else now
         removed = 0
         with self._lock:
-            removed += self._drop_before(now - self.max_age_s)
-            while self._size() > self.max_bytes:
-                row = self._db.execute("SELECT ts FROM impressions ORDER BY ts LIMIT 1 OFFSET "
-                                       "(SELECT max(count(*) / 10, 1) FROM impressions)").fetchone()
-                if row is None:
-                    removed += self._drop_before(float("inf"))
-                    break
-                removed += self._drop_before(row[0])
-                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                self._db.execute("VACUUM")
-        return removed
+            while True:
+                n = self._drop_oldest(1000, before=now - self.max_age_s)
+                removed += n
+                if n < 1000:
+                    return removed
 
-    def _drop_before(self, ts: float) -> int:
+    def _drop_oldest(self, n: int, before: float = float("inf")) -> int:
+        """Delete the ``n`` oldest impressions (older than ``before``) and their feedback in one
+        transaction (holds ``_lock``); returns how many went."""
         def drop(db: sqlite3.Connection) -> int:
-            db.execute("DELETE FROM feedback WHERE (request_id, qi) IN "
-                       "(SELECT request_id, qi FROM impressions WHERE ts < ?)", (ts,))
-            return db.execute("DELETE FROM impressions WHERE ts < ?", (ts,)).rowcount
+            keys = db.execute("SELECT request_id, qi FROM impressions WHERE ts < ? ORDER BY ts LIMIT ?",
+                              (before, n)).fetchall()
+            db.executemany("DELETE FROM feedback WHERE request_id=? AND qi=?", keys)
+            db.executemany("DELETE FROM impressions WHERE request_id=? AND qi=?", keys)
+            return len(keys)
         return self._tx(drop)
 
     def _size(self) -> int:
-        total = 0
-        for suffix in ("", "-wal"):
-            p = self.path.with_name(self.path.name + suffix)
-            if p.exists():
-                total += p.stat().st_size
-        return total
+        return self._bound.size()
 
     # -- experiments -------------------------------------------------------------------------
 
     def put_experiment(self, exp: ExperimentRecord) -> None:
         """Create or replace the experiment of a domain (one at a time per domain)."""
+        doc = exp.model_dump_json()
         with self._lock:
-            self._tx(lambda db: (db.execute("INSERT OR REPLACE INTO experiments VALUES (?,?,?)",
-                                            (exp.domain, exp.id, exp.model_dump_json())),
-                                 db.execute("INSERT OR IGNORE INTO experiment_stats (id) VALUES (?)", (exp.id,))))
+            self._write(lambda db: (db.execute("INSERT OR REPLACE INTO experiments VALUES (?,?,?)",
+                                               (exp.domain, exp.id, doc)),
+                                    db.execute("INSERT OR IGNORE INTO experiment_stats (id) VALUES (?)", (exp.id,))),
+                        len(doc))
 
     def experiments(self, wait: bool = True) -> dict[str, ExperimentRecord] | None:
         """Every domain's experiment, as stored.
@@ -376,6 +426,11 @@ class FeedbackStore:
         sets = ", ".join(f"{k} = {k} + ?" for k in delta)
         self._db.execute("INSERT OR IGNORE INTO experiment_stats (id) VALUES (?)", (exp_id,))
         self._db.execute(f"UPDATE experiment_stats SET {sets} WHERE id=?", (*delta.values(), exp_id))
+
+
+def _row_bytes(row: tuple) -> int:
+    """An impression row's bytes, about (its text fields and a fixed part)."""
+    return sum(len(x) for x in row if isinstance(x, str)) + 64
 
 
 def _impression(row: tuple) -> Impression:

@@ -26,11 +26,13 @@ import hashlib
 import hmac
 import os
 import secrets
+import time
 from pathlib import Path
 
 from fastapi import Request
 from pydantic import SecretStr
 
+from qswap.errors import IntegrityError
 from qswap.server.config import ServerSettings
 from qswap.server.http.auth import token_matches
 
@@ -68,10 +70,16 @@ class ImpressionSigner:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
-            key = path.read_bytes()
-            if len(key) < 32:   # another process is writing it: it writes 32 bytes in one call
-                raise ValueError(f"{path.name} in the feedback directory is shorter than 32 bytes: remove it")
-            return cls(key)
+            # Another process (a Ray replica) may have created it a moment ago and be writing its
+            # 32 bytes (one write call): read again briefly before calling it damaged.
+            for wait in (0.0, 0.01, 0.05, 0.2, 1.0):
+                time.sleep(wait)
+                key = path.read_bytes()
+                if len(key) >= 32:
+                    return cls(key)
+            raise IntegrityError(f"{path.name} in the feedback directory is shorter than 32 bytes",
+                                 "remove it (impression ids issued under it stop counting), or set "
+                                 "QSWAP_FEEDBACK_SECRET")
         key = secrets.token_bytes(32)
         try:
             os.write(fd, key)

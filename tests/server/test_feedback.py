@@ -181,3 +181,78 @@ def test_shadow_runs_off_the_response_path(admin, anon, fb_live):
     assert exps.wait_shadows(10)
     store.flush()
     assert store.stats(r.json()["id"]).shadow_runs == 1     # stopped: no more shadow runs
+
+
+def test_impression_ids_are_issued_by_the_server_and_bound_to_the_client(anon, admin, fb_live):
+    # The same client-chosen X-Request-ID from two clients: two captured searches, two ids.
+    r1 = anon.post("/v1/search", json={"query": "chess game", "k": 4}, headers={"X-Request-ID": "same-id"})
+    r2 = admin.post("/v1/search", json={"query": "chess game", "k": 4}, headers={"X-Request-ID": "same-id"})
+    i1, i2 = r1.json()["impression"], r2.json()["impression"]
+    assert i1 != i2 and r1.headers["x-request-id"] == r2.headers["x-request-id"] == "same-id"
+    ids1 = [h["id"] for h in r1.json()["results"][0]["hits"]]
+    ids2 = [h["id"] for h in r2.json()["results"][0]["hits"]]
+    # Each id is worth something only to the client it was issued to (token, or address without one).
+    for client, foreign in ((admin, i1), (anon, i2)):
+        r = client.post("/v1/feedback", json={"impression": foreign, "clicks": ids1[:1]})
+        assert r.status_code == 404 and r.json()["error"] == "not_found", r.text
+    key, _, tag = i1.partition(".")
+    forged = f"{key}.{'A' if tag[0] != 'A' else 'B'}{tag[1:]}"
+    assert anon.post("/v1/feedback", json={"impression": forged, "clicks": ids1[:1]}).status_code == 404
+    # The client-chosen id is not a capture key any more.
+    assert anon.post("/v1/feedback", json={"request_id": "same-id", "clicks": ids1[:1]}).status_code == 422
+    assert anon.post("/v1/feedback", json={"impression": i1, "clicks": ids1[:1]}).status_code == 200
+    assert admin.post("/v1/feedback", json={"impression": i2, "clicks": ids2[:1]}).status_code == 200
+
+
+def test_an_empty_feedback_is_400_and_burns_nothing(anon):
+    rid, res = _search(anon, query="audio video")
+    r = anon.post("/v1/feedback", json={"impression": rid})
+    assert r.status_code == 400 and r.json()["error"] == "invalid_input", r.text
+    ids = [h["id"] for h in res[0]["hits"]]
+    assert anon.post("/v1/feedback", json={"impression": rid, "clicks": ids[:1]}).status_code == 200
+
+
+def test_a_feedback_flood_gets_429_and_never_holds_admin_or_search(anon, admin, fb_live):
+    """Feedback runs on its own bounded admission: with the store held, two feedbacks are
+    admitted and wait, the third is refused at once (429, nothing changed), and admin routes
+    and search answer meanwhile."""
+    import threading
+
+    from ..handshake import Counter
+
+    qs = fb_live.app.state.qs
+    searches = [_search(anon, query=q) for q in ("chess", "audio", "video")]
+    entered, release = Counter(), threading.Event()
+    original, limit = qs.feedback.impression, qs.feedback_admission.limit
+
+    def held(*a, **kw):
+        entered.add()
+        release.wait(60)
+        return original(*a, **kw)
+
+    codes: list[int] = []
+
+    def send(rid, res):
+        with fb_live.client() as c:
+            codes.append(c.post("/v1/feedback", json={"impression": rid, "clicks": [res[0]["hits"][0]["id"]]})
+                         .status_code)
+
+    qs.feedback.impression, qs.feedback_admission.limit = held, 2
+    threads = [threading.Thread(target=send, args=s, daemon=True) for s in searches[:2]]
+    try:
+        for t in threads:
+            t.start()
+        assert entered.wait_for(2, 60)
+        rid, res = searches[2]
+        r = anon.post("/v1/feedback", json={"impression": rid, "clicks": [res[0]["hits"][0]["id"]]})
+        assert r.status_code == 429 and r.json()["error"] == "overloaded" and "retry-after" in r.headers
+        assert admin.put("/v1/aliases/flood", json={"encoder": "ft@1"}).status_code == 200
+        assert anon.post("/v1/search", json={"query": "chess", "domain": "flood"}).status_code == 200
+    finally:
+        release.set()
+        for t in threads:
+            t.join(60)
+        qs.feedback.impression, qs.feedback_admission.limit = original, limit
+    assert codes == [200, 200]
+    # The refused one changed nothing: it can be sent again.
+    assert anon.post("/v1/feedback", json={"impression": rid, "clicks": [res[0]["hits"][0]["id"]]}).status_code == 200
