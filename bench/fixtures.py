@@ -57,9 +57,8 @@ def load_workload(quick: bool, max_queries: int = 4000, seed: int = 0) -> Worklo
 
     rng = random.Random(seed)
     if quick:
-        import qswap
-        path = Path(qswap.__file__).parent / "data" / "demo_corpus.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        from qswap.demo import demo_documents
+        rows = demo_documents()
         docs = [Document(r["id"], r["text"], {"section": r.get("section", "")}) for r in rows]
         queries = [r.get("title") or r["text"][:80] for r in rows]
         rng.shuffle(queries)

@@ -65,9 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _corpus(n: int, out: Path) -> Path:
-    import qswap
-    src = Path(qswap.__file__).parent / "data" / "demo_corpus.jsonl"
-    lines = [line for line in src.read_text(encoding="utf-8").splitlines() if line.strip()][:n]
+    from qswap.demo import demo_corpus
+    lines = [line for line in demo_corpus().read_text(encoding="utf-8").splitlines() if line.strip()][:n]
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return out
 

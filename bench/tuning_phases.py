@@ -151,7 +151,7 @@ def compare_encoders(beir: Path, index: Path, reference: Path, candidate: Path, 
     finally:
         for fast in runtimes:
             fast.close()
-    return guard_record(checks)
+    return guard_record(checks).to_json()
 
 
 def base_tokens(base: Any) -> Any:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from qswap.guard import GuardStatus
+from qswap.guard import GuardRecord, GuardStatus
 
 
 class EncoderRef(BaseModel):
@@ -82,8 +82,8 @@ class EncoderInfo(BaseModel):
     memory_bytes: int | None = None
     aliases: list[str] = Field(default_factory=list)
     training: dict[str, Any] | None = None
-    guard: dict[str, Any] | None = Field(None, description="the guard record the encoder's manifest carries "
-                                                           "(self-reported: informational)")
+    guard: GuardRecord | None = Field(None, description="the guard record the encoder's manifest carries "
+                                                        "(self-reported: informational)")
     guard_status: GuardStatus | None = Field(
         None, description="the server's own verdict (--sentinels): 'evaluating' until done, then 'passed', "
                           "'refused', 'insufficient_evidence' (a sentinel has too few judged queries left) or "
@@ -91,7 +91,7 @@ class EncoderInfo(BaseModel):
                           "'unguarded' encoders, or forced ones once their verdict is known, serve")
     forced: bool = Field(False, description="force was given (registration or alias): served once the verdict "
                                             "is known, whatever it is; never while evaluating")
-    evaluation: dict[str, Any] | None = Field(
+    evaluation: GuardRecord | None = Field(
         None, description="the server's guard record: per sentinel and reference encoder (base, aliased "
                           "encoders) n, nDCG@10 before/after, Wilcoxon statistic, p (raw and Holm), "
                           "sign test, reciprocal rank, pooled PND Z, verdict")

@@ -4,8 +4,9 @@
   OpenAPI schema (``server/openapi.json``, which a test keeps equal to the running app's);
 - ``<!-- generated: settings -->`` becomes the settings table, read from ``ServerSettings``
   (``server/config.py``) and the ``qswap serve`` flags that set each field;
-- ``<!-- generated: benchmarks -->`` becomes one section per ``bench/results/**/results.json``:
-  its command, commit, machine and load next to its figures and plots.
+- ``<!-- generated: benchmarks -->`` becomes the benchmarks summary: the headline figures declared in
+  ``bench/results/headlines.toml`` against their targets, and every ``bench/results/**/results.json``
+  with its commit and machine, linked to a generated page of its own (command, load, figures, plots).
 
 The nav in ``mkdocs.yml`` lists sections; any ``docs/*.md`` page it does not list is added under
 "More topics", so a new page never breaks the build and is never unreachable.
@@ -253,51 +254,138 @@ def _value(v: Any) -> str:
     return _cell(v)
 
 
+def _provenance(doc: Mapping[str, Any]) -> dict[str, str]:
+    meta = doc.get("meta", {})
+    m, g = meta.get("machine", {}), meta.get("git", {})
+    return {"commit": (g.get("commit") or "unknown")[:12],
+            "dirty": " (uncommitted changes)" if g.get("dirty") else "",
+            "note": f" ({g['note']})" if g.get("note") else "",
+            "cpu": str(m.get("cpu_model") or "?"), "cores": f"{m.get('cores_usable')} usable / {m.get('cores_logical')}",
+            "started": str(meta.get("started") or "?")[:10]}
+
+
+def _page_uri(name: str) -> str:
+    # a folder per result set: a set named "index" must not become the folder's index page
+    return f"benchmark/{name}/results.md"
+
+
 def benchmark_section(path: Path, root: Path = RESULTS) -> tuple[str, list[Path]]:
-    """One benchmark's section: provenance, plots, then its figures, all read from one results file.
+    """One benchmark's page: provenance, plots, then its figures, all read from one results file.
 
     Args:
         path: a ``results.json`` written by :class:`qswap.bench.results.ResultWriter`.
-        root: the results folder the section's title is relative to.
+        root: the results folder the page's title is relative to.
 
     Returns:
-        The Markdown section and the PNG plots it shows (paths on disk).
+        The Markdown page (its links relative to ``benchmarks/<name>.md``) and the PNG plots it shows.
     """
     doc = json.loads(path.read_text())
     name = str(path.parent.relative_to(root))
     meta, results = doc.get("meta", {}), doc.get("results", {})
-    m, g = meta.get("machine", {}), meta.get("git", {})
-    commit = (g.get("commit") or "unknown")[:12] + (" (uncommitted changes)" if g.get("dirty") else "")
+    m, pv = meta.get("machine", {}), _provenance(doc)
     load = f"{(m.get('loadavg') or ['?'])[0]} at start, {(meta.get('loadavg_end') or ['?'])[0]} at end"
-    out = [f"## {name}", "",
+    up = "../" * _page_uri(name).count("/")
+    out = [f"# {name}", "", f"[All benchmarks]({up}benchmarks.md)", "",
            f"- command: `{meta.get('command', '')}`",
-           f"- commit: `{commit}`" + (f" ({g['note']})" if g.get("note") else ""),
+           f"- commit: `{pv['commit']}`{pv['dirty']}{pv['note']}",
            f"- machine: {m.get('cpu_model')}, {m.get('cores_usable')} usable / {m.get('cores_logical')} cores, "
            f"{m.get('ram_gib')} GiB RAM; torch threads {m.get('torch_threads')}",
            f"- when: {meta.get('started')}, {meta.get('seconds', 0):.0f} s; load average (1 min) {load}", ""]
     plots = sorted(path.parent.glob("*.png"))
     for p in plots:
-        out += [f"![{name}: {p.stem}](bench/{name}/{p.name})", ""]
+        out += [f"![{name}: {p.stem}]({up}bench/{name}/{p.name})", ""]
     out += figure_tables(results)
     return "\n".join(out) + "\n", plots
 
 
-def benchmarks_markdown(root: Path = RESULTS) -> tuple[str, list[tuple[str, Path]]]:
-    """Every benchmark's section, in path order.
+def _lookup(results: Any, path: list[Any]) -> Any:
+    for key in path:
+        results = results[key]
+    return results
+
+
+def headline_rows(name: str, results: Any, spec: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The summary rows of one benchmark: each declared figure read from its results, with its target.
+
+    Args:
+        name: the results folder (relative to ``bench/results``).
+        results: the ``results`` member of its results file.
+        spec: its entry in ``bench/results/headlines.toml``.
+
+    Returns:
+        One row per figure: label, value, target, verdict (met / missed / blank without a target).
+
+    Raises:
+        KeyError: a declared path is not in the results (the benchmark's output changed).
+    """
+    rows = []
+    for f in spec.get("figures", []):
+        value = _lookup(results, f["path"])
+        if "over" in f:
+            value = value / _lookup(results, f["over"])
+        scale = f.get("scale", 1)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = value * scale if scale != 1 else value
+        fmt = f.get("format", "{}")
+        text = fmt.format(value) if not isinstance(value, str) else value
+        target, verdict = f.get("target", ""), ""
+        if "target_path" in f:
+            bound = _lookup(results, f["target_path"]) * scale
+            target = f"<= {fmt.format(bound)}"
+            verdict = "met" if value <= bound else "missed"
+        elif target:
+            op, bound = target.split()
+            ok = value <= float(bound) if op == "<=" else value >= float(bound)
+            verdict = "met" if ok else "missed"
+        rows.append({"label": f["label"], "value": text, "target": target, "verdict": verdict})
+    return rows
+
+
+def headlines(root: Path = RESULTS) -> dict[str, Any]:
+    """``bench/results/headlines.toml``: the figures the summary shows, per results folder."""
+    import tomllib
+    path = root / "headlines.toml"
+    return tomllib.loads(path.read_text()) if path.exists() else {}
+
+
+def benchmarks_markdown(root: Path = RESULTS) -> tuple[str, list[tuple[str, Path]], list[tuple[str, str]]]:
+    """The benchmarks summary, and one page per results file.
 
     Args:
         root: the ``bench/results`` folder.
 
     Returns:
-        The Markdown and the plots to copy into the site as ``(site path, file on disk)``.
+        The summary's Markdown (headline figures against their targets, their plots, and every
+        result set with its provenance and a link to its page), the plots to copy into the site
+        as ``(site path, file on disk)``, and the pages as ``(src uri, Markdown)``.
     """
-    parts, plots = [], []
-    for path in results_files(root):
-        text, pngs = benchmark_section(path, root)
-        parts.append(text)
+    heads = headlines(root)
+    files = results_files(root)
+    summary = ["| benchmark | figure | value | target | | commit | machine |", "|---|---|---|---|---|---|---|"]
+    listing = ["| result set | commit | measured | machine |", "|---|---|---|---|"]
+    shown_plots, plots, pages = [], [], []
+    for path in files:
+        doc = json.loads(path.read_text())
         name = str(path.parent.relative_to(root))
+        text, pngs = benchmark_section(path, root)
+        pages.append((_page_uri(name), text))
         plots += [(f"bench/{name}/{p.name}", p) for p in pngs]
-    return "\n".join(parts), plots
+        pv = _provenance(doc)
+        link = f"[{name}]({_page_uri(name)})"
+        listing.append(f"| {link} | `{pv['commit']}`{pv['dirty']} | {pv['started']} | {_cell(pv['cpu'])} |")
+        if name in heads:
+            for i, row in enumerate(headline_rows(name, doc.get("results", {}), heads[name])):
+                summary.append(f"| {link if i == 0 else ''} | {_cell(row['label'])} | {row['value']} | "
+                               f"{_cell(row['target'])} | {row['verdict']} | "
+                               f"{('`' + pv['commit'] + '`' + pv['dirty']) if i == 0 else ''} | "
+                               f"{_cell(pv['cpu']) if i == 0 else ''} |")
+            plot = heads[name].get("plot")
+            if plot and (path.parent / plot).exists():
+                shown_plots.append(f"![{name}](bench/{name}/{plot})")
+    out = ["## Summary", "", *summary, "", *[p + "\n" for p in shown_plots],
+           "## Every result set", "",
+           "Each links to its page: the command, the machine and load, every figure and plot.", "", *listing, ""]
+    return "\n".join(out), plots, pages
 
 
 # ----------------------------------------------------------------------------------- mkdocs hooks
@@ -364,12 +452,17 @@ def on_config(config: Any) -> Any:
 
 
 def on_files(files: Any, config: Any) -> Any:
-    """Put the benchmark plots into the site next to the generated benchmarks page."""
-    from mkdocs.structure.files import File
+    """Put the benchmark plots and one page per result set into the site (pages reached from the
+    benchmarks summary, not from the nav)."""
+    from mkdocs.structure.files import File, InclusionLevel
 
-    _, plots = benchmarks_markdown()
+    _, plots, pages = benchmarks_markdown()
     for site_path, disk in plots:
         files.append(File.generated(config, site_path, abs_src_path=str(disk)))
+    for uri, text in pages:
+        page = File.generated(config, uri, content=text)
+        page.inclusion = InclusionLevel.NOT_IN_NAV
+        files.append(page)
     return files
 
 

@@ -26,14 +26,11 @@ from pydantic import BaseModel as PydanticModel, ValidationError, field_validato
 from qswap import __version__
 from qswap.atomic import atomic_copy, atomic_write_json, sha256_file, staged_dir
 from qswap.encoders.kinds import KINDS, get_kind
-from qswap.encoders.kinds.lora import CONFIG_FILE, WEIGHTS_FILE
-from qswap.encoders.kinds.partial import TENSOR_FILE  # noqa: F401  (re-exported: the bias/partial file name)
 from qswap.errors import IntegrityError, NotFoundError
-from qswap.names import validate_name  # noqa: F401  (re-exported)
+from qswap.names import validate_name
 from qswap.space import EmbeddingSpace
 
 ENCODER_MANIFEST = "manifest.json"
-LORA_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 _MAX_FILE_NAME = 255   # bytes, as most file systems allow
 
 

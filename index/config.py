@@ -146,10 +146,6 @@ class IndexConfig:
                                     "the manifest was written by a newer qswap; upgrade qswap")
         return cls(**{k: v for k, v in d.items() if k in names})
 
-    def with_overrides(self, **overrides: Any) -> "IndexConfig":
-        """Copy with the non-``None`` overrides applied."""
-        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
-
 
 def _pow2(x: float) -> int:
     """Nearest power of two (IVF list counts), at least 1."""

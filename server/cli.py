@@ -75,10 +75,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="admin routes without a token, for local use (loopback host only)")
     p.add_argument("--backend", choices=BACKENDS,
                    help="query forward passes: 'shared' (default: one ONNX Runtime session of the base, adapters bound "
-                        "per run), 'onnx' (one merged export per encoder) or 'torch' (the reference)")
-    p.add_argument("--query-precision", choices=PRECISIONS,
+                        "per run), 'onnx' (one merged export per encoder), 'torch' (the reference) or 'cuda' (mixed-adapter "
+                        "batches as CUDA-graph replays: docs/gpu.md)")
+    p.add_argument("--query-precision", choices=(*PRECISIONS, "fp16"),
                    help="torch backend: run batches of 16+ queries for one encoder in bf16 (default fp32; pays only where the "
-                        "hardware has native bf16: AMX, AVX-512-BF16, tensor cores)")
+                        "hardware has native bf16: AMX, AVX-512-BF16, tensor cores); cuda backend: every batch "
+                        "at fp32, fp16 or bf16")
     p.add_argument("--lora-factors", choices=FACTOR_NAMES,
                    help="storage type of loaded LoRA factors (default float16: half the memory per encoder, compute "
                         "stays float32; factors outside float16's range keep float32)")

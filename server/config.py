@@ -65,13 +65,14 @@ class ServerSettings(BaseSettings):
                                             "none: /metrics follows the search rule (the search token when set)")
     insecure: bool = Field(False, description="admin routes without a token, loopback only")
     # -- throughput
-    backend: Literal["shared", "onnx", "torch"] = "shared"
+    backend: Literal["shared", "onnx", "torch", "cuda"] = "shared"
     onnx_threads: int | None = Field(None, ge=1)
     export_retry_s: float = Field(10.0, gt=0, description="a failed background ONNX export (EMFILE, full disk) is "
                                   "tried again after this, doubling up to 5 minutes; torch serves meanwhile")
-    query_precision: Literal["fp32", "bf16"] = Field(
+    query_precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="torch backend: bf16 runs batches of 16+ queries for one "
-                            "encoder under bf16 autocast (1.16-1.33x faster forwards with AMX; see README)")
+                            "encoder under bf16 autocast (1.16-1.33x faster forwards with AMX; see README); "
+                            "cuda backend: every batch at this precision (fp16 on the cuda backend only)")
     lora_factors: Literal["float16", "bfloat16", "float32"] = Field(
         SERVING_FACTORS, description="storage type of loaded LoRA factors (compute stays float32; see docs/query-path.md)")
     batch_window_ms: float = Field(2.0, ge=0, le=1000, description="how long a batch waits for more requests")
@@ -162,7 +163,10 @@ class ServerSettings(BaseSettings):
         if self.encoders_root is not None and not Path(self.encoders_root).is_dir():
             raise InvalidInputError(f"encoders root {self.encoders_root} is not a directory",
                                     "create it or point --encoders-root to an existing directory")
-        if self.query_precision != "fp32" and self.backend != "torch":
+        if self.query_precision == "fp16" and self.backend != "cuda":
+            raise InvalidInputError("--query-precision fp16 needs the cuda backend",
+                                    "use --backend cuda, or --query-precision bf16 on the torch backend")
+        if self.query_precision != "fp32" and self.backend not in ("torch", "cuda"):
             raise InvalidInputError(f"--query-precision {self.query_precision} needs the torch backend "
                                     f"(the {self.backend} graphs are fp32)",
                                     "drop --query-precision, or use --backend torch")

@@ -10,7 +10,6 @@ otherwise the start is refused naming the holder.
 from __future__ import annotations
 
 import logging
-from importlib import resources
 from pathlib import Path
 
 from qswap.atomic import sha256_file
@@ -19,14 +18,10 @@ from qswap.encoders.runtime.documents import DocumentEncoder
 from qswap.errors import ConflictError, QswapError, SpaceMismatchError
 from qswap.index import DocumentIndex, IndexConfig, build_index
 from qswap.index.backends.faiss.recovery import lock_holder
+from qswap.demo import demo_corpus
 from qswap.paths import data_dir
 
 log = logging.getLogger("qswap.server")
-
-
-def demo_corpus() -> Path:
-    """The bundled demo corpus (JSONL lines: id, text, title, section)."""
-    return Path(str(resources.files("qswap") / "data" / "demo_corpus.jsonl"))
 
 
 def demo_index_dir() -> Path:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -18,12 +17,12 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from qswap.encoders import BASE_KEY, BaseEncoder, EncoderPool, load_base
-from qswap.errors import QswapError
+from qswap.errors import NotReadyError, QswapError
 from qswap.server.registry.intake import extract_encoder_archive
-from qswap.encoders.runtime.backend import Backend, make_backend
+from qswap.encoders.runtime.backend import make_backend
+from qswap.encoders.runtime.protocol import Backend
 from qswap.server.serving.batching import MicroBatcher
 from qswap.server.config import ServerSettings
-from qswap.server.http.errors import NotReadyError
 from qswap.server.serving.jobs import DocumentJobs
 from qswap.server.http.metrics import Metrics
 from qswap.server.registry.facade import EncoderRecord, EncoderRegistry
@@ -31,7 +30,6 @@ from qswap.server.http.rendering import ResponseLimits
 
 log = logging.getLogger("qswap.server")
 
-UPLOAD_PREFIX = ".upload-"
 
 
 class ServerState:
@@ -107,7 +105,6 @@ class ServerState:
                                       default_encoder=s.default_encoder, memory_budget=s.encoder_memory_bytes,
                                       metrics=self.metrics, guard=guard)
         registry.load_state()   # holds the state-dir lock from here: no other server uses the dir
-        self._remove_leftover_uploads()
         self.registry = registry
         self.backend.prepare(BASE_KEY)
         registry.ensure_loaded(registry.default_key())
@@ -170,13 +167,6 @@ class ServerState:
         assert self.registry is not None
         if not self.registry.is_loaded(key):
             await asyncio.to_thread(self.registry.ensure_loaded, key)
-
-    def _remove_leftover_uploads(self) -> None:
-        """Extraction folders of uploads a killed server left behind (a live upload has the lock)."""
-        for p in self.settings.state_dir.glob(f"{UPLOAD_PREFIX}*"):
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-                log.info("removed an upload folder left by a killed server", extra={"path": str(p)})
 
     def begin_drain(self) -> None:
         """Stop admitting requests (SIGTERM): new ones get 503, admitted ones finish; guard

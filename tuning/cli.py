@@ -15,8 +15,11 @@ from qswap.tuning.losses import LOSSES
 from qswap.tuning.losses.similarity import METRICS
 from qswap.tuning.methods import METHODS
 from qswap.tuning.optim import LR_RULES, OPTIMIZERS, SCHEDULERS
-from qswap.tuning.recipes import RECIPES, describe, resolve
+from qswap.tuning.recipes import RECIPES, default_recipe, describe, device_spec, resolve
 from qswap.tuning.config import MINE_CHOICES, QUERY_RUNTIMES
+
+# `qswap tune run` exit status when no epoch improved (2 is a usage error, 1 a failure).
+IDENTITY_EXIT = 3
 
 
 def _ints(s: str) -> list[int]:
@@ -162,12 +165,12 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--matryoshka", type=_ints, default=[], metavar="DIMS",
                    help="comma-separated prefix dimensions, e.g. 384,256")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--recipe", choices=sorted(RECIPES), default="cpu",
-                   help="defaults of the options marked 'the recipe's': " + "; ".join(
+    g.add_argument("--recipe", choices=sorted(RECIPES), default=None,
+                   help="defaults of the options marked 'the recipe's' (default: gpu on a CUDA device, else cpu): " + "; ".join(
                        f"{name} = {describe(name)}" for name in sorted(RECIPES)))
     g.add_argument("--lr", type=float, default=None, help="learning rate (default: the recipe's)")
-    g.add_argument("--lr-rule", choices=LR_RULES, default="none",
-                   help="sqrt: scale --lr from batch 14 to --batch-size by the square-root rule")
+    g.add_argument("--lr-rule", choices=LR_RULES, default=None,
+                   help="sqrt: scale --lr from batch 14 to --batch-size by the square-root rule (default: the recipe's)")
     g.add_argument("--batch-size", type=int, default=None, help="queries per step (default: the recipe's)")
     g.add_argument("--precision", choices=("auto", *PRECISIONS), default=None,
                    help="forward passes of training and validation; auto: bf16 autocast where the device "
@@ -196,6 +199,9 @@ def _add_run(sub: Any) -> None:
     g.add_argument("--cache-dir", type=Path, help="document-embedding cache (default <data dir>/doc-cache)")
     g.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.add_argument("--allow-identity", action="store_true",
+                   help=f"exit 0 when no epoch improved (the encoder is then the base); without it: exit "
+                        f"{IDENTITY_EXIT} with a message")
     g.add_argument("--query-runtime", choices=QUERY_RUNTIMES, default="onnx",
                    help="what encodes queries for mining and evaluation: onnx = the serving path's ONNX Runtime "
                         "export (vectors equal to torch's to cosine >= 0.99999), torch = the reference")
@@ -213,12 +219,11 @@ def _run(args: argparse.Namespace) -> int:
     from qswap.tuning.run import run_tuning
     from qswap.tuning.trainer import TrainConfig
 
-    from qswap.encoders.base import default_device
-    from qswap.encoders.precision import has_fast_bf16
-
     # freeze_blocks is a recipe setting of the partial method only: other methods refuse it.
     freeze = args.freeze_blocks if args.freeze_blocks is not None or args.method == "partial" else 0
-    sched = resolve(args.recipe, lr=args.lr, epoch_batches=args.epoch_batches, max_epochs=args.max_epochs,
+    spec = device_spec(args.device)
+    args.recipe = args.recipe or default_recipe(spec)
+    sched = resolve(args.recipe, spec, lr=args.lr, lr_rule=args.lr_rule, epoch_batches=args.epoch_batches, max_epochs=args.max_epochs,
                     patience=args.patience, batch_size=args.batch_size, precision=args.precision,
                     fused=args.fused if args.optimizer in ("adamw", "sgd") or args.fused else False,
                     dropout=args.dropout, freeze_blocks=freeze)
@@ -231,11 +236,8 @@ def _run(args: argparse.Namespace) -> int:
         args.beir = args.out.with_name(args.out.name + ".feedback-data")
         s = export_feedback(args.feedback, args.index, args.beir, args.domain)
         print(f"feedback: {s.queries} queries with clicks from {s.impressions} impressions -> {args.beir}")
-    if sched["precision"] == "auto":
-        device = args.device or default_device()
-        sched["precision"] = "bf16" if has_fast_bf16(device) else "fp32"
     batch = int(sched["batch_size"])
-    lr = sqrt_scaled_lr(batch, base_lr=sched["lr"]) if args.lr_rule == "sqrt" else sched["lr"]
+    lr = sqrt_scaled_lr(batch, base_lr=sched["lr"]) if sched["lr_rule"] == "sqrt" else sched["lr"]
     cfg = RunConfig(
         out=args.out, base=args.base, train_file=args.train, beir_dir=args.beir, lang=args.lang,
         validation=args.val_size, test=args.test_size,
@@ -257,44 +259,18 @@ def _run(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir, device=args.device, progress=not args.quiet,
         register_url=args.register, token=args.token, force=args.force,
         query_runtime=args.query_runtime, export_dir=args.export_dir,
-        recipe={"name": args.recipe, "settings": {**sched, "lr": lr, "lr_rule": args.lr_rule}})
+        recipe={"name": args.recipe, "device": spec.name or spec.kind, "settings": {**sched, "lr": lr}})
     res = run_tuning(cfg)
-    print(_summary(res.report))
+    print(res.report.summary())
     if res.registration is not None:
         print(f"registered: {json.dumps(res.registration)}")
+    if res.report.training["best_epoch"] == 0 and not args.allow_identity:
+        # An encoder that equals the base is rarely what the user wanted: say so even with --quiet.
+        print(f"qswap: error: no epoch improved both validation loss and validation errors; {args.out} holds the "
+              "base model (kind identity) -- check the training data (queries and positives that match), or "
+              "try more data, a higher --lr or more --max-epochs; --allow-identity accepts it", file=sys.stderr)
+        return IDENTITY_EXIT
     return 0
-
-
-def _summary(r: dict[str, Any]) -> str:
-    enc, tr, g = r["encoder"], r["training"], r["guard"]
-    lines = [f"encoder   {enc['path']}  ({enc['name']}@{enc['version']}, kind {enc['kind']})",
-             f"training  best epoch {tr['best_epoch']}, stopped by {tr['stopped']}, {tr['steps']} steps, "
-             f"{tr['wall_seconds']:.1f} s"]
-    data = r.get("data") or {}
-    dropped, before = data.get("dropped_without_negative") or {}, data.get("split_before_mining") or {}
-    if any(dropped.values()):
-        total = sum(before.get(k, 0) for k in dropped)
-        parts = ", ".join(f"{k} {n} of {before.get(k, 0)}" for k, n in dropped.items() if n)
-        lines.append(f"data      {sum(dropped.values())} of {total} queries dropped: no negative left after mining "
-                     f"({parts}; raise --fn-cutoff or use --loss infonce to keep them)")
-    for key, label in (("test", "test"), ("retrieval", "retrieval")):
-        ev = r["evaluation"].get(key)
-        if ev:
-            m, nd = ev["metrics"]["pnd_cos"], ev["metrics"]["ndcg_at_10"]
-            z = ev["z_tests"].get("pnd_cos", {})
-            imp = "n/a" if m["improvement"] is None else f"{100 * m['improvement']:+.2f}%"
-            lines.append(f"{label:9s} PND(cos) {m['base']:.4f} -> {m['tuned']:.4f} (I {imp}, Z {z.get('z', 0):+.2f}); "
-                         f"nDCG@10 {nd['base']:.4f} -> {nd['tuned']:.4f}")
-    ml = r["evaluation"].get("multilingual")
-    if ml:
-        c = ml["counts"]
-        lines.append(f"languages {c['improved']}/{c['worsened']} of {c['pairs']} pairs significantly improved/worsened")
-    lines.append(f"guard     {'passed' if g['passed'] else 'FAILED'} ({len(g['checks'])} checks)")
-    if r.get("phases"):
-        lines.append(f"time      {r['wall_seconds_total']:.0f} s: "
-                     + ", ".join(f"{k} {v:.0f} s" for k, v in r["phases"].items()))
-    lines.append(f"report    {Path(enc['path']) / 'report.md'}")
-    return "\n".join(lines)
 
 
 def _add_plan(sub: Any) -> None:
@@ -391,7 +367,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.sentinel:
         sents = [parse_sentinel(s) for s in args.sentinel]
         excl = {Path(s.path).resolve(): seen for s in sents if s.kind == "beir"}
-        out["guard"] = evaluate_sentinels(sents, base, encode, evaluator, args.cache_dir, exclude=excl)
+        out["guard"] = evaluate_sentinels(sents, base, encode, evaluator, args.cache_dir, exclude=excl).to_json()
     print(json.dumps(out, indent=2))
     return 0
 

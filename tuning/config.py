@@ -9,6 +9,7 @@ from typing import Any
 from qswap import DEFAULT_MODEL
 from qswap.tuning.losses import build_loss
 from qswap.tuning.methods import MethodConfig
+from qswap.tuning.run_report import RunReport
 from qswap.tuning.trainer import TrainConfig
 
 MINE_CHOICES = ("auto", "corpus", "index", "none")
@@ -82,5 +83,5 @@ class RunResult:
     """What a run wrote: the encoder directory, its report, and the server's answer when it registered it."""
 
     encoder_dir: Path
-    report: dict[str, Any]
+    report: RunReport
     registration: dict[str, Any] | None = None

@@ -12,6 +12,7 @@ from qswap.encoders.base import BaseEncoder
 from qswap.errors import IntegrityError
 from qswap.guard.checks import guard_record, sentinel_check
 from qswap.guard.evaluation import compare_metrics, evaluate_candidates
+from qswap.guard.record import GuardRecord, SentinelCheck
 from qswap.tuning.beir_eval import BeirEvaluator
 from qswap.tuning.config import RunConfig
 from qswap.tuning.data import BeirData
@@ -41,12 +42,12 @@ def artifact_check(fast: FastQueries, tower: QueryTower, key: str, encode: Encod
 
 def evaluate_run(cfg: RunConfig, base: BaseEncoder, encode_base: Encode, encode_tuned: Encode, prep: Prepared,
                     beir: BeirData | None, splits: Any, sentinels: list[Any], report_dir: Path,
-                 stored: StoredEmbeddings | None) -> tuple[dict[str, Any], dict[str, Any]]:
+                 stored: StoredEmbeddings | None) -> tuple[dict[str, Any], GuardRecord]:
     """(evaluation, guard): base vs tuned on the test split, languages and sentinels."""
     evaluation: dict[str, Any] = {}
     # The guard also checks the training task itself, on its held-out test queries: an
     # encoder can get worse where it was tuned.
-    own: list[dict[str, Any]] = []
+    own: list[SentinelCheck] = []
     test_samples, test_rows = prep.sets["test"]
     if test_samples and beir is None:
         # Triplet data: each test query against its own candidates.

@@ -10,13 +10,14 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 from qswap.errors import InvalidInputError
 from qswap.guard.checks import guard_record, judge_sentinel
+from qswap.guard.record import GuardRecord, SentinelCheck
 from qswap.guard.sentinels import Sentinel
 
 
 def evaluate_sentinels(sentinels: Sequence[Sentinel], base: Any, encode_tuned: Callable[[list[str]], Any],
                        evaluator: Any = None, cache_dir: Path | None = None,
                        exclude: Mapping[Path, Collection[str]] | None = None,
-                       progress: bool = True, extra_checks: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+                       progress: bool = True, extra_checks: Sequence[SentinelCheck] = ()) -> GuardRecord:
     """Evaluate every sentinel for both encoders and return the manifest ``guard`` record.
 
     ``exclude`` maps a BEIR directory to query ids to leave out there (the ones the tuning

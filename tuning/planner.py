@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from qswap.errors import InvalidInputError
-from qswap.tuning.methods import METHODS, MethodConfig, is_embedding, lora_parameters  # noqa: F401 (re-exported)
+from qswap.tuning.methods import METHODS, MethodConfig, is_embedding
 
 FULL_TO_LORA_BUDGET = 9.06e16
 LORA_RANK = 128

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from qswap.atomic import atomic_write_bytes, atomic_write_json
+from qswap.tuning.run_report import RunReport
 
 LEARNING_CURVES = "learning_curves.png"
 HEATMAP = "language_matrix.png"
@@ -47,6 +48,10 @@ def _num(v: Any) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
+def _sig(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3g}"
+
+
 def _comparison_md(title: str, cmp: dict[str, Any]) -> list[str]:
     out = [f"### {title}", "", "| metric | base | tuned | improvement I |", "|---|---|---|---|"]
     for name, m in cmp["metrics"].items():
@@ -59,23 +64,22 @@ def _comparison_md(title: str, cmp: dict[str, Any]) -> list[str]:
     return out + [""]
 
 
-def render_markdown(report: dict[str, Any]) -> str:
+def render_markdown(report: RunReport) -> str:
     """The human summary of a tuning report."""
-    enc, tr = report["encoder"], report["training"]
-    out = [f"# Tuning report: {enc['name']}@{enc['version']}", "",
-           f"- base: `{report['base']['name']}` (space {report['base']['fingerprint']})",
-           f"- encoder kind: `{enc['kind']}`; method `{report['method']['kind']}`; "
-           f"loss `{report['loss'].get('loss')}`",
-           f"- data: {report['data']['source']}; splits {report['data']['splits']}",
+    enc, tr, g = report.encoder, report.training, report.guard
+    out = [f"# Tuning report: {enc.name}@{enc.version}", "",
+           f"- base: `{report.base.name}` (space {report.base.fingerprint})",
+           f"- encoder kind: `{enc.kind}`; method `{report.method['kind']}`; "
+           f"loss `{report.loss.get('loss')}`",
+           f"- data: {report.data['source']}; splits {report.data['splits']}",
            f"- training: best epoch {tr['best_epoch']} of {len(tr['history']) - 1}, stopped by {tr['stopped']}, "
            f"{tr['steps']} steps, {tr['seconds_per_step'] * 1000:.1f} ms/step, wall {tr['wall_seconds']:.1f} s",
-           f"- guard: {'passed' if report['guard']['passed'] else '**FAILED**'} "
-           f"({len(report['guard']['checks'])} checks)", ""]
+           f"- guard: {'passed' if g.passed else '**FAILED**'} ({len(g.checks)} checks)", ""]
     if tr["best_epoch"] == 0:
         out += ["No epoch improved both validation loss and validation errors: the encoder is the "
                 "base model (kind `identity`).", ""]
     out += [f"![learning curves]({LEARNING_CURVES})", ""]
-    ev = report.get("evaluation", {})
+    ev = report.evaluation
     if "test" in ev:
         out += _comparison_md("Test split (own candidates)", ev["test"])
     if "retrieval" in ev:
@@ -92,20 +96,19 @@ def render_markdown(report: dict[str, Any]) -> str:
             out.append(f"| {cell['query_lang']} | {cell['doc_lang']} | {_pct(cell['metrics'][m]['improvement'])} | "
                        f"{z.get('z', 0):+.2f} | {z.get('change', 'n/a')} |")
         out.append("")
-    checks = report["guard"]["checks"]
-    if checks:
+    if g.checks:
         out += ["### Guard (sentinel sets)", "",
-                f"Decided by {report['guard'].get('test', 'the pooled Z-test')} at alpha "
-                f"{report['guard'].get('alpha', 0.05)}; the pooled PND Z is reported, not decisive.", "",
+                f"Decided by {g.test or 'the pooled Z-test'} at alpha {g.alpha or 0.05}; the pooled PND Z is "
+                "reported, not decisive.", "",
                 "| sentinel | n | nDCG@10 base | nDCG@10 tuned | wins/losses | p (Holm) | sign p | PND Z | verdict |",
                 "|---|---|---|---|---|---|---|---|---|"]
-        for c in checks:
-            z = (c.get("pnd") or {}).get("z")
-            out.append(f"| {c['name']} | {c['n']} | {c['before']:.4f} | {c['after']:.4f} | {c['wins']}/{c['losses']} | "
-                       f"{c['p_holm']:.3g} | {c['sign_p_value']:.3g} | {'n/a' if z is None else f'{z:+.2f}'} | "
-                       f"{'**regressed**' if c['degraded'] else c['verdict']} |")
+        for c in g.checks:
+            z = c.pnd.z if c.pnd is not None else None
+            out.append(f"| {c.name} | {c.n} | {_num(c.before)} | {_num(c.after)} | {c.wins}/{c.losses} | "
+                       f"{_sig(c.p_holm)} | {_sig(c.sign_p_value)} | {'n/a' if z is None else f'{z:+.2f}'} | "
+                       f"{'**regressed**' if c.degraded else c.verdict} |")
         out.append("")
-    layers = report.get("layers")
+    layers = report.layers
     if layers and layers["changed_tensors"]:
         out += ["### Most changed layers", "", f"{layers['changed_tensors']} of {layers['compared_tensors']} "
                 "tunable tensors changed.", "", "| criterion | layer | value |", "|---|---|---|"]
@@ -116,14 +119,14 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def write_report(report: dict[str, Any], folder: Path) -> list[Path]:
+def write_report(report: RunReport, folder: Path) -> list[Path]:
     """Write report.json, report.md and the learning-curve PNG into ``folder``; returns the files."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(folder / "report.json", json.loads(json.dumps(report, default=_jsonable)))
+    atomic_write_json(folder / "report.json", json.loads(json.dumps(report.to_dict(), default=_jsonable)))
     atomic_write_bytes(folder / "report.md", render_markdown(report).encode())
     files = [folder / "report.json", folder / "report.md",
-             plot_learning_curves(report["training"]["history"], report["training"]["best_epoch"],
+             plot_learning_curves(report.training["history"], report.training["best_epoch"],
                                   folder / LEARNING_CURVES)]
     if (folder / HEATMAP).exists():
         files.append(folder / HEATMAP)

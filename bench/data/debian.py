@@ -489,13 +489,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.demo}: {json.dumps(demo)}")
     return 0
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m qswap.bench.data.debian [options]``: same as ``qswap bench data debian``."""
-    from qswap.bench.data.cli import main as cli_main
-
-    return cli_main(["debian", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -4,7 +4,7 @@ Shared by tuning (``qswap tune run`` writes a guard record into the manifest) an
 (``qswap serve --sentinels`` evaluates every registration itself); it imports neither.
 """
 
-from qswap.guard.record import GuardRecord, SentinelCheck
+from qswap.guard.record import GuardRecord, PooledZ, RankChange, SentinelCheck
 from qswap.guard.status import GuardStatus
 
-__all__ = ["GuardRecord", "GuardStatus", "SentinelCheck"]
+__all__ = ["GuardRecord", "GuardStatus", "PooledZ", "RankChange", "SentinelCheck"]

@@ -12,13 +12,9 @@ scored per query under both encoders and compared with paired tests (:mod:`qswap
   every (relevant, non-relevant) pair as independent and calls tiny shifts significant on
   a corpus: it is shown, never decisive). ``bench/guard_false_alarms.py`` measures both.
 
-The record (in an encoder manifest from ``qswap tune run``, and in the server's registry
-where the server's own evaluation is the one that counts)::
-
-    {"passed": bool, "alpha": 0.05, "test": DECIDING_TEST, "checks": [{"name", "against", "n",
-     "metric": "ndcg_at_10", "before", "after", "delta", "statistic", "p_value", "p_holm",
-     "wins", "losses", "sign_p_value", "t_p_value", "rr": {...}, "pnd": {...}, "verdict",
-     "degraded"}, ...]}
+The record is a :class:`~qswap.guard.record.GuardRecord` of
+:class:`~qswap.guard.record.SentinelCheck` (in an encoder manifest from ``qswap tune run``, and in
+the server's registry where the server's own evaluation is the one that counts).
 
 :func:`check_guard` turns a failed record into a refusal. This module imports no torch or
 numpy at import time so the server can use it cheaply; evaluation imports happen inside functions.
@@ -32,8 +28,9 @@ from typing import Any, Mapping, Sequence
 from pydantic import ValidationError
 
 from qswap.errors import GuardRefusedError, InvalidInputError
-from qswap.guard.record import INSUFFICIENT, GuardRecord
+from qswap.guard.record import INSUFFICIENT, GuardRecord, PooledZ, RankChange, SentinelCheck
 from qswap.guard.stats import ALPHA, Z_CRITICAL, compare_counts, holm, paired_compare
+from qswap.guard.status import GuardStatus
 
 DECIDING_TEST = "wilcoxon signed-rank on per-query ndcg@10, holm over sentinels"
 
@@ -70,7 +67,7 @@ def guard_table(record: GuardRecord | dict[str, Any], only_bad: bool = False) ->
     return "; ".join(lines)
 
 
-def check_guard(record: dict[str, Any] | None) -> None:
+def check_guard(record: GuardRecord | dict[str, Any] | None) -> None:
     """Raise :class:`GuardRefusedError` (carrying the record) if a guard record failed.
 
     ``None`` (no evidence) does not raise here: whoever needs evidence (the server with
@@ -78,7 +75,8 @@ def check_guard(record: dict[str, Any] | None) -> None:
     """
     if record is None:
         return
-    if not isinstance(record, dict) or not isinstance(record.get("passed"), bool):
+    if not isinstance(record, GuardRecord) and (not isinstance(record, dict)
+                                                or not isinstance(record.get("passed"), bool)):
         raise InvalidInputError("the encoder's guard record is malformed (needs a boolean 'passed')",
                                 "re-run the tuning, or register with force to skip the guard")
     rec = _read(record)
@@ -90,11 +88,11 @@ def check_guard(record: dict[str, Any] | None) -> None:
     raise GuardRefusedError(
         f"encoder significantly degrades {len(bad)} sentinel check(s): {table or 'unspecified'}{more}",
         "re-tune with a lower learning rate or more freezing, or register with force=true to accept it",
-        guard=record)
+        guard=rec.to_json())
 
 
 def sentinel_check(name: str, before: Any, after: Any, against: str = "base",
-                   lang: str | None = None) -> dict[str, Any]:
+                   lang: str | None = None) -> SentinelCheck:
     """One check from two :class:`~qswap.guard.evaluation.RankingMetrics` of the same queries.
 
     The verdict needs the other checks of its comparison (Holm): :func:`guard_record` sets it.
@@ -104,32 +102,29 @@ def sentinel_check(name: str, before: Any, after: Any, against: str = "base",
         raise ValueError(f"sentinel {name}: the two encoders were scored on different queries")
     ndcg = paired_compare(b["ndcg_at_10"], a["ndcg_at_10"])
     rr = paired_compare(b["rr"], a["rr"])
-    check: dict[str, Any] = {
-        "name": name, "against": against, "lang": lang, "n": ndcg.n, "metric": "ndcg_at_10",
-        "before": ndcg.mean_before, "after": ndcg.mean_after, "delta": ndcg.delta,
-        "statistic": ndcg.statistic, "p_value": ndcg.p_value, "p_holm": ndcg.p_value,
-        "wins": ndcg.wins, "losses": ndcg.losses, "sign_p_value": ndcg.sign_p_value,
-        "t_p_value": ndcg.t_p_value,
-        "rr": {"before": rr.mean_before, "after": rr.mean_after, "p_value": rr.p_value,
-               "sign_p_value": rr.sign_p_value, "wins": rr.wins, "losses": rr.losses},
-        "pnd": None, "verdict": "unchanged", "degraded": False,
-    }
+    pnd = None
     if before.pairs and before.pairs == after.pairs:
         z = compare_counts(before.errors_cos, after.errors_cos, before.pairs)
-        check["pnd"] = {"errors_before": z.errors_base, "errors_after": z.errors_tuned, "pairs": z.total,
-                        "z": _finite(z.z), "change": z.change}
-    return check
+        pnd = PooledZ(errors_before=z.errors_base, errors_after=z.errors_tuned, pairs=z.total, z=_finite(z.z),
+                      change=z.change)
+    return SentinelCheck(
+        name=name, against=against, lang=lang, n=ndcg.n, metric="ndcg_at_10",
+        before=ndcg.mean_before, after=ndcg.mean_after, delta=ndcg.delta,
+        statistic=ndcg.statistic, p_value=ndcg.p_value, p_holm=ndcg.p_value,
+        wins=ndcg.wins, losses=ndcg.losses, sign_p_value=ndcg.sign_p_value, t_p_value=ndcg.t_p_value,
+        rr=RankChange(before=rr.mean_before, after=rr.mean_after, p_value=rr.p_value,
+                      sign_p_value=rr.sign_p_value, wins=rr.wins, losses=rr.losses),
+        pnd=pnd, verdict="unchanged", degraded=False)
 
 
-def insufficient_check(name: str, n: int, against: str = "base", lang: str | None = None) -> dict[str, Any]:
+def insufficient_check(name: str, n: int, against: str = "base", lang: str | None = None) -> SentinelCheck:
     """A check of a sentinel with too few judged queries left to compare anything (``n`` of them)."""
-    return {"name": name, "against": against, "lang": lang, "n": n, "metric": "ndcg_at_10",
-            "before": None, "after": None, "delta": None, "p_value": None, "p_holm": None,
-            "verdict": INSUFFICIENT, "degraded": False}
+    return SentinelCheck(name=name, against=against, lang=lang, n=n, metric="ndcg_at_10",
+                         verdict=INSUFFICIENT, degraded=False)
 
 
 def judge_sentinel(name: str, after: Any, before: Mapping[str, Any], n: int, lang: str | None = None,
-                   min_queries: int = 1) -> list[dict[str, Any]]:
+                   min_queries: int = 1) -> list[SentinelCheck]:
     """The checks of one sentinel: the one evaluator the server and ``qswap tune`` share.
 
     Args:
@@ -149,7 +144,7 @@ def judge_sentinel(name: str, after: Any, before: Mapping[str, Any], n: int, lan
     return [sentinel_check(name, b, after, against=r, lang=lang) for r, b in before.items()]
 
 
-def guard_record(checks: Sequence[dict[str, Any]], alpha: float = ALPHA, min_queries: int = 1) -> dict[str, Any]:
+def guard_record(checks: Sequence[SentinelCheck], alpha: float = ALPHA, min_queries: int = 1) -> GuardRecord:
     """The verdict: Holm over the sentinels of each comparison, failed on any regression.
 
     A check scored on fewer than ``min_queries`` queries decides nothing (a Wilcoxon test on 5
@@ -157,22 +152,23 @@ def guard_record(checks: Sequence[dict[str, Any]], alpha: float = ALPHA, min_que
     it is left out of the Holm correction, and the record's verdict is ``insufficient_evidence``
     unless another check regressed (``refused``). ``passed`` is true only for ``passed``.
     """
-    checks = [dict(c, min_queries=min_queries) for c in checks]
+    checks = [c.model_copy(update={"min_queries": min_queries}) for c in checks]
     for c in checks:
-        if c["n"] < min_queries:
-            c["verdict"], c["degraded"] = INSUFFICIENT, False
-    judged = [c for c in checks if c["verdict"] != INSUFFICIENT]
-    for against in {c["against"] for c in judged}:
-        group = [c for c in judged if c["against"] == against]
-        for c, p in zip(group, holm([float(c["p_value"]) for c in group])):
-            c["p_holm"] = p
+        if (c.n or 0) < min_queries:
+            c.verdict, c.degraded = INSUFFICIENT, False
+    judged = [c for c in checks if c.verdict != INSUFFICIENT]
+    for against in {c.against for c in judged}:
+        group = [c for c in judged if c.against == against]
+        for c, p in zip(group, holm([float(c.p_value) for c in group])):   # type: ignore[arg-type]
+            c.p_holm = p
+            delta = c.delta or 0.0
             sig = p < alpha
-            c["verdict"] = ("regressed" if c["delta"] < 0 else "improved") if sig and c["delta"] != 0 else "unchanged"
-            c["degraded"] = c["verdict"] == "regressed"
-    verdict = ("refused" if any(c["degraded"] for c in checks)
-               else INSUFFICIENT if len(judged) < len(checks) else "passed")
-    return {"passed": verdict == "passed", "verdict": verdict, "alpha": alpha, "min_queries": min_queries,
-            "test": DECIDING_TEST, "z_critical": Z_CRITICAL, "checks": checks}
+            c.verdict = ("regressed" if delta < 0 else "improved") if sig and delta != 0 else "unchanged"
+            c.degraded = c.verdict == "regressed"
+    verdict = (GuardStatus.REFUSED if any(c.degraded for c in checks)
+               else GuardStatus.INSUFFICIENT if len(judged) < len(checks) else GuardStatus.PASSED)
+    return GuardRecord(passed=verdict == GuardStatus.PASSED, verdict=verdict, alpha=alpha, min_queries=min_queries,
+                       test=DECIDING_TEST, z_critical=Z_CRITICAL, checks=checks)
 
 
 def insufficient_table(record: GuardRecord | dict[str, Any]) -> str:

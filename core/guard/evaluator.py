@@ -31,8 +31,9 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from qswap.errors import QswapError
-from qswap.guard.evaluation import evaluate_retrieval
 from qswap.guard.checks import guard_record, judge_sentinel
+from qswap.guard.evaluation import evaluate_retrieval
+from qswap.guard.record import GuardRecord
 from qswap.guard.sentinels import SentinelSet, load_sentinels, sentinel_coverage, sentinels_fingerprint
 
 __all__ = ["EvaluationCancelled", "SentinelGuard", "SentinelSet", "load_sentinels"]
@@ -148,7 +149,7 @@ class SentinelGuard:
             for cache_id in [c for c in self._emb if c.rpartition("#")[0] == key]:
                 del self._emb[cache_id]
 
-    def evaluate(self, key: str, against: list[str], versions: Mapping[str, str] | None = None) -> dict[str, Any]:
+    def evaluate(self, key: str, against: list[str], versions: Mapping[str, str] | None = None) -> GuardRecord:
         """The guard record of ``key`` against every encoder of ``against`` (base first), on
         every sentinel, with the per-sentinel table, timings and the sentinels' fingerprint.
 
@@ -202,12 +203,11 @@ class SentinelGuard:
             after = evaluate_retrieval(new[si][keep], docs, rel, ks=(10,))
             before = {r: evaluate_retrieval(ref_emb[r][si][keep], docs, rel, ks=(10,)) for r in refs}
             checks += judge_sentinel(s.name, after, before, n=len(keep), lang=s.lang, min_queries=self.min_queries)
-        record = guard_record(checks, self.alpha, self.min_queries)
-        record.update({"source": "server", "sentinels": self.fingerprint, "against": refs,
-                       "evaluated_at": time.time(), "seconds": round(time.perf_counter() - t0, 3),
-                       "encode_seconds": round(t_enc, 3), "index_documents": len(ids)})
-        log.info("guard evaluation done", extra={"encoder": key, "verdict": record["verdict"],
-                                                 "seconds": record["seconds"],
-                                                 "regressed": [f"{c['name']} vs {c['against']}"
-                                                               for c in checks if c["degraded"]]})
+        record = guard_record(checks, self.alpha, self.min_queries).model_copy(update={
+            "source": "server", "sentinels": self.fingerprint, "against": refs, "evaluated_at": time.time(),
+            "seconds": round(time.perf_counter() - t0, 3), "encode_seconds": round(t_enc, 3),
+            "index_documents": len(ids)})
+        log.info("guard evaluation done", extra={"encoder": key, "verdict": record.verdict,
+                                                 "seconds": record.seconds,
+                                                 "regressed": [f"{c.name} vs {c.against}" for c in record.regressed()]})
         return record

@@ -22,14 +22,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 from qswap.errors import IntegrityError, InvalidInputError
 
 if TYPE_CHECKING:
-    from qswap.encoders.artifact import EncoderArtifact
     from qswap.encoders.base import BaseEncoder
 
 # What an adapter file may hold: floating tensors only (an integer "bias" is a broken file).
@@ -39,6 +38,20 @@ SAFETENSORS_FLOAT = ("F32", "F16", "BF16", "F64")
 # error (fp16 rounds to ~3e-4, bf16 to ~2e-3 of a factor's norm: README "Fast query path").
 HALF_TOLERANCE = 5e-3
 FOREIGN_HINT = "the adapter was made for another architecture; tune it on this base model"
+
+
+class EncoderArtifact(Protocol):
+    """What a kind reads and fills of a loaded encoder directory
+    (:class:`qswap.encoders.artifact.EncoderArtifact`). Declared here, so the kinds do not import
+    the artifact module that imports them."""
+
+    path: Path
+    overrides: dict[str, torch.Tensor]
+    lora_config: dict[str, Any] | None
+    lora_state: dict[str, torch.Tensor] | None
+
+    @property
+    def key(self) -> str: ...
 
 
 @dataclass(frozen=True)

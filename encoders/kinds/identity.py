@@ -7,10 +7,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qswap.encoders.kinds.base import AdapterKind, Attached
+from qswap.encoders.kinds.base import AdapterKind, Attached, EncoderArtifact
 
 if TYPE_CHECKING:
-    from qswap.encoders.artifact import EncoderArtifact
     from qswap.encoders.base import BaseEncoder
 
 

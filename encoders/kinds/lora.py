@@ -28,13 +28,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qswap.atomic import atomic_copy
-from qswap.encoders.kinds.base import (FOREIGN_HINT, AdapterKind, Attached, LowRank, base_storage,
-                                       check_header_dtypes, fresh_like, load_safetensors,
+from qswap.encoders.kinds.base import (FOREIGN_HINT, AdapterKind, Attached, EncoderArtifact, LowRank,
+                                       base_storage, check_header_dtypes, fresh_like, load_safetensors,
                                        read_safetensors_header, require_finite)
 from qswap.errors import IntegrityError, InvalidInputError, NotFoundError
 
 if TYPE_CHECKING:
-    from qswap.encoders.artifact import EncoderArtifact
     from qswap.encoders.base import BaseEncoder
 
 CONFIG_FILE = "adapter_config.json"

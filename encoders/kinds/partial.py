@@ -11,12 +11,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qswap.encoders.kinds.base import (FOREIGN_HINT, AdapterKind, Attached, base_storage, check_header_dtypes,
-                                       fresh_like, load_safetensors, read_safetensors_header, require_finite)
+from qswap.encoders.kinds.base import (FOREIGN_HINT, AdapterKind, Attached, EncoderArtifact, base_storage,
+                                       check_header_dtypes, fresh_like, load_safetensors, read_safetensors_header, require_finite)
 from qswap.errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from qswap.encoders.artifact import EncoderArtifact
     from qswap.encoders.base import BaseEncoder
 
 TENSOR_FILE = "adapter.safetensors"

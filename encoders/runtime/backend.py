@@ -1,5 +1,5 @@
-"""What runs the query forward passes: one shared ONNX Runtime session (default), merged
-per-encoder ONNX exports, or the torch :class:`EncoderPool` (the reference and fallback).
+"""Choosing what runs the query forward passes: one shared ONNX Runtime session (default), merged
+per-encoder ONNX exports, or the torch :class:`EncoderPool` (the reference and fallback, here).
 
 The batch worker only calls ``backend.encode(texts, keys)``. The registry tells the backend
 when an encoder appears (``prepare``) and disappears (``discard``); the torch backend needs
@@ -9,40 +9,18 @@ neither, the ONNX ones export in the background and fall back to the pool until 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Protocol
 
 import numpy as np
 
 from qswap.encoders.pool import EncoderPool
 from qswap.encoders.precision import BF16_MIN_QUERY_BATCH, autocast_context, check_precision
+from qswap.encoders.runtime.protocol import Backend, EncodeFlagged
 from qswap.errors import InvalidInputError
 
 
-#: ``(texts, keys) -> (vectors, truncated flags)`` from one tokenisation.
-EncodeFlagged = Callable[[list[str], list[str]], tuple[np.ndarray, list[bool]]]
-
-
-class Backend(Protocol):
-    """What the server's batch worker and registry use of a query backend (every backend has
-    every member, so callers never probe for one)."""
-
-    #: ``encode`` that also says which texts the tokenizer cut, from the same tokenisation; ``None``
-    #: where the backend does not tokenise itself (the caller asks the tokenizer).
-    encode_flagged: EncodeFlagged | None
-
-    def encode(self, texts: list[str], keys: list[str]) -> np.ndarray: ...
-    def prepare(self, key: str) -> None: ...
-    def discard(self, key: str) -> None: ...
-    def ready(self, key: str) -> bool: ...
-    def error(self, key: str) -> str | None: ...
-    def memory_bytes(self, key: str) -> int: ...
-    def runtime(self, key: str) -> str:
-        """What runs ``key`` now: ``torch``, ``onnx-merged`` (its own export) or ``onnx-shared``."""
-    def close(self) -> None: ...
-
-
-# --backend choices; the first is the default.
-BACKENDS = ("shared", "onnx", "torch")
+# --backend choices; the first is the default. ``cuda``: the gathered-adapter forward in CUDA
+# graphs (qswap.encoders.runtime.cuda; on a machine without a GPU its buckets run eagerly).
+BACKENDS = ("shared", "onnx", "torch", "cuda")
 
 
 def runtime_of(backend: Backend, key: str) -> dict[str, str | None]:
@@ -113,12 +91,16 @@ def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | N
                  precision: str = "fp32", retry_s: float | None = None) -> Backend:
     """The configured backend (:data:`BACKENDS`); ONNX Runtime is imported only when asked for.
 
-    ``precision`` is the torch backend's query precision; the ONNX graphs are fp32 only.
+    ``precision`` is the torch and cuda backends' query precision (cuda also takes ``fp16``); the
+    ONNX graphs are fp32 only.
     ``retry_s``: the shared backend tries a failed export again after this many seconds
     (doubling); None: never.
     """
     if kind == "torch":
         return TorchBackend(pool, precision)
+    if kind == "cuda":
+        from qswap.encoders.runtime.cuda import CudaBackend
+        return CudaBackend(pool, precision)
     if precision != "fp32":
         raise InvalidInputError(f"query precision {precision} is only available on the torch backend",
                                 "drop --query-precision, or use --backend torch")

@@ -29,7 +29,6 @@ Use from the server::
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -41,15 +40,14 @@ from typing import Any
 
 import numpy as np
 
-from qswap.atomic import atomic_write_json, recover_dir, staged_dir
 from qswap.encoders.runtime.onnx_export import (EMBEDDINGS_FILE, EXPORT_FORMAT, MODEL_FILE, encoder_digest,
                                         export_onnx, own_tensors)
-from qswap.encoders.runtime.backend import EncodeFlagged
+from qswap.encoders.runtime.export_cache import cached_dir
+from qswap.encoders.runtime.protocol import EncodeFlagged
 from qswap.encoders.pool import EncoderPool
 from qswap.errors import InvalidInputError, NotFoundError
 
 log = logging.getLogger(__name__)
-META_FILE = "export.json"
 
 
 @dataclass
@@ -314,21 +312,14 @@ def cached_export(base: Any, own: dict[str, Any], target: Path, key: str, varian
         The export record (``export.json``): digest, probe cosine, fusions, timings.
     """
     digest = encoder_digest(base, own, variant)
-    recover_dir(target)
-    meta = _read_meta(target)
-    if meta.get("digest") != digest or not (target / MODEL_FILE).exists():
-        with staged_dir(target) as staging:
-            facts = export_onnx(base, own, staging, optimize_for=optimize_for)
-            meta = {"format": EXPORT_FORMAT, "key": key, "digest": digest, "variant": variant,
-                    "space": base.space.fingerprint, "base": base.name, **facts}
-            atomic_write_json(staging / META_FILE, meta)   # last: marks the export complete
+
+    def export(staging: Path) -> dict[str, Any]:
+        facts = export_onnx(base, own, staging, optimize_for=optimize_for)
+        return {"format": EXPORT_FORMAT, "key": key, "digest": digest, "variant": variant,
+                "space": base.space.fingerprint, "base": base.name, **facts}
+
+    meta, exported = cached_dir(target, digest, MODEL_FILE, export)
+    if exported:
         log.info("exported %s to ONNX in %.1fs (probe cosine %.7f)", key, meta["export_seconds"],
                  meta["probe_min_cosine"])
     return meta
-
-
-def _read_meta(directory: Path) -> dict[str, Any]:
-    try:
-        return json.loads((directory / META_FILE).read_text())
-    except (OSError, ValueError):   # missing or torn record: treat as no cache
-        return {}

@@ -21,7 +21,6 @@ row runs on the torch pool, so answers never wait on an export.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qswap.atomic import atomic_write_json, recover_dir, staged_dir
+from qswap.encoders.runtime.export_cache import cached_dir
 from qswap.encoders.embedding import length_buckets
 from qswap.encoders.runtime.onnx import OnnxBackend, available_providers, make_session
 from qswap.encoders.pool import FACTOR_DTYPES, EncoderPool
@@ -43,7 +42,6 @@ from qswap.encoders.runtime.shared_run import BoundFeed, spread_groups
 from qswap.errors import InvalidInputError, NotFoundError
 
 log = logging.getLogger(__name__)
-META_FILE = "export.json"
 RETRY_MAX_S = 300.0   # the longest wait between two export attempts
 SHARED_DIR = "_shared"
 
@@ -178,15 +176,15 @@ class SharedBackend:
     def _load_or_export(self) -> Any:
         target = self.directory()
         digest = shared_digest(self.base, self._variant, self.factors)
-        recover_dir(target)
-        meta = _read_meta(target)
-        if meta.get("digest") != digest or not (target / SHARED_MODEL_FILE).exists():
-            with staged_dir(target) as staging:
-                facts = export_shared(self.base, staging, factors=self.factors, optimize_for=self._variant)
-                release_freed_memory()
-                meta = {"digest": digest, "variant": self._variant, "space": self.base.space.fingerprint,
-                        "base": self.base.name, **facts}
-                atomic_write_json(staging / META_FILE, meta)   # last: marks the export complete
+
+        def export(staging: Path) -> dict[str, Any]:
+            facts = export_shared(self.base, staging, factors=self.factors, optimize_for=self._variant)
+            release_freed_memory()
+            return {"digest": digest, "variant": self._variant, "space": self.base.space.fingerprint,
+                    "base": self.base.name, **facts}
+
+        meta, exported = cached_dir(target, digest, SHARED_MODEL_FILE, export)
+        if exported:
             log.info("exported the shared base graph in %.1fs (probe cosine %.7f)", meta["export_seconds"],
                      meta["probe_min_cosine"])
         return make_session(target / SHARED_MODEL_FILE, self._threads, self.providers, self.spin)
@@ -382,9 +380,3 @@ class SharedBackend:
         """One ONNX Runtime call: the rows' word embeddings gathered here, the adapter bound."""
         return feed.run(session, np.take(self._table, ids, axis=0), mask)
 
-
-def _read_meta(directory: Path) -> dict[str, Any]:
-    try:
-        return json.loads((directory / META_FILE).read_text())
-    except (OSError, ValueError):
-        return {}

@@ -17,7 +17,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
 
 from qswap.server.config import ServerSettings, is_loopback
-from qswap.server.http.errors import ForbiddenError, UnauthorizedError
+from qswap.errors import ForbiddenError, UnauthorizedError
 
 bearer = HTTPBearer(auto_error=False, description="admin token (admin routes) or search token (search)")
 

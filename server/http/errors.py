@@ -19,19 +19,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qswap.atomic import disk_full
-from qswap.errors import (ERRORS, ConflictError, DeadlineExceededError, ForbiddenError, GuardPendingError,
-                          GuardRefusedError, IndexCorruptError, InsufficientStorageError, IntegrityError,
-                          InternalServerError,
-                          InvalidInputError, InvalidRequestError, LimitExceededError, MethodNotAllowedError,
-                          NotFoundError, NotReadyError, OverloadedError, PayloadTooLargeError, QswapError,
-                          SpaceMismatchError, UnauthorizedError, UnsupportedMediaTypeError, error_class)
-
-__all__ = ["ConflictError", "DeadlineExceededError", "ForbiddenError", "GuardPendingError", "GuardRefusedError",
-           "IndexCorruptError", "IntegrityError", "InternalServerError", "InvalidInputError", "InvalidRequestError",
-           "LimitExceededError", "MethodNotAllowedError", "NotFoundError", "NotReadyError", "OverloadedError",
-           "PayloadTooLargeError", "QswapError", "SpaceMismatchError", "UnauthorizedError",
-           "UnsupportedMediaTypeError", "documented_errors", "error_body", "error_body_of", "install_error_handlers",
-           "status_for"]
+from qswap.server.http.dialects import dialect_for, retry_headers, shape_error
+from qswap.errors import (ERRORS, GuardRefusedError, InsufficientStorageError, InvalidRequestError, OverloadedError,
+                          QswapError, SpaceMismatchError, error_class)
 
 log = logging.getLogger("qswap.server")
 
@@ -123,7 +113,9 @@ def _respond(request: Request, status: int, body: dict[str, Any],
     metrics = getattr(getattr(request.app.state, "qs", None), "metrics", None)
     if metrics is not None:
         metrics.errors.labels(code=body["error"], status=str(status)).inc()
-    return JSONResponse(body, status_code=status, headers=headers)
+    headers = {**retry_headers(status, body["error"]), **(headers or {})}
+    return JSONResponse(shape_error(dialect_for(request.scope["path"]), status, body), status_code=status,
+                        headers=headers)
 
 
 def storage_error(exc: BaseException) -> InsufficientStorageError | None:

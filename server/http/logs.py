@@ -15,12 +15,15 @@ import re
 import sys
 import time
 import uuid
+from datetime import datetime, timezone
 from typing import Any, Callable
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from qswap.server.http.errors import InternalServerError, PayloadTooLargeError, QswapError, error_body_of
+from qswap.errors import InternalServerError, PayloadTooLargeError, QswapError
+from qswap.server.http.dialects import dialect_for, shape_error
+from qswap.server.http.errors import error_body_of
 
 REQUEST_ID_HEADER = "X-Request-ID"
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -31,12 +34,17 @@ _STANDARD = set(vars(logging.LogRecord("x", 0, "x", 0, "x", None, None))) | {"me
                                                                          "color_message"}  # uvicorn's ANSI copy
 
 
+def _iso(created: float) -> str:
+    """A record's time in ISO 8601, UTC, to the microsecond (what log stacks parse without a pattern)."""
+    return datetime.fromtimestamp(created, timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, request id and any ``extra`` fields."""
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": round(record.created, 6),
+            "ts": _iso(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -62,10 +70,17 @@ def configure_logging(json_lines: bool = True, level: int = logging.INFO) -> Non
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(level)
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+    # uvicorn's loggers and the libraries that keep a stderr handler of their own (transformers)
+    # go through this one handler; Python warnings too, so that stderr stays one JSON object a line.
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "transformers", "py.warnings"):
         lg = logging.getLogger(name)
         lg.handlers.clear()
         lg.propagate = True
+    logging.captureWarnings(True)
+    # transformers re-adds its own handler (and stops propagation) when it configures itself later
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
 
 
 def new_request_id(given: str | None) -> str:
@@ -140,7 +155,8 @@ class RequestContextMiddleware:
             if started:
                 raise
             await self._send_error(send_wrapped, InternalServerError(
-                "internal server error", "the server logs have the details (search for the request id)"), rid)
+                "internal server error", "the server logs have the details (search for the request id)"), rid,
+                scope["path"])
         finally:
             elapsed = time.perf_counter() - start
             route = scope.get("route")
@@ -159,15 +175,15 @@ class RequestContextMiddleware:
     async def _too_large(self, scope: Scope, send: Send, limit: int, rid: str) -> None:
         await self._send_error(send, PayloadTooLargeError(
             f"request body exceeds {limit} bytes",
-            "send a smaller body (see the server's max_body_bytes / max_upload_bytes)"), rid, close=True)
+            "send a smaller body (see the server's max_body_bytes / max_upload_bytes)"), rid, scope["path"], close=True)
 
-    async def _send_error(self, send: Send, exc: QswapError, rid: str, close: bool = False) -> None:
+    async def _send_error(self, send: Send, exc: QswapError, rid: str, path: str, close: bool = False) -> None:
         """Answer ``exc`` from here, outside the app's exception handlers (same body, same metric)."""
         status, body, _ = error_body_of(exc, request_id=rid)
         m = self.metrics()
         if m is not None:
             m.errors.labels(code=body["error"], status=str(status)).inc()
-        await self._send_json(send, status, body, close=close)
+        await self._send_json(send, status, shape_error(dialect_for(path), status, body), close=close)
 
     @staticmethod
     async def _send_json(send: Send, status: int, body: dict[str, Any], close: bool = False) -> None:

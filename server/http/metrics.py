@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics, generate_latest)
+from collections.abc import Callable, Iterator
+
+from prometheus_client import (CONTENT_TYPE_LATEST, GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR,
+                               CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               generate_latest)
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from qswap.guard import GuardRecord, GuardStatus
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _STAGE = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class FunctionCounter(Collector):
+    """A counter whose value a callback reads at scrape time (a count kept elsewhere, e.g. by the
+    capture writer): exported as ``<name>_total`` with the counter type, as dashboards expect."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self._name, self._doc = name, documentation
+        self._read: Callable[[], float] | None = None
+        registry.register(self)
+
+    def set_function(self, read: Callable[[], float]) -> None:
+        """Read the count from ``read`` (never decreasing) from now on."""
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self._name, self._doc, value=float(self._read() if self._read else 0))
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self._name, self._doc, value=0)
 
 
 class Metrics:
@@ -19,6 +44,9 @@ class Metrics:
         # The *_created series double the output and no dashboard uses them (process-wide switch).
         disable_created_metrics()
         r = self.registry = CollectorRegistry()
+        # process_* (CPU, RSS, open files), python_info and python_gc_*: what every Prometheus job shows.
+        for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(standard)
         self.requests = Counter("qswap_requests", "HTTP requests by route, method and status",
                                 ["route", "method", "status"], registry=r)
         self.request_seconds = Histogram("qswap_request_duration_seconds",
@@ -73,8 +101,8 @@ class Metrics:
         self.feedback = Counter("qswap_feedback", "feedback received on captured searches, by result "
                                 "(recorded, refused)", ["result"], registry=r)
         self.captured = Counter("qswap_captured_impressions", "query impressions queued for capture", registry=r)
-        self.capture_dropped = Gauge("qswap_capture_dropped", "impressions not captured (the writer fell behind "
-                                     "or the disk failed)", registry=r)
+        self.capture_dropped = FunctionCounter("qswap_capture_dropped", "impressions not captured (the writer fell "
+                                               "behind or the disk failed)", registry=r)
         self.experiment_impressions = Gauge("qswap_experiment_impressions",
                                             "interleaved impressions of the domain's experiment", ["domain"], registry=r)
         self.experiment_outcomes = Gauge("qswap_experiment_outcomes", "feedback outcomes of the domain's "

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from qswap.server.http.errors import LimitExceededError
+from qswap.errors import LimitExceededError
 
 # Answers whose texts alone exceed this are rendered on a worker thread, not on the event loop.
 OFF_LOOP_CHARS = 64 * 1024

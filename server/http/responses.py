@@ -13,7 +13,6 @@ from qswap.server.state import ServerState
 # Error statuses a route can answer (bodies are always ErrorBody), from the one error table.
 ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorBody, "description": doc}
                                            for status, doc in sorted(documented_errors().items())}
-ADMIN_ERRORS = ERRORS
 
 
 def state_of(request: Request) -> ServerState:

@@ -28,9 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from qswap.errors import InvalidInputError, QswapError
+from qswap.errors import InvalidInputError, NotReadyError, QswapError
 from qswap.index import Document, DocumentIndex
-from qswap.server.http.errors import NotReadyError
 
 log = logging.getLogger("qswap.server")
 

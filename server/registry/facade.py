@@ -39,14 +39,14 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from concurrent.futures import Future
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
+from qswap.answers import EncoderInfo
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
-from qswap.encoders.artifact import ENCODER_MANIFEST, EncoderArtifact, validate_name
+from qswap.encoders.artifact import ENCODER_MANIFEST, EncoderArtifact
+from qswap.names import validate_name
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapError
 from qswap.guard import GuardStatus
 from qswap.server.registry import intake
@@ -628,19 +628,22 @@ class EncoderRegistry:
         with self._lock:
             return self.table.records.get(key)
 
-    def info(self, key: str, base_version: str) -> dict[str, Any]:
-        """A JSON-able description of one encoder (``base`` included)."""
+    def info(self, key: str, base_version: str) -> EncoderInfo:
+        """What ``GET /v1/encoders/{key}`` answers of one encoder (``base`` included), less its runtime."""
         with self._lock:
             pinned = self._pinned()
             aliases = sorted(d for d, k in self.table.aliases.items() if k == key)
             if key == BASE_KEY:
-                return {"key": BASE_KEY, "name": BASE_KEY, "version": base_version, "kind": "identity",
-                        "space": self.space.fingerprint, "loaded": True, "pinned": True,
-                        "in_flight": self._refs.get(key, 0), "memory_bytes": 0, "aliases": aliases,
-                        "source": "base model"}
+                return EncoderInfo(key=BASE_KEY, name=BASE_KEY, version=base_version, kind="identity",
+                                   space=self.space.fingerprint, loaded=True, pinned=True,
+                                   in_flight=self._refs.get(key, 0), memory_bytes=0, aliases=aliases,
+                                   source="base model")
             rec = self.table.records.get(key)
             if rec is None:
                 raise NotFoundError(f"encoder {key} is not registered", "list encoders with GET /v1/encoders")
-            return {**asdict(rec), "loaded": key in self.cache.loaded, "pinned": key in pinned,
-                    "in_flight": self._refs.get(key, 0), "memory_bytes": self.cache.loaded.get(key),
-                    "aliases": aliases}
+            return EncoderInfo(key=rec.key, name=rec.name, version=rec.version, kind=rec.kind, space=rec.space,
+                               created_at=rec.created_at, registered_at=rec.registered_at, source=rec.source,
+                               training=rec.training, guard=rec.guard, guard_status=rec.guard_status,
+                               forced=rec.forced, evaluation=rec.evaluation, loaded=key in self.cache.loaded,
+                               pinned=key in pinned, in_flight=self._refs.get(key, 0),
+                               memory_bytes=self.cache.loaded.get(key), aliases=aliases)

@@ -54,14 +54,14 @@ class GuardScheduler:
         with table.lock:
             todo = [k for k, r in table.records.items()
                     if r.guard_status in (GuardStatus.UNGUARDED, GuardStatus.EVALUATING, GuardStatus.FAILED)
-                    or (r.evaluation or {}).get("sentinels") != self.guard.fingerprint]
+                    or (r.evaluation.sentinels if r.evaluation else None) != self.guard.fingerprint]
             warm = [BASE_KEY, *sorted({k for k in table.aliases.values() if k != BASE_KEY})]
             versions = self._versions(warm)
             done = [(k, r) for k, r in table.records.items() if k not in todo and r.evaluation]
         self.guard.submit(lambda: self._warm(warm, versions))
         if reg.metrics is not None:
             for k, r in done:
-                reg.metrics.export_guard(k, GuardRecord.of(r.evaluation), r.guard_status)
+                reg.metrics.export_guard(k, r.evaluation, r.guard_status)
         with reg.admin_lock:
             for key in sorted(todo):
                 if table.records[key].guard_status in (GuardStatus.UNGUARDED, GuardStatus.FAILED):
@@ -103,24 +103,24 @@ class GuardScheduler:
             for k in held:
                 reg.ensure_loaded(k)
             record = self.guard.evaluate(key, against, versions)
-            status = GuardStatus(record["verdict"])
+            status = GuardStatus(record.verdict)
         except EvaluationCancelled:   # shutdown: no verdict stored, the encoder stays 'evaluating'
             log.info("guard evaluation cancelled", extra={"encoder": key})
             return   # (the finally below releases what it held)
         except Exception as e:   # fail closed: an evaluation that breaks leaves the encoder unservable
             log.exception("guard evaluation failed", extra={"encoder": key})
             msg = e.message if isinstance(e, QswapError) else f"{type(e).__name__}: {e}"
-            record = {"source": "server", "passed": False, "verdict": GuardStatus.FAILED.value, "error": msg,
-                      "checks": [], "sentinels": self.guard.fingerprint, "evaluated_at": time.time()}
+            record = GuardRecord(source="server", passed=False, verdict=GuardStatus.FAILED, error=msg, checks=[],
+                                 sentinels=self.guard.fingerprint, evaluated_at=time.time())
             status = GuardStatus.FAILED
         finally:
             for k in held:
                 reg.release(k)
-        record["encoder_digest"] = versions[key]
+        record = record.model_copy(update={"encoder_digest": versions[key]})
         if not self.store_verdict(key, versions[key], status, record):
             return
         if reg.metrics is not None:
-            reg.metrics.export_guard(key, GuardRecord.of(record), status, time.perf_counter() - t0)
+            reg.metrics.export_guard(key, record, status, time.perf_counter() - t0)
         if status != GuardStatus.PASSED:
             with table.lock:
                 aliased = sorted(d for d, k in table.aliases.items() if k == key)
@@ -128,7 +128,7 @@ class GuardScheduler:
                 log.error("an aliased encoder failed the guard; its aliases keep serving it",
                           extra={"encoder": key, "domains": aliased, "guard_status": status})
 
-    def store_verdict(self, key: str, digest: str, status: GuardStatus, record: dict[str, Any]) -> bool:
+    def store_verdict(self, key: str, digest: str, status: GuardStatus, record: GuardRecord) -> bool:
         """Write a verdict onto ``key`` if the record still holds the files it judged; False when
         it was dropped (deleted, re-registered with other files, shutting down)."""
         if self.stopping:

@@ -30,10 +30,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from pydantic import ValidationError
+
 from qswap.atomic import append_line, atomic_write_bytes
 from qswap.encoders.artifact import EncoderManifest
 from qswap.errors import IntegrityError
-from qswap.guard import GuardStatus
+from qswap.guard import GuardRecord, GuardStatus
 from qswap.locks import try_lock_exclusive
 
 log = logging.getLogger("qswap.server")
@@ -72,13 +74,24 @@ class EncoderRecord:
     source: str
     created_at: float | None = None
     training: dict[str, Any] | None = None
-    guard: dict[str, Any] | None = None          # the manifest's own record (informational)
+    guard: GuardRecord | None = None             # the manifest's own record (informational)
     guard_status: GuardStatus = GuardStatus.UNGUARDED
     forced: bool = False                         # force given: servable once its verdict is known
-    evaluation: dict[str, Any] | None = None     # the server's own guard record (per-sentinel table)
+    evaluation: GuardRecord | None = None        # the server's own guard record (per-sentinel table)
 
     def __post_init__(self) -> None:
-        self.guard_status = GuardStatus(self.guard_status)   # read back from JSON as a plain string
+        # Read back from JSON: a plain string and plain objects.
+        self.guard_status = GuardStatus(self.guard_status)
+        if isinstance(self.evaluation, dict):
+            self.evaluation = GuardRecord.of(self.evaluation)
+        if isinstance(self.guard, dict):
+            self.guard = _self_reported(self.guard)
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as the registry files hold it (plain JSON objects)."""
+        return {**asdict(replace(self, guard=None, evaluation=None)),
+                "guard": self.guard.to_json() if self.guard is not None else None,
+                "evaluation": self.evaluation.to_json() if self.evaluation is not None else None}
 
     @property
     def digest(self) -> str:
@@ -100,6 +113,15 @@ class EncoderRecord:
                    space=str(m.space.get("fingerprint") or m.embedding_space().fingerprint),
                    files=dict(m.files), registered_at=time.time(), source=source,
                    created_at=m.created_at, training=m.training, guard=m.guard)
+
+
+def _self_reported(guard: dict[str, Any]) -> GuardRecord | None:
+    """A manifest's own guard record; None when malformed (only a forced registration keeps such
+    a manifest, and the record decides nothing there)."""
+    try:
+        return GuardRecord.of(guard)
+    except ValidationError:
+        return None
 
 
 Records = dict[str, EncoderRecord]
@@ -282,7 +304,7 @@ class RecordTable:
             new_records = old_records if records is None else records
             new_aliases = old_aliases if aliases is None else aliases
             change: dict[str, Any] = {
-                "put": {k: asdict(r) for k, r in new_records.items() if old_records.get(k) is not r},
+                "put": {k: r.to_json() for k, r in new_records.items() if old_records.get(k) is not r},
                 "drop": [k for k in old_records if k not in new_records],
                 "alias": {d: k for d, k in new_aliases.items() if old_aliases.get(d) != k},
                 "unalias": [d for d in old_aliases if d not in new_aliases]}
@@ -322,7 +344,7 @@ class RecordTable:
             seq = self.position.seq
             try:
                 blob = (json.dumps({"format": FORMAT, "seq": seq,
-                                    "encoders": {k: asdict(r) for k, r in sorted(records.items())},
+                                    "encoders": {k: r.to_json() for k, r in sorted(records.items())},
                                     "aliases": dict(sorted(aliases.items()))}, indent=2, sort_keys=True)
                         + "\n").encode()
                 atomic_write_bytes(self.file, blob)

@@ -32,7 +32,7 @@ from __future__ import annotations
 from enum import Enum
 
 from qswap.errors import GuardPendingError, GuardRefusedError, QswapError
-from qswap.guard import GuardStatus
+from qswap.guard import GuardRecord, GuardStatus
 from qswap.guard.checks import guard_table, insufficient_table
 from qswap.server.registry.records import EncoderRecord
 
@@ -96,26 +96,28 @@ def is_forced(rec: EncoderRecord | None) -> bool:
 
 
 def _refusal(rec: EncoderRecord, use: Use) -> GuardRefusedError:
-    key, ev = rec.key, rec.evaluation or {}
+    key, ev = rec.key, rec.evaluation or GuardRecord(passed=False)
+    evidence = ev.to_json()
     if use in (Use.CANDIDATE, Use.PROMOTE):
         what = "an experiment's candidate" if use == Use.CANDIDATE else "promoted"
         return GuardRefusedError(f"encoder {key} did not pass the guard (guard_status {rec.guard_status.value}"
                                  f"{', forced' if rec.forced else ''}): it cannot be {what}",
                                  "an experiment compares encoders whose guard passed; to serve this one anyway, "
-                                 "point the alias at it with PUT /v1/aliases/{domain} and force=true", guard=ev)
+                                 "point the alias at it with PUT /v1/aliases/{domain} and force=true",
+                                 guard=evidence)
     hint = "use force=true to accept it anyway" if use in _GIVEN_FORCE else \
         "register it with force=true, or point an alias at it with force=true"
     if rec.guard_status == GuardStatus.FAILED:
         return GuardRefusedError(f"encoder {key} could not be evaluated on the server's sentinels: "
-                                 f"{ev.get('error', 'unknown error')}",
-                                 f"register it again to retry the evaluation, or {hint}", guard=ev)
+                                 f"{ev.error or 'unknown error'}",
+                                 f"register it again to retry the evaluation, or {hint}", guard=evidence)
     if rec.guard_status == GuardStatus.INSUFFICIENT:
         return GuardRefusedError(f"encoder {key} could not be judged: {insufficient_table(ev)}",
                                  "rebuild the sentinels over the current index (`qswap sentinels make "
-                                 f"--index`) and restart, or {hint}", guard=ev)
+                                 f"--index`) and restart, or {hint}", guard=evidence)
     return GuardRefusedError(f"encoder {key} significantly degrades sentinel(s): "
                              f"{guard_table(ev, only_bad=True) or 'see its evaluation'}",
-                             f"re-tune it, or {hint}", guard=ev)
+                             f"re-tune it, or {hint}", guard=evidence)
 
 
 __all__ = ["Use", "is_forced", "needs_force", "serving_error"]

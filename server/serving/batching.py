@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from qswap.server.http.errors import DeadlineExceededError, NotReadyError, OverloadedError
+from qswap.errors import DeadlineExceededError, NotReadyError, OverloadedError
 
 log = logging.getLogger("qswap.server")
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from qswap.errors import NotFoundError, QswapError
+from qswap.errors import NotFoundError, OverloadedError, QswapError
 from qswap.server.serving.batching import token_slices
-from qswap.server.http.errors import OverloadedError, status_for, storage_error
+from qswap.server.http.errors import status_for, storage_error
 
 log = logging.getLogger("qswap.server")
 

@@ -63,11 +63,36 @@ def test_benchmarks_page_shows_every_results_file_with_its_provenance(site: Path
     for f in files:
         meta = json.loads(f.read_text())["meta"]
         assert meta["command"] and meta["git"]["commit"] and meta["machine"]["cpu_model"], f"{f}: provenance"
-        assert meta["git"]["commit"][:12] in text, f"{f}: its commit is not on the page"
+        assert meta["git"]["commit"][:12] in text, f"{f}: its commit is not on the summary"
+        name = f.parent.relative_to(results).as_posix()
+        page = _text(site, f"benchmark/{name}/results")            # one click away: its own page
+        assert meta["command"][:40].replace("<", " ") in page or meta["git"]["commit"][:12] in page, name
     for png in (REPO / "bench" / "results").rglob("*.png"):
         rel = png.relative_to(REPO / "bench" / "results")
         if "tmp" not in rel.parts and (png.parent / "results.json").exists():
             assert (site / "bench" / rel).is_file(), f"plot {rel} is not in the site"
+
+
+def test_benchmarks_summary_reads_every_headline_from_its_results() -> None:
+    """Each figure bench/results/headlines.toml declares is read from its results file (a benchmark
+    whose output changed shape fails here, not silently on the page), with a verdict where a target is set."""
+    sys.path.insert(0, str(REPO / "docs"))
+    try:
+        import hooks
+    finally:
+        sys.path.remove(str(REPO / "docs"))
+    results = REPO / "bench" / "results"
+    heads = hooks.headlines(results)
+    assert heads, "no headline figures declared"
+    for name, spec in heads.items():
+        doc = json.loads((results / name / "results.json").read_text())
+        rows = hooks.headline_rows(name, doc["results"], spec)
+        assert rows and all(r["value"] for r in rows), name
+        assert all(r["verdict"] in ("met", "missed") for r, f in zip(rows, spec["figures"])
+                   if "target" in f or "target_path" in f), name
+    summary, _, pages = hooks.benchmarks_markdown(results)
+    assert "| missed |" in summary or "| met |" in summary
+    assert len(pages) == len(hooks.results_files(results))
 
 
 def test_python_api_reference_is_generated(site: Path) -> None:

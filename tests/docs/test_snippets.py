@@ -1,8 +1,8 @@
 """Every runnable snippet of the README and the docs runs; every other one says why it cannot.
 
-The runnable blocks of one file run in document order in one bash process, in a fresh folder that
-holds what the text says the reader has: ``corpus.jsonl`` (60 demo documents), ``triplets.jsonl``
-and ``support-queries.jsonl`` built from them. Two substitutions make them run here, and only these:
+The runnable blocks of one file run in document order in one bash process, in an empty folder,
+with ``qswap`` on the ``PATH`` as the README says to put it: the files a page reads, it makes
+itself (``qswap demo``). Two substitutions make them run here, and only these:
 
 - ``export QSWAP_MODEL=multilingual-e5-small`` names a tiny random-weight model folder instead
   (the real model would take minutes to embed with; the commands are the same);
@@ -13,7 +13,6 @@ A server a snippet starts in the background is stopped with the snippets' proces
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -47,19 +46,6 @@ def _script(blocks: list[Snippet], model: Path, port: int) -> str:
     return "\n".join(parts) + "\n"
 
 
-def _fixtures(folder: Path) -> None:
-    lines = (REPO / "core" / "data" / "demo_corpus.jsonl").read_text(encoding="utf-8").splitlines()[:60]
-    docs = [json.loads(x) for x in lines]
-    (folder / "corpus.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    with open(folder / "triplets.jsonl", "w", encoding="utf-8") as f:
-        for i, d in enumerate(docs):
-            f.write(json.dumps({"query": d["title"], "pos": [d["text"]],
-                                "neg": [docs[(i + 7) % len(docs)]["text"]]}) + "\n")
-    with open(folder / "support-queries.jsonl", "w", encoding="utf-8") as f:
-        for d in docs:
-            f.write(json.dumps({"query": d["title"], "relevant": [d["id"]]}) + "\n")
-
-
 def test_every_code_block_is_marked() -> None:
     unmarked = [s.where for s in ALL if s.marker is None]
     assert not unmarked, ("code blocks without <!-- run --> or <!-- no-run: REASON --> on the line "
@@ -72,7 +58,7 @@ def test_the_readme_tour_is_run() -> None:
     """The README's tour of the main jobs is among what runs (a guard against marking it all no-run)."""
     readme = [s for s in ALL if s.path == REPO / "README.md" and s.marker == "run"]
     text = "".join(s.code for s in readme)
-    for job in ("qswap index build", "qswap tune run", "qswap sentinels make", "qswap serve",
+    for job in ("qswap demo", "qswap index build", "qswap tune run", "qswap sentinels make", "qswap serve",
                 "/v1/encoders", "/v1/aliases/", "/v1/search", "/v1/info"):
         assert job in text, f"the README's runnable tour lacks {job}"
     assert MODEL_LINE in text
@@ -87,7 +73,6 @@ def test_runnable_snippets_run(path: Path, tmp_path: Path, tiny_model_dir: Path)
         "a runnable snippet would load the real bundled model: name the base through $QSWAP_MODEL"
     work = tmp_path / "work"
     work.mkdir()
-    _fixtures(work)
     bindir = str(Path(sys.executable).parent)
     env = {**os.environ, "QSWAP_DATA_DIR": str(tmp_path / "data"), "QSWAP_PORT": str(port),
            "PATH": bindir + os.pathsep + os.environ.get("PATH", ""), "QSWAP_LOG_JSON": "false"}

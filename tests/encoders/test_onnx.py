@@ -11,7 +11,8 @@ import torch
 
 from qswap.encoders import BASE_KEY, EncoderPool, load_base, load_encoder, save_encoder
 from qswap.encoders.runtime import onnx as onnx_backend
-from qswap.encoders.runtime.onnx import META_FILE, OnnxBackend
+from qswap.encoders.runtime.export_cache import META_FILE
+from qswap.encoders.runtime.onnx import OnnxBackend
 from qswap.encoders.runtime.onnx_export import EMBEDDINGS_FILE, MODEL_FILE
 from qswap.errors import InvalidInputError, NotFoundError
 

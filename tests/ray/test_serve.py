@@ -3,6 +3,7 @@ single-process server."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Iterator
 

@@ -11,9 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from qswap.errors import InvalidInputError
+from qswap.errors import DeadlineExceededError, InvalidInputError, OverloadedError
 from qswap.server.serving.batching import MicroBatcher
-from qswap.server.http.errors import DeadlineExceededError, OverloadedError
 
 def _fake(calls: list, fail_key: str | None = None):
     def encode(texts, keys):

@@ -20,6 +20,10 @@ def test_settings_refuse_unsafe(tmp_path):
     with pytest.raises(InvalidInputError, match="needs the torch backend"):
         ServerSettings(backend="onnx", query_precision="bf16").check()
     ServerSettings(backend="torch", query_precision="bf16").check()
+    ServerSettings(backend="cuda", query_precision="fp16").check()
+    ServerSettings(backend="cuda", query_precision="bf16").check()
+    with pytest.raises(InvalidInputError, match="fp16 needs the cuda backend"):
+        ServerSettings(backend="torch", query_precision="fp16").check()
     assert is_loopback("localhost") and not is_loopback("10.0.0.1")
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from qswap.server.serving.batching import MicroBatcher
-from qswap.server.http.errors import DeadlineExceededError
+from qswap.errors import DeadlineExceededError
 
 from .conftest import ADMIN, LiveServer, server_settings
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from qswap.errors import (ConflictError, GuardRefusedError, IndexCorruptError, IntegrityError, InvalidInputError,
-                          NotFoundError, SpaceMismatchError)
-from qswap.server.http.errors import DeadlineExceededError, LimitExceededError, OverloadedError, status_for
+from qswap.errors import (ConflictError, DeadlineExceededError, GuardRefusedError, IndexCorruptError, IntegrityError,
+                          InvalidInputError, LimitExceededError, NotFoundError, OverloadedError, SpaceMismatchError)
+from qswap.server.http.errors import status_for
 
 
 def test_error_map_is_the_one_table():

@@ -121,7 +121,7 @@ def _snapshot(c) -> tuple:
 def test_hostile_upload_refused_and_changes_nothing(hostile_server, encoders_root, case):
     build, status = CASES[case]
     archive = build(encoders_root)
-    state_dir = hostile_server.app.state.qs.settings.state_dir
+    store = hostile_server.app.state.qs.registry.store   # uploads are extracted into .incoming-* here
     with hostile_server.client(ADMIN) as c:
         before = _snapshot(c)
         t0 = time.perf_counter()
@@ -132,7 +132,7 @@ def test_hostile_upload_refused_and_changes_nothing(hostile_server, encoders_roo
         assert body["detail"] and body["hint"] and body["error"]
         assert took < 10, f"{case}: refusing took {took:.1f}s"
         assert _snapshot(c) == before, case
-    assert not list(state_dir.glob(".upload-*")), case
+    assert store.is_dir() and not list(store.glob(".incoming-*")), case
     assert not Path("/tmp/qswap-evil").exists()
 
 

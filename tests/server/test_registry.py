@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -55,7 +54,7 @@ def test_registry_budget_counts_the_onnx_session(registry, encoders_root):
     pool_bytes = reg.pool.memory_bytes("ft@1")
     session_bytes = reg.backend.memory_bytes("ft@1")
     assert session_bytes > pool_bytes > 0   # a whole transformer copy vs a LoRA adapter
-    assert reg.info("ft@1", "v")["memory_bytes"] == pool_bytes + session_bytes
+    assert reg.info("ft@1", "v").memory_bytes == pool_bytes + session_bytes
     # A budget that fits the adapters but not their sessions keeps only the newest loaded.
     reg.close()
     reg2 = registry(budget=2 * pool_bytes + session_bytes, backend="onnx")

@@ -229,3 +229,31 @@ def test_the_journal_folds_when_it_outgrows_the_snapshot(registry, encoders_root
     assert list(json.loads((state / REGISTRY_FILE).read_text())["encoders"]) == ["ft@1"]
     reg.set_alias("games", "ft@1")                   # a short line: kept in the journal
     assert [sorted(line) for line in _lines(state)] == [["alias", "seq"]]
+
+
+#: A record as earlier servers wrote it: plain objects, a failed evaluation, a check with fields of
+#: another version (``z``), and a malformed self-reported manifest record (kept by a forced registration).
+OLD_RECORD = {
+    "key": "ft@1", "name": "ft", "version": "1", "kind": "bias", "space": "abc", "files": {"a": "00"},
+    "registered_at": 1.0, "source": "path:ft1", "created_at": 0.5, "training": {"steps": 3},
+    "guard": {"checks": "not a list"}, "guard_status": "refused", "forced": True,
+    "evaluation": {"source": "server", "passed": False, "verdict": "refused", "alpha": 0.05, "sentinels": "fp",
+                   "encoder_digest": "d1", "checks": [{"name": "de", "against": "base", "n": 40, "p_holm": 0.01,
+                                                       "delta": -0.1, "verdict": "regressed", "degraded": True,
+                                                       "z": 2.5}]},
+}
+
+
+def test_stored_guard_records_read_typed_and_write_back_what_they_read():
+    """The registry files keep plain JSON; a record read back gives typed guard records (the same
+    models the HTTP answer and the client use), and writing it again loses no field."""
+    from qswap.guard import GuardRecord, GuardStatus
+
+    rec = records._record("ft@1", json.loads(json.dumps(OLD_RECORD)), "registry.json")
+    assert isinstance(rec.evaluation, GuardRecord) and rec.evaluation.verdict is GuardStatus.REFUSED
+    assert [c.name for c in rec.evaluation.regressed()] == ["de"] and rec.evaluation.encoder_digest == "d1"
+    assert rec.guard is None   # malformed self-reported record: it decides nothing
+    back = json.loads(json.dumps(rec.to_json()))
+    assert back["evaluation"]["checks"][0]["z"] == 2.5 and back["evaluation"]["verdict"] == "refused"
+    assert {k: v for k, v in back.items() if k != "guard"} == {k: v for k, v in OLD_RECORD.items() if k != "guard"}
+    assert records._record("ft@1", back, "journal").evaluation == rec.evaluation

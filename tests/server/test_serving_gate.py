@@ -18,7 +18,7 @@ import pytest
 
 from qswap.errors import GuardRefusedError
 from qswap.feedback.experiment import ExperimentRecord
-from qswap.guard import GuardStatus
+from qswap.guard import GuardRecord, GuardStatus
 from qswap.server.registry.records import EncoderRecord
 from qswap.server.registry.serving import Use, serving_error
 
@@ -45,6 +45,8 @@ PATHS = {
     ("http/routes/encoders.py", "get_encoder", "resolve"): "read",
     ("http/routes/encoders.py", "list_encoders", "default_key"): "read",
     ("http/routes/tei.py", "tei_info", "resolve"): "read",
+    ("http/routes/tei.py", "tei_health", "resolve"): "read",
+    ("http/routes/tei.py", "tei_tokenize", "resolve"): "read",
     ("http/routes/health.py", "readyz", "default_key"): "read",
     ("http/routes/health.py", "info", "default_key"): "read",
     ("state.py", "_load_logged", "default_key"): "read",
@@ -122,7 +124,7 @@ def test_only_the_gate_reads_a_verdict_and_only_set_alias_writes_an_alias():
 
 def _rec(status: GuardStatus, forced: bool) -> EncoderRecord:
     return EncoderRecord(key="x@1", name="x", version="1", kind="bias", space="s", files={}, registered_at=0.0,
-                         source="", guard_status=status, forced=forced, evaluation={"passed": False, "checks": []})
+                         source="", guard_status=status, forced=forced, evaluation=GuardRecord(passed=False))
 
 
 # The module's table, written out: (status, forced on record, force given) -> uses allowed.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 import numpy as np
 
 from qswap.errors import GuardRefusedError, InvalidInputError
+from qswap.guard import GuardRecord, GuardStatus
 from qswap.guard.evaluation import RankingMetrics
 from qswap.guard.checks import check_guard, guard_record, sentinel_check
 from qswap.guard.sentinels import parse_sentinel
@@ -51,14 +53,16 @@ def test_guard_record_decides_on_paired_tests_with_holm():
     checks = [sentinel_check(n, _metrics(base), _metrics(x)) for n, x in
               (("de", noise), ("fr", better), ("it", worse))]
     rec = guard_record(checks)
-    v = {c["name"]: c["verdict"] for c in rec["checks"]}
-    assert v == {"de": "unchanged", "fr": "improved", "it": "regressed"} and rec["passed"] is False
-    assert all(c["p_holm"] >= c["p_value"] for c in rec["checks"])
-    assert guard_record(checks[:2])["passed"] is True
+    v = {c.name: c.verdict for c in rec.checks}
+    assert v == {"de": "unchanged", "fr": "improved", "it": "regressed"} and rec.passed is False
+    assert all(c.p_holm >= c.p_value for c in rec.checks)
+    assert guard_record(checks[:2]).passed is True
     # A borderline p that one test alone would call significant is not, over three sentinels.
-    c = dict(checks[0], p_value=0.03, delta=-0.01)
-    rec = guard_record([c, dict(checks[0], name="x"), dict(checks[0], name="y")])
-    assert rec["checks"][0]["p_holm"] == 0.09 and rec["passed"] is True
+    c = checks[0].model_copy(update={"p_value": 0.03, "delta": -0.01})
+    rec = guard_record([c, checks[0].model_copy(update={"name": "x"}), checks[0].model_copy(update={"name": "y"})])
+    assert rec.checks[0].p_holm == 0.09 and rec.passed is True
+    # Stored and read back (manifest, registry file): the same record.
+    assert GuardRecord.of(json.loads(json.dumps(rec.to_json()))) == rec
 
 
 def test_check_guard_refuses_only_a_failed_guard():
@@ -69,7 +73,7 @@ def test_check_guard_refuses_only_a_failed_guard():
     rec = guard_record([sentinel_check("it", _metrics(base), _metrics(base - 0.1))])
     with pytest.raises(GuardRefusedError, match="it vs base: n=100") as e:
         check_guard(rec)
-    assert "force" in e.value.hint and e.value.guard is rec
+    assert "force" in e.value.hint and e.value.guard == rec.to_json()
     with pytest.raises(InvalidInputError):
         check_guard({"checks": []})
 
@@ -98,20 +102,20 @@ def test_parse_sentinel_forms(tmp_path):
 def test_too_few_queries_decide_nothing_and_the_record_reads_typed():
     """Below the minimum a sentinel's check is 'insufficient_evidence' (left out of Holm), and
     the record's verdict is too, unless another check regressed; readers get attributes."""
-    from qswap.guard import GuardRecord
     from qswap.guard.checks import judge_sentinel
 
     rng = np.random.default_rng(3)
     base = rng.uniform(0.3, 1, 100)
     few = judge_sentinel("few", _metrics(base[:6] - 0.3), {"base": _metrics(base[:6])}, n=6, min_queries=20)
     fine = judge_sentinel("fine", _metrics(base), {"base": _metrics(base)}, n=100, min_queries=20)
-    rec = GuardRecord.of(guard_record(few + fine, min_queries=20))
+    rec = guard_record(few + fine, min_queries=20)
     assert rec.verdict == "insufficient_evidence" and rec.passed is False and rec.min_queries == 20
     assert [(c.name, c.verdict, c.n, c.judged) for c in rec.checks] == [
         ("few", "insufficient_evidence", 6, False), ("fine", "unchanged", 100, True)]
     assert rec.checks[1].p_holm == rec.checks[1].p_value          # Holm over the one judged check
     worse = judge_sentinel("worse", _metrics(base - 0.2), {"base": _metrics(base)}, n=100, min_queries=20)
-    assert GuardRecord.of(guard_record(few + worse, min_queries=20)).verdict == "refused"
-    assert GuardRecord.of(guard_record(fine, min_queries=20)).verdict == "passed"
+    assert guard_record(few + worse, min_queries=20).verdict == "refused"
+    assert guard_record(fine, min_queries=20).verdict == "passed"
+    assert isinstance(rec, GuardRecord) and rec.verdict is GuardStatus.INSUFFICIENT
     with pytest.raises(InvalidInputError, match="checks.0.name"):
         check_guard({"passed": False, "checks": [{"degraded": True}]})

@@ -90,7 +90,8 @@ def test_bench_tuning_e2e_records_the_runs_phases(tiny_model_dir, tuning_data, b
 
 def test_recipes_set_the_schedule_and_flags_override_them(tiny_model_dir, tuning_data, beir_index, tmp_path):
     from qswap.tuning.recipes import RECIPES, resolve
-    assert resolve("cpu") == RECIPES["cpu"] and resolve("cpu", lr=1e-3, patience=None)["lr"] == 1e-3
+    assert resolve("cpu") == {**RECIPES["cpu"], "precision": "fp32", "lr_rule": "none"}
+    assert resolve("cpu", lr=1e-3, patience=None)["lr"] == 1e-3
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     for recipe, extra in (("paper", []), ("cpu", ["--patience", "1"])):

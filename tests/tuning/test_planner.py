@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from qswap.errors import InvalidInputError
-from qswap.tuning.methods import MethodConfig
-from qswap.tuning.planner import (FULL_TO_LORA_BUDGET, choose_method, cost, format_plan, lora_parameters,
-                                  make_plan, measure_step_seconds, method_cost)
+from qswap.tuning.methods import MethodConfig, lora_parameters
+from qswap.tuning.planner import (FULL_TO_LORA_BUDGET, choose_method, cost, format_plan, make_plan,
+                                  measure_step_seconds, method_cost)
 
 # per block: 4 attention dense (32x32 + 32) + LayerNorm 64 + FFN in (32x64 + 64) + out (64x32 + 32) + LayerNorm 64
 BLOCK = 4 * (32 * 32 + 32) + 64 + (32 * 64 + 64) + (64 * 32 + 32) + 64

@@ -155,3 +155,16 @@ def test_eval_command_on_a_saved_encoder(tiny_base, tiny_model_dir, tuning_data,
     assert out["encoder"] == "b@1" and out["beir"]["counts"]["pairs"] == 2
     assert out["triplets"]["z_tests"]["pnd_cos"]["total"] == 40
     assert len(out["guard"]["checks"]) == 1 and (tmp_path / "h.png").exists()
+
+
+def test_a_run_without_an_improving_epoch_says_so_and_exits_nonzero(tiny_model_dir, tuning_data, tmp_path, capsys):
+    """Nothing learned (lr 0): the encoder is the base; --quiet or not, stderr says so and the exit is 3."""
+    from qswap.tuning.cli import IDENTITY_EXIT
+    argv = ["tune", "run", "--base", str(tiny_model_dir), "--train", str(tuning_data["train"]),
+            "--cache-dir", str(tmp_path / "cache"), "--lr", "0", "--batch-size", "8", "--epoch-batches", "2",
+            "--max-epochs", "2", "--patience", "1", "--quiet"]
+    assert cli(*argv, "--out", str(tmp_path / "a")) == IDENTITY_EXIT
+    err = capsys.readouterr().err
+    assert "no epoch improved" in err and "--allow-identity" in err
+    assert cli(*argv, "--out", str(tmp_path / "b"), "--allow-identity") == 0
+    assert "no epoch improved" not in capsys.readouterr().err

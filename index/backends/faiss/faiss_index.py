@@ -9,6 +9,7 @@ keeps removed rows as tombstones and excludes them with an ID selector.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -247,8 +248,10 @@ def to_gpu(index: faiss.Index, config: IndexConfig) -> GpuIndex | None:
     The CPU index stays the master copy (mutations, saving); the caller drops the GPU copy
     after every change and makes a new one on the next search.
     """
-    if not config.use_gpu or config.kind not in ("flat", "ivf") or not gpu_available():
+    if not config.use_gpu or config.kind not in ("flat", "ivf"):
         return None
+    if not gpu_available():
+        return _torch_gpu(index, config)
     if config.quant == "pq" and config.kind == "flat":
         return None
     try:
@@ -259,6 +262,31 @@ def to_gpu(index: faiss.Index, config: IndexConfig) -> GpuIndex | None:
     except Exception as e:  # noqa: BLE001 - any FAISS/CUDA failure means: stay on the CPU
         log.warning("GPU search unavailable for %s/%s, using the CPU: %s", config.kind, config.quant, e)
         return None
+
+
+@functools.lru_cache(maxsize=1)
+def _say_no_faiss_gpu() -> None:
+    """Say once per process why FAISS searches on the CPU although there is a GPU."""
+    log.warning("faiss has no GPU support here (faiss-cpu): large flat indexes are searched on the GPU with torch, "
+                "IVF and smaller indexes on the CPU; pip install 'qswap[gpu]' (faiss-gpu-cu12) where a wheel exists "
+                "for this platform and CUDA version")
+
+
+def _torch_gpu(index: faiss.Index, config: IndexConfig) -> GpuIndex | None:
+    """Without faiss-gpu: a large flat index's exact top-k on a CUDA device through torch."""
+    import sys
+    # A process that never loaded torch (an index-only tool) holds no GPU context: do not start one.
+    torch = sys.modules.get("torch")
+    if config.kind != "flat" or torch is None or not torch.cuda.is_available():
+        return None
+    from qswap.index.backends.faiss.torch_flat import torch_flat
+    _say_no_faiss_gpu()
+    try:
+        flat = torch_flat(index, str(config.quant))
+    except Exception as e:  # noqa: BLE001 - any CUDA failure (memory) means: stay on the CPU
+        log.warning("torch GPU search unavailable for %s/%s, using the CPU: %s", config.kind, config.quant, e)
+        return None
+    return None if flat is None else GpuIndex(flat, None)
 
 
 def gpu_can_search(k: int) -> bool:

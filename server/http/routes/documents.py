@@ -14,17 +14,17 @@ from fastapi import APIRouter, Depends, Path, Request, Response
 from fastapi.responses import JSONResponse
 
 from qswap.server.http.auth import require_admin
-from qswap.server.http.errors import LimitExceededError
+from qswap.errors import LimitExceededError
 from qswap.server.http.models import DeleteDocuments, DocumentJobInfo, UpsertDocuments
 from qswap.answers import DeleteResult, UpsertResult
-from qswap.server.http.responses import ADMIN_ERRORS, ready_state, request_timeout, state_of
+from qswap.server.http.responses import ERRORS, ready_state, request_timeout, state_of
 from qswap.server.state import ServerState
 
 router = APIRouter(tags=["documents"])
 
 
 @router.post("/v1/documents", response_model=UpsertResult, responses={
-                 **ADMIN_ERRORS, 202: {"model": DocumentJobInfo, "description": "large upsert (or past its deadline): "
+                 **ERRORS, 202: {"model": DocumentJobInfo, "description": "large upsert (or past its deadline): "
                                        "written in the background; poll the Location"}},
              dependencies=[Depends(require_admin)], summary="Add or replace documents")
 async def upsert_documents(body: UpsertDocuments, request: Request,
@@ -57,7 +57,7 @@ async def upsert_documents(body: UpsertDocuments, request: Request,
                         headers={"Location": f"/v1/documents/jobs/{job.id}"})
 
 
-@router.get("/v1/documents/jobs/{job_id}", response_model=DocumentJobInfo, responses=ADMIN_ERRORS,
+@router.get("/v1/documents/jobs/{job_id}", response_model=DocumentJobInfo, responses=ERRORS,
             dependencies=[Depends(require_admin)], summary="Progress and result of an upsert job")
 async def document_job(request: Request, job_id: str = Path(pattern=r"^[0-9a-f]{32}$")) -> DocumentJobInfo:
     """``queued``/``running`` (with ``embedded`` so far), then ``done`` (``result``) or ``failed``
@@ -65,7 +65,7 @@ async def document_job(request: Request, job_id: str = Path(pattern=r"^[0-9a-f]{
     return DocumentJobInfo.model_validate(state_of(request).jobs.get(job_id).info())
 
 
-@router.delete("/v1/documents", response_model=DeleteResult, responses=ADMIN_ERRORS,
+@router.delete("/v1/documents", response_model=DeleteResult, responses=ERRORS,
                dependencies=[Depends(require_admin)], summary="Delete documents by id")
 async def delete_documents(body: DeleteDocuments, request: Request,
                            timeout_s: float = Depends(request_timeout),

@@ -64,8 +64,8 @@ async def embeddings_unversioned(body: EmbeddingRequest, request: Request, state
 def _card(state: ServerState, model_id: str, key: str, alias: bool = False) -> ModelCard:
     info = state.registry.info(key, state.base_version)
     runtime = runtime_of(state.backend, key)["runtime"] if state.backend is not None else None
-    return ModelCard(id=model_id, created=int(info.get("registered_at") or 0), kind="alias" if alias else info["kind"],
-                     encoder=key, dimensions=state.base.dim, guard_status=info.get("guard_status"), runtime=runtime)
+    return ModelCard(id=model_id, created=int(info.registered_at or 0), kind="alias" if alias else info.kind,
+                     encoder=key, dimensions=state.base.dim, guard_status=info.guard_status, runtime=runtime)
 
 
 def _documents_card(state: ServerState) -> ModelCard:

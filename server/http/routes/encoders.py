@@ -13,16 +13,15 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from qswap.encoders import BASE_KEY
 from qswap.guard import GuardStatus
 from qswap.server.http.auth import require_admin, require_search
 from qswap.encoders.runtime.backend import runtime_of
-from qswap.server.http.errors import ForbiddenError, UnsupportedMediaTypeError
+from qswap.errors import ForbiddenError, UnsupportedMediaTypeError
 from qswap.server.http.models import KEY_PATTERN, NAME_PATTERN, REF_PATTERN, AliasList, AliasSet, Deleted, RegisterByPath
 from qswap.answers import Alias, EncoderInfo, EncoderList, RegisterResponse
 from qswap.server.registry.intake import open_under_root
 from qswap.server.registry.facade import EncoderRecord
-from qswap.server.http.responses import ADMIN_ERRORS, ERRORS, ready_state
+from qswap.server.http.responses import ERRORS, ready_state
 from qswap.server.state import ServerState
 
 router = APIRouter(tags=["encoders"])
@@ -53,9 +52,9 @@ _REGISTER_BODY = {
 
 def _info(state: ServerState, key: str) -> EncoderInfo:
     info = state.registry.info(key, state.base_version)
-    if state.backend is not None:
-        info.update(runtime_of(state.backend, key))
-    return EncoderInfo(**info)
+    if state.backend is None:
+        return info
+    return info.model_copy(update=runtime_of(state.backend, key))
 
 
 def _form_bool(value: object, field: str) -> bool:
@@ -67,7 +66,7 @@ def _form_bool(value: object, field: str) -> bool:
 
 
 @router.post("/v1/encoders", response_model=RegisterResponse, status_code=201,
-             responses={**ADMIN_ERRORS, 200: {"model": RegisterResponse,
+             responses={**ERRORS, 200: {"model": RegisterResponse,
                                               "description": "the identical encoder was already registered"},
                         202: {"model": RegisterResponse,
                               "description": "stored; the server's sentinel evaluation is running"}},
@@ -152,7 +151,7 @@ async def get_encoder(ref: str = Path(pattern=REF_PATTERN), state: ServerState =
 
 
 # One resource, one path template: GET reads any reference, DELETE needs the exact version.
-@router.delete("/v1/encoders/{ref}", response_model=Deleted, responses=ADMIN_ERRORS,
+@router.delete("/v1/encoders/{ref}", response_model=Deleted, responses=ERRORS,
                dependencies=[Depends(require_admin)], summary="Delete an encoder version")
 async def delete_encoder(ref: str = Path(pattern=KEY_PATTERN, description="the exact name@version"),
                          state: ServerState = Depends(ready_state)) -> Deleted:
@@ -167,7 +166,7 @@ async def list_aliases(state: ServerState = Depends(ready_state)) -> AliasList:
     return AliasList(aliases=state.registry.aliases())
 
 
-@router.put("/v1/aliases/{domain}", response_model=Alias, responses=ADMIN_ERRORS,
+@router.put("/v1/aliases/{domain}", response_model=Alias, responses=ERRORS,
             dependencies=[Depends(require_admin)], tags=["aliases"], summary="Point a domain at an encoder")
 async def set_alias(body: AliasSet, domain: str = Path(pattern=NAME_PATTERN),
                     state: ServerState = Depends(ready_state)) -> Alias:
@@ -179,7 +178,7 @@ async def set_alias(body: AliasSet, domain: str = Path(pattern=NAME_PATTERN),
     return Alias(domain=domain, encoder=key, previous=previous, forced=state.registry.forced(key))
 
 
-@router.delete("/v1/aliases/{domain}", response_model=Alias, responses=ADMIN_ERRORS,
+@router.delete("/v1/aliases/{domain}", response_model=Alias, responses=ERRORS,
                dependencies=[Depends(require_admin)], tags=["aliases"], summary="Remove a domain alias")
 async def delete_alias(domain: str = Path(pattern=NAME_PATTERN), state: ServerState = Depends(ready_state)) -> Alias:
     key = await asyncio.to_thread(state.registry.delete_alias, domain)

@@ -22,7 +22,7 @@ from qswap.feedback.store import Feedback
 from qswap.server.http.auth import require_admin, require_search
 from qswap.server.http.models import NAME_PATTERN, ExperimentStart, FeedbackRecorded, FeedbackRequest
 from qswap.server.traffic.impressions import client_of
-from qswap.server.http.responses import ADMIN_ERRORS, ERRORS, ready_state
+from qswap.server.http.responses import ERRORS, ready_state
 from qswap.server.state import ServerState
 
 router = APIRouter(tags=["feedback"])
@@ -93,7 +93,7 @@ async def feedback(body: FeedbackRequest, request: Request,
     return FeedbackRecorded(impression=body.impression, query_index=body.query_index, outcome=outcome)
 
 
-@router.post("/v1/experiments", response_model=Experiment, status_code=201, responses=ADMIN_ERRORS,
+@router.post("/v1/experiments", response_model=Experiment, status_code=201, responses=ERRORS,
              dependencies=[Depends(require_admin)], tags=["experiments"],
              summary="Start an online comparison on a domain alias")
 async def start_experiment(body: ExperimentStart, state: ServerState = Depends(capturing_state)) -> Experiment:
@@ -125,7 +125,7 @@ async def get_experiment(domain: str = Path(pattern=NAME_PATTERN),
     return await state.feedback_admission.run(lambda: state.experiments.get(domain))
 
 
-@router.post("/v1/experiments/{domain}/{action}", response_model=Experiment, responses=ADMIN_ERRORS,
+@router.post("/v1/experiments/{domain}/{action}", response_model=Experiment, responses=ERRORS,
              dependencies=[Depends(require_admin)], tags=["experiments"],
              summary="Stop an experiment, promote its candidate, or roll a promotion back")
 async def experiment_action(action: Literal["stop", "promote", "rollback"],

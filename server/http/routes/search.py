@@ -10,10 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 
 from qswap.encoders import BASE_KEY
-from qswap.errors import QswapError
+from qswap.errors import LimitExceededError, QswapError
 from qswap.feedback.store import Impression
 from qswap.server.http.auth import require_search
-from qswap.server.http.errors import LimitExceededError
 from qswap.server.registry.serving import Use
 from qswap.server.traffic.experiments import interleave_hits
 from qswap.server.traffic.impressions import client_of, contributor

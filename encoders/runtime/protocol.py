@@ -1,0 +1,35 @@
+"""What a query backend is to its users (the server's batch worker and registry): the
+:class:`Backend` protocol every runtime implements. Its own file so that the runtimes and the
+factory that chooses between them (:mod:`qswap.encoders.runtime.backend`) import it, and not
+each other.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import numpy as np
+
+
+#: ``(texts, keys) -> (vectors, truncated flags)`` from one tokenisation.
+EncodeFlagged = Callable[[list[str], list[str]], tuple[np.ndarray, list[bool]]]
+
+
+class Backend(Protocol):
+    """What the server's batch worker and registry use of a query backend (every backend has
+    every member, so callers never probe for one)."""
+
+    #: ``encode`` that also says which texts the tokenizer cut, from the same tokenisation; ``None``
+    #: where the backend does not tokenise itself (the caller asks the tokenizer).
+    encode_flagged: EncodeFlagged | None
+
+    def encode(self, texts: list[str], keys: list[str]) -> np.ndarray: ...
+    def prepare(self, key: str) -> None: ...
+    def discard(self, key: str) -> None: ...
+    def ready(self, key: str) -> bool: ...
+    def error(self, key: str) -> str | None: ...
+    def memory_bytes(self, key: str) -> int: ...
+    def runtime(self, key: str) -> str:
+        """What runs ``key`` now: ``torch``, ``onnx-merged`` (its own export), ``onnx-shared``, or on the
+        cuda backend ``cuda-graph`` / ``gathered`` (the same buckets run eagerly)."""
+    def close(self) -> None: ...

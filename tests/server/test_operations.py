@@ -1,0 +1,58 @@
+"""What operators' tools expect: JSON log lines with ISO 8601 times and nothing else on stderr
+(library warnings included), the standard process_* metrics, counters typed as counters."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import warnings
+from datetime import datetime
+
+import pytest
+
+from qswap.server.http.logs import JsonFormatter, configure_logging
+from qswap.server.http.metrics import Metrics
+
+
+def test_log_time_is_iso_8601_utc():
+    record = logging.LogRecord("qswap.server", logging.INFO, __file__, 1, "hello", None, None)
+    line = json.loads(JsonFormatter().format(record))
+    ts = datetime.fromisoformat(line["ts"].replace("Z", "+00:00"))
+    assert line["ts"].endswith("Z") and abs(ts.timestamp() - record.created) < 1e-5
+
+
+@pytest.fixture
+def restore_logging():
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    libs = {n: (list(logging.getLogger(n).handlers), logging.getLogger(n).propagate) for n in ("transformers",)}
+    yield
+    logging.captureWarnings(False)
+    root.handlers[:], _ = saved[0], root.setLevel(saved[1])
+    for n, (handlers, propagate) in libs.items():
+        logging.getLogger(n).handlers[:] = handlers
+        logging.getLogger(n).propagate = propagate
+
+
+def test_library_warnings_and_logs_are_json_lines(capsys, restore_logging):
+    from transformers.utils import logging as hf_logging
+    configure_logging(json_lines=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("a library's deprecation", UserWarning)
+    hf_logging.get_logger("transformers.modeling_utils").warning("a transformers warning")
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 2
+    parsed = [json.loads(ln) for ln in lines]   # every line is one JSON object
+    assert "a library's deprecation" in parsed[0]["msg"] and parsed[0]["logger"] == "py.warnings"
+    assert parsed[1]["msg"] == "a transformers warning" and parsed[1]["level"] == "warning"
+
+
+def test_process_metrics_and_a_dropped_counter():
+    m = Metrics()
+    m.capture_dropped.set_function(lambda: 3)
+    text = m.render()[0].decode()
+    assert "process_resident_memory_bytes" in text and "python_info" in text
+    assert re.search(r"# TYPE qswap_capture_dropped(_total)? counter", text)
+    assert "qswap_capture_dropped_total 3.0" in text
