@@ -13,7 +13,11 @@ request at a time:
   item 8; ``filter`` keeps the hits on them);
 - ``big_upsert``: 850 documents in one upsert (item 9), polled to the end before the next;
 - ``slow_connections``: 1,000 connections that send half a request head and stall, each
-  reopened when the server closes it (item 10).
+  reopened when the server closes it (item 10);
+- ``feedback_flood``: anonymous feedback from 8 connections as fast as the server answers:
+  forged impression ids, and again and again the ids of 32 searches the attacker made (the
+  server runs with ``--feedback-dir`` for this attack); an admin ``PUT /v1/aliases`` every
+  100 ms, before and during the flood, measures what the flood costs admin routes.
 
 Per attack: the normal clients' p50/p99 and failures with and without the attacker, the
 attacker's own answers, ``/healthz`` latency, and the server's RSS before and after
@@ -55,8 +59,9 @@ NOFILE = 1024
 HUGE_CHARS = 1_900_000
 UPSERT_DOCS = ByMode(850, 100)
 ATTACKS = ("long_queries", "huge_answers", "big_upsert", "slow_connections", "document_embeddings",
-           "abandoned_requests")
+           "abandoned_requests", "feedback_flood")
 ABANDON_AFTER_S = 0.5               # an abandoning attacker closes its connection this long after sending
+FLOOD_CONNECTIONS = 8
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,6 +107,7 @@ class Attacker:
         self.answer_bytes: list[int] = []
         self.jobs_done = 0
         self.closed_by_server = 0
+        self.admin_ms: dict[str, list[float]] = {"before": [], "during": []}
         self.thread = threading.Thread(target=self._run, name=f"attack-{name}", daemon=True)
 
     def start(self) -> None:
@@ -115,7 +121,7 @@ class Attacker:
     def _run(self) -> None:
         {"long_queries": self._requests, "huge_answers": self._requests, "big_upsert": self._upserts,
          "slow_connections": self._slow, "document_embeddings": self._requests,
-         "abandoned_requests": self._abandon}[self.name]()
+         "abandoned_requests": self._abandon, "feedback_flood": self._feedback_flood}[self.name]()
 
     def _requests(self) -> None:
         c = _Http(self.port)
@@ -155,6 +161,47 @@ class Attacker:
                     self.jobs_done += 1
                     break
                 self.stop.wait(0.2)
+        c.close()
+
+    def _feedback_flood(self) -> None:
+        """Flood feedback from FLOOD_CONNECTIONS connections; time admin alias switches before
+        (one second) and during the flood."""
+        c = _Http(self.port)
+        impressions = []
+        for i in range(32):
+            status, data = c.call("POST", "/v1/search", {"query": f"chess game {i}", "k": 5})
+            if status == 200:
+                body = json.loads(data)
+                impressions.append((body["impression"], [h["id"] for h in body["results"][0]["hits"]][:1]))
+        rng = random.Random(1)
+        forged = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
+                          for _ in range(16)) + "." + "A" * 22 for _ in range(64)]
+
+        def flood(k: int) -> None:
+            f = _Http(self.port)
+            n = k
+            while not self.stop.is_set():
+                imp, clicks = impressions[n % len(impressions)] if n % 2 and impressions else (forged[n % 64], ["x"])
+                status, _ = f.call("POST", "/v1/feedback", {"impression": imp, "clicks": clicks})
+                self.statuses[str(status)] += 1
+                n += FLOOD_CONNECTIONS
+            f.close()
+
+        def admin(phase: str, until: float) -> None:
+            while not self.stop.is_set() and time.perf_counter() < until:
+                t0 = time.perf_counter()
+                status, _ = c.call("PUT", "/v1/aliases/flood-admin", {"encoder": "base"})
+                self.admin_ms[phase].append((time.perf_counter() - t0) * 1000)
+                self.statuses[f"admin {status}"] += 1
+                self.stop.wait(0.1)
+
+        admin("before", time.perf_counter() + 1.0)
+        threads = [threading.Thread(target=flood, args=(k,), daemon=True) for k in range(FLOOD_CONNECTIONS)]
+        for t in threads:
+            t.start()
+        admin("during", float("inf"))
+        for t in threads:
+            t.join(60)
         c.close()
 
     def _slow(self) -> None:
@@ -328,6 +375,8 @@ def _window(port: int, reqs: list[Request], seconds: float, rate: float,
     if attacker is not None:
         out["attacker"] = {"answers": dict(attacker.statuses), "jobs_done": attacker.jobs_done,
                            "closed_by_server": attacker.closed_by_server,
+                           **({"admin_p99_ms": {k: percentile(v, 99) for k, v in attacker.admin_ms.items() if v}}
+                              if attacker.name == "feedback_flood" else {}),
                            "answer_bytes_max": max(attacker.answer_bytes) if attacker.answer_bytes else None}
     return out
 
@@ -360,6 +409,8 @@ def run(args: argparse.Namespace) -> int:
     serve = qswap_command() + ["serve", "--host", LOAD_HOST, "--port", str(port), "--index", str(index),
                                "--model", args.model, "--device", "cpu", "--state-dir", str(tmp / "state"),
                                "--insecure", "--log-format", "text"]
+    if "feedback_flood" in attacks:   # capture on, for the flood's feedback (and its searches)
+        serve += ["--feedback-dir", str(tmp / "feedback")]
     cmd = ["bash", "-c", f"ulimit -n {NOFILE} && exec {shlex.join(serve)}"]
     srv = ServerProcess(cmd, port, ready_path="/readyz", log_path=tmp / "server.log")
     payloads = _payloads(work, quick)
@@ -430,7 +481,9 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
                      f"{a['failed']} / {a['sent']}", f(a["healthz_max_ms"]),
                      f"{A[n]['rss_before_bytes'] / 2**20:.0f} -> {A[n]['rss_after_bytes'] / 2**20:.0f} "
                      f"({100 * A[n]['rss_change']:+.1f} %)",
-                     ", ".join(f"{k}: {v}" for k, v in sorted(a["attacker"]["answers"].items()))])
+                     ", ".join(f"{k}: {v}" for k, v in sorted(a["attacker"]["answers"].items()))
+                     + "".join(f"; admin PUT p99 {k} {v:.1f} ms"
+                               for k, v in a["attacker"].get("admin_p99_ms", {}).items())])
     md = (f"Server: `qswap serve` with its default limits under `ulimit -n {res['nofile']}`; workload "
           f"{res['workload']} plus two {HUGE_CHARS / 1e6:.1f} MB documents. Normal clients: "
           f"{res['rate_per_s']:g} single-query searches/s (k 10) on {res['connections']} keep-alive "

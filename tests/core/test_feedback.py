@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from qswap.errors import ConflictError, InvalidInputError, NotFoundError
 from qswap.feedback.export import export_beir, judgements, query_id
 from qswap.feedback.interleave import (CANDIDATE, CONTROL, Interleaving, credit, decided, looks,
                                        rank_biased_overlap, sign_test, team_draft)
+from qswap.feedback.experiment import ExperimentRecord
 from qswap.feedback.store import Feedback, FeedbackStore, Impression, ShadowRun
 
 
@@ -140,7 +142,7 @@ def test_store_queue_is_bounded(tmp_path):
     store.close()
 
 
-def test_store_prunes_by_age_and_size(tmp_path):
+def test_store_prunes_by_age(tmp_path):
     store = FeedbackStore(tmp_path, max_age_s=100, max_bytes=1 << 20)
     now = time.time()
     store.record([_imp("old", ["a"], ts=now - 1000), _imp("new", ["a"], ts=now)])
@@ -148,14 +150,42 @@ def test_store_prunes_by_age_and_size(tmp_path):
     store.flush()
     assert store.prune(now) == 1
     assert store.counts()["impressions"] == 1 and store.counts()["feedback"] == 0
-    big = "x" * 4000
-    store.record([_imp(f"b{i}", ["a"], query=big, ts=now + i) for i in range(600)])
-    store.flush()
-    assert store._size() > store.max_bytes
-    store.prune(now)
-    assert store._size() <= store.max_bytes
-    assert 0 < store.counts()["impressions"] < 601      # the oldest went first, not everything
     store.close()
+
+
+def test_store_size_bound_holds_at_every_moment_wal_included(tmp_path):
+    """1 MB of budget, 2.4 MB of impressions and feedback: the file, its WAL and its shared memory
+    never pass the bound, sampled from another thread while the writer works; the oldest go first."""
+    store = FeedbackStore(tmp_path, max_bytes=1 << 20)
+    seen, stop = [], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            seen.append(store._size())
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        big = "x" * 4000
+        for i in range(600):
+            store.record([_imp(f"b{i}", ["a", "b"], query=big, ts=1000.0 + i)])
+            if i % 7 == 0:
+                store.flush()
+                store.add_feedback(f"b{i}", 0, Feedback(["a"]))
+        store.flush()
+    finally:
+        stop.set()
+        t.join(10)
+    assert len(seen) > 10 and max(seen) <= store.max_bytes, (len(seen), max(seen))
+    n = store.counts()["impressions"]
+    assert 0 < n < 600 and store.counts()["dropped"] == 0
+    kept = [i.request_id for i, _ in store.labelled()]
+    assert "b595" in kept and "b0" not in kept          # the oldest went first, with their feedback
+    store.close()
+    # Opened again under a smaller bound: the oldest go until it fits.
+    small = FeedbackStore(tmp_path, max_bytes=(1 << 20) // 2)
+    assert small._size() <= small.max_bytes and 0 < small.counts()["impressions"] < n
+    small.close()
 
 
 def test_store_survives_a_kill(tmp_path):
@@ -180,13 +210,15 @@ def test_store_survives_a_kill(tmp_path):
 
 def test_experiment_counters(tmp_path):
     store = FeedbackStore(tmp_path)
-    store.put_experiment("games", "e1", {"id": "e1", "domain": "games"})
+    rec = ExperimentRecord(id="e1", domain="games", mode="interleave", fraction=1.0, control="a@1",
+                           candidate="b@1", status="running", started_at=0.0)
+    store.put_experiment(rec)
     store.record([_imp("r1", ["a", "b"], teams=[CONTROL, CANDIDATE], experiment="e1"),
                   ShadowRun("e1", 0.5, 10.0), ShadowRun("e1", None)])
     store.add_feedback("r1", 0, Feedback(["b"]), outcome=1)
     st = store.stats("e1")
-    assert (st["impressions"], st["wins"], st["losses"], st["shadow_runs"], st["shadow_skipped"]) == (1, 1, 0, 1, 1)
-    assert store.experiments() == {"games": {"id": "e1", "domain": "games"}}
+    assert (st.impressions, st.wins, st.losses, st.shadow_runs, st.shadow_skipped) == (1, 1, 0, 1, 1)
+    assert store.experiments() == {"games": rec}
     store.close()
 
 

@@ -13,7 +13,9 @@ from qswap.encoders import BASE_KEY
 from qswap.errors import LimitExceededError, QswapError
 from qswap.feedback.store import Impression
 from qswap.server.http.auth import require_search
+from qswap.server.registry.serving import Use
 from qswap.server.traffic.experiments import interleave_hits
+from qswap.server.traffic.impressions import client_of, contributor
 from qswap.server.http.models import SearchRequest
 from qswap.answers import SearchResponse
 from qswap.server.registry.facade import split_key
@@ -52,13 +54,16 @@ async def search(body: SearchRequest, request: Request, adm: Admission = Depends
     cut = [len(t) > s.max_query_chars for t in texts]
     texts = [t[:s.max_query_chars] for t in texts]
     tokens = await adm.bound_tokens(texts)
+    impression = rid = client = None
+    if state.impressions is not None:   # capture on: the server's own id, bound to this client
+        client = client_of(request, state.settings)
+        impression, rid = state.impressions.issue(client)
     with state.registry.lease(body.encoder, body.domain) as lease:
-        out, cand, arm = await _searches(adm, lease, body, texts, tokens, k + body.offset, request)
+        out, cand, arm = await _searches(adm, lease, body, texts, tokens, k + body.offset, request, rid)
     key = lease.key
-    rid = getattr(request.state, "request_id", None) or ""
     exps = state.experiments
     name, version = (BASE_KEY, state.base_version) if key == BASE_KEY else split_key(key)
-    ref = {"key": key, "name": name, "version": version}
+    ref = {"key": key, "name": name, "version": version, "forced": state.registry.forced(key)}
     timings = {"queue_ms": round(out.queue_s * 1000, 3), "encode_ms": round(out.encode_s * 1000, 3),
                "search_ms": round(out.search_s * 1000, 3)}
     flags = [bool(out.truncated[i] or cut[i]) for i in range(len(out.hits))]
@@ -75,10 +80,12 @@ async def search(body: SearchRequest, request: Request, adm: Admission = Depends
         hits.append([qhits[j] for j in keep])
         teams.append([team[j] for j in keep] if team is not None else None)
     shown = [[h.id for h in q] for q in hits]
-    if state.feedback is not None:
+    if state.feedback is not None and rid is not None:
         exp = arm.experiment if cand is not None else None
+        who = contributor(client, body.session)
         state.feedback.record([Impression(request_id=rid, qi=i, domain=body.domain, encoder=key, query=texts[i],
-                                          ids=shown[i], teams=teams[i], experiment=exp) for i in range(len(texts))])
+                                          ids=shown[i], teams=teams[i], experiment=exp, client=who)
+                               for i in range(len(texts))])
         state.metrics.captured.inc(len(texts))
     if arm is not None and arm.mode == "shadow" and arm.control == key:
         # Off the response path, and only on an idle worker: live traffic never waits for it.
@@ -95,18 +102,18 @@ async def search(body: SearchRequest, request: Request, adm: Admission = Depends
     # texts, metadata and the whole answer are bounded there (qswap.server.http.rendering).
     payload, _ = await render_search_async(hits, flags, ref, timings, body.with_text,
                                            round((time.perf_counter() - t0) * 1000, 3), state.response_limits,
-                                           experiment)
+                                           experiment, impression)
     return Response(payload, media_type="application/json")
 
 
 async def _searches(adm: Admission, lease: Lease, body: SearchRequest, texts: list[str], tokens: Any, k: int,
-                    request: Request) -> tuple[Any, Any, Any]:
-    """The control's search, and the candidate's when an interleave experiment assigns one."""
+                    request: Request, rid: str | None) -> tuple[Any, Any, Any]:
+    """The control's search, and the candidate's when an interleave experiment assigns one
+    (only to a captured search: ``rid`` is the server's impression id)."""
     state, key = adm.state, lease.key
     request.state.encoder = key
-    rid = getattr(request.state, "request_id", None) or ""
     exps = state.experiments
-    arm = exps.assign(body.domain, rid) if exps is not None else None
+    arm = exps.assign(body.domain, rid) if exps is not None and rid is not None else None
     if arm is not None and arm.mode == "interleave" and arm.control == key:
         # Both encoders run in the same batch (mixed-encoder batching): no second round trip.
         out, cand = await asyncio.gather(_run(adm, state, lease, texts, tokens, k, body),
@@ -128,7 +135,7 @@ async def _candidate(ticket: Ticket, state: Any, ref: str, texts: list[str], tok
     """The experiment candidate's search; ``None`` (the control alone answers) when it cannot run,
     unless ``strict`` (shadow runs count the failure as skipped)."""
     try:
-        lease = state.registry.lease(ref)
+        lease = state.registry.lease(ref, use=Use.CANDIDATE)   # the gate may have changed its mind
     except QswapError:
         if strict:
             raise

@@ -115,7 +115,8 @@ async def tei_health(encoder: str = _ENCODER, state: ServerState = Depends(ready
     """TEI's health check: 200 with an empty body; 503 while the server loads, 404 for an unknown
     encoder, 409 for one the guard has not passed."""
     reg = state.registry
-    reg.resolve(**model_ref(reg, encoder))
+    with reg.lease(**model_ref(reg, encoder)):   # the serving gate's answer, as /embed would get it
+        pass
     return Response(status_code=200)
 
 
