@@ -170,3 +170,95 @@ class ModelCard(BaseModel):
     dimensions: int = Field(description="the embedding size (the most 'dimensions' may ask for)")
     guard_status: str | None = Field(None, description="the server's guard verdict of the encoder")
     runtime: str | None = Field(None, description="what runs its forward passes now")
+
+
+# ----------------------------------------------------------------------------- documents
+
+class JobError(BaseModel):
+    status: int = Field(description="the HTTP status the error would have had as a direct answer")
+    error: str
+    detail: str
+    hint: str | None = None
+
+
+class DocumentJobInfo(BaseModel):
+    """An upsert running in the background (202), or finished."""
+
+    id: str
+    status: Literal["queued", "running", "done", "failed"]
+    documents: int = Field(description="documents to write (an id given twice counts once)")
+    embedded: int = Field(description="documents embedded so far")
+    created_at: float
+    finished_at: float | None = None
+    result: UpsertResult | None = Field(None, description="once done: written, and the index's count; the write "
+                                                          "is committed (durable) when the status says done")
+    error: JobError | None = Field(None, description="once failed: nothing of the job was written")
+
+
+# ----------------------------------------------------------------------------- health
+
+class Health(BaseModel):
+    status: str
+
+
+class Ready(BaseModel):
+    ready: bool
+    default_encoder: str | None = None
+    index_documents: int | None = None
+    encoders_loaded: int | None = None
+
+
+# ----------------------------------------------------------------------------- feedback and experiments
+
+class FeedbackRecorded(BaseModel):
+    request_id: str
+    query_index: int
+    outcome: int | None = Field(None, description="interleaved searches: +1 the candidate won, -1 the control "
+                                                  "won, 0 a tie")
+
+
+class Experiment(BaseModel):
+    """An experiment with its live statistics."""
+
+    id: str
+    domain: str
+    mode: str
+    fraction: float
+    control: str
+    candidate: str
+    status: str = Field(description="running | stopped | promoted | rolled_back")
+    started_at: float
+    auto_promote_alpha: float | None = None
+    min_decided: int
+    previous: str | None = Field(None, description="what the alias pointed at before a promotion (rollback)")
+    impressions: int = Field(description="interleaved impressions served")
+    wins: int = Field(description="feedbacks crediting the candidate")
+    losses: int = Field(description="feedbacks crediting the control")
+    ties: int
+    p_value: float = Field(description="two-sided sign test of wins against losses")
+    shadow_runs: int
+    shadow_skipped: int = Field(description="shadow runs not done: the server was busy")
+    overlap: float | None = Field(None, description="mean rank-biased overlap of the two top-k lists (shadow)")
+    shadow_latency_ms: float | None = None
+
+
+class ExperimentList(BaseModel):
+    experiments: list[Experiment]
+
+
+# ----------------------------------------------------------------------------- TEI
+
+class TeiInfo(BaseModel):
+    """TEI's ``GET /info``, for the encoder in the path."""
+
+    model_id: str
+    model_sha: str | None = None
+    model_dtype: str = "float32"
+    model_type: dict[str, Any]
+    max_concurrent_requests: int
+    max_input_length: int
+    max_batch_tokens: int
+    max_batch_requests: int | None = None
+    max_client_batch_size: int
+    tokenization_workers: int = 1
+    version: str

@@ -72,21 +72,5 @@ class TeiEmbedRequest(_Strict):
         "query", description="'query': the encoder in the path; 'passage': the frozen document tower")
 
 
-class TeiInfo(BaseModel):
-    """TEI's ``GET /info``, for the encoder in the path."""
-
-    model_id: str
-    model_sha: str | None = None
-    model_dtype: str = "float32"
-    model_type: dict[str, Any]
-    max_concurrent_requests: int
-    max_input_length: int
-    max_batch_tokens: int
-    max_batch_requests: int | None = None
-    max_client_batch_size: int
-    tokenization_workers: int = 1
-    version: str
-
-
 __all__ = ["DOCUMENTS_MODEL", "MAX_DIMENSIONS", "MAX_EMBEDDING_INPUTS", "MODEL_PATTERN",
-           "EmbeddingRequest", "ModelList", "TeiEmbedRequest", "TeiInfo", "token_ids_given"]
+           "EmbeddingRequest", "ModelList", "TeiEmbedRequest", "token_ids_given"]

@@ -18,7 +18,6 @@ from annotated_types import Ge, Le
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema,
                       model_validator)
 
-from qswap.answers import UpsertResult
 
 # Names, versions and domains (qswap.encoders.artifact.validate_name), and name@version keys.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -215,25 +214,8 @@ class UpsertDocuments(_Strict):
                                         description="an id given twice in one request: the last one wins")
 
 
-class JobError(BaseModel):
-    status: int = Field(description="the HTTP status the error would have had as a direct answer")
-    error: str
-    detail: str
-    hint: str | None = None
 
 
-class DocumentJobInfo(BaseModel):
-    """An upsert running in the background (202), or finished."""
-
-    id: str
-    status: Literal["queued", "running", "done", "failed"]
-    documents: int = Field(description="documents to write (an id given twice counts once)")
-    embedded: int = Field(description="documents embedded so far")
-    created_at: float
-    finished_at: float | None = None
-    result: UpsertResult | None = Field(None, description="once done: written, and the index's count; the write "
-                                                          "is committed (durable) when the status says done")
-    error: JobError | None = Field(None, description="once failed: nothing of the job was written")
 
 
 class DeleteDocuments(_Strict):
@@ -242,15 +224,8 @@ class DeleteDocuments(_Strict):
 
 # ----------------------------------------------------------------------------- health
 
-class Health(BaseModel):
-    status: str
 
 
-class Ready(BaseModel):
-    ready: bool
-    default_encoder: str | None = None
-    index_documents: int | None = None
-    encoders_loaded: int | None = None
 
 
 class ErrorBody(BaseModel):
@@ -292,11 +267,6 @@ class FeedbackRequest(_Strict):
         return self
 
 
-class FeedbackRecorded(BaseModel):
-    request_id: str
-    query_index: int
-    outcome: int | None = Field(None, description="interleaved searches: +1 the candidate won, -1 the control "
-                                                  "won, 0 a tie")
 
 
 class ExperimentStart(_Strict):
@@ -312,32 +282,3 @@ class ExperimentStart(_Strict):
                                              "look at alpha / 10)")
     min_decided: Count = Field(100, ge=1, le=10_000_000, description="decided impressions (wins + losses) at "
                                                                   "the first look of auto-promotion")
-
-
-class Experiment(BaseModel):
-    """An experiment with its live statistics."""
-
-    id: str
-    domain: str
-    mode: str
-    fraction: float
-    control: str
-    candidate: str
-    status: str = Field(description="running | stopped | promoted | rolled_back")
-    started_at: float
-    auto_promote_alpha: float | None = None
-    min_decided: int
-    previous: str | None = Field(None, description="what the alias pointed at before a promotion (rollback)")
-    impressions: int = Field(description="interleaved impressions served")
-    wins: int = Field(description="feedbacks crediting the candidate")
-    losses: int = Field(description="feedbacks crediting the control")
-    ties: int
-    p_value: float = Field(description="two-sided sign test of wins against losses")
-    shadow_runs: int
-    shadow_skipped: int = Field(description="shadow runs not done: the server was busy")
-    overlap: float | None = Field(None, description="mean rank-biased overlap of the two top-k lists (shadow)")
-    shadow_latency_ms: float | None = None
-
-
-class ExperimentList(BaseModel):
-    experiments: list[Experiment]

@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse
 
 from qswap.server.http.auth import require_admin
 from qswap.server.http.errors import LimitExceededError
-from qswap.server.http.models import DeleteDocuments, DocumentJobInfo, UpsertDocuments
-from qswap.answers import DeleteResult, UpsertResult
+from qswap.server.http.models import DeleteDocuments, UpsertDocuments
+from qswap.answers import DeleteResult, DocumentJobInfo, UpsertResult
 from qswap.server.http.responses import ADMIN_ERRORS, ready_state, request_timeout, state_of
 from qswap.server.state import ServerState
 

@@ -16,8 +16,8 @@ from qswap.errors import ConflictError
 from qswap.feedback.interleave import Interleaving
 from qswap.feedback.store import Feedback
 from qswap.server.http.auth import require_admin, require_search
-from qswap.server.http.models import (NAME_PATTERN, Experiment, ExperimentList, ExperimentStart, FeedbackRecorded,
-                                 FeedbackRequest)
+from qswap.answers import Experiment, ExperimentList, FeedbackRecorded
+from qswap.server.http.models import NAME_PATTERN, ExperimentStart, FeedbackRequest
 from qswap.server.http.responses import ADMIN_ERRORS, ERRORS, ready_state
 from qswap.server.state import ServerState
 

@@ -13,7 +13,8 @@ from fastapi import APIRouter, Depends, Path, Request, Response
 
 from qswap import __version__
 from qswap.server.http.auth import require_search
-from qswap.server.http.compat_models import DOCUMENTS_MODEL, TeiEmbedRequest, TeiInfo
+from qswap.answers import TeiInfo
+from qswap.server.http.compat_models import DOCUMENTS_MODEL, TeiEmbedRequest
 from qswap.server.serving.embeddings import embed_texts, model_ref, texts_of
 from qswap.server.http.models import REF_PATTERN
 from qswap.server.http.responses import ERRORS, ready_state, request_timeout
