@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 from qswap.answers import (Alias, DeleteResult, DocumentJobInfo, EmbeddingResponse, EncoderInfo, EncoderList,
                            Experiment, ExperimentList, FeedbackRecorded, Health, ModelCard, Ready, RegisterResponse,
-                           SearchResponse, ServerInfo, TeiInfo, UpsertResult)
+                           SearchResponse, ServerInfo, TeiInfo, TeiToken, UpsertResult)
 from qswap.client.archive import pack_encoder
 
 T = TypeVar("T")
@@ -141,23 +141,60 @@ def model(model_id: str) -> Call[ModelCard]:
 
 
 @route("POST", "/tei/{encoder}/embed")
-def tei_embed(encoder: str, inputs: str | Sequence[str], *, truncate: bool = False, dimensions: int | None = None,
-              prompt_name: Literal["query", "passage"] = "query") -> Call[list[list[float]]]:
+def tei_embed(encoder: str, inputs: str | Sequence[str], *, truncate: bool = False,
+              truncation_direction: Literal["right", "left"] = "right", dimensions: int | None = None,
+              prompt_name: str = "query") -> Call[list[list[float]]]:
     """``POST /tei/{encoder}/embed``: Text Embeddings Inference's route, the encoder in the path.
 
     Args:
         encoder: a domain alias or an encoder reference.
         inputs: a text or a list of texts.
         truncate: cut inputs longer than the model's max tokens (else 422 ``limit_exceeded``).
+        truncation_direction: which end of a too-long input is cut.
         dimensions: a Matryoshka prefix (renormalised).
-        prompt_name: ``query`` (the encoder in the path) or ``passage`` (the document tower).
+        prompt_name: ``query`` (the encoder in the path) or ``passage`` / ``document`` (the
+            document tower); the server's schema lists every accepted name.
 
     Returns:
         One unit vector per input.
     """
-    body = _drop_none({"inputs": _texts(inputs), "truncate": truncate, "dimensions": dimensions,
-                       "prompt_name": prompt_name})
+    body = _drop_none({"inputs": _texts(inputs), "truncate": truncate, "truncation_direction": truncation_direction,
+                       "dimensions": dimensions, "prompt_name": prompt_name})
     return Call("POST", f"/tei/{_seg(encoder)}/embed", lambda b: [list(map(float, v)) for v in b], json=body)
+
+
+@route("POST", "/tei/{encoder}/tokenize")
+def tei_tokenize(encoder: str, inputs: str | Sequence[str], *, add_special_tokens: bool = True,
+                 prompt_name: str | None = None) -> Call[list[list[TeiToken]]]:
+    """``POST /tei/{encoder}/tokenize``: the tokens the model reads, one list per input.
+
+    Args:
+        encoder: a domain alias or an encoder reference (must be servable, as for ``/embed``).
+        inputs: a text or a list of texts.
+        add_special_tokens: include the model's special tokens.
+        prompt_name: prepend that prompt's prefix, as ``/embed`` does (None: the text as sent).
+    """
+    body = _drop_none({"inputs": _texts(inputs), "add_special_tokens": add_special_tokens,
+                       "prompt_name": prompt_name})
+    return Call("POST", f"/tei/{_seg(encoder)}/tokenize",
+                lambda b: [[TeiToken.model_validate(t) for t in toks] for toks in b], json=body)
+
+
+@route("POST", "/tei/{encoder}/decode")
+def tei_decode(encoder: str, ids: Sequence[int] | Sequence[Sequence[int]], *,
+               skip_special_tokens: bool = True) -> Call[list[str]]:
+    """``POST /tei/{encoder}/decode``: token ids back to text (a flat list is one input)."""
+    flat = not ids or not isinstance(ids[0], Sequence)
+    body = {"ids": list(ids) if flat else [list(x) for x in ids],  # type: ignore[arg-type]
+            "skip_special_tokens": skip_special_tokens}
+    return Call("POST", f"/tei/{_seg(encoder)}/decode", lambda b: [str(t) for t in b], json=body)
+
+
+@route("GET", "/tei/{encoder}/health")
+def tei_health(encoder: str) -> Call[bool]:
+    """``GET /tei/{encoder}/health``: True when the server is ready and the encoder may serve
+    (else the named error: NotReadyError, NotFoundError, GuardPendingError, ...)."""
+    return Call("GET", f"/tei/{_seg(encoder)}/health", lambda _: True, text=True)
 
 
 @route("GET", "/tei/{encoder}/info")

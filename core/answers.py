@@ -262,3 +262,13 @@ class TeiInfo(BaseModel):
     max_client_batch_size: int
     tokenization_workers: int = 1
     version: str
+
+
+class TeiToken(BaseModel):
+    """One token of TEI's ``/tokenize`` answer."""
+
+    id: int
+    text: str
+    special: bool
+    start: int | None = None
+    stop: int | None = None

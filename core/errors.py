@@ -213,7 +213,9 @@ def error_class(code: str | None, status: int) -> type[QswapError]:
 
 
 def error_from_body(status: int, body: Any) -> QswapError:
-    """Rebuild the named error of an error answer ``{"error", "detail", "hint", ...}``.
+    """Rebuild the named error of an error answer, in any of the server's dialects: qswap's
+    ``{"error": code, "detail", "hint", ...}``, OpenAI's ``{"error": {"message", "code", ...}}``
+    or TEI's ``{"error": message, "error_type", "code"}``.
 
     Args:
         status: the HTTP status of the answer.
@@ -225,14 +227,17 @@ def error_from_body(status: int, body: Any) -> QswapError:
     """
     if not isinstance(body, dict):
         body = {"detail": str(body)[:300]}
-    if isinstance(body.get("error"), dict):   # OpenAI's shape {"error": {"message", "type", "param", "code"}}
-        inner = body["error"]
-        body = {**inner, **body, "error": inner.get("code") if isinstance(inner.get("code"), str) else None,
-                "detail": body.get("detail") or inner.get("message")}
-    code = body.get("error") if isinstance(body.get("error"), str) else None
-    cls = error_class(code, status)
-    message = str(body.get("detail") or body.get("message") or f"HTTP {status}")
     hint = str(body.get("hint") or "")
+    error = body.get("error")
+    if isinstance(error, dict):                # OpenAI's dialect (the /v1/embeddings and /v1/models routes)
+        code, message = error.get("code"), str(error.get("message") or "")
+        message = message.removesuffix(f" (hint: {hint})") if hint else message
+    elif "error_type" in body:                 # TEI's dialect (the /tei/ routes)
+        code, message = body.get("code"), str(error or "").removesuffix(f" (hint: {hint})")
+    else:
+        code, message = error, str(body.get("detail") or body.get("message") or "")
+    cls = error_class(code if isinstance(code, str) else None, status)
+    message = message or f"HTTP {status}"
     if issubclass(cls, SpaceMismatchError):
         return cls(message, field=str(body.get("field", "")), expected=body.get("expected"),
                    got=body.get("got"), hint=hint)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema, model_validator
 
 from qswap.answers import ModelCard
-from qswap.server.http.models import REF_PATTERN, Count, _no_default, _no_surrogates, _Strict
+from qswap.server.http.models import REF_PATTERN, Count, _no_default, _no_surrogates
 
 # The reserved model id of the frozen document tower (the index's own embeddings).
 DOCUMENTS_MODEL = "qswap/documents"
@@ -37,10 +37,24 @@ def token_ids_given(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and not isinstance(value[0], str)
 
 
-class EmbeddingRequest(_Strict):
-    """OpenAI's ``POST /v1/embeddings`` body."""
+class _Lenient(BaseModel):
+    """A compatibility route's body: read as its anchor (OpenAI, TEI) reads it. Unknown fields are
+    ignored (clients send their own, e.g. ``input_type``) and ``null`` for an optional field means
+    its default; the fields qswap reads are still strictly typed."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in cls.model_fields
+                                                           and not cls.model_fields[k].is_required())}
+        return data
+
+
+class EmbeddingRequest(_Lenient):
+    """OpenAI's ``POST /v1/embeddings`` body."""
 
     input: Inputs = Field(description="a text or a list of texts (at most the server's max_embedding_inputs)")
     model: str = Field(pattern=MODEL_PATTERN, max_length=129,
@@ -58,19 +72,52 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TeiEmbedRequest(_Strict):
-    """TEI's ``POST /embed`` body."""
+# TEI's prompt names as qswap reads them: the encoder in the path, or the frozen document tower.
+QUERY_PROMPTS, DOCUMENT_PROMPTS = ("query",), ("passage", "document", "documents", "doc", "corpus")
+PROMPT_NAMES = QUERY_PROMPTS + DOCUMENT_PROMPTS
+_PROMPT_DOC = ("'query' (the default): the encoder in the path; 'passage' (or 'document', 'documents', 'doc', "
+               "'corpus'): the frozen document tower, as the index embeds its documents")
+
+
+class TeiEmbedRequest(_Lenient):
+    """TEI's ``POST /embed`` (and ``POST /``) body."""
 
     inputs: Inputs = Field(description="a text or a list of texts")
     normalize: bool = Field(True, description="unit-length vectors (qswap's encoders always give them)")
     truncate: bool = Field(False, description="cut inputs longer than the model's max tokens (else they "
                                               "are refused: 422 limit_exceeded)")
-    truncation_direction: Literal["right", "Right"] = Field("right", description="only 'right' is supported")
+    truncation_direction: Literal["right", "Right", "left", "Left"] = Field(
+        "right", description="which end of a too-long input is cut when truncate is true")
     dimensions: Count = Field(None, json_schema_extra=_no_default, ge=1, le=MAX_DIMENSIONS,
                             description="keep the first N coordinates (Matryoshka) and renormalise")
-    prompt_name: Literal["query", "passage"] = Field(
-        "query", description="'query': the encoder in the path; 'passage': the frozen document tower")
+    prompt_name: Literal[PROMPT_NAMES] = Field("query", description=_PROMPT_DOC)  # type: ignore[valid-type]
+
+    @property
+    def documents(self) -> bool:
+        """Whether the request asks for the document tower."""
+        return self.prompt_name in DOCUMENT_PROMPTS
 
 
-__all__ = ["DOCUMENTS_MODEL", "MAX_DIMENSIONS", "MAX_EMBEDDING_INPUTS", "MODEL_PATTERN",
-           "EmbeddingRequest", "ModelList", "TeiEmbedRequest", "token_ids_given"]
+class TeiTokenizeRequest(_Lenient):
+    """TEI's ``POST /tokenize`` body."""
+
+    inputs: Annotated[EmbedText | Annotated[list[EmbedText], _NonEmpty], WithJsonSchema(_TEXTS_SCHEMA)] = Field(
+        description="a text or a list of texts")
+    add_special_tokens: bool = Field(True, description="include the model's special tokens ([CLS], [SEP], ...)")
+    prompt_name: Literal[PROMPT_NAMES] | None = Field(  # type: ignore[valid-type]
+        None, description="prepend that prompt's prefix, as /embed does (default: the text as sent)")
+
+
+class TeiDecodeRequest(_Lenient):
+    """TEI's ``POST /decode`` body."""
+
+    ids: Annotated[list[Annotated[int, Field(ge=0)]], _NonEmpty] | Annotated[
+        list[Annotated[list[Annotated[int, Field(ge=0)]], _NonEmpty]], _NonEmpty] = Field(
+        description="token ids, or a list of lists of token ids")
+    skip_special_tokens: bool = Field(True, description="leave out the model's special tokens")
+
+
+
+__all__ = ["DOCUMENTS_MODEL", "DOCUMENT_PROMPTS", "MAX_DIMENSIONS", "MAX_EMBEDDING_INPUTS", "MODEL_PATTERN",
+           "PROMPT_NAMES", "QUERY_PROMPTS", "EmbeddingRequest", "ModelList", "TeiDecodeRequest", "TeiEmbedRequest",
+           "TeiTokenizeRequest", "token_ids_given"]

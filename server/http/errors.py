@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qswap.atomic import disk_full
+from qswap.server.http.dialects import dialect_for, retry_headers, shape_error
 from qswap.errors import (ERRORS, ConflictError, DeadlineExceededError, ForbiddenError, GuardPendingError,
                           GuardRefusedError, IndexCorruptError, InsufficientStorageError, IntegrityError,
                           InternalServerError,
@@ -123,7 +124,9 @@ def _respond(request: Request, status: int, body: dict[str, Any],
     metrics = getattr(getattr(request.app.state, "qs", None), "metrics", None)
     if metrics is not None:
         metrics.errors.labels(code=body["error"], status=str(status)).inc()
-    return JSONResponse(body, status_code=status, headers=headers)
+    headers = {**retry_headers(status, body["error"]), **(headers or {})}
+    return JSONResponse(shape_error(dialect_for(request.scope["path"]), status, body), status_code=status,
+                        headers=headers)
 
 
 def storage_error(exc: BaseException) -> InsufficientStorageError | None:

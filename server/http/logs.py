@@ -20,6 +20,7 @@ from typing import Any, Callable
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from qswap.server.http.dialects import dialect_for, shape_error
 from qswap.server.http.errors import InternalServerError, PayloadTooLargeError, QswapError, error_body_of
 
 REQUEST_ID_HEADER = "X-Request-ID"
@@ -140,7 +141,8 @@ class RequestContextMiddleware:
             if started:
                 raise
             await self._send_error(send_wrapped, InternalServerError(
-                "internal server error", "the server logs have the details (search for the request id)"), rid)
+                "internal server error", "the server logs have the details (search for the request id)"), rid,
+                scope["path"])
         finally:
             elapsed = time.perf_counter() - start
             route = scope.get("route")
@@ -159,15 +161,15 @@ class RequestContextMiddleware:
     async def _too_large(self, scope: Scope, send: Send, limit: int, rid: str) -> None:
         await self._send_error(send, PayloadTooLargeError(
             f"request body exceeds {limit} bytes",
-            "send a smaller body (see the server's max_body_bytes / max_upload_bytes)"), rid, close=True)
+            "send a smaller body (see the server's max_body_bytes / max_upload_bytes)"), rid, scope["path"], close=True)
 
-    async def _send_error(self, send: Send, exc: QswapError, rid: str, close: bool = False) -> None:
+    async def _send_error(self, send: Send, exc: QswapError, rid: str, path: str, close: bool = False) -> None:
         """Answer ``exc`` from here, outside the app's exception handlers (same body, same metric)."""
         status, body, _ = error_body_of(exc, request_id=rid)
         m = self.metrics()
         if m is not None:
             m.errors.labels(code=body["error"], status=str(status)).inc()
-        await self._send_json(send, status, body, close=close)
+        await self._send_json(send, status, shape_error(dialect_for(path), status, body), close=close)
 
     @staticmethod
     async def _send_json(send: Send, status: int, body: dict[str, Any], close: bool = False) -> None:

@@ -24,7 +24,8 @@ from ..server.conftest import ADMIN, LiveServer, server_settings
 
 OPENAPI = Path(__file__).resolve().parents[2] / "server" / "openapi.json"
 # Routes the client sends under another path (the same handler).
-SAME_AS = {("POST", "/embeddings"): ("POST", "/v1/embeddings")}
+SAME_AS = {("POST", "/embeddings"): ("POST", "/v1/embeddings"),
+           ("POST", "/tei/{encoder}"): ("POST", "/tei/{encoder}/embed")}
 
 
 def _schema_routes() -> dict[tuple[str, str], dict]:
@@ -142,6 +143,13 @@ def test_health_metrics_tei(admin):
     assert isinstance(info, TeiInfo) and info.model_id == "ft@1"
     q = admin.tei_embed("games", ["chess puzzle"])
     assert q[0] == pytest.approx(admin.embeddings("chess puzzle", "games").data[0].embedding, abs=1e-6)
+    assert admin.tei_health("games") is True
+    with pytest.raises(NotFoundError):
+        admin.tei_health("nowhere")
+    toks = admin.tei_tokenize("games", ["chess puzzle", "audio"])
+    assert len(toks) == 2 and toks[0][0].special and not toks[0][1].special
+    assert admin.tei_decode("games", [t.id for t in toks[0]]) == ["chess puzzle"]
+    assert admin.tei_decode("games", [[t.id for t in toks[1]]]) == ["audio"]
     d = admin.tei_embed("games", "chess puzzle", prompt_name="passage", dimensions=8)
     assert d[0] == pytest.approx(admin.embeddings("chess puzzle", calls.DOCUMENTS_MODEL, dimensions=8).data[0].embedding,
                                  abs=1e-6)

@@ -9,6 +9,7 @@ import pytest
 
 from qswap.errors import (ERRORS, GuardRefusedError, MethodNotAllowedError, NotFoundError, OverloadedError,
                           QswapError, SpaceMismatchError, error_class, error_from_body)
+from qswap.server.http.dialects import shape_error
 from qswap.server.http.errors import error_body_of
 
 
@@ -22,13 +23,17 @@ def _make(cls: type[QswapError]) -> QswapError:
     return cls("what is wrong", "what to do")
 
 
+@pytest.mark.parametrize("dialect", ["qswap", "openai", "tei"])
 @pytest.mark.parametrize("cls", ERRORS, ids=lambda c: c.__name__)
-def test_server_body_reads_back_as_the_same_error(cls):
+def test_server_body_reads_back_as_the_same_error(cls, dialect):
     sent = _make(cls)
     status, body, headers = error_body_of(sent)
     assert (status, body["error"]) == (cls.status, cls.code)
     if headers and "Retry-After" in headers:
         body["retry_after"] = int(headers["Retry-After"])   # the client reads the header into the body
+    body = shape_error(dialect, status, body)
+    if dialect == "openai":
+        assert body["error"]["code"] == cls.code and sent.message in body["error"]["message"]
     got = error_from_body(status, json.loads(json.dumps(body)))
     assert type(got) is cls and (got.message, got.hint) == (sent.message, sent.hint)
     for field in ("field", "expected", "got", "guard", "retry_after"):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from qswap.errors import NotReadyError, error_from_body
 from qswap.answers import SearchResponse
 
 from ..encoders.adapters import make_lora, make_overrides
@@ -552,7 +553,7 @@ def test_not_ready_answers_503(tmp_path, tiny_model_dir):
                                        ("POST", "/v1/embeddings", {"input": "x", "model": "base"}),
                                        ("GET", "/v1/experiments", None)]:
                 r = c.request(method, path, json=body)
-                assert r.status_code == 503 and r.json()["error"] == "not_ready", (path, r.text)
+                assert r.status_code == 503 and type(error_from_body(503, r.json())) is NotReadyError, (path, r.text)
             # ...after authentication: an admin route answers 401 without a token, 503 with one.
             assert c.delete("/v1/aliases/games").status_code == 401
         with srv.client(ADMIN) as c:
