@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from qswap.feedback.experiment import Experiment, ExperimentList  # typed once, where the store keeps it
 from qswap.guard import GuardStatus
 
 
@@ -21,6 +22,8 @@ class EncoderRef(BaseModel):
     key: str = Field(description="name@version, or 'base' for the base model itself")
     name: str
     version: str
+    forced: bool = Field(False, description="it serves only because an admin forced it: its guard verdict is "
+                                            "not a pass")
 
 
 class Timings(BaseModel):
@@ -61,6 +64,8 @@ class QueryResult(BaseModel):
 class SearchResponse(BaseModel):
     results: list[QueryResult]
     took_ms: float
+    impression: str | None = Field(None, description="the id to send feedback with (POST /v1/feedback), issued "
+                                                     "to the client that searched; null when capture is off")
 
 
 class EncoderInfo(BaseModel):
@@ -114,6 +119,8 @@ class Alias(BaseModel):
     domain: str
     encoder: str
     previous: str | None = None
+    forced: bool = Field(False, description="the encoder serves only because an admin forced it (its guard "
+                                            "verdict is not a pass)")
 
 
 class UpsertResult(BaseModel):
@@ -211,39 +218,10 @@ class Ready(BaseModel):
 # ----------------------------------------------------------------------------- feedback and experiments
 
 class FeedbackRecorded(BaseModel):
-    request_id: str
+    impression: str
     query_index: int
     outcome: int | None = Field(None, description="interleaved searches: +1 the candidate won, -1 the control "
                                                   "won, 0 a tie")
-
-
-class Experiment(BaseModel):
-    """An experiment with its live statistics."""
-
-    id: str
-    domain: str
-    mode: str
-    fraction: float
-    control: str
-    candidate: str
-    status: str = Field(description="running | stopped | promoted | rolled_back")
-    started_at: float
-    auto_promote_alpha: float | None = None
-    min_decided: int
-    previous: str | None = Field(None, description="what the alias pointed at before a promotion (rollback)")
-    impressions: int = Field(description="interleaved impressions served")
-    wins: int = Field(description="feedbacks crediting the candidate")
-    losses: int = Field(description="feedbacks crediting the control")
-    ties: int
-    p_value: float = Field(description="two-sided sign test of wins against losses")
-    shadow_runs: int
-    shadow_skipped: int = Field(description="shadow runs not done: the server was busy")
-    overlap: float | None = Field(None, description="mean rank-biased overlap of the two top-k lists (shadow)")
-    shadow_latency_ms: float | None = None
-
-
-class ExperimentList(BaseModel):
-    experiments: list[Experiment]
 
 
 # ----------------------------------------------------------------------------- TEI
