@@ -81,7 +81,7 @@ def _floats(b64: str) -> list[float]:
 @route("POST", "/v1/search")
 def search(query: str | Sequence[str], *, encoder: str | None = None, domain: str | None = None, k: int = 10,
            offset: int = 0, score_threshold: float | None = None, filter: Mapping[str, Any] | None = None,
-           with_text: bool = True) -> Call[SearchResponse]:
+           with_text: bool = True, session: str | None = None) -> Call[SearchResponse]:
     """``POST /v1/search``: search with a chosen query encoder.
 
     Args:
@@ -93,13 +93,16 @@ def search(query: str | Sequence[str], *, encoder: str | None = None, domain: st
         score_threshold: drop hits scoring below this.
         filter: metadata equality filter.
         with_text: return document texts.
+        session: an opaque id of your end user's session (an application searching with a bearer
+            token): experiments count feedback evidence per session.
 
     Returns:
-        :class:`~qswap.answers.SearchResponse`: one result per query.
+        :class:`~qswap.answers.SearchResponse`: one result per query; its ``impression`` is
+        the id to send feedback with (when the server captures).
     """
     body = _drop_none({"encoder": encoder, "domain": domain, "k": k, "offset": offset or None,
                        "score_threshold": score_threshold, "filter": dict(filter) if filter else None,
-                       "with_text": with_text})
+                       "with_text": with_text, "session": session})
     body["query" if isinstance(query, str) else "queries"] = _texts(query)
     return Call("POST", "/v1/search", SearchResponse.model_validate, json=body)
 
@@ -347,8 +350,8 @@ def experiment(domain: str) -> Call[Experiment]:
 
 @route("POST", "/v1/experiments")
 def start_experiment(domain: str, candidate: str, *, mode: Literal["shadow", "interleave"] = "interleave",
-                     fraction: float = 0.1, auto_promote_alpha: float | None = None,
-                     min_decided: int = 100) -> Call[Experiment]:
+                     fraction: float = 0.1, auto_promote_alpha: float | None = None, min_decided: int = 100,
+                     min_clients: int = 20, max_per_client: int = 10) -> Call[Experiment]:
     """``POST /v1/experiments`` (admin): compare ``candidate`` online with what ``domain`` serves.
 
     Args:
@@ -358,9 +361,13 @@ def start_experiment(domain: str, candidate: str, *, mode: Literal["shadow", "in
         fraction: share of the domain's searches in the experiment.
         auto_promote_alpha: promote on its own once significantly ahead at this level.
         min_decided: decided impressions at the first look of auto-promotion.
+        min_clients: auto-promotion needs decided feedback from at least this many distinct
+            clients (sessions).
+        max_per_client: decided feedbacks of one client (session) that count towards auto-promotion at most.
     """
     body = _drop_none({"domain": domain, "candidate": candidate, "mode": mode, "fraction": fraction,
-                       "auto_promote_alpha": auto_promote_alpha, "min_decided": min_decided})
+                       "auto_promote_alpha": auto_promote_alpha, "min_decided": min_decided,
+                       "min_clients": min_clients, "max_per_client": max_per_client})
     return Call("POST", "/v1/experiments", Experiment.model_validate, json=body)
 
 
@@ -387,17 +394,20 @@ def rollback_experiment(domain: str) -> Call[Experiment]:
 
 
 @route("POST", "/v1/feedback")
-def feedback(request_id: str, *, query_index: int = 0, clicks: Sequence[str] | None = None,
+def feedback(impression: str, *, query_index: int = 0, clicks: Sequence[str] | None = None,
              grades: Mapping[str, int] | None = None) -> Call[FeedbackRecorded]:
     """``POST /v1/feedback``: what the user did with one search's results.
 
+    Send it with the same credentials (and ``session``) as the search: the impression id is
+    bound to the client that searched, and another client's feedback on it is 404.
+
     Args:
-        request_id: the search's request id.
+        impression: the search answer's ``impression`` (``SearchResponse.impression``).
         query_index: which query of the search (0 for one query).
-        clicks: clicked document ids, among the hits shown (none: seen, not clicked).
+        clicks: clicked document ids, among the hits shown (an empty list: seen, nothing clicked).
         grades: graded judgements instead of clicks: id -> grade (0 = not relevant).
     """
-    body = _drop_none({"request_id": request_id, "query_index": query_index,
+    body = _drop_none({"impression": impression, "query_index": query_index,
                        "clicks": None if clicks is None else list(clicks),
                        "grades": None if grades is None else dict(grades)})
     return Call("POST", "/v1/feedback", FeedbackRecorded.model_validate, json=body)

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from qswap.answers import DocumentJobInfo, Experiment, Health, Ready, TeiInfo, UpsertResult
+from qswap.answers import DocumentJobInfo, Experiment, FeedbackRecorded, Health, Ready, TeiInfo, UpsertResult
 from qswap.client import AsyncClient, Client, calls
 from qswap.client.routes import Route, Routes
-from qswap.errors import ClientTimeoutError, DeadlineExceededError, NotFoundError, UnreachableError
+from qswap.errors import ClientTimeoutError, ConflictError, DeadlineExceededError, NotFoundError, UnreachableError
 
 from ..server.conftest import ADMIN, LiveServer, server_settings
 
@@ -59,6 +59,33 @@ def test_each_method_returns_the_schemas_answer_model():
             assert {m.__name__ for m in models} <= refs, (key, name, refs)
             if not models:   # unwrapped (a list or dict of models, a text, a yes): the schema has no bare model
                 assert value in (str, bool) or typing.get_origin(value) in (list, dict), (key, name, value)
+
+
+# A builder's parameter that the body spells otherwise, and body fields the client leaves to the server.
+BODY_NAMES = {"query": {"query", "queries"}, "directory": {"archive"}}
+NOT_SENT = {("POST", "/v1/embeddings"): {"encoding_format", "user"},   # base64 always; "user" is ignored
+            ("POST", "/v1/encoders"): {"path", "archive"}}            # one of the two builders each
+
+
+def test_each_method_sends_every_field_of_the_request_schema():
+    """The JSON body's fields (the schema's request model) are the builder's parameters: a field the
+    server adds (a protocol change) fails here until the client can send it."""
+    import inspect
+    spec = json.loads(OPENAPI.read_text())
+    for key, names in calls.ROUTES.items():
+        body = _schema_routes()[key].get("requestBody", {}).get("content", {})
+        ref = next((c["schema"].get("$ref") for c in body.values() if "$ref" in c.get("schema", {})), None)
+        if ref is None:
+            continue
+        fields = set(spec["components"]["schemas"][ref.rsplit("/", 1)[-1]]["properties"])
+        sent: set[str] = set()
+        for name in names:
+            params = set(inspect.signature(getattr(calls, name)).parameters) - {"encoder", "domain"} \
+                if key[1].startswith("/tei/") else set(inspect.signature(getattr(calls, name)).parameters)
+            sent |= {f for p in params for f in BODY_NAMES.get(p, {p})}
+        assert fields - NOT_SENT.get(key, set()) <= sent, (key, fields - sent)
+        assert sent - {"force", "wait"} - fields <= {"path", "archive"} | (set() if key[1] != "/v1/aliases/{domain}"
+                                                                          else {"domain"}), (key, sent - fields)
 
 
 def test_routes_are_typed_descriptors():
@@ -155,13 +182,22 @@ def test_health_metrics_tei(admin):
                                  abs=1e-6)
 
 
-def test_experiment_lifecycle(admin):
+def test_experiment_and_feedback(admin, srv):
     started = admin.start_experiment("games", "ft@2", mode="interleave", fraction=1.0)
     assert isinstance(started, Experiment) and started.status == "running" and started.control == "ft@1"
     assert [e.domain for e in admin.experiments()] == ["games"]
-    res = admin.search("chess puzzle", domain="games", k=4).results[0]
-    assert res.experiment is not None and res.experiment.candidate == "ft@2"
-    assert admin.experiment("games").impressions >= 1
+    res = admin.search("chess puzzle", domain="games", k=4, session="user-1")
+    one = res.results[0]
+    assert one.experiment is not None and one.experiment.candidate == "ft@2" and res.impression
+    with Client(srv.url) as stranger:   # the impression is bound to the client that searched
+        with pytest.raises(NotFoundError):
+            stranger.feedback(res.impression, clicks=[one.hits[0].id])
+    rec = admin.feedback(res.impression, clicks=[one.hits[0].id])
+    assert isinstance(rec, FeedbackRecorded) and rec.impression == res.impression and rec.outcome in (-1, 0, 1)
+    with pytest.raises(ConflictError):   # a second feedback on the same result list
+        admin.feedback(res.impression, clicks=[])
+    now = admin.experiment("games")
+    assert now.impressions >= 1 and now.wins + now.losses + now.ties == 1
     assert admin.stop_experiment("games").status == "stopped"
     promoted = admin.promote_experiment("games")
     assert promoted.status == "promoted" and admin.aliases()["games"] == "ft@2"
