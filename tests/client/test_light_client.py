@@ -7,6 +7,7 @@ the full ``qswap`` installs under the same names, byte for byte, at the same ver
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -27,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    shutil.rmtree(REPO / "build" / "qswap-client", ignore_errors=True)   # setuptools would pack stale files
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                         str(out), "."], cwd=REPO / "client", capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -43,7 +45,10 @@ def _source(name: str) -> Path:
 def test_the_wheel_is_the_same_modules_at_the_same_version(wheel):
     with zipfile.ZipFile(wheel) as z:
         names = [n for n in z.namelist() if n.startswith("qswap/")]
-        assert {"qswap/client/__init__.py", "qswap/errors.py", "qswap/answers.py"} <= set(names)
+        assert {"qswap/client/__init__.py", "qswap/errors.py", "qswap/answers.py", "qswap/py.typed",
+                "qswap/client/py.typed"} <= set(names)
+        assert not [n for n in names if n.count("/") > 1 and not n.startswith("qswap/client/")
+                    and n.rsplit("/", 1)[-1] not in ("__init__.py", "status.py", "record.py", "experiment.py")]
         for n in names:
             assert z.read(n) == _source(n).read_bytes(), n
         meta = z.read(next(n for n in z.namelist() if n.endswith("METADATA"))).decode()
