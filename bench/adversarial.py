@@ -38,7 +38,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from qswap.bench.fixtures import MODEL, load_space_base, load_workload, qswap_command, stamped_index, wait_for_runtime

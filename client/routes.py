@@ -1,133 +1,96 @@
 """The client's methods, one per route, written once for the sync and the async client.
 
-Each method builds a :class:`~qswap.client.calls.Call` and hands it to ``self._send``: in
-:class:`~qswap.client.Client` that returns the value, in :class:`~qswap.client.AsyncClient`
-an awaitable of it (so ``await client.search(...)`` there).
+Each method is a :class:`Route` over a builder of :mod:`qswap.client.calls`: it takes the
+builder's arguments, builds the :class:`~qswap.client.calls.Call` and hands it to the client's
+``_send``. Type checkers and IDEs see the builder's parameters and, from the client's kind, the
+answer itself (:class:`~qswap.client.Client`) or an awaitable of it
+(:class:`~qswap.client.AsyncClient`): ``client.search(...)`` is a ``SearchResponse`` there,
+``await client.search(...)`` here.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+import functools
+from typing import Any, Awaitable, Callable, Generic, ParamSpec, TypeVar, overload
 
 from qswap.client import calls
 
+P = ParamSpec("P")
+T = TypeVar("T")
 
-class Routes:
-    """Every route of the qswap API (see each method); subclasses supply ``_send``."""
 
-    def _send(self, call: calls.Call[Any]) -> Any:
+class SyncSender:
+    """Base of the synchronous client: ``_send`` answers the call's value."""
+
+    def _send(self, call: calls.Call[T]) -> T:
         raise NotImplementedError
 
-    def search(self, query: str | Sequence[str], *, encoder: str | None = None, domain: str | None = None,
-               k: int = 10, offset: int = 0, score_threshold: float | None = None,
-               filter: Mapping[str, Any] | None = None, with_text: bool = True) -> Any:
-        """Search with a chosen query encoder.
 
-        Args:
-            query: one query, or a list of queries (one result each).
-            encoder: ``name`` (highest version) or ``name@version``; the default encoder when absent.
-            domain: a domain alias instead of ``encoder``.
-            k: hits per query.
-            offset: skip this many best hits first (pagination).
-            score_threshold: drop hits scoring below this.
-            filter: metadata equality filter.
-            with_text: return document texts.
+class AsyncSender:
+    """Base of the asynchronous client: ``_send`` answers an awaitable of the call's value."""
 
-        Returns:
-            :class:`~qswap.answers.SearchResponse`.
-        """
-        return self._send(calls.search(query, encoder=encoder, domain=domain, k=k, offset=offset,
-                                       score_threshold=score_threshold, filter=filter, with_text=with_text))
+    async def _send(self, call: calls.Call[T]) -> T:
+        raise NotImplementedError
 
-    def embeddings(self, input: str | Sequence[str], model: str, *, dimensions: int | None = None) -> Any:
-        """Embed texts with a query encoder (alias or reference) or ``qswap/documents``.
 
-        Args:
-            input: a text or a list of texts.
-            model: a domain alias, an encoder reference, or ``qswap/documents``.
-            dimensions: a Matryoshka prefix (renormalised).
+class Route(Generic[P, T]):
+    """A client method that sends what ``build`` makes (same parameters, same docstring)."""
 
-        Returns:
-            :class:`~qswap.answers.EmbeddingResponse` (floats; base64 on the wire).
-        """
-        return self._send(calls.embeddings(input, model, dimensions=dimensions))
+    def __init__(self, build: Callable[P, calls.Call[T]]) -> None:
+        self.build = build
+        functools.update_wrapper(self, build)
 
-    def models(self) -> Any:
-        """Every id ``model`` may name: list of :class:`~qswap.answers.ModelCard`."""
-        return self._send(calls.models())
+    @overload
+    def __get__(self, obj: None, owner: type) -> "Route[P, T]": ...
 
-    def model(self, model_id: str) -> Any:
-        """One model id as the server resolves it: :class:`~qswap.answers.ModelCard`."""
-        return self._send(calls.model(model_id))
+    @overload
+    def __get__(self, obj: SyncSender, owner: type) -> Callable[P, T]: ...
 
-    def info(self) -> Any:
-        """What is served (model, space, index, limits): :class:`~qswap.answers.ServerInfo`."""
-        return self._send(calls.info())
+    @overload
+    def __get__(self, obj: AsyncSender, owner: type) -> Callable[P, Awaitable[T]]: ...
 
-    def ready(self) -> Any:
-        """``/readyz``'s answer once ready (retries while the server loads, within ``max_retries``)."""
-        return self._send(calls.ready())
+    def __get__(self, obj: Any, owner: type) -> Any:
+        if obj is None:
+            return self
+        build, send = self.build, obj._send
 
-    def encoders(self, *, limit: int | None = None, after: str | None = None) -> Any:
-        """Encoders and the default: :class:`~qswap.answers.EncoderList`.
+        @functools.wraps(build)
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return send(build(*args, **kwargs))
+        return method
 
-        Args:
-            limit: at most this many (None: all); the answer's ``next`` is the next page's cursor.
-            after: the cursor: the previous page's ``next``.
-        """
-        return self._send(calls.encoders(limit=limit, after=after))
 
-    def encoder(self, ref: str) -> Any:
-        """One encoder (``name`` = highest version): :class:`~qswap.answers.EncoderInfo`."""
-        return self._send(calls.encoder(ref))
+class Routes:
+    """Every route of the qswap API as a method; each takes the arguments of, and is documented
+    by, the builder of the same name in :mod:`qswap.client.calls`."""
 
-    def register_path(self, path: str, *, force: bool = False, wait: bool = False) -> Any:
-        """Register a directory under the server's encoders root (admin).
-
-        Args:
-            path: relative to the server's ``--encoders-root``.
-            force: serve even if the server's guard refuses it.
-            wait: with sentinels, answer after the verdict (refusal: GuardRefusedError).
-
-        Returns:
-            :class:`~qswap.answers.RegisterResponse`.
-        """
-        return self._send(calls.register_path(path, force=force, wait=wait))
-
-    def upload_encoder(self, directory: Path | str, *, force: bool = False, wait: bool = False) -> Any:
-        """Pack a local encoder directory as ``.tar.gz`` and register it (admin).
-
-        Args:
-            directory: what ``qswap tune run`` wrote (holds ``manifest.json``).
-            force: serve even if the server's guard refuses it.
-            wait: with sentinels, answer after the verdict (refusal: GuardRefusedError).
-
-        Returns:
-            :class:`~qswap.answers.RegisterResponse`.
-        """
-        return self._send(calls.upload_encoder(directory, force=force, wait=wait))
-
-    def delete_encoder(self, key: str) -> Any:
-        """Delete ``name@version`` (admin); returns the deleted key."""
-        return self._send(calls.delete_encoder(key))
-
-    def aliases(self) -> Any:
-        """Domain -> ``name@version``."""
-        return self._send(calls.aliases())
-
-    def set_alias(self, domain: str, encoder: str, *, force: bool = False) -> Any:
-        """Point ``domain`` at ``encoder`` (admin): :class:`~qswap.answers.Alias`."""
-        return self._send(calls.set_alias(domain, encoder, force=force))
-
-    def delete_alias(self, domain: str) -> Any:
-        """Remove a domain alias (admin): :class:`~qswap.answers.Alias`."""
-        return self._send(calls.delete_alias(domain))
-
-    def upsert_documents(self, documents: Sequence[Mapping[str, Any]]) -> Any:
-        """Add or replace documents ``{"id", "text", "metadata"?}`` (admin): :class:`UpsertResult`."""
-        return self._send(calls.upsert_documents(documents))
-
-    def delete_documents(self, ids: Sequence[str]) -> Any:
-        """Delete documents by id (admin): :class:`~qswap.answers.DeleteResult`."""
-        return self._send(calls.delete_documents(ids))
+    search = Route(calls.search)
+    embeddings = Route(calls.embeddings)
+    models = Route(calls.models)
+    model = Route(calls.model)
+    tei_embed = Route(calls.tei_embed)
+    tei_info = Route(calls.tei_info)
+    tei_tokenize = Route(calls.tei_tokenize)
+    tei_decode = Route(calls.tei_decode)
+    tei_health = Route(calls.tei_health)
+    healthz = Route(calls.healthz)
+    ready = Route(calls.ready)
+    metrics = Route(calls.metrics)
+    info = Route(calls.info)
+    encoders = Route(calls.encoders)
+    encoder = Route(calls.encoder)
+    register_path = Route(calls.register_path)
+    upload_encoder = Route(calls.upload_encoder)
+    delete_encoder = Route(calls.delete_encoder)
+    aliases = Route(calls.aliases)
+    set_alias = Route(calls.set_alias)
+    delete_alias = Route(calls.delete_alias)
+    document_job = Route(calls.document_job)
+    delete_documents = Route(calls.delete_documents)
+    experiments = Route(calls.experiments)
+    experiment = Route(calls.experiment)
+    start_experiment = Route(calls.start_experiment)
+    stop_experiment = Route(calls.stop_experiment)
+    promote_experiment = Route(calls.promote_experiment)
+    rollback_experiment = Route(calls.rollback_experiment)
+    feedback = Route(calls.feedback)

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from qswap.feedback.experiment import Experiment, ExperimentList  # noqa: F401  (re-exported: typed once, where the store keeps it)
 from qswap.guard import GuardRecord, GuardStatus
 
 
@@ -176,3 +177,76 @@ class ModelCard(BaseModel):
     dimensions: int = Field(description="the embedding size (the most 'dimensions' may ask for)")
     guard_status: str | None = Field(None, description="the server's guard verdict of the encoder")
     runtime: str | None = Field(None, description="what runs its forward passes now")
+
+
+# ----------------------------------------------------------------------------- documents
+
+class JobError(BaseModel):
+    status: int = Field(description="the HTTP status the error would have had as a direct answer")
+    error: str
+    detail: str
+    hint: str | None = None
+
+
+class DocumentJobInfo(BaseModel):
+    """An upsert running in the background (202), or finished."""
+
+    id: str
+    status: Literal["queued", "running", "done", "failed"]
+    documents: int = Field(description="documents to write (an id given twice counts once)")
+    embedded: int = Field(description="documents embedded so far")
+    created_at: float
+    finished_at: float | None = None
+    result: UpsertResult | None = Field(None, description="once done: written, and the index's count; the write "
+                                                          "is committed (durable) when the status says done")
+    error: JobError | None = Field(None, description="once failed: nothing of the job was written")
+
+
+# ----------------------------------------------------------------------------- health
+
+class Health(BaseModel):
+    status: str
+
+
+class Ready(BaseModel):
+    ready: bool
+    default_encoder: str | None = None
+    index_documents: int | None = None
+    encoders_loaded: int | None = None
+
+
+# ----------------------------------------------------------------------------- feedback and experiments
+
+class FeedbackRecorded(BaseModel):
+    impression: str
+    query_index: int
+    outcome: int | None = Field(None, description="interleaved searches: +1 the candidate won, -1 the control "
+                                                  "won, 0 a tie")
+
+
+# ----------------------------------------------------------------------------- TEI
+
+class TeiInfo(BaseModel):
+    """TEI's ``GET /info``, for the encoder in the path."""
+
+    model_id: str
+    model_sha: str | None = None
+    model_dtype: str = "float32"
+    model_type: dict[str, Any]
+    max_concurrent_requests: int
+    max_input_length: int
+    max_batch_tokens: int
+    max_batch_requests: int | None = None
+    max_client_batch_size: int
+    tokenization_workers: int = 1
+    version: str
+
+
+class TeiToken(BaseModel):
+    """One token of TEI's ``/tokenize`` answer."""
+
+    id: int
+    text: str
+    special: bool
+    start: int | None = None
+    stop: int | None = None

@@ -174,6 +174,23 @@ class DeadlineExceededError(QswapError):
     status, code = 504, "deadline_exceeded"
 
 
+class UnreachableError(QswapError):
+    """The client could not reach the server at all: connection refused, unknown host, TLS failure.
+
+    Raised by :mod:`qswap.client`, never answered by a server (``status`` 0: no answer came)."""
+
+    status, code = 0, "unreachable"
+
+
+class ClientTimeoutError(DeadlineExceededError):
+    """The server took the request but did not answer within the client's ``timeout``.
+
+    Raised by :mod:`qswap.client`, never answered by a server. Unlike :class:`UnreachableError`
+    the request may have run (an upsert may have been written): check before repeating a write."""
+
+    status, code = 0, "client_timeout"
+
+
 # THE table: every error a qswap server answers, by code. Where several share a status, the
 # first one listed is what a bare status (a framework's 404, 405, 413, ...) stands for.
 ERRORS: tuple[type[QswapError], ...] = (
@@ -183,6 +200,8 @@ ERRORS: tuple[type[QswapError], ...] = (
     IndexCorruptError, NotReadyError, IndexUnavailableError, DeadlineExceededError, InsufficientStorageError,
     QswapError,
 )
+# What the client raises itself when no answer comes (no HTTP status, so not in the table above).
+CLIENT_ERRORS: tuple[type[QswapError], ...] = (UnreachableError, ClientTimeoutError)
 _BY_CODE: dict[str, type[QswapError]] = {cls.code: cls for cls in ERRORS}
 
 

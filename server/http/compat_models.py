@@ -117,32 +117,7 @@ class TeiDecodeRequest(_Lenient):
     skip_special_tokens: bool = Field(True, description="leave out the model's special tokens")
 
 
-class TeiToken(BaseModel):
-    """One token of TEI's ``/tokenize`` answer."""
-
-    id: int
-    text: str
-    special: bool
-    start: int | None = None
-    stop: int | None = None
-
-
-class TeiInfo(BaseModel):
-    """TEI's ``GET /info``, for the encoder in the path."""
-
-    model_id: str
-    model_sha: str | None = None
-    model_dtype: str = "float32"
-    model_type: dict[str, Any]
-    max_concurrent_requests: int
-    max_input_length: int
-    max_batch_tokens: int
-    max_batch_requests: int | None = None
-    max_client_batch_size: int
-    tokenization_workers: int = 1
-    version: str
-
 
 __all__ = ["DOCUMENTS_MODEL", "DOCUMENT_PROMPTS", "MAX_DIMENSIONS", "MAX_EMBEDDING_INPUTS", "MODEL_PATTERN",
            "PROMPT_NAMES", "QUERY_PROMPTS", "EmbeddingRequest", "ModelList", "TeiDecodeRequest", "TeiEmbedRequest",
-           "TeiInfo", "TeiToken", "TeiTokenizeRequest", "token_ids_given"]
+           "TeiTokenizeRequest", "token_ids_given"]

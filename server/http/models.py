@@ -18,7 +18,6 @@ from annotated_types import Ge, Le
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema,
                       model_validator)
 
-from qswap.answers import UpsertResult
 from qswap.names import NAME_PATTERN, REF_PATTERN
 
 IMPRESSION_PATTERN = r"^[A-Za-z0-9_-]{16}\.[A-Za-z0-9_-]{22}$"   # qswap.server.traffic.impressions
@@ -217,25 +216,8 @@ class UpsertDocuments(_Strict):
                                         description="an id given twice in one request: the last one wins")
 
 
-class JobError(BaseModel):
-    status: int = Field(description="the HTTP status the error would have had as a direct answer")
-    error: str
-    detail: str
-    hint: str | None = None
 
 
-class DocumentJobInfo(BaseModel):
-    """An upsert running in the background (202), or finished."""
-
-    id: str
-    status: Literal["queued", "running", "done", "failed"]
-    documents: int = Field(description="documents to write (an id given twice counts once)")
-    embedded: int = Field(description="documents embedded so far")
-    created_at: float
-    finished_at: float | None = None
-    result: UpsertResult | None = Field(None, description="once done: written, and the index's count; the write "
-                                                          "is committed (durable) when the status says done")
-    error: JobError | None = Field(None, description="once failed: nothing of the job was written")
 
 
 class DeleteDocuments(_Strict):
@@ -244,15 +226,8 @@ class DeleteDocuments(_Strict):
 
 # ----------------------------------------------------------------------------- health
 
-class Health(BaseModel):
-    status: str
 
 
-class Ready(BaseModel):
-    ready: bool
-    default_encoder: str | None = None
-    index_documents: int | None = None
-    encoders_loaded: int | None = None
 
 
 class ErrorBody(BaseModel):
@@ -294,11 +269,6 @@ class FeedbackRequest(_Strict):
         return self
 
 
-class FeedbackRecorded(BaseModel):
-    impression: str
-    query_index: int
-    outcome: int | None = Field(None, description="interleaved searches: +1 the candidate won, -1 the control "
-                                                  "won, 0 a tie")
 
 
 class ExperimentStart(_Strict):

@@ -35,7 +35,7 @@ def _cos(a, b) -> float:
 
 
 def test_every_route_sync(admin, live, encoders_root, reference_pool, tiny_base, tmp_path):
-    assert admin.ready()["ready"] is True
+    assert admin.ready().ready is True
     info = admin.info()
     assert info.limits["max_k"] == 20 and info.default_encoder == "base"
     reg = admin.register_path("ft1")
@@ -72,7 +72,7 @@ def test_every_route_async(live, tiny_base, tmp_path):
 
     async def main() -> None:
         async with AsyncClient(live.url, ADMIN) as c:
-            assert (await c.ready())["ready"] is True
+            assert (await c.ready()).ready is True
             assert (await c.info()).model
             assert (await c.upload_encoder(tmp_path / "au")).encoder.key == "au@1"
             assert (await c.wait_for_verdict("au@1")).guard_status == "unguarded"

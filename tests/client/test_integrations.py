@@ -68,6 +68,7 @@ def e5_server(tmp_path_factory, e5) -> Iterator[LiveServer]:
         with Client(srv.url, ADMIN) as c:
             c.register_path("legal")
             c.set_alias("docs", "base")
+            c.set_alias("legal", "legal@1")
             c.upsert_documents([{"id": k, "text": t, "metadata": {"topic": k}} for k, t in DOCS.items()])
             c.delete_documents(["seed"])
         yield srv
@@ -168,6 +169,60 @@ def test_rag_with_each_retriever(e5_server):
     q, expected = next(iter(QUERIES.items()))
     assert asyncio.run(lc.ainvoke(q))[0].id == expected
     assert asyncio.run(li.aretrieve(q))[0].node.node_id == expected
+
+
+def _ranks_as_search(url: str, query: str, got: list[str]) -> bool:
+    """``got`` is /v1/search's top-10 for ``query`` on domain legal: the same ids in the same
+    order, where a swap is allowed only between hits whose search scores are within 1e-4 (the
+    two paths' float32 sums differ by ~1e-5, and near-ties exist among 20 short documents)."""
+    with Client(url) as c:
+        hits = c.search(query, domain="legal", k=11).results[0].hits
+    score = {h.id: h.score for h in hits}
+    return len(got) == 10 and len(set(got)) == 10 and all(
+        g in score and abs(score[g] - h.score) <= 1e-4 for g, h in zip(got, hits))
+
+
+def test_langchain_vector_store_ranks_as_search(e5_server, reference, e5):
+    """QswapEmbeddings keeps the towers apart: LangChain's own InMemoryVectorStore, filled through
+    it, returns the same top-10 as /v1/search with the same domain; the query-encoder way of
+    OpenAIEmbeddings(model="legal") puts documents in another space."""
+    from langchain_core.vectorstores import InMemoryVectorStore
+    from langchain_openai import OpenAIEmbeddings
+
+    from qswap.client.langchain import QswapEmbeddings
+    emb = QswapEmbeddings(url=e5_server.url, model="legal")
+    texts = list(DOCS.values())
+    assert _cos(emb.embed_documents(texts[:3]), e5.encode_documents(texts[:3])).min() >= 0.99999
+    q = next(iter(QUERIES))
+    assert _cos(emb.embed_query(q), reference.encode([q], ["legal@1"])[0]).min() >= 0.99999
+    store = InMemoryVectorStore(emb)
+    store.add_texts(texts, ids=list(DOCS))
+    for query in QUERIES:
+        assert _ranks_as_search(e5_server.url, query, [d.id for d in store.similarity_search(query, k=10)])
+    got = asyncio.run(store.asimilarity_search(q, k=10))
+    assert _ranks_as_search(e5_server.url, q, [d.id for d in got])
+    wrong = OpenAIEmbeddings(model="legal", base_url=f"{e5_server.url}/v1", api_key="unused",
+                             check_embedding_ctx_length=False).embed_documents(texts[:3])
+    assert _cos(wrong, e5.encode_documents(texts[:3])).max() < 0.99
+
+
+def test_llamaindex_vector_store_ranks_as_search(e5_server, reference, e5):
+    """QswapEmbedding: LlamaIndex's in-memory VectorStoreIndex returns the same top-10 as /v1/search."""
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.schema import TextNode
+
+    from qswap.client.llamaindex import QswapEmbedding
+    emb = QswapEmbedding("legal", url=e5_server.url)
+    texts = list(DOCS.values())
+    assert _cos(emb.get_text_embedding_batch(texts[:3]), e5.encode_documents(texts[:3])).min() >= 0.99999
+    q = next(iter(QUERIES))
+    assert _cos(emb.get_query_embedding(q), reference.encode([q], ["legal@1"])[0]).min() >= 0.99999
+    index = VectorStoreIndex([TextNode(id_=k, text=t) for k, t in DOCS.items()], embed_model=emb)
+    retriever = index.as_retriever(similarity_top_k=10)
+    for query in QUERIES:
+        assert _ranks_as_search(e5_server.url, query, [n.node.node_id for n in retriever.retrieve(query)])
+    got = asyncio.run(retriever.aretrieve(q))
+    assert _ranks_as_search(e5_server.url, q, [n.node.node_id for n in got])
 
 
 def test_docs_page_snippets_run(e5_server):

@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse
 
 from qswap.server.http.auth import require_admin
 from qswap.errors import LimitExceededError
-from qswap.server.http.models import DeleteDocuments, DocumentJobInfo, UpsertDocuments
-from qswap.answers import DeleteResult, UpsertResult
+from qswap.server.http.models import DeleteDocuments, UpsertDocuments
+from qswap.answers import DeleteResult, DocumentJobInfo, UpsertResult
 from qswap.server.http.responses import ERRORS, ready_state, request_timeout, state_of
 from qswap.server.serving.gate import Admission, admission
 from qswap.server.state import ServerState

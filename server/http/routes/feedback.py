@@ -20,7 +20,8 @@ from qswap.feedback.experiment import Experiment, ExperimentList
 from qswap.feedback.interleave import Interleaving
 from qswap.feedback.store import Feedback
 from qswap.server.http.auth import require_admin, require_search
-from qswap.server.http.models import NAME_PATTERN, ExperimentStart, FeedbackRecorded, FeedbackRequest
+from qswap.answers import FeedbackRecorded
+from qswap.server.http.models import NAME_PATTERN, ExperimentStart, FeedbackRequest
 from qswap.server.traffic.impressions import client_of
 from qswap.server.http.responses import ERRORS, ready_state
 from qswap.server.state import ServerState

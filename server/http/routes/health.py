@@ -9,8 +9,8 @@ from qswap import __version__
 from qswap.server.http.auth import require_metrics, require_search
 from qswap.errors import NotReadyError
 from qswap.server.http.errors import error_body_of
-from qswap.server.http.models import ErrorBody, Health, Ready
-from qswap.answers import ServerInfo
+from qswap.server.http.models import ErrorBody
+from qswap.answers import Health, Ready, ServerInfo
 from qswap.server.http.responses import ERRORS, ready_state, state_of
 from qswap.server.state import ServerState
 

@@ -20,8 +20,8 @@ from tokenizers import Tokenizer
 from qswap import __version__
 from qswap.errors import LimitExceededError
 from qswap.server.http.auth import require_search
-from qswap.server.http.compat_models import (DOCUMENTS_MODEL, TeiDecodeRequest, TeiEmbedRequest, TeiInfo, TeiToken,
-                                             TeiTokenizeRequest)
+from qswap.answers import TeiInfo, TeiToken
+from qswap.server.http.compat_models import DOCUMENTS_MODEL, TeiDecodeRequest, TeiEmbedRequest, TeiTokenizeRequest
 from qswap.server.http.models import REF_PATTERN
 from qswap.server.http.responses import ERRORS, ready_state
 from qswap.server.serving.embeddings import embed_texts, model_ref, texts_of
