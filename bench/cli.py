@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from qswap.bench import bf16_quality, e2e_latency, encoder_scale, forward, guard, quality, hotswap, index_bench, naive_baseline, serving, tuning_speed
-from qswap.bench import adversarial, loop, peer, ray_embed
+from qswap.bench import adversarial, domains, loop, peer, ray_embed
 from qswap.bench.data import register as register_data
 
 # (subcommand, module, one-line help); each module has add_arguments(parser) and run(args).
@@ -29,6 +29,7 @@ BENCHMARKS = (
     ("guard", guard, "the server's sentinel guard: registration time on a running server; false alarms and power"),
     ("peer", peer, "qswap vs Infinity (its own venv, same weights): one and four domains, search and embeddings routes"),
     ("loop", loop, "learning from traffic end to end: capture, tune from clicks, interleave vs A/B, promote"),
+    ("domains", domains, "one encoder per Debian section vs base and a general encoder, served at once; learning curve"),
 )
 
 
