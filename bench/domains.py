@@ -48,6 +48,7 @@ from qswap.guard.stats import holm, paired_compare
 K = 10
 BASE = "base"
 GENERAL = "general"
+MIN_SENTINEL = 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,17 +68,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-seconds", type=float, default=10.0, help="seconds per latency arm and round")
     p.add_argument("--rounds", type=int, default=2, help="rounds of each latency arm (alternated)")
     p.add_argument("--seeds", type=int, default=200, help="simulated experiments per method and domain")
-    p.add_argument("--samples", type=int, default=200, help="interleavings drawn per query for its outcome odds")
     p.add_argument("--min-decided", type=int, default=50, help="impressions at the first look (doubling after)")
     p.add_argument("--looks", type=int, default=16, help="looks (Bonferroni over them); the last is the budget")
     p.add_argument("--power", type=float, default=0.8, help="share of experiments that must decide")
-    p.add_argument("--work", type=Path, help="keep the corpus, index, encoders and server log here")
+    p.add_argument("--work", type=Path, help="keep the corpus, index, encoders and server log here; a rerun on "
+                   "the same folder reuses the index and the encoders whose inputs are unchanged")
 
 
 def _quick(args: argparse.Namespace) -> None:
     args.sizes, args.held_out, args.docs, args.sentinel_n = "20", 30, 400, 30
     args.tune_args = args.tune_args or "--epoch-batches 3 --max-epochs 1"
-    args.latency_seconds, args.rounds, args.seeds, args.samples, args.looks = 1.0, 1, 20, 20, 12
+    args.latency_seconds, args.rounds, args.seeds, args.looks = 1.0, 1, 20, 12
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,6 +117,11 @@ def _cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "qswap.cli", *argv]
 
 
+def _digest(path: Path) -> str:
+    import hashlib
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def _check(proc: subprocess.CompletedProcess, what: str) -> None:
     if proc.returncode != 0:
         raise InvalidInputError(f"{what} failed: {(proc.stderr or '').strip()[-2000:]}", "see the message")
@@ -136,13 +142,16 @@ def _run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     corpus = write_corpus(data, work / "corpus.jsonl")
     clock.lap("data")
     idx = work / "index"
-    _check(subprocess.run(_cli("index", "build", str(corpus), "--out", str(idx), "--model", args.model,
-                               "--no-progress"), capture_output=True, text=True), "qswap index build")
+    built = work / "index.built"     # an index from an earlier run on this --work: the same corpus
+    if not (built.is_file() and built.read_text() == _digest(corpus)):
+        _check(subprocess.run(_cli("index", "build", str(corpus), "--out", str(idx), "--model", args.model,
+                                   "--no-progress"), capture_output=True, text=True), "qswap index build")
+        built.write_text(_digest(corpus))
     clock.lap("index build")
     enc_root = work / "encoders"
     tuned = _tune_all(args, data, corpus, idx, enc_root, work, sizes, langs)
     clock.lap("tuning")
-    sent = _sentinels(args, data, corpus, idx, work, langs)
+    sent = _sentinels(args, data, work, langs)
     clock.lap("sentinels")
     port = free_port()
     cmd = _cli("serve", "--model", args.model, "--index", str(idx), "--read-only-index", "--state-dir",
@@ -185,13 +194,21 @@ def _tune_all(args: argparse.Namespace, data: DomainData, corpus: Path, idx: Pat
         jobs.append((f"{GENERAL}-{n}", [q for d in data.domains for q in d.train(n)]))
         for name, qids in jobs:
             beir = write_subset(data, corpus, work / "train" / name, qids, ["en"])
+            report = enc_root / name / "report.json"
+            digest = _digest(beir / "queries-en.jsonl") + _digest(idx / "manifest.json") + args.tune_args
+            done = work / "train" / name / "tuned"     # tuned by an earlier run on this --work, same inputs
             cmd = _cli("tune", "run", "--beir", str(beir), "--lang", "en", "--index", str(idx), "--mine", "index",
                        "--test-size", "0", "--base", args.model, "--out", str(enc_root / name), "--name", name,
                        "--quiet", *args.tune_args.split())
             t0 = time.perf_counter()
-            _check(subprocess.run(cmd, capture_output=True, text=True), f"tune run {name}")
-            rep = json.loads((enc_root / name / "report.json").read_text())
-            out[name] = {"queries": len(qids), "seconds": round(time.perf_counter() - t0, 1),
+            reused = done.is_file() and done.read_text() == digest and report.is_file()
+            if not reused:
+                shutil.rmtree(enc_root / name, ignore_errors=True)
+                _check(subprocess.run(cmd, capture_output=True, text=True), f"tune run {name}")
+                done.write_text(digest)
+            rep = json.loads(report.read_text())
+            out[name] = {"queries": len(qids), "reused": reused,
+                         "seconds": round(rep["wall_seconds_total"] if reused else time.perf_counter() - t0, 1),
                          "steps": rep["training"]["steps"], "best_epoch": rep["training"].get("best_epoch"),
                          "kind": rep["encoder"]["kind"], "splits": rep["data"]["splits"],
                          "phases": rep.get("phases"), "command": " ".join(cmd[3:])}
@@ -199,18 +216,19 @@ def _tune_all(args: argparse.Namespace, data: DomainData, corpus: Path, idx: Pat
     return out
 
 
-def _sentinels(args: argparse.Namespace, data: DomainData, corpus: Path, idx: Path, work: Path,
-               langs: list[str]) -> Path:
-    """One sentinel per domain and language, from the domain's held-out queries only."""
+def _sentinels(args: argparse.Namespace, data: DomainData, work: Path, langs: list[str]) -> Path:
+    """One sentinel per domain and language, from the domain's held-out queries only (the
+    library call ``qswap sentinels make`` runs; every judged document is in the index)."""
+    from qswap.guard.sentinels import SentinelData, make_sentinel
     sent = work / "sentinels"
     for d in data.domains:
-        held = write_subset(data, corpus, work / "held" / d.name, d.held_out, langs)
         for lang in langs:
-            if not data.lang_queries(lang, d.held_out):
-                continue
-            _check(subprocess.run(_cli("sentinels", "make", "--beir", str(held), "--lang", lang, "--index", str(idx),
-                                       "--out", str(sent), "--n", str(args.sentinel_n), "--name", f"{d.name}-{lang}"),
-                                  capture_output=True, text=True), f"sentinels make {d.name}-{lang}")
+            qids = data.lang_queries(lang, d.held_out)
+            # Fewer than the server's --guard-min-queries (20) decide nothing and refuse every encoder.
+            if len(qids) >= MIN_SENTINEL:
+                sd = SentinelData({q: data.queries[lang][q] for q in qids}, {q: data.qrels[lang][q] for q in qids},
+                                  f"bench domains: held-out {d.name} queries", lang)
+                make_sentinel(sd, sent, f"{d.name}-{lang}", args.sentinel_n)
     return sent
 
 
@@ -233,8 +251,9 @@ def _register(srv: ServerProcess, tuned: dict[str, Any], names: list[str], main_
         if (body or {}).get("error") == "guard_refused":
             guard = body.get("guard") or {}
             rec["verdict"] = "refused"
-            rec["regressed"] = [c.get("sentinel") or c.get("name") for c in guard.get("checks", [])
-                                if c.get("verdict") == "worse"]
+            rec["guard_verdict"] = guard.get("verdict")
+            for what in ("regressed", "insufficient_evidence"):
+                rec[what] = sorted({c["name"] for c in guard.get("checks", []) if c.get("verdict") == what})
             body = _call(srv, "POST", "/v1/encoders", {"path": name, "wait": True, "force": True})
         elif "encoder" not in (body or {}):
             raise InvalidInputError(f"registering {name} answered {body}", "see the server log")
@@ -369,6 +388,6 @@ def _power(data: DomainData, ranks: dict, names: list[str], args: argparse.Names
     for d in data.domains:
         qids = data.lang_queries("en", d.held_out)
         out[d.name] = fixed_power(ranks[(BASE, d.name, "en")], ranks[(f"alias:{d.name}", d.name, "en")],
-                                  [data.qrels["en"][q] for q in qids], seeds=args.seeds, samples=args.samples,
+                                  [data.qrels["en"][q] for q in qids], seeds=args.seeds,
                                   min_decided=args.min_decided, n_looks=args.looks, power=args.power)
     return {"power": args.power, "min_decided": args.min_decided, "looks": args.looks, "domains": out}

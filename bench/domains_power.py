@@ -5,13 +5,14 @@ server's (base and a domain encoder on the domain's held-out queries, fetched ov
 Impressions are independent (a query drawn uniformly, then the user's clicks), so an
 experiment's outcome per impression has a fixed distribution:
 
-- interleaving (the server's team-draft and credit code): P(win), P(loss), P(tie), estimated
-  per query by ``samples`` draws of the interleaving and the clicks;
+- interleaving (the server's team-draft code): P(win), P(loss), P(tie), exact per query over
+  every sequence of the team draft's coin tosses and the cascade user's clicks;
 - A/B on click-through: P(at least one click) of each arm's ranking, exact under the cascade
   model (:func:`click_probability`).
 
-Each seeded experiment then draws impressions from these distributions (numpy, millions per
-second) and applies the same decision rules as ``qswap bench loop`` (the server's sign test on
+Exact odds matter: an estimated P(win) - P(loss) would be a difference of its own, which the
+simulated experiments would then detect. Each seeded experiment draws impressions from these
+distributions (numpy, millions per second) and applies the same decision rules as ``qswap bench loop`` (the server's sign test on
 decided impressions at doubling looks, Bonferroni; Fisher's exact test on click-through at the
 same looks of total impressions) with enough looks that at least ``power`` of the experiments
 decide. Reported: the median and the ``power`` quantile of impressions to decide, per method,
@@ -26,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from qswap.bench.loop import CascadeUser
-from qswap.feedback.interleave import credit, decided, looks, team_draft
+from qswap.feedback.interleave import CANDIDATE, Interleaving, decided, looks, team_draft
 
 
 def click_probability(user: CascadeUser, ids: Sequence[str], grades: dict[str, int]) -> float:
@@ -43,18 +44,58 @@ def click_probability(user: CascadeUser, ids: Sequence[str], grades: dict[str, i
     return 1.0 - none_after
 
 
+class _Coins:
+    """A scripted coin for :func:`team_draft`: the ``i``-th toss reads bit ``i`` of ``bits``."""
+
+    def __init__(self, bits: int) -> None:
+        self.bits, self.i = bits, 0
+
+    def random(self) -> float:
+        v = 0.25 if (self.bits >> self.i) & 1 else 0.75
+        self.i += 1
+        return v
+
+
+def _outcome_odds(shown: Interleaving, grades: dict[str, int], user: CascadeUser) -> tuple[float, float]:
+    """(P(candidate wins), P(control wins)) of one interleaved list, exact under the cascade user:
+    the distribution of (candidate clicks - control clicks) carried down the list."""
+    active: dict[int, float] = {0: 1.0}
+    done: dict[int, float] = {}
+
+    def add(d: dict[int, float], k: int, p: float) -> None:
+        d[k] = d.get(k, 0.0) + p
+    for doc, team in zip(shown.ids, shown.teams):
+        rel = grades.get(doc, 0) > 0
+        c = user.click_relevant if rel else user.click_other
+        step = 1 if team == CANDIDATE else -1
+        nxt: dict[int, float] = {}
+        for diff, p in active.items():
+            add(nxt, diff, p * (1 - c) * user.persist)
+            add(done, diff, p * (1 - c) * (1 - user.persist))
+            clicked = p * c
+            if rel:
+                add(done, diff + step, clicked * user.satisfy)
+                clicked *= 1 - user.satisfy
+            add(nxt, diff + step, clicked * user.persist)
+            add(done, diff + step, clicked * (1 - user.persist))
+        active = nxt
+    for diff, p in active.items():
+        add(done, diff, p)
+    return sum(p for d, p in done.items() if d > 0), sum(p for d, p in done.items() if d < 0)
+
+
 def interleave_outcomes(a: list[list[str]], b: list[list[str]], qrels: list[dict[str, int]], user: CascadeUser,
-                        samples: int, seed: int, k: int = 10) -> np.ndarray:
-    """Mean (P(b wins), P(a wins), P(tie)) over queries: ``samples`` team-draft interleavings
-    and click draws per query, with the server's own :func:`team_draft` and :func:`credit`."""
-    rng = random.Random(seed)
-    counts = np.zeros(3)
+                        k: int = 10) -> np.ndarray:
+    """Mean (P(b wins), P(a wins), P(tie)) over queries, exact: every sequence of the server's
+    team-draft coin tosses (at most one per pair of picks) and the cascade user's clicks on each
+    interleaved list (the server's :func:`team_draft` and :func:`credit` rules)."""
+    tosses = (k + 1) // 2
+    total = np.zeros(3)
     for ra, rb, g in zip(a, b, qrels):
-        for _ in range(samples):
-            shown = team_draft(ra, rb, k, rng)
-            o = credit(shown, user.clicks(shown.ids, g, rng))
-            counts[0 if o > 0 else 1 if o < 0 else 2] += 1
-    return counts / counts.sum()
+        for bits in range(2 ** tosses):
+            w, lo = _outcome_odds(team_draft(ra, rb, k, _Coins(bits)), g, user)   # type: ignore[arg-type]
+            total += (w, lo, 1 - w - lo)
+    return total / (len(qrels) * 2 ** tosses)
 
 
 def interleave_to_decide(p: np.ndarray, rng: np.random.Generator, min_decided: int, n_looks: int,
@@ -105,11 +146,11 @@ def _quantile(xs: list[int | None], q: float) -> float | None:
 
 
 def fixed_power(base: list[list[str]], cand: list[list[str]], qrels: list[dict[str, int]], *, seeds: int,
-                samples: int, min_decided: int, n_looks: int, power: float, user: CascadeUser | None = None,
+                min_decided: int, n_looks: int, power: float, user: CascadeUser | None = None,
                 seed: int = 0) -> dict[str, Any]:
     """Both methods on one pair of rankings: outcome probabilities, then ``seeds`` experiments each."""
     user = user or CascadeUser()
-    p = interleave_outcomes(base, cand, qrels, user, samples, seed)
+    p = interleave_outcomes(base, cand, qrels, user)
     ctr_base = float(np.mean([click_probability(user, r, g) for r, g in zip(base, qrels)]))
     ctr_cand = float(np.mean([click_probability(user, r, g) for r, g in zip(cand, qrels)]))
     rng = np.random.default_rng(seed)

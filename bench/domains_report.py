@@ -80,9 +80,10 @@ def power_table(res: dict[str, Any]) -> str:
 
 def markdown(res: dict[str, Any]) -> str:
     s, lat, reg = res["setup"], res["latency"], res["registration"]
-    verdicts = ", ".join(f"{k} {v['verdict']}" + (f" (worse: {', '.join(v['regressed'])})" if v.get("regressed")
-                                                   else "")
-                         for k, v in reg.items() if k != "aliases")
+    def why(v: dict[str, Any]) -> str:
+        parts = [f"{w}: {', '.join(v[w])}" for w in ("regressed", "insufficient_evidence") if v.get(w)]
+        return f" ({'; '.join(parts)})" if parts else ""
+    verdicts = ", ".join(f"{k} {v['verdict']}{why(v)}" for k, v in reg.items() if k != "aliases")
     held = "; ".join(f"{d}: " + ", ".join(f"{lang} {n}" for lang, n in v.items()) for d, v in s["held_out"].items())
     out = [f"Domains (Debian sections): {', '.join(s['domains'])}. Corpus: {s['documents']:,} documents "
            f"({s['distractors']:,} distractors), one index. Held-out queries per domain: {held}. "

@@ -63,7 +63,7 @@ def test_bench_domains_runs_every_phase(tiny_model_dir, tmp_path):
                "--sizes", "20,40", "--held-out", "40", "--docs", "200", "--langs", "en,de", "--sentinel-n", "20",
                "--tune-args", "--lr 3e-3 --batch-size 4 --epoch-batches 3 --max-epochs 1 --loss infonce",
                "--latency-seconds", "0.5", "--rounds", "2", "--concurrency", "2", "--seeds", "10",
-               "--samples", "5", "--min-decided", "5", "--looks", "8", "--out", str(out)])
+               "--min-decided", "5", "--looks", "8", "--out", str(out)])
     assert rc == 0
     r = json.loads((out / "results.json").read_text())["results"]
     assert set(r["tuning"]) == {"alpha-20", "beta-20", "general-20", "alpha-40", "beta-40", "general-40"}
@@ -82,3 +82,17 @@ def test_bench_domains_runs_every_phase(tiny_model_dir, tmp_path):
     assert {"index build", "tuning", "evaluation over HTTP"} <= set(r["phases_seconds"])
     assert (out / "matrix.png").is_file() and (out / "learning_curve.png").is_file()
     assert "Encoder x domain" in (out / "README.md").read_text()
+
+
+def test_interleave_odds_are_the_servers_team_draft_and_the_cascade_user():
+    from qswap.bench.domains_power import interleave_outcomes
+    from qswap.feedback.interleave import credit, team_draft
+    user = CascadeUser()
+    a, b = ["d1", "d2", "d3", "d4"], ["d3", "d1", "d5", "d2"]
+    g = {"d3": 1}
+    exact = interleave_outcomes([a], [b], [g], user, k=4)
+    rng, n = random.Random(0), 40000
+    outs = [credit(s, user.clicks(s.ids, g, rng)) for s in (team_draft(a, b, 4, rng) for _ in range(n))]
+    assert abs(exact[0] - outs.count(1) / n) < 0.01 and abs(exact[1] - outs.count(-1) / n) < 0.01
+    same = interleave_outcomes([a], [a], [g], user, k=4)
+    assert abs(same[0] - same[1]) < 1e-12                    # identical rankings: no preference at all
