@@ -6,7 +6,9 @@ index; a simulated user draws queries from the domain's query set and clicks by 
 by its qrels relevance, stops after a satisfying click, abandons with a position bias). One
 command runs every phase:
 
-1. ``--sessions`` searches on the base encoder with capture on, each followed by its clicks;
+1. ``--sessions`` searches on the base encoder with capture on, each followed by its clicks (the
+   application's protocol: it searches with the search token, names each simulated user's
+   session, and reports the clicks with the ``impression`` id the search answered with);
 2. ``qswap tune run --feedback`` on the captured feedback only (no qrels), then registration
    with the server's guard (``wait``: the verdict);
 3. an interleaving experiment base vs candidate over HTTP until the sign test decides (tested
@@ -50,6 +52,8 @@ from qswap.plotting import pyplot, save_figure
 
 DOMAIN = "deb"
 K = 10
+TOKEN = "loop-search-token"                  # the simulated application's search token
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -149,19 +153,15 @@ class _Api:
         self.srv = srv
 
     def call(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200, 201)) -> Any:
-        status, out = http_json(method, self.srv.url(path), body, timeout=600)
+        status, out = http_json(method, self.srv.url(path), body, timeout=600, headers=AUTH)
         if status not in ok:
             raise InvalidInputError(f"{method} {path} answered {status}: {out}", "see the server log")
         return out
 
     def search(self, query: str, **kw: Any) -> tuple[str, list[str]]:
-        import urllib.request
-        req = urllib.request.Request(self.srv.url("/v1/search"), data=json.dumps(
-            {"query": query, "k": K, "with_text": False, **kw}).encode(), headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            rid = r.headers["X-Request-ID"]
-            body = json.loads(r.read())
-        return rid, [h["id"] for h in body["results"][0]["hits"]]
+        """One search; returns its impression id (to send the clicks with) and the ids shown."""
+        body = self.call("POST", "/v1/search", {"query": query, "k": K, "with_text": False, **kw})
+        return body["impression"], [h["id"] for h in body["results"][0]["hits"]]
 
     def rankings(self, queries: list[str], encoder: str) -> list[list[str]]:
         out: list[list[str]] = []
@@ -177,16 +177,16 @@ def _sessions(api: _Api, qids: list[str], queries: dict[str, str], qrels: dict[s
               until: Callable[[list[int]], bool] | None = None) -> dict[str, Any]:
     """``n`` search + feedback sessions (or until ``until(outcomes)``); returns counts and outcomes."""
     rng = random.Random(seed)
-    plan = [(rng.choice(qids), rng.random()) for _ in range(n)]
+    plan = [(rng.choice(qids), rng.random(), f"user-{seed}-{i}") for i in range(n)]
     outcomes: list[int] = []
     clicked = 0
     stop = False
 
-    def one(item: tuple[str, float]) -> tuple[int, int | None]:
-        qid, s = item
-        rid, ids = api.search(queries[qid], domain=DOMAIN)
+    def one(item: tuple[str, float, str]) -> tuple[int, int | None]:
+        qid, s, session = item   # every session a simulated user of its own
+        impression, ids = api.search(queries[qid], domain=DOMAIN, session=session)
         c = user.clicks(ids, qrels[qid], random.Random(s))
-        out = api.call("POST", "/v1/feedback", {"request_id": rid, "clicks": c})
+        out = api.call("POST", "/v1/feedback", {"impression": impression, "clicks": c})
         return len(c), out.get("outcome")
 
     done = 0
@@ -256,7 +256,8 @@ def _run(args: argparse.Namespace, work: Path, w: ResultWriter) -> dict[str, Any
     enc_root.mkdir()
     cmd = [*py, "serve", "--model", args.model, "--index", str(args.index), "--read-only-index",
            "--state-dir", str(work / "state"), "--encoders-root", str(enc_root), "--sentinels", str(sent),
-           "--feedback-dir", str(work / "feedback"), "--insecure", "--port", str(port), "--log-format", "text"]
+           "--feedback-dir", str(work / "feedback"), "--insecure", "--search-token", TOKEN, "--port", str(port),
+           "--log-format", "text"]
     user = CascadeUser()
     res: dict[str, Any] = {"setup": {"traffic_queries": len(pool_q), "held_out_queries": len(held_q),
                                      "lang": args.lang, "langs": langs, "click_model": user.__dict__,
@@ -293,7 +294,8 @@ def _run(args: argparse.Namespace, work: Path, w: ResultWriter) -> dict[str, Any
                                                  args.min_decided))
         view = api.call("GET", f"/v1/experiments/{DOMAIN}")
         res["interleave_live"] = {"impressions": view["impressions"], "wins": view["wins"], "losses": view["losses"],
-                                  "ties": view["ties"], "p_value": view["p_value"],
+                                  "ties": view["ties"], "p_value": view["p_value"], "clients": view["clients"],
+                                  "counted_wins": view["counted_wins"], "counted_losses": view["counted_losses"],
                                   "decided": live["sessions"] < args.live_impressions}
         replay_q = pool_q[:args.replay_queries]
         texts = [queries[q] for q in replay_q]
@@ -374,8 +376,9 @@ def _held_out_ndcg(api: _Api, args: argparse.Namespace, held_q: list[str], langs
 
 def _shadow_latency(api: _Api, srv: ServerProcess, port: int, texts: list[str],
                     args: argparse.Namespace) -> dict[str, Any]:
-    reqs = [Request.post_json("/v1/search", {"query": t, "k": K, "with_text": False, "domain": DOMAIN})
-            for t in texts[:500]]
+    head = (("Content-Type", "application/json"), *AUTH.items())
+    reqs = [Request("POST", "/v1/search", json.dumps({"query": t, "k": K, "with_text": False, "domain": DOMAIN}).encode(),
+                    head) for t in texts[:500]]
     arms: dict[str, list[float]] = {"none": [], "shadow": []}
     runs: dict[str, list[dict]] = {"none": [], "shadow": []}
     for r in range(args.rounds):
@@ -410,7 +413,8 @@ def _markdown(r: dict[str, Any]) -> str:
                                         f"guard: {r['tuning']['registration']}"],
                  ["3. interleave (live)", f"{r['interleave_live']['impressions']} impressions, "
                                           f"{r['interleave_live']['wins']} wins / {r['interleave_live']['losses']} "
-                                          f"losses, p {r['interleave_live']['p_value']:.2g}"],
+                                          f"losses from {r['interleave_live']['clients']} clients (sessions), "
+                                          f"p {r['interleave_live']['p_value']:.2g}"],
                  ["3. median impressions to decide", f"interleave {rep['interleave']['median']}, A/B CTR "
                                                      f"{rep['ab_ctr']['median']} (x{rep['ab_over_interleave'] or 0:.1f})"],
                  ["4. promotion", f"{r['promotion']['status']} -> alias {r['promotion']['alias']}"],

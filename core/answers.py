@@ -21,6 +21,8 @@ class EncoderRef(BaseModel):
     key: str = Field(description="name@version, or 'base' for the base model itself")
     name: str
     version: str
+    forced: bool = Field(False, description="it serves only because an admin forced it: its guard verdict is "
+                                            "not a pass")
 
 
 class Timings(BaseModel):
@@ -61,6 +63,8 @@ class QueryResult(BaseModel):
 class SearchResponse(BaseModel):
     results: list[QueryResult]
     took_ms: float
+    impression: str | None = Field(None, description="the id to send feedback with (POST /v1/feedback), issued "
+                                                     "to the client that searched; null when capture is off")
 
 
 class EncoderInfo(BaseModel):
@@ -114,6 +118,8 @@ class Alias(BaseModel):
     domain: str
     encoder: str
     previous: str | None = None
+    forced: bool = Field(False, description="the encoder serves only because an admin forced it (its guard "
+                                            "verdict is not a pass)")
 
 
 class UpsertResult(BaseModel):

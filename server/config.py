@@ -124,6 +124,10 @@ class ServerSettings(BaseSettings):
                                                                      "impressions pruned first)")
     feedback_max_age_s: float = Field(30 * 86400.0, gt=0, description="captured impressions older than this "
                                                                       "are pruned, with their feedback")
+    feedback_secret: SecretStr | None = Field(None, description="the key that signs impression ids (none: a random "
+                                              "key kept in the feedback directory, impression.key)")
+    max_pending_feedback: int = Field(64, ge=1, description="feedback requests admitted (queued or running) at "
+                                      "most; beyond: 429 with Retry-After (they never queue behind admin or search)")
     sync_upsert_documents: int = Field(32, ge=0, description="an upsert of more documents answers 202 at once with a "
                                        "job to poll (GET /v1/documents/jobs/ID); smaller ones answer when written "
                                        "(or 202 once their deadline passes)")

@@ -52,6 +52,8 @@ class ServerState:
         self.batcher: MicroBatcher | None = None
         self.guard: Any = None          # qswap.guard.evaluator.SentinelGuard with --sentinels
         self.feedback: Any = None       # qswap.feedback.store.FeedbackStore with --feedback-dir
+        self.impressions: Any = None    # qswap.server.traffic.impressions.ImpressionSigner, with capture
+        self.feedback_admission: Any = None   # qswap.server.traffic.admission.Admission, with capture
         self.experiments: Any = None    # qswap.server.traffic.experiments.Experiments with --feedback-dir
         self.jobs = DocumentJobs(self)  # document upserts (qswap.server.serving.jobs)
         self._closed = False
@@ -124,9 +126,13 @@ class ServerState:
         self.metrics.admitted.set_function(lambda: batcher.pending)
         if s.feedback_dir is not None:
             from qswap.feedback.store import FeedbackStore
+            from qswap.server.traffic.admission import Admission
             from qswap.server.traffic.experiments import Experiments
+            from qswap.server.traffic.impressions import ImpressionSigner
             self.feedback = FeedbackStore(s.feedback_dir, max_bytes=s.feedback_max_bytes,
                                           max_age_s=s.feedback_max_age_s)
+            self.impressions = ImpressionSigner.for_directory(s.feedback_dir, s.feedback_secret)
+            self.feedback_admission = Admission("feedback", s.max_pending_feedback)
             self.experiments = Experiments(self.feedback, registry, self.metrics)
             self.metrics.capture_dropped.set_function(lambda: self.feedback.dropped)
             log.info("feedback capture on", extra={"dir": s.feedback_dir.name})
@@ -216,6 +222,8 @@ class ServerState:
             self._loader.join(timeout=0.1)
         if self.registry is not None:
             self.registry.close()
+        if self.feedback_admission is not None:
+            self.feedback_admission.close()
         if self.feedback is not None:
             self.feedback.close()
         if self.index is not None:

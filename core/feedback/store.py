@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError
+from qswap.feedback.experiment import ExperimentRecord, ExperimentStats
 
 log = logging.getLogger("qswap.feedback")
 
@@ -30,7 +31,8 @@ DB_FILE = "feedback.sqlite"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS impressions (
     request_id TEXT NOT NULL, qi INTEGER NOT NULL, ts REAL NOT NULL, domain TEXT, encoder TEXT NOT NULL,
-    query TEXT NOT NULL, ids TEXT NOT NULL, teams TEXT, experiment TEXT, PRIMARY KEY (request_id, qi));
+    query TEXT NOT NULL, ids TEXT NOT NULL, teams TEXT, experiment TEXT, client TEXT,
+    PRIMARY KEY (request_id, qi));
 CREATE INDEX IF NOT EXISTS impressions_ts ON impressions (ts);
 CREATE INDEX IF NOT EXISTS impressions_domain ON impressions (domain, ts);
 CREATE TABLE IF NOT EXISTS feedback (
@@ -43,15 +45,26 @@ CREATE TABLE IF NOT EXISTS experiment_stats (
     id TEXT PRIMARY KEY, impressions INTEGER NOT NULL DEFAULT 0, wins INTEGER NOT NULL DEFAULT 0,
     losses INTEGER NOT NULL DEFAULT 0, ties INTEGER NOT NULL DEFAULT 0, shadow_runs INTEGER NOT NULL DEFAULT 0,
     shadow_skipped INTEGER NOT NULL DEFAULT 0, overlap_sum REAL NOT NULL DEFAULT 0,
-    latency_ms_sum REAL NOT NULL DEFAULT 0);
+    latency_ms_sum REAL NOT NULL DEFAULT 0, clients INTEGER NOT NULL DEFAULT 0,
+    counted_wins INTEGER NOT NULL DEFAULT 0, counted_losses INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS experiment_clients (
+    id TEXT NOT NULL, client TEXT NOT NULL, decided INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (id, client));
 """
+# Columns added to a store written before them: (table, column, declaration).
+_ADDED = (("impressions", "client", "TEXT"),
+          ("experiment_stats", "clients", "INTEGER NOT NULL DEFAULT 0"),
+          ("experiment_stats", "counted_wins", "INTEGER NOT NULL DEFAULT 0"),
+          ("experiment_stats", "counted_losses", "INTEGER NOT NULL DEFAULT 0"))
+_STATS = ("impressions", "wins", "losses", "ties", "clients", "counted_wins", "counted_losses", "shadow_runs",
+          "shadow_skipped", "overlap_sum", "latency_ms_sum")
+_IMPRESSION_COLS = "request_id, qi, domain, encoder, query, ids, teams, experiment, ts, client"
 
 
 @dataclass(frozen=True)
 class Impression:
     """One query of one search as the user saw it."""
 
-    request_id: str
+    request_id: str              # the impression id the server issued for the search (its capture key)
     qi: int                      # the query's position in the request
     domain: str | None
     encoder: str                 # name@version that served it (the control's, when interleaved)
@@ -60,6 +73,7 @@ class Impression:
     teams: list[str] | None = None     # per position, A/B, when the list was interleaved
     experiment: str | None = None
     ts: float = field(default_factory=time.time)
+    client: str | None = None    # who searched, as the server knows it (the evidence bound counts clients)
 
 
 @dataclass(frozen=True)
@@ -102,10 +116,18 @@ class FeedbackStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: a commit survives a process kill
         self._db.executescript(_SCHEMA)
+        self._migrate()
         self._queue: queue.Queue[Impression | ShadowRun | None] = queue.Queue(maxsize=queue_size)
         self._writes_since_prune = 0
         self._writer = threading.Thread(target=self._write_loop, name="qswap-feedback", daemon=True)
         self._writer.start()
+
+    def _migrate(self) -> None:
+        """Add the columns a store written by an older server lacks (their defaults fill them)."""
+        for table, column, decl in _ADDED:
+            have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
     # -- capture -----------------------------------------------------------------------------
 
@@ -129,7 +151,7 @@ class FeedbackStore:
                     break
             stop = any(i is None for i in batch)
             rows = [(i.request_id, i.qi, i.ts, i.domain, i.encoder, i.query, json.dumps(i.ids),
-                     json.dumps(i.teams) if i.teams is not None else None, i.experiment)
+                     json.dumps(i.teams) if i.teams is not None else None, i.experiment, i.client)
                     for i in batch if isinstance(i, Impression)]
             shadows = [i for i in batch if isinstance(i, ShadowRun)]
             try:
@@ -146,7 +168,8 @@ class FeedbackStore:
                             counts[r[8]] = counts.get(r[8], 0) + 1
 
                     def write(db: sqlite3.Connection) -> None:
-                        db.executemany("INSERT OR IGNORE INTO impressions VALUES (?,?,?,?,?,?,?,?,?)", rows)
+                        db.executemany("INSERT OR IGNORE INTO impressions (request_id, qi, ts, domain, encoder, "
+                                       "query, ids, teams, experiment, client) VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
                         for exp, n in counts.items():
                             self._bump(exp, impressions=n)
                     with self._lock:
@@ -198,24 +221,27 @@ class FeedbackStore:
             if wait:
                 time.sleep(wait)
             with self._lock:
-                row = self._db.execute("SELECT request_id, qi, domain, encoder, query, ids, teams, experiment, ts "
-                                       "FROM impressions WHERE request_id=? AND qi=?", (request_id, qi)).fetchone()
+                row = self._db.execute(f"SELECT {_IMPRESSION_COLS} FROM impressions WHERE request_id=? AND qi=?",
+                                       (request_id, qi)).fetchone()
             if row is not None:
                 break
         if row is None:
-            raise NotFoundError(f"no captured search with request id {request_id!r} (query {qi})",
+            raise NotFoundError(f"no captured search with this impression id (query {qi})",
                                 "send feedback for a search answered while capture was on, before it expires "
-                                "(the X-Request-ID header of the search response)")
+                                "(the search answer's 'impression')")
         return _impression(row)
 
-    def add_feedback(self, request_id: str, qi: int, fb: Feedback, outcome: int | None = None) -> None:
+    def add_feedback(self, request_id: str, qi: int, fb: Feedback, outcome: int | None = None,
+                     max_per_client: int | None = None) -> None:
         """Record feedback on an impression (appends; a second feedback on one impression is refused).
 
         Args:
-            request_id: the search's request id.
+            request_id: the impression id the server issued for the search.
             qi: which query of the request.
             fb: clicked ids or graded judgements; ids must be among those shown.
             outcome: the interleaving outcome (+1 candidate, -1 control, 0 tie), when interleaved.
+            max_per_client: decided outcomes (wins, losses) of one client that count as evidence at
+                most (the experiment's bound; None: all count).
         """
         imp = self.impression(request_id, qi)
         unknown = sorted((set(fb.clicks) | set(fb.grades or {})) - set(imp.ids))
@@ -234,13 +260,30 @@ class FeedbackStore:
                             imp.experiment if outcome is not None else None, outcome))
                 if outcome is not None and imp.experiment is not None:
                     self._bump(imp.experiment, **{{1: "wins", -1: "losses", 0: "ties"}[outcome]: 1})
+                    if outcome:
+                        self._count_evidence(imp.experiment, imp.client or "", outcome, max_per_client)
             self._tx(write)
+
+    def _count_evidence(self, exp_id: str, client: str, outcome: int, cap: int | None) -> None:
+        """A decided outcome counts as evidence while its client has given fewer than ``cap``
+        (inside the feedback's transaction)."""
+        row = self._db.execute("SELECT decided FROM experiment_clients WHERE id=? AND client=?",
+                               (exp_id, client)).fetchone()
+        if row is None:
+            self._db.execute("INSERT INTO experiment_clients (id, client, decided) VALUES (?,?,1)", (exp_id, client))
+            self._bump(exp_id, clients=1)
+        else:
+            self._db.execute("UPDATE experiment_clients SET decided = decided + 1 WHERE id=? AND client=?",
+                             (exp_id, client))
+        if cap is None or (row[0] if row else 0) < cap:
+            self._bump(exp_id, **{"counted_wins" if outcome > 0 else "counted_losses": 1})
 
     def labelled(self, domain: str | None = None) -> Iterator[tuple[Impression, Feedback]]:
         """Impressions with their feedback, oldest first (optionally one domain's)."""
         self.flush()
-        sql = ("SELECT i.request_id, i.qi, i.domain, i.encoder, i.query, i.ids, i.teams, i.experiment, i.ts, "
-               "f.clicks, f.grades FROM impressions i JOIN feedback f ON f.request_id=i.request_id AND f.qi=i.qi")
+        cols = ", ".join(f"i.{c}" for c in _IMPRESSION_COLS.split(", "))
+        sql = (f"SELECT {cols}, f.clicks, f.grades FROM impressions i "
+               "JOIN feedback f ON f.request_id=i.request_id AND f.qi=i.qi")
         args: tuple = ()
         if domain is not None:
             sql += " WHERE i.domain=?"
@@ -248,8 +291,8 @@ class FeedbackStore:
         with self._lock:
             rows = self._db.execute(sql + " ORDER BY i.ts", args).fetchall()
         for row in rows:
-            grades = json.loads(row[10]) if row[10] is not None else None
-            yield _impression(row[:9]), Feedback(json.loads(row[9]), grades)
+            grades = json.loads(row[11]) if row[11] is not None else None
+            yield _impression(row[:10]), Feedback(json.loads(row[10]), grades)
 
     def counts(self) -> dict[str, int]:
         """Rows kept and impressions dropped (queue full or write failed)."""
@@ -299,20 +342,15 @@ class FeedbackStore:
 
     # -- experiments -------------------------------------------------------------------------
 
-    def put_experiment(self, domain: str, exp_id: str, doc: dict[str, Any]) -> None:
+    def put_experiment(self, exp: ExperimentRecord) -> None:
         """Create or replace the experiment of a domain (one at a time per domain)."""
         with self._lock:
             self._tx(lambda db: (db.execute("INSERT OR REPLACE INTO experiments VALUES (?,?,?)",
-                                            (domain, exp_id, json.dumps(doc))),
-                                 db.execute("INSERT OR IGNORE INTO experiment_stats (id) VALUES (?)", (exp_id,))))
+                                            (exp.domain, exp.id, exp.model_dump_json())),
+                                 db.execute("INSERT OR IGNORE INTO experiment_stats (id) VALUES (?)", (exp.id,))))
 
-    def drop_experiment(self, domain: str) -> None:
-        """Forget a domain's experiment (its statistics stay, under its id)."""
-        with self._lock:
-            self._tx(lambda db: db.execute("DELETE FROM experiments WHERE domain=?", (domain,)))
-
-    def experiments(self, wait: bool = True) -> dict[str, dict[str, Any]] | None:
-        """Every domain's experiment document, as stored.
+    def experiments(self, wait: bool = True) -> dict[str, ExperimentRecord] | None:
+        """Every domain's experiment, as stored.
 
         Args:
             wait: wait for the writer; with ``False`` answer ``None`` at once when it is busy
@@ -324,18 +362,15 @@ class FeedbackStore:
             rows = self._db.execute("SELECT domain, doc FROM experiments").fetchall()
         finally:
             self._lock.release()
-        return {d: json.loads(doc) for d, doc in rows}
+        return {d: ExperimentRecord.model_validate_json(doc) for d, doc in rows}
 
-    def stats(self, exp_id: str) -> dict[str, float]:
-        """An experiment's counters: impressions, wins, losses, ties, shadow runs and sums."""
+    def stats(self, exp_id: str) -> ExperimentStats:
+        """An experiment's counters: impressions, outcomes, evidence, shadow runs and sums."""
         self.flush()
         with self._lock:
-            row = self._db.execute("SELECT impressions, wins, losses, ties, shadow_runs, shadow_skipped, "
-                                   "overlap_sum, latency_ms_sum FROM experiment_stats WHERE id=?",
+            row = self._db.execute(f"SELECT {', '.join(_STATS)} FROM experiment_stats WHERE id=?",
                                    (exp_id,)).fetchone()
-        names = ("impressions", "wins", "losses", "ties", "shadow_runs", "shadow_skipped", "overlap_sum",
-                 "latency_ms_sum")
-        return dict(zip(names, row)) if row else {n: 0 for n in names}
+        return ExperimentStats(**dict(zip(_STATS, row))) if row else ExperimentStats()
 
     def _bump(self, exp_id: str, **delta: float) -> None:
         sets = ", ".join(f"{k} = {k} + ?" for k in delta)
@@ -346,4 +381,4 @@ class FeedbackStore:
 def _impression(row: tuple) -> Impression:
     return Impression(request_id=row[0], qi=row[1], domain=row[2], encoder=row[3], query=row[4],
                       ids=json.loads(row[5]), teams=json.loads(row[6]) if row[6] is not None else None,
-                      experiment=row[7], ts=row[8])
+                      experiment=row[7], ts=row[8], client=row[9])

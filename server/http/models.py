@@ -23,6 +23,7 @@ from qswap.answers import UpsertResult
 # Names, versions and domains (qswap.encoders.artifact.validate_name), and name@version keys.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 REF_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}(@[A-Za-z0-9][A-Za-z0-9._-]{0,63})?$"
+IMPRESSION_PATTERN = r"^[A-Za-z0-9_-]{16}\.[A-Za-z0-9_-]{22}$"   # qswap.server.traffic.impressions
 KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}@[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 # A path under the encoders root: no NUL and no '..' component (written without look-ahead,
 # which the validator's regex engine lacks).
@@ -161,6 +162,10 @@ class SearchRequest(_Strict):
                                    description="drop hits scoring below this (cosine similarity)")
     filter: Filter = None
     with_text: bool = Field(True, description="return document texts with the hits")
+    session: str = Field(None, json_schema_extra=_no_default, pattern=NAME_PATTERN,
+                         description="an opaque id of the end user's session, named by an application that "
+                                     "searches with a bearer token: experiments count evidence per session "
+                                     "(ignored without a token; see docs/security.md)")
 
     @model_validator(mode="after")
     def _one_of(self) -> "SearchRequest":
@@ -271,8 +276,8 @@ class FeedbackRequest(_Strict):
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
         "not": {"required": ["clicks", "grades"]}})
 
-    request_id: Annotated[str, StringConstraints(min_length=1, max_length=128), AfterValidator(_no_surrogates)] = \
-        Field(description="the X-Request-ID of the search response")
+    impression: str = Field(min_length=1, max_length=64, pattern=IMPRESSION_PATTERN,
+                            description="the search answer's 'impression' (issued to the client that searched)")
     query_index: Count = Field(0, ge=0, le=MAX_QUERIES, description="which query of the search (0 for one query)")
     clicks: list[DocId] = Field(None, json_schema_extra=_no_default, max_length=1000,
                                 description="clicked document ids, among the hits shown (none: seen, not clicked)")
@@ -293,7 +298,7 @@ class FeedbackRequest(_Strict):
 
 
 class FeedbackRecorded(BaseModel):
-    request_id: str
+    impression: str
     query_index: int
     outcome: int | None = Field(None, description="interleaved searches: +1 the candidate won, -1 the control "
                                                   "won, 0 a tie")
@@ -310,34 +315,9 @@ class ExperimentStart(_Strict):
                                              "candidate is ahead and the sign test is significant at this level "
                                              "(tested at min_decided x 1, 2, 4 ... 512 decided impressions, each "
                                              "look at alpha / 10)")
-    min_decided: Count = Field(100, ge=1, le=10_000_000, description="decided impressions (wins + losses) at "
-                                                                  "the first look of auto-promotion")
-
-
-class Experiment(BaseModel):
-    """An experiment with its live statistics."""
-
-    id: str
-    domain: str
-    mode: str
-    fraction: float
-    control: str
-    candidate: str
-    status: str = Field(description="running | stopped | promoted | rolled_back")
-    started_at: float
-    auto_promote_alpha: float | None = None
-    min_decided: int
-    previous: str | None = Field(None, description="what the alias pointed at before a promotion (rollback)")
-    impressions: int = Field(description="interleaved impressions served")
-    wins: int = Field(description="feedbacks crediting the candidate")
-    losses: int = Field(description="feedbacks crediting the control")
-    ties: int
-    p_value: float = Field(description="two-sided sign test of wins against losses")
-    shadow_runs: int
-    shadow_skipped: int = Field(description="shadow runs not done: the server was busy")
-    overlap: float | None = Field(None, description="mean rank-biased overlap of the two top-k lists (shadow)")
-    shadow_latency_ms: float | None = None
-
-
-class ExperimentList(BaseModel):
-    experiments: list[Experiment]
+    min_decided: Count = Field(100, ge=1, le=10_000_000, description="decided impressions (counted wins + losses) "
+                                                                  "at the first look of auto-promotion")
+    min_clients: Count = Field(20, ge=2, le=1_000_000, description="auto-promotion needs decided feedback from at "
+                                                                  "least this many distinct clients (sessions)")
+    max_per_client: Count = Field(10, ge=1, le=1_000_000, description="decided feedbacks of one client (session) "
+                                                                     "that count towards auto-promotion at most")

@@ -48,8 +48,8 @@ def _score(x: float) -> str:
 
 def render_search(hits: Sequence[Sequence[Any]], query_truncated: Sequence[bool], encoder: dict[str, Any],
                   timings: dict[str, float], with_text: bool, took_ms: float,
-                  limits: ResponseLimits, experiments: Sequence[dict[str, Any] | None] | None = None
-                  ) -> tuple[bytes, int]:
+                  limits: ResponseLimits, experiments: Sequence[dict[str, Any] | None] | None = None,
+                  impression: str | None = None) -> tuple[bytes, int]:
     """The ``SearchResponse`` JSON of a search, within ``limits``.
 
     Args:
@@ -61,6 +61,7 @@ def render_search(hits: Sequence[Sequence[Any]], query_truncated: Sequence[bool]
         took_ms: the request's time so far.
         limits: the bounds to apply.
         experiments: per query, the interleaving experiment it took part in (None: none).
+        impression: the impression id to send feedback with (None: capture is off).
 
     Returns:
         The UTF-8 JSON body and the number of hits that were cut.
@@ -104,7 +105,7 @@ def render_search(hits: Sequence[Sequence[Any]], query_truncated: Sequence[bool]
                 f"the answer exceeds {limits.total_bytes} bytes (the server's max_response_bytes)",
                 "ask for fewer hits (k) or queries per request, or with_text: false")
         out.append(piece)
-    out.append(f'],"took_ms":{_score(took_ms)}}}'.encode())
+    out.append(f'],"took_ms":{_score(took_ms)},"impression":{_dumps(impression)}}}'.encode())
     return b"".join(out), cut
 
 

@@ -39,6 +39,7 @@ from qswap.encoders import BASE_KEY
 from qswap.errors import ConflictError, NotFoundError
 from qswap.server.registry.records import EncoderRecord
 from qswap.server.registry.facade import EncoderRegistry
+from qswap.server.registry.serving import Use
 
 log = logging.getLogger("qswap.server")
 
@@ -140,13 +141,13 @@ class SharedRegistry(EncoderRegistry):
 
     # -- resolution: an unknown name may be one registered elsewhere a moment ago ---------------
 
-    def resolve(self, encoder: str | None = None, domain: str | None = None) -> str:
+    def resolve(self, encoder: str | None = None, domain: str | None = None, use: Use = Use.NAME) -> str:
         try:
-            return super().resolve(encoder, domain)
+            return super().resolve(encoder, domain, use)
         except NotFoundError:
             if not self.reload_if_changed():
                 raise
-            return super().resolve(encoder, domain)
+            return super().resolve(encoder, domain, use)
 
     def ensure_loaded(self, key: str) -> None:
         if key != BASE_KEY:
@@ -175,10 +176,11 @@ class SharedRegistry(EncoderRegistry):
             self.reload_if_changed()
             super().delete(key, timeout_s)
 
-    def set_alias(self, domain: str, ref: str, force: bool = False) -> tuple[str, str | None]:
+    def set_alias(self, domain: str, ref: str, force: bool = False, use: Use = Use.ALIAS,
+                  expect: str | None = None) -> tuple[str, str | None]:
         with self.shared_admin_lock():
             self.reload_if_changed()
-            return super().set_alias(domain, ref, force)
+            return super().set_alias(domain, ref, force, use, expect)
 
     def delete_alias(self, domain: str) -> str:
         with self.shared_admin_lock():

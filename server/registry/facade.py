@@ -16,12 +16,13 @@ What this module decides:
   request runs on the version it was admitted with. A bare name (and the configured default
   encoder, resolved like a name) means its highest *servable* version: a newer version still
   evaluating or refused does not block it.
-- **The guard fails closed.** An encoder serves by name, as the default, or behind a new alias
-  only when :attr:`EncoderRecord.servable`: its verdict ``passed`` (or the server has no
-  sentinels), or ``force`` was given and its verdict is known (refused, insufficient evidence,
-  failed). Nothing serves while it is ``evaluating``, forced or not. An alias was checked when it
-  was set; an alias whose encoder is re-evaluated at start keeps serving (a restart must not take
-  a domain down), with an error logged if the new verdict refuses it.
+- **The guard fails closed.** Whether an encoder may serve is asked of one function,
+  :func:`qswap.server.registry.serving.serving_error`, with the use the caller makes of it (by
+  name, as the default, behind an alias, as an experiment's candidate, promoted, rolled back to);
+  its table says which uses a forced encoder may have. Nothing serves while it is ``evaluating``,
+  forced or not. An alias was checked when it was set; an alias whose encoder is re-evaluated at
+  start keeps serving (a restart must not take a domain down), with an error logged if the new
+  verdict refuses it.
 - **Deletion** refuses new requests at once and waits (on a condition, not by polling) for the
   ones in flight.
 
@@ -46,8 +47,7 @@ from typing import Any, Callable
 
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
 from qswap.encoders.artifact import ENCODER_MANIFEST, EncoderArtifact, validate_name
-from qswap.errors import (ConflictError, GuardPendingError, GuardRefusedError, InvalidInputError, NotFoundError,
-                          QswapError)
+from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapError
 from qswap.guard import GuardStatus
 from qswap.server.registry import intake
 from qswap.server.registry.cache import EncoderCache
@@ -56,7 +56,8 @@ from qswap.server.registry.intake import EncoderDir
 from qswap.server.registry.records import (REGISTRY_FILE, STATE_LOCK_FILE, EncoderRecord, RecordTable, split_key,
                                   version_order)
 from qswap.space import EmbeddingSpace
-from qswap.guard.checks import check_guard, guard_table, insufficient_table
+from qswap.guard.checks import check_guard
+from qswap.server.registry.serving import Use, is_forced, serving_error
 
 __all__ = ["DEFAULT_ALIAS", "REGISTRY_FILE", "STATE_LOCK_FILE", "EncoderRecord", "EncoderRegistry", "GuardStatus",
            "split_key", "version_order"]
@@ -75,29 +76,6 @@ def check_manifest_guard(guard: dict[str, Any] | None, force: bool) -> None:
             log.warning("manifest guard failure overridden by force")
         return
     check_guard(guard)
-
-
-def guard_error(rec: EncoderRecord, force: bool) -> QswapError | None:
-    """Why ``rec`` may not serve, or None (see :attr:`EncoderRecord.servable`); ``force``
-    accepts a known verdict (refused, insufficient evidence, failed), never a pending one."""
-    key = rec.key
-    if rec.guard_status == GuardStatus.EVALUATING:
-        return GuardPendingError(f"encoder {key} is still being evaluated on the server's sentinels",
-                                 f"retry when GET /v1/encoders/{key} shows guard_status 'passed'")
-    if force or rec.servable:
-        return None
-    ev = rec.evaluation or {}
-    if rec.guard_status == GuardStatus.FAILED:
-        return GuardRefusedError(f"encoder {key} could not be evaluated on the server's sentinels: "
-                                 f"{ev.get('error', 'unknown error')}",
-                                 "register it again to retry the evaluation, or use force=true", guard=ev)
-    if rec.guard_status == GuardStatus.INSUFFICIENT:
-        return GuardRefusedError(f"encoder {key} could not be judged: {insufficient_table(ev)}",
-                                 "rebuild the sentinels over the current index (`qswap sentinels make "
-                                 "--index`) and restart, or use force=true to accept it unjudged", guard=ev)
-    return GuardRefusedError(f"encoder {key} significantly degrades sentinel(s): "
-                             f"{guard_table(ev, only_bad=True) or 'see its evaluation'}",
-                             "re-tune it, or use force=true to accept it anyway", guard=ev)
 
 
 class EncoderRegistry:
@@ -169,7 +147,7 @@ class EncoderRegistry:
 
     # -- resolution and reference counts ------------------------------------------------------
 
-    def _resolve_ref(self, ref: str) -> str:
+    def _resolve_ref(self, ref: str, use: Use = Use.NAME) -> str:
         records = self.table.records
         if ref == BASE_KEY:
             return BASE_KEY
@@ -181,20 +159,21 @@ class EncoderRegistry:
         if not versions:
             raise NotFoundError(f"no encoder named {ref!r} is registered",
                                 "list encoders with GET /v1/encoders, or register one with POST /v1/encoders")
-        # The highest servable version (a newer one still evaluating or refused does not block
-        # the name); none servable: the highest, whose guard error the caller then reports.
+        # The highest version allowed for ``use`` (a newer one still evaluating or refused does not
+        # block the name); none allowed: the highest, whose guard error the caller then reports.
         # Equal orders (e.g. "1.0" and "1.00") fall back to the latest registered.
         versions.sort(key=lambda r: (version_order(r.version), r.registered_at), reverse=True)
-        return next((r.key for r in versions if r.servable), versions[0].key)
+        return next((r.key for r in versions if serving_error(r, use) is None), versions[0].key)
 
     def default_key(self) -> str:
         """The encoder that answers requests naming none: the ``default`` alias, else the
         configured default encoder resolved like a name (its highest servable version)."""
         with self._lock:
-            return self.table.aliases.get(DEFAULT_ALIAS) or self._resolve_ref(self.default_ref)
+            return self.table.aliases.get(DEFAULT_ALIAS) or self._resolve_ref(self.default_ref, Use.DEFAULT)
 
-    def resolve(self, encoder: str | None = None, domain: str | None = None) -> str:
-        """Exact key for an encoder name/key, a domain alias, or (neither) the default."""
+    def resolve(self, encoder: str | None = None, domain: str | None = None, use: Use = Use.NAME) -> str:
+        """Exact key for an encoder name/key, a domain alias, or (neither) the default (``use``:
+        how a bare name picks its version, see :meth:`_resolve_ref`)."""
         with self._lock:   # "not both" is checked by the request model (qswap.server.http.models)
             if domain is not None:
                 key = self.table.aliases.get(domain)
@@ -204,26 +183,48 @@ class EncoderRegistry:
                 return key
             if encoder is None:
                 return self.default_key()
-            return self._resolve_ref(encoder)
+            return self._resolve_ref(encoder, use)
 
-    def acquire(self, encoder: str | None = None, domain: str | None = None) -> str:
-        """Resolve and hold a reference: the key stays registered and loaded until :meth:`release`."""
+    def acquire(self, encoder: str | None = None, domain: str | None = None, use: Use | None = None) -> str:
+        """Resolve and hold a reference: the key stays registered and loaded until :meth:`release`.
+
+        Args:
+            encoder: a name or ``name@version``.
+            domain: a domain alias (not both).
+            use: how the caller chooses it (default: by what it names: :attr:`Use.DOMAIN`,
+                :attr:`Use.NAME`, or :attr:`Use.DEFAULT` when it names neither); the serving gate
+                (:func:`~qswap.server.registry.serving.serving_error`) decides.
+        """
+        if use is None:
+            use = Use.DOMAIN if domain is not None else Use.NAME if encoder is not None else Use.DEFAULT
         with self._lock:
-            key = self.resolve(encoder, domain)
-            if domain is None and (encoder is not None or DEFAULT_ALIAS not in self.table.aliases):
-                # An alias was checked when it was set; a name and the configured default must
-                # pass the guard now.
-                self._require_servable(key, force=False)
+            key = self.resolve(encoder, domain, use)
+            if use == Use.DEFAULT and DEFAULT_ALIAS in self.table.aliases:
+                use = Use.DOMAIN   # the 'default' alias was gated when it was set
+            self._require_servable(key, use)
             self._refs[key] = self._refs.get(key, 0) + 1
             self.cache.touch(key)
             return key
 
-    def _require_servable(self, key: str, force: bool) -> None:
-        """Raise unless ``key`` may serve (holds ``_lock``); see :func:`guard_error`."""
-        rec = self.table.records.get(key)
-        err = guard_error(rec, force) if rec is not None else None
+    def _require_servable(self, key: str, use: Use, force: bool = False) -> None:
+        """Raise unless ``key`` may serve for ``use`` (holds ``_lock``): the serving gate."""
+        err = serving_error(self.table.records.get(key), use, force)
         if err is not None:
             raise err
+
+    def may_serve(self, key: str, use: Use, force: bool = False) -> bool:
+        """Whether ``key`` (registered, or the base) may serve for ``use`` now: the serving gate,
+        for listings."""
+        if key == BASE_KEY:
+            return True
+        with self._lock:
+            rec = self.table.records.get(key)
+            return rec is not None and serving_error(rec, use, force) is None
+
+    def forced(self, key: str) -> bool:
+        """Whether ``key`` answers only because an admin forced it (answers mark it)."""
+        with self._lock:
+            return is_forced(self.table.records.get(key))
 
     def hold(self, key: str) -> None:
         """A reference without any check (the guard's own use of an encoder)."""
@@ -364,7 +365,7 @@ class EncoderRegistry:
             rec = self.table.records.get(key)
         if rec is None:
             raise NotFoundError(f"encoder {key} was deleted during its evaluation", "register it again")
-        err = guard_error(rec, force=False)
+        err = serving_error(rec, Use.NAME)
         if err is not None:
             if drop:
                 self._unregister_unserved(key)
@@ -445,7 +446,7 @@ class EncoderRegistry:
             return rec, False, self.scheduler.schedule(key)
         if not force:
             with self._lock:
-                self._require_servable(key, force=False)
+                self._require_servable(key, Use.NAME)
         return existing, False, None
 
     def _unregister_unserved(self, key: str) -> None:
@@ -527,26 +528,44 @@ class EncoderRegistry:
         except NotFoundError:
             return None
         rec = self.table.records.get(key)
-        return key if rec is None or DEFAULT_ALIAS in self.table.aliases or rec.servable else None
+        return key if DEFAULT_ALIAS in self.table.aliases or serving_error(rec, Use.DEFAULT) is None else None
 
-    def set_alias(self, domain: str, ref: str, force: bool = False) -> tuple[str, str | None]:
-        """Point ``domain`` at ``ref`` (loaded first, so the switch costs traffic nothing).
+    def set_alias(self, domain: str, ref: str, force: bool = False, use: Use = Use.ALIAS,
+                  expect: str | None = None) -> tuple[str, str | None]:
+        """Point ``domain`` at ``ref`` (loaded first, so the switch costs traffic nothing): the one
+        way an alias is written.
 
-        The guard fails closed: an encoder still under evaluation is refused, even with
-        ``force``; a refused (insufficient evidence, failed) one only with ``force``, which
-        records the encoder as forced (it then serves by name too)."""
+        The serving gate decides for ``use``: :attr:`Use.ALIAS` (an admin) refuses an encoder under
+        evaluation even with ``force`` and a refused (insufficient evidence, failed) one unless
+        ``force``, which records the encoder as forced (it then serves by name too); promotion
+        and rollback ask for their own use (a forced candidate is never promoted).
+
+        Args:
+            domain: the alias.
+            ref: a name or ``name@version``.
+            force: given by the admin in this request.
+            use: who switches it (:attr:`Use.ALIAS`, :attr:`Use.PROMOTE`, :attr:`Use.ROLLBACK`).
+            expect: switch only if the alias points at this key now (409 otherwise), checked
+                under the admin lock: a promotion or rollback never overwrites an admin's change.
+
+        Returns:
+            The key now served and the previous one.
+        """
         validate_name(domain, "domain")
         if domain.lower() == DEFAULT_ALIAS and domain != DEFAULT_ALIAS:
             raise InvalidInputError(f"domain {domain!r} is a case variant of the reserved alias "
                                     f"{DEFAULT_ALIAS!r}", f"use {DEFAULT_ALIAS!r} or another name")
         with self.admin_lock:
             with self._lock:
-                key = self.resolve(encoder=ref)
-                self._require_servable(key, force)
+                if expect is not None and self.table.aliases.get(domain) != expect:
+                    raise ConflictError(f"domain {domain!r} no longer points at {expect}",
+                                        "the alias changed meanwhile: look at GET /v1/aliases and decide again")
+                key = self.resolve(encoder=ref, use=use)
+                self._require_servable(key, use, force)
                 rec = self.table.records.get(key)
                 self._refs[key] = self._refs.get(key, 0) + 1   # held so it cannot be evicted before it is pinned
             try:
-                if rec is not None and not rec.servable:   # accepted by force: on record
+                if rec is not None and is_forced(rec) and not rec.forced:   # accepted by force: on record
                     self.table.update(key, forced=True)
                 self.ensure_loaded(key)
                 with self._lock:

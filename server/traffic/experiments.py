@@ -11,9 +11,12 @@ An experiment pits a **candidate** encoder against the encoder a domain alias po
   contributed the clicked document; wins and losses feed a two-sided sign test.
 
 Experiments are stored in the feedback store (one SQLite file, shared by Ray replicas over
-shared storage), so they need ``--feedback-dir``. Promotion is an atomic alias switch through
-the registry, refused unless the candidate is servable without force (its guard passed, or the
-server runs no guard); the previous target is kept for rollback.
+shared storage), so they need ``--feedback-dir``. Which encoders may be a candidate, be promoted
+or be rolled back to is the serving gate's answer (:mod:`qswap.server.registry.serving`): a
+candidate must pass the guard on its own (never by force). Promotion is an atomic alias switch
+through the registry; the previous target is kept for rollback. Auto-promotion reads only the
+evidence the store counts: decided feedback from at least ``min_clients`` distinct clients, at
+most ``max_per_client`` outcomes each.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from typing import Any, Callable
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapError
 from qswap.feedback.interleave import (CANDIDATE, CONTROL, credit, decided, rank_biased_overlap, sign_test,
                                        team_draft)
+from qswap.feedback.experiment import Experiment, ExperimentRecord
 from qswap.feedback.interleave import Interleaving
 from qswap.feedback.store import FeedbackStore, ShadowRun
+from qswap.server.registry.serving import Use
 
 log = logging.getLogger("qswap.server")
 
@@ -76,7 +81,7 @@ class Experiments:
         self.registry = registry
         self.metrics = metrics
         self.refresh_s = refresh_s
-        self._table: dict[str, dict[str, Any]] = store.experiments()
+        self._table: dict[str, ExperimentRecord] = store.experiments() or {}
         self._read_at = time.monotonic()
         self._lock = threading.Lock()
         self._shadows = 0
@@ -85,7 +90,7 @@ class Experiments:
 
     # -- the table -----------------------------------------------------------------------------
 
-    def _current(self) -> dict[str, dict[str, Any]]:
+    def _current(self) -> dict[str, ExperimentRecord]:
         """The table as the request path sees it: re-read every ``refresh_s`` (other replicas'
         changes), never waiting for the store's writer (the last table serves meanwhile)."""
         if time.monotonic() - self._read_at > self.refresh_s:
@@ -96,52 +101,47 @@ class Experiments:
         return self._table
 
     def _reload(self) -> None:
-        self._table = self.store.experiments()
+        self._table = self.store.experiments() or {}
         self._read_at = time.monotonic()
 
-    def get(self, domain: str) -> dict[str, Any]:
+    def get(self, domain: str) -> Experiment:
         """A domain's experiment with its live statistics (raises :class:`NotFoundError`)."""
-        self._reload()
-        doc = self._table.get(domain)
-        if doc is None:
-            raise NotFoundError(f"no experiment on domain {domain!r}", "start one with POST /v1/experiments")
-        return self.view(doc)
+        return self.view(self._require(domain))
 
-    def list(self) -> list[dict[str, Any]]:
+    def list(self) -> list[Experiment]:
         """Every experiment with its statistics."""
         self._reload()
         return [self.view(d) for _, d in sorted(self._table.items())]
 
-    def view(self, doc: dict[str, Any]) -> dict[str, Any]:
-        """An experiment document with its counters, p-value and mean overlap."""
-        st = self.store.stats(doc["id"])
-        runs = int(st["shadow_runs"])
-        out = {**doc, "impressions": int(st["impressions"]), "wins": int(st["wins"]),
-               "losses": int(st["losses"]), "ties": int(st["ties"]),
-               "p_value": sign_test(int(st["wins"]), int(st["losses"])),
-               "shadow_runs": runs, "shadow_skipped": int(st["shadow_skipped"]),
-               "overlap": st["overlap_sum"] / runs if runs else None,
-               "shadow_latency_ms": st["latency_ms_sum"] / runs if runs else None}
+    def view(self, rec: ExperimentRecord) -> Experiment:
+        """An experiment with its counters, p-value (of the counted evidence) and mean overlap."""
+        st = self.store.stats(rec.id)
+        runs = st.shadow_runs
+        out = Experiment(**rec.model_dump(), **st.model_dump(exclude={"overlap_sum", "latency_ms_sum"}),
+                         p_value=sign_test(st.counted_wins, st.counted_losses),
+                         overlap=st.overlap_sum / runs if runs else None,
+                         shadow_latency_ms=st.latency_ms_sum / runs if runs else None)
         self._export(out)
         return out
 
-    def _export(self, v: dict[str, Any]) -> None:
+    def _export(self, v: Experiment) -> None:
         m = self.metrics
         if m is None or not hasattr(m, "experiment_impressions"):
             return
-        d = v["domain"]
-        m.experiment_impressions.labels(domain=d).set(v["impressions"])
+        d = v.domain
+        m.experiment_impressions.labels(domain=d).set(v.impressions)
         for outcome in ("wins", "losses", "ties"):
-            m.experiment_outcomes.labels(domain=d, outcome=outcome).set(v[outcome])
-        m.experiment_p_value.labels(domain=d).set(v["p_value"])
-        m.experiment_shadow_runs.labels(domain=d).set(v["shadow_runs"])
-        if v["overlap"] is not None:
-            m.experiment_overlap.labels(domain=d).set(v["overlap"])
+            m.experiment_outcomes.labels(domain=d, outcome=outcome).set(getattr(v, outcome))
+        m.experiment_p_value.labels(domain=d).set(v.p_value)
+        m.experiment_shadow_runs.labels(domain=d).set(v.shadow_runs)
+        if v.overlap is not None:
+            m.experiment_overlap.labels(domain=d).set(v.overlap)
 
     # -- admin ---------------------------------------------------------------------------------
 
     def start(self, domain: str, candidate: str, mode: str, fraction: float,
-              auto_promote_alpha: float | None = None, min_decided: int = 100) -> dict[str, Any]:
+              auto_promote_alpha: float | None = None, min_decided: int = 100, min_clients: int = 20,
+              max_per_client: int = 10) -> Experiment:
         """Start an experiment on a domain alias (one running experiment per domain).
 
         Args:
@@ -153,7 +153,9 @@ class Experiments:
                 significant at this level, tested only at ``min_decided`` x 1, 2, 4, ... 512 decided
                 impressions, each look at alpha / 10 (:func:`qswap.feedback.interleave.decided`), so
                 repeated looks do not inflate the false-alarm rate.
-            min_decided: decided impressions (wins + losses) at the first look.
+            min_decided: decided impressions (counted wins + losses) at the first look.
+            min_clients: auto-promotion needs decided feedback from this many distinct clients.
+            max_per_client: decided outcomes of one client that count as evidence at most.
 
         Returns:
             The experiment as :meth:`view` shows it.
@@ -163,77 +165,83 @@ class Experiments:
         with self._lock:
             self._reload()
             running = self._table.get(domain)
-            if running is not None and running.get("status") == "running":
-                raise ConflictError(f"domain {domain!r} already runs experiment {running['id']}",
+            if running is not None and running.status == "running":
+                raise ConflictError(f"domain {domain!r} already runs experiment {running.id}",
                                     f"stop it first (POST /v1/experiments/{domain}/stop)")
             control = self.registry.aliases().get(domain)
             if control is None:
                 raise NotFoundError(f"no domain alias {domain!r}", "an experiment runs on a domain alias: "
                                     "create it with PUT /v1/aliases/{domain}")
-            cand = self.registry.acquire(encoder=candidate)   # servable now, or a clear 4xx
+            cand = self.registry.acquire(encoder=candidate, use=Use.CANDIDATE)   # the gate, or a clear 4xx
             self.registry.release(cand)
             if cand == control:
                 raise InvalidInputError(f"the candidate {cand} is what domain {domain!r} already serves",
                                         "compare another encoder")
-            doc = {"id": uuid.uuid4().hex[:12], "domain": domain, "mode": mode, "fraction": fraction,
-                   "control": control, "candidate": cand, "status": "running", "started_at": time.time(),
-                   "auto_promote_alpha": auto_promote_alpha, "min_decided": min_decided,
-                   "previous": (running or {}).get("previous")}
-            self.store.put_experiment(domain, doc["id"], doc)
-            self._reload()
-        log.info("experiment started", extra={"domain": domain, "experiment": doc["id"], "mode": mode,
+            rec = ExperimentRecord(id=uuid.uuid4().hex[:12], domain=domain, mode=mode, fraction=fraction,
+                                   control=control, candidate=cand, status="running", started_at=time.time(),
+                                   auto_promote_alpha=auto_promote_alpha, min_decided=min_decided,
+                                   min_clients=min_clients, max_per_client=max_per_client,
+                                   previous=running.previous if running is not None else None)
+            self._put(rec)
+        log.info("experiment started", extra={"domain": domain, "experiment": rec.id, "mode": mode,
                                               "control": control, "candidate": cand})
-        return self.view(doc)
+        return self.view(rec)
 
-    def stop(self, domain: str) -> dict[str, Any]:
+    def stop(self, domain: str) -> Experiment:
         """Stop a domain's experiment (its record and statistics stay visible)."""
         with self._lock:
-            doc = self._require(domain)
-            doc = {**doc, "status": "stopped", "stopped_at": time.time()}
-            self.store.put_experiment(domain, doc["id"], doc)
-            self._reload()
-        return self.view(doc)
+            rec = self._require(domain).model_copy(update={"status": "stopped", "stopped_at": time.time()})
+            self._put(rec)
+        return self.view(rec)
 
-    def promote(self, domain: str, reason: str = "admin") -> dict[str, Any]:
+    def promote(self, domain: str, reason: str = "admin") -> Experiment:
         """Point the domain at the candidate (atomic alias switch) and end the experiment.
 
-        Refused (the registry's own 409) unless the candidate is servable without force.
+        Refused (409) when the serving gate does not allow the candidate to be promoted (its
+        guard did not pass on its own: forced, refused, evaluating), or when the alias no longer
+        points at the control (checked under the registry's admin lock).
         """
         with self._lock:
-            doc = self._require(domain)
-            if doc.get("status") == "promoted":
-                raise ConflictError(f"experiment {doc['id']} was already promoted", "start a new experiment")
-            if self.registry.aliases().get(domain) != doc["control"]:
-                raise ConflictError(f"domain {domain!r} no longer points at the control {doc['control']}",
-                                    "the alias changed during the experiment: stop it and start a new one")
-            self.registry.set_alias(domain, doc["candidate"], force=False)
-            doc = {**doc, "status": "promoted", "promoted_at": time.time(), "promoted_by": reason,
-                   "previous": doc["control"]}
-            self.store.put_experiment(domain, doc["id"], doc)
-            self._reload()
-        log.info("experiment promoted", extra={"domain": domain, "experiment": doc["id"],
-                                               "encoder": doc["candidate"], "by": reason})
-        return self.view(doc)
+            rec = self._require(domain)
+            if rec.status == "promoted":
+                raise ConflictError(f"experiment {rec.id} was already promoted", "start a new experiment")
+            try:
+                self.registry.set_alias(domain, rec.candidate, use=Use.PROMOTE, expect=rec.control)
+            except ConflictError as e:
+                if e.code != "conflict":   # the gate's refusal (guard_refused, guard_pending) as it is
+                    raise
+                raise ConflictError(f"domain {domain!r} no longer points at the control {rec.control}",
+                                    "the alias changed during the experiment: stop it and start a new one") from e
+            rec = rec.model_copy(update={"status": "promoted", "promoted_at": time.time(), "promoted_by": reason,
+                                         "previous": rec.control})
+            self._put(rec)
+        log.info("experiment promoted", extra={"domain": domain, "experiment": rec.id,
+                                               "encoder": rec.candidate, "by": reason})
+        return self.view(rec)
 
-    def rollback(self, domain: str) -> dict[str, Any]:
-        """Point the domain back at the encoder it served before the promotion."""
+    def rollback(self, domain: str) -> Experiment:
+        """Point the domain back at the encoder it served before the promotion (refused when an
+        admin pointed the alias elsewhere since)."""
         with self._lock:
-            doc = self._require(domain)
-            if doc.get("status") != "promoted" or not doc.get("previous"):
-                raise ConflictError(f"experiment {doc['id']} on {domain!r} was not promoted",
+            rec = self._require(domain)
+            if rec.status != "promoted" or not rec.previous:
+                raise ConflictError(f"experiment {rec.id} on {domain!r} was not promoted",
                                     "rollback undoes a promotion")
-            self.registry.set_alias(domain, doc["previous"], force=False)
-            doc = {**doc, "status": "rolled_back", "rolled_back_at": time.time()}
-            self.store.put_experiment(domain, doc["id"], doc)
-            self._reload()
-        return self.view(doc)
+            self.registry.set_alias(domain, rec.previous, use=Use.ROLLBACK, expect=rec.candidate)
+            rec = rec.model_copy(update={"status": "rolled_back", "rolled_back_at": time.time()})
+            self._put(rec)
+        return self.view(rec)
 
-    def _require(self, domain: str) -> dict[str, Any]:
+    def _put(self, rec: ExperimentRecord) -> None:
+        self.store.put_experiment(rec)
         self._reload()
-        doc = self._table.get(domain)
-        if doc is None:
+
+    def _require(self, domain: str) -> ExperimentRecord:
+        self._reload()
+        rec = self._table.get(domain)
+        if rec is None:
             raise NotFoundError(f"no experiment on domain {domain!r}", "start one with POST /v1/experiments")
-        return doc
+        return rec
 
     # -- traffic -------------------------------------------------------------------------------
 
@@ -271,12 +279,17 @@ class Experiments:
         """The experiment arm of an admitted search, or ``None`` (no experiment, or not drawn)."""
         if domain is None:
             return None
-        doc = self._current().get(domain)
-        if doc is None or doc.get("status") != "running":
+        rec = self._current().get(domain)
+        if rec is None or rec.status != "running":
             return None
-        if _unit(request_id, doc["id"]) >= float(doc["fraction"]):
+        if _unit(request_id, rec.id) >= rec.fraction:
             return None
-        return Arm(doc["id"], domain, doc["mode"], doc["control"], doc["candidate"])
+        return Arm(rec.id, domain, rec.mode, rec.control, rec.candidate)
+
+    def evidence_cap(self, experiment: str | None) -> int | None:
+        """Decided outcomes one client may add to ``experiment``'s evidence (its ``max_per_client``)."""
+        rec = next((r for r in self._current().values() if r.id == experiment), None)
+        return rec.max_per_client if rec is not None else None
 
     def credit_feedback(self, experiment: str | None, shown: Interleaving | None, clicks: list[str]) -> int | None:
         """The interleaving outcome of a feedback (None when the impression was not interleaved)."""
@@ -285,15 +298,19 @@ class Experiments:
         return credit(shown, clicks)
 
     def after_outcome(self, domain: str | None) -> None:
-        """Auto-promote a domain's experiment once its sign test is decided for the candidate."""
+        """Auto-promote a domain's experiment once its counted evidence decides for the candidate:
+        feedback from at least ``min_clients`` distinct clients, at most ``max_per_client``
+        decided outcomes of each, and the sign test decided at one of its looks."""
         if domain is None:
             return
-        doc = self._current().get(domain)
-        if doc is None or doc.get("status") != "running" or not doc.get("auto_promote_alpha"):
+        rec = self._current().get(domain)
+        if rec is None or rec.status != "running" or not rec.auto_promote_alpha:
             return
-        st = self.store.stats(doc["id"])
-        wins, losses = int(st["wins"]), int(st["losses"])
-        if wins > losses and decided(wins, losses, float(doc["auto_promote_alpha"]), int(doc["min_decided"])):
+        st = self.store.stats(rec.id)
+        wins, losses = st.counted_wins, st.counted_losses
+        if st.clients < rec.min_clients:
+            return
+        if wins > losses and decided(wins, losses, rec.auto_promote_alpha, rec.min_decided):
             try:
                 self.promote(domain, reason="auto")
             except QswapError as e:   # e.g. the candidate's guard did not pass: keep running, say why

@@ -45,7 +45,8 @@ def test_bench_loop_runs_every_phase(tiny_model_dir, tiny_base, tmp_path):
     r = json.loads((out / "results.json").read_text())["results"]
     assert r["capture"]["sessions"] == 100 and r["capture"]["with_click"] > 0
     assert r["tuning"]["mining"] is False or r["tuning"]["mining"] is True
-    assert r["interleave_live"]["impressions"] > 0
+    live = r["interleave_live"]
+    assert live["impressions"] > 0 and live["clients"] > 1     # every simulated session a client
     rep = r["replay"]
     assert len(rep["interleave"]["impressions"]) == 10 and len(rep["ab_ctr"]["impressions"]) == 10
     assert 0 <= rep["false_alarms"]["rate"] <= 0.3

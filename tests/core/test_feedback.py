@@ -18,6 +18,7 @@ from qswap.errors import ConflictError, InvalidInputError, NotFoundError
 from qswap.feedback.export import export_beir, judgements, query_id
 from qswap.feedback.interleave import (CANDIDATE, CONTROL, Interleaving, credit, decided, looks,
                                        rank_biased_overlap, sign_test, team_draft)
+from qswap.feedback.experiment import ExperimentRecord
 from qswap.feedback.store import Feedback, FeedbackStore, Impression, ShadowRun
 
 
@@ -180,13 +181,15 @@ def test_store_survives_a_kill(tmp_path):
 
 def test_experiment_counters(tmp_path):
     store = FeedbackStore(tmp_path)
-    store.put_experiment("games", "e1", {"id": "e1", "domain": "games"})
+    rec = ExperimentRecord(id="e1", domain="games", mode="interleave", fraction=1.0, control="a@1",
+                           candidate="b@1", status="running", started_at=0.0)
+    store.put_experiment(rec)
     store.record([_imp("r1", ["a", "b"], teams=[CONTROL, CANDIDATE], experiment="e1"),
                   ShadowRun("e1", 0.5, 10.0), ShadowRun("e1", None)])
     store.add_feedback("r1", 0, Feedback(["b"]), outcome=1)
     st = store.stats("e1")
-    assert (st["impressions"], st["wins"], st["losses"], st["shadow_runs"], st["shadow_skipped"]) == (1, 1, 0, 1, 1)
-    assert store.experiments() == {"games": {"id": "e1", "domain": "games"}}
+    assert (st.impressions, st.wins, st.losses, st.shadow_runs, st.shadow_skipped) == (1, 1, 0, 1, 1)
+    assert store.experiments() == {"games": rec}
     store.close()
 
 

@@ -8,6 +8,8 @@ from qswap.feedback.interleave import CANDIDATE, CONTROL
 
 from .conftest import ADMIN, LiveServer, server_settings
 
+FORGED = "A" * 16 + "." + "B" * 22   # well formed, never issued
+
 
 @pytest.fixture(scope="module")
 def fb_live(tmp_path_factory, tiny_model_dir, index_dir, encoders_root):
@@ -37,23 +39,28 @@ def anon(fb_live):
 def _search(client, **body):
     r = client.post("/v1/search", json={"k": 6, **body})
     assert r.status_code == 200, r.text
-    return r.headers["x-request-id"], r.json()["results"]
+    return r.json()["impression"], r.json()["results"]
+
+
+def _captured(srv, impression):
+    """The store's record of a search (its capture key is the impression id's first part)."""
+    return srv.app.state.qs.feedback.impression(impression.split(".")[0])
 
 
 def test_feedback_is_captured_and_checked(anon, fb_live):
     rid, res = _search(anon, queries=["chess puzzle", "audio video"])
     ids = [h["id"] for h in res[1]["hits"]]
-    r = anon.post("/v1/feedback", json={"request_id": rid, "query_index": 1, "clicks": [ids[2]]})
+    r = anon.post("/v1/feedback", json={"impression": rid, "query_index": 1, "clicks": [ids[2]]})
     assert r.status_code == 200, r.text
-    assert r.json() == {"request_id": rid, "query_index": 1, "outcome": None}
-    assert anon.post("/v1/feedback", json={"request_id": rid, "query_index": 1, "clicks": [ids[0]]}).status_code == 409
-    r = anon.post("/v1/feedback", json={"request_id": "never-seen", "clicks": []})
+    assert r.json() == {"impression": rid, "query_index": 1, "outcome": None}
+    assert anon.post("/v1/feedback", json={"impression": rid, "query_index": 1, "clicks": [ids[0]]}).status_code == 409
+    r = anon.post("/v1/feedback", json={"impression": FORGED, "clicks": []})
     assert r.status_code == 404 and r.json()["error"] == "not_found"
     shown0 = {h["id"] for h in res[0]["hits"]}
     other = next(f"d{i:03d}" for i in range(50) if f"d{i:03d}" not in shown0)
-    r = anon.post("/v1/feedback", json={"request_id": rid, "query_index": 0, "clicks": [other]})
+    r = anon.post("/v1/feedback", json={"impression": rid, "query_index": 0, "clicks": [other]})
     assert r.status_code == 400
-    r = anon.post("/v1/feedback", json={"request_id": rid, "clicks": ["x"], "grades": {"x": 1}})
+    r = anon.post("/v1/feedback", json={"impression": rid, "clicks": ["x"], "grades": {"x": 1}})
     assert r.status_code == 422
     store = fb_live.app.state.qs.feedback
     pairs = [(i.query, f.clicks) for i, f in store.labelled()]
@@ -63,7 +70,7 @@ def test_feedback_is_captured_and_checked(anon, fb_live):
 def test_feedback_needs_capture(tmp_path, tiny_model_dir, index_dir):
     s = server_settings(tmp_path, tiny_model_dir, index_dir, admin_token=ADMIN, read_only_index=True)
     with LiveServer(s) as srv, srv.client(ADMIN) as c:
-        r = c.post("/v1/feedback", json={"request_id": "x", "clicks": []})
+        r = c.post("/v1/feedback", json={"impression": FORGED, "clicks": []})
         assert r.status_code == 409 and "--feedback-dir" in r.json()["hint"]
         assert c.get("/v1/experiments").status_code == 409
 
@@ -84,16 +91,16 @@ def test_interleave_experiment_credit_promote_rollback(admin, anon, fb_live):
     assert row["experiment"] == {"id": exp["id"], "mode": "interleave", "candidate": "ft@2"}
     shown = [h["id"] for h in row["hits"]]
     assert len(shown) == len(set(shown)) == 6 and set(shown) <= set(alone["ft@1"]) | set(alone["ft@2"])
-    imp = fb_live.app.state.qs.feedback.impression(rid)
+    imp = _captured(fb_live, rid)
     assert imp.teams is not None and imp.experiment == exp["id"]
     # Click a document only the candidate's team contributed: the candidate wins.
     b_doc = next(d for d, t in zip(imp.ids, imp.teams) if t == CANDIDATE)
-    r = anon.post("/v1/feedback", json={"request_id": rid, "clicks": [b_doc]})
+    r = anon.post("/v1/feedback", json={"impression": rid, "clicks": [b_doc]})
     assert r.status_code == 200 and r.json()["outcome"] == 1
     rid2, _ = _search(anon, query="audio video", domain="games")
-    imp2 = fb_live.app.state.qs.feedback.impression(rid2)
+    imp2 = _captured(fb_live, rid2)
     a_doc = next(d for d, t in zip(imp2.ids, imp2.teams) if t == CONTROL)
-    assert anon.post("/v1/feedback", json={"request_id": rid2, "clicks": [a_doc]}).json()["outcome"] == -1
+    assert anon.post("/v1/feedback", json={"impression": rid2, "clicks": [a_doc]}).json()["outcome"] == -1
     v = anon.get("/v1/experiments/games").json()
     assert (v["impressions"], v["wins"], v["losses"], v["ties"]) == (2, 1, 1, 0) and v["p_value"] == 1.0
     metrics = anon.get("/metrics").text
@@ -111,30 +118,48 @@ def test_interleave_experiment_credit_promote_rollback(admin, anon, fb_live):
     assert anon.post("/v1/experiments/games/stop").status_code in (401, 403)
 
 
-def test_auto_promotion_and_refusals(admin, anon, fb_live):
+def _click_candidate(srv, client, query, **kw):
+    """Search the experiment's domain and click the first document only the candidate showed."""
+    rid, _ = _search(client, query=query, domain="sound", **kw)
+    imp = _captured(srv, rid)
+    mine = [d for d, t in zip(imp.ids, imp.teams) if t == CANDIDATE]
+    r = client.post("/v1/feedback", json={"impression": rid, "clicks": mine[:1]})
+    assert r.status_code == 200 and r.json()["outcome"] == 1, r.text
+
+
+def test_auto_promotion_needs_many_clients(admin, anon, fb_live):
     assert admin.put("/v1/aliases/sound", json={"encoder": "ft@1"}).status_code == 200
     assert admin.post("/v1/experiments", json={"domain": "nosuch", "candidate": "ft@2"}).status_code == 404
     assert admin.post("/v1/experiments", json={"domain": "sound", "candidate": "ft@1"}).status_code == 400
     assert admin.post("/v1/experiments", json={"domain": "sound", "candidate": "zz@9"}).status_code == 404
-    r = admin.post("/v1/experiments", json={"domain": "sound", "candidate": "bias@1", "mode": "interleave",
-                                            "fraction": 1.0, "auto_promote_alpha": 0.05, "min_decided": 5})
+    start = {"domain": "sound", "candidate": "bias@1", "mode": "interleave", "fraction": 1.0,
+             "auto_promote_alpha": 0.05, "min_decided": 5}
+    # One client can never be enough evidence: the bound on distinct clients is at least 2.
+    assert admin.post("/v1/experiments", json={**start, "min_clients": 1}).status_code == 422
+    r = admin.post("/v1/experiments", json={**start, "min_clients": 5, "max_per_client": 2})
     assert r.status_code == 201, r.text
     words = ["music", "sound", "audio", "video", "chess", "game", "science", "math", "network", "server"]
-    queries = [f"{a} {b}" for a in words for b in words if a != b][:14]
+    queries = [f"{a} {b}" for a in words for b in words if a != b]
+    # One anonymous script: 14 searches and 14 clicks for the candidate (with made-up sessions,
+    # which count for nothing without a token) never promote it.
+    for n, q in enumerate(queries[:14]):
+        _click_candidate(fb_live, anon, q, session=f"made-up-{n}")
+    v = anon.get("/v1/experiments/sound").json()
+    assert (v["status"], v["wins"], v["clients"], v["counted_wins"]) == ("running", 14, 1, 2)
+    assert admin.get("/v1/aliases").json()["aliases"]["sound"] == "ft@1"
+    # An application with the token names its users' sessions: each is a client. Looks at 5, 10,
+    # 20 ... counted decided impressions, each at 0.05 / 10: 5 straight wins give p = 0.0625
+    # (no), 10 give 0.00195 < 0.005: the 2 counted above and 8 sessions promote it.
     promoted_after = None
-    for n, q in enumerate(queries, 1):
-        rid, _ = _search(anon, query=q, domain="sound")
-        imp = fb_live.app.state.qs.feedback.impression(rid)
-        mine = [d for d, t in zip(imp.ids, imp.teams) if t == CANDIDATE]
-        assert anon.post("/v1/feedback", json={"request_id": rid, "clicks": mine[:1]}).status_code == 200
+    for n, q in enumerate(queries[14:30], 1):
+        _click_candidate(fb_live, admin, q, session=f"user-{n}")
         if admin.get("/v1/aliases").json()["aliases"]["sound"] == "bias@1":
             promoted_after = n
             break
-    # Looks at 5, 10, 20 ... decided impressions, each at 0.05 / 10: 5 straight wins give
-    # p = 2 / 2^5 = 0.0625 (no), 10 give 0.00195 < 0.005 (promoted at the second look).
-    assert promoted_after == 10
+    assert promoted_after == 8
     v = anon.get("/v1/experiments/sound").json()
-    assert v["status"] == "promoted" and (v["wins"], v["losses"]) == (10, 0)
+    assert v["status"] == "promoted" and v["promoted_by"] == "auto"
+    assert (v["counted_wins"], v["counted_losses"], v["clients"]) == (10, 0, 9)
 
 
 def test_shadow_runs_off_the_response_path(admin, anon, fb_live):
@@ -155,4 +180,4 @@ def test_shadow_runs_off_the_response_path(admin, anon, fb_live):
     _search(anon, query="physics chemistry", domain="science")
     assert exps.wait_shadows(10)
     store.flush()
-    assert store.stats(r.json()["id"])["shadow_runs"] == 1     # stopped: no more shadow runs
+    assert store.stats(r.json()["id"]).shadow_runs == 1     # stopped: no more shadow runs

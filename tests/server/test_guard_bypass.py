@@ -84,9 +84,15 @@ def test_force_never_serves_while_evaluating_and_accepts_a_known_verdict(server)
         assert "games" not in c.get("/v1/aliases").json()["aliases"]
     info = wait_verdict(srv, c, "bad@1")
     assert info["guard_status"] == "refused" and info["forced"] is True
-    # Its verdict is known: the force given at registration now lets it serve, and says so.
+    # Its verdict is known: the force given at registration now lets it serve by name, and says
+    # so; an alias is another admin decision, which asks for force again.
     assert _served_by(c, encoder="bad@1") == "bad@1"
-    assert c.put("/v1/aliases/games", json={"encoder": "bad@1"}).status_code == 200
+    r = c.post("/v1/search", json={"query": "chess", "encoder": "bad@1"})
+    assert r.json()["results"][0]["encoder"]["forced"] is True
+    r = c.put("/v1/aliases/games", json={"encoder": "bad@1"})
+    assert r.status_code == 409 and r.json()["error"] == "guard_refused", r.text
+    r = c.put("/v1/aliases/games", json={"encoder": "bad@1", "force": True})
+    assert r.status_code == 200 and r.json()["forced"] is True
     listed = {e["key"]: e for e in c.get("/v1/encoders").json()["encoders"]}
     assert listed["bad@1"]["forced"] is True and listed["bad@1"]["guard_status"] == "refused"
     assert 'qswap_guard_passed{encoder="bad@1"} 0.0' in c.get("/metrics").text

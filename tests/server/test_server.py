@@ -105,7 +105,7 @@ def test_search_results_are_exact_for_every_encoder(anon, registered, reference_
         assert r.status_code == 200, r.text
         out = r.json()["results"]
         assert [o["encoder"] for o in out] == [{"key": key, "name": key.split("@")[0],
-                                                "version": key.split("@")[1]}] * 2
+                                                "version": key.split("@")[1], "forced": False}] * 2
         _assert_served_by(out[0]["hits"], reference_pool, doc_embeddings, ids, key, q, 4)
         _assert_served_by(out[1]["hits"], reference_pool, doc_embeddings, ids, key, "audio video", 4)
     r = anon.post("/v1/search", json={"query": q, "encoder": "ft"})   # name -> latest version

@@ -19,7 +19,7 @@ from qswap.encoders.runtime.backend import runtime_of
 from qswap.server.http.compat_models import DOCUMENTS_MODEL, MODEL_PATTERN, EmbeddingRequest, ModelList
 from qswap.answers import EmbeddingResponse, ModelCard
 from qswap.server.serving.embeddings import embed_texts, encode_vector, model_ref, texts_of
-from qswap.guard import GuardStatus
+from qswap.server.registry.serving import Use
 from qswap.server.http.responses import ERRORS, ready_state, request_timeout
 from qswap.server.state import ServerState
 
@@ -79,11 +79,8 @@ async def list_models(state: ServerState = Depends(ready_state)) -> ModelList:
     """The document tower, every servable encoder (guard passed, unguarded, or forced) and every alias."""
     reg = state.registry
     encoders = [_card(state, k, k) for k in [BASE_KEY, *reg.keys()]]
-    # Servable ones only: an encoder still evaluated, or refused by the guard and not forced, answers 409.
-    forced = {k for k in reg.keys() if (i := reg.info(k, state.base_version)).get("forced")
-              and i.get("guard_status") != GuardStatus.EVALUATING}
-    encoders = [c for c in encoders if c.guard_status is None or GuardStatus(c.guard_status).servable
-                or c.encoder in forced]
+    # What the serving gate lets a request name: one still evaluated, or refused and not forced, answers 409.
+    encoders = [c for c in encoders if reg.may_serve(c.encoder, Use.NAME)]
     cards = [_documents_card(state), *encoders]
     cards += [_card(state, domain, key, alias=True) for domain, key in sorted(reg.aliases().items())]
     return ModelList(data=cards)

@@ -176,11 +176,11 @@ async def set_alias(body: AliasSet, domain: str = Path(pattern=NAME_PATTERN),
     evaluation passed can be aliased (409 ``guard_pending`` / ``guard_refused`` otherwise;
     ``force`` accepts a refused one)."""
     key, previous = await asyncio.to_thread(state.registry.set_alias, domain, body.encoder, body.force)
-    return Alias(domain=domain, encoder=key, previous=previous)
+    return Alias(domain=domain, encoder=key, previous=previous, forced=state.registry.forced(key))
 
 
 @router.delete("/v1/aliases/{domain}", response_model=Alias, responses=ADMIN_ERRORS,
                dependencies=[Depends(require_admin)], tags=["aliases"], summary="Remove a domain alias")
 async def delete_alias(domain: str = Path(pattern=NAME_PATTERN), state: ServerState = Depends(ready_state)) -> Alias:
     key = await asyncio.to_thread(state.registry.delete_alias, domain)
-    return Alias(domain=domain, encoder=key)
+    return Alias(domain=domain, encoder=key, forced=state.registry.forced(key))

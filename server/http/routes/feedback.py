@@ -1,8 +1,11 @@
 """Learning from traffic: ``POST /v1/feedback`` and the online experiments on domain aliases.
 
-Both need capture on (``--feedback-dir``). Feedback follows the search access rule (the
-application that searched reports what its user did); starting, stopping, promoting and
-rolling back experiments are admin routes. Store work runs in threads, never on the event loop.
+Both need capture on (``--feedback-dir``). Feedback names the ``impression`` id the search
+answered with and must come from the client it was issued to (the same bearer token, or the
+same address without one: :mod:`qswap.server.traffic.impressions`); starting, stopping,
+promoting and rolling back experiments are admin routes. Feedback and experiment reads run on
+their own bounded admission (429 beyond it), never on the event loop or the threads admin
+routes use (:mod:`qswap.server.traffic.admission`).
 """
 
 from __future__ import annotations
@@ -10,14 +13,15 @@ from __future__ import annotations
 import asyncio
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Depends, Path, Request
 
-from qswap.errors import ConflictError
+from qswap.errors import ConflictError, InvalidInputError, NotFoundError
+from qswap.feedback.experiment import Experiment, ExperimentList
 from qswap.feedback.interleave import Interleaving
 from qswap.feedback.store import Feedback
 from qswap.server.http.auth import require_admin, require_search
-from qswap.server.http.models import (NAME_PATTERN, Experiment, ExperimentList, ExperimentStart, FeedbackRecorded,
-                                 FeedbackRequest)
+from qswap.server.http.models import NAME_PATTERN, ExperimentStart, FeedbackRecorded, FeedbackRequest
+from qswap.server.traffic.impressions import client_of
 from qswap.server.http.responses import ADMIN_ERRORS, ERRORS, ready_state
 from qswap.server.state import ServerState
 
@@ -45,34 +49,48 @@ def capturing_state(state: ServerState = Depends(ready_state)) -> ServerState:
 
 @router.post("/v1/feedback", response_model=FeedbackRecorded, responses=ERRORS,
              dependencies=[Depends(require_search)], summary="Report clicks or judgements on a search")
-async def feedback(body: FeedbackRequest, state: ServerState = Depends(capturing_state)) -> FeedbackRecorded:
+async def feedback(body: FeedbackRequest, request: Request,
+                   state: ServerState = Depends(capturing_state)) -> FeedbackRecorded:
     """Record what the user did with one captured search's results.
 
-    ``clicks`` (ids clicked) or ``grades`` (id -> grade); every id must be among the hits that
-    search showed. An unknown or expired request id is 404; a second feedback on the same
-    result list is 409. On an interleaved search the clicks credit the encoder that contributed
-    the clicked documents, and the answer says which won.
+    ``impression`` is the search answer's; it counts only from the client that searched (the
+    same bearer token, or without one the same address). ``clicks`` (ids clicked; ``[]``: seen,
+    nothing clicked) or ``grades`` (id -> grade); every id must be among the hits that search
+    showed. Neither is 400; an unknown, expired or foreign impression is 404; a second feedback
+    on the same result list is 409; too many feedback requests at once are 429. On an
+    interleaved search the clicks credit the encoder that contributed the clicked documents,
+    and the answer says which won.
     """
     store, exps = state.feedback, state.experiments
+    if body.clicks is None and body.grades is None:
+        raise InvalidInputError("the feedback holds neither clicks nor grades",
+                                "send 'clicks' (the ids clicked, [] for none) or 'grades'")
+    key = state.impressions.verify(body.impression, client_of(request, state.settings))
+    if key is None:   # checked on the loop: a forged or foreign id costs no store work
+        state.metrics.feedback.labels(result="refused").inc()
+        raise NotFoundError("no captured search with this impression id for this client",
+                            "send the 'impression' of a search answered while capture was on, with the same "
+                            "credentials as the search")
 
     def record() -> int | None:
-        imp = store.impression(body.request_id, body.query_index)
+        imp = store.impression(key, body.query_index)
         given = list(body.clicks or [])
         clicks = given if body.grades is None else [d for d, g in body.grades.items() if g > 0]
         shown = Interleaving(imp.ids, imp.teams) if imp.teams is not None else None
         outcome = exps.credit_feedback(imp.experiment, shown, clicks)
-        store.add_feedback(body.request_id, body.query_index, Feedback(given, body.grades), outcome)
+        store.add_feedback(key, body.query_index, Feedback(given, body.grades), outcome,
+                           exps.evidence_cap(imp.experiment))
         if outcome is not None:
             exps.after_outcome(imp.domain)
         return outcome
 
     try:
-        outcome = await asyncio.to_thread(record)
+        outcome = await state.feedback_admission.run(record)
     except Exception:
         state.metrics.feedback.labels(result="refused").inc()
         raise
     state.metrics.feedback.labels(result="recorded").inc()
-    return FeedbackRecorded(request_id=body.request_id, query_index=body.query_index, outcome=outcome)
+    return FeedbackRecorded(impression=body.impression, query_index=body.query_index, outcome=outcome)
 
 
 @router.post("/v1/experiments", response_model=Experiment, status_code=201, responses=ADMIN_ERRORS,
@@ -83,26 +101,28 @@ async def start_experiment(body: ExperimentStart, state: ServerState = Depends(c
 
     ``shadow`` runs the candidate off the response path when the server is idle and records
     top-k overlap; ``interleave`` shows a team-draft interleaving and credits clicks. One
-    running experiment per domain; the candidate must be servable now.
+    running experiment per domain; the candidate's guard must have passed on its own (a
+    forced encoder is refused, 409). Auto-promotion counts at most ``max_per_client`` decided
+    feedbacks per client and needs ``min_clients`` distinct clients.
     """
-    doc = await asyncio.to_thread(state.experiments.start, body.domain, body.candidate, body.mode, body.fraction,
-                                  body.auto_promote_alpha, body.min_decided)
-    return Experiment(**doc)
+    return await asyncio.to_thread(state.experiments.start, body.domain, body.candidate, body.mode, body.fraction,
+                                   body.auto_promote_alpha, body.min_decided, body.min_clients,
+                                   body.max_per_client)
 
 
 @router.get("/v1/experiments", response_model=ExperimentList, responses=ERRORS,
             dependencies=[Depends(require_search)], tags=["experiments"], summary="List experiments")
 async def list_experiments(state: ServerState = Depends(capturing_state)) -> ExperimentList:
-    docs = await asyncio.to_thread(state.experiments.list)
-    return ExperimentList(experiments=[Experiment(**d) for d in docs])
+    return ExperimentList(experiments=await state.feedback_admission.run(state.experiments.list))
 
 
 @router.get("/v1/experiments/{domain}", response_model=Experiment, responses=ERRORS,
             dependencies=[Depends(require_search)], tags=["experiments"], summary="Show a domain's experiment")
 async def get_experiment(domain: str = Path(pattern=NAME_PATTERN),
                          state: ServerState = Depends(capturing_state)) -> Experiment:
-    """Impressions, wins, losses, ties, the sign test's p-value, shadow overlap and latency."""
-    return Experiment(**await asyncio.to_thread(state.experiments.get, domain))
+    """Impressions, wins, losses, ties, the counted evidence and its sign test's p-value, shadow
+    overlap and latency."""
+    return await state.feedback_admission.run(lambda: state.experiments.get(domain))
 
 
 @router.post("/v1/experiments/{domain}/{action}", response_model=Experiment, responses=ADMIN_ERRORS,
@@ -112,7 +132,7 @@ async def experiment_action(action: Literal["stop", "promote", "rollback"],
                             domain: str = Path(pattern=NAME_PATTERN),
                             state: ServerState = Depends(capturing_state)) -> Experiment:
     """``stop``: no more traffic takes part (the record stays). ``promote``: point the domain at the
-    candidate (atomic alias switch); refused (409) unless the candidate is servable without force
-    (its guard passed, or the server runs no guard), or when the alias changed during the
-    experiment. ``rollback``: point the domain back at the encoder it served before the promotion."""
-    return Experiment(**await asyncio.to_thread(getattr(state.experiments, action), domain))
+    candidate (atomic alias switch); refused (409) unless the candidate's guard passed on its own
+    (a forced encoder is never promoted), or when the alias changed during the experiment.
+    ``rollback``: point the domain back at the encoder it served before the promotion."""
+    return await asyncio.to_thread(getattr(state.experiments, action), domain)

@@ -14,7 +14,9 @@ from qswap.errors import QswapError
 from qswap.feedback.store import Impression
 from qswap.server.http.auth import require_search
 from qswap.server.http.errors import LimitExceededError
+from qswap.server.registry.serving import Use
 from qswap.server.traffic.experiments import interleave_hits
+from qswap.server.traffic.impressions import client_of, contributor
 from qswap.server.http.models import SearchRequest
 from qswap.answers import SearchResponse
 from qswap.server.registry.facade import split_key
@@ -85,9 +87,12 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
     tokens = await request_tokens(state, texts)
     key = state.registry.acquire(body.encoder, body.domain)
     request.state.encoder = key
-    rid = getattr(request.state, "request_id", None) or ""
+    impression = rid = client = None
+    if state.impressions is not None:   # capture on: the server's own id, bound to this client
+        client = client_of(request, state.settings)
+        impression, rid = state.impressions.issue(client)
     exps = state.experiments
-    arm = exps.assign(body.domain, rid) if exps is not None else None
+    arm = exps.assign(body.domain, rid) if exps is not None and rid is not None else None
     if arm is not None and arm.mode == "interleave" and arm.control == key:
         # Both encoders run in the same batch (mixed-encoder batching): no second round trip.
         out, cand = await asyncio.gather(_run(state, key, texts, tokens, k + body.offset, body, timeout_s),
@@ -96,7 +101,7 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
     else:
         out, cand = await _run(state, key, texts, tokens, k + body.offset, body, timeout_s), None
     name, version = (BASE_KEY, state.base_version) if key == BASE_KEY else split_key(key)
-    ref = {"key": key, "name": name, "version": version}
+    ref = {"key": key, "name": name, "version": version, "forced": state.registry.forced(key)}
     timings = {"queue_ms": round(out.queue_s * 1000, 3), "encode_ms": round(out.encode_s * 1000, 3),
                "search_ms": round(out.search_s * 1000, 3)}
     flags = [bool(out.truncated[i] or cut[i]) for i in range(len(out.hits))]
@@ -113,10 +118,12 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
         hits.append([qhits[j] for j in keep])
         teams.append([team[j] for j in keep] if team is not None else None)
     shown = [[h.id for h in q] for q in hits]
-    if state.feedback is not None:
+    if state.feedback is not None and rid is not None:
         exp = arm.experiment if cand is not None else None
+        who = contributor(client, body.session)
         state.feedback.record([Impression(request_id=rid, qi=i, domain=body.domain, encoder=key, query=texts[i],
-                                          ids=shown[i], teams=teams[i], experiment=exp) for i in range(len(texts))])
+                                          ids=shown[i], teams=teams[i], experiment=exp, client=who)
+                               for i in range(len(texts))])
         state.metrics.captured.inc(len(texts))
     if arm is not None and arm.mode == "shadow" and arm.control == key:
         # Off the response path, and only on an idle worker: live traffic never waits for it.
@@ -132,7 +139,7 @@ async def search(body: SearchRequest, request: Request, timeout_s: float = Depen
     # texts, metadata and the whole answer are bounded there (qswap.server.http.rendering).
     payload, _ = await render_search_async(hits, flags, ref, timings, body.with_text,
                                            round((time.perf_counter() - t0) * 1000, 3), state.response_limits,
-                                           experiment)
+                                           experiment, impression)
     return Response(payload, media_type="application/json")
 
 
@@ -156,7 +163,7 @@ async def _candidate(state: Any, ref: str, texts: list[str], tokens: Any, k: int
     """The experiment candidate's search; ``None`` (the control alone answers) when it cannot run,
     unless ``strict`` (shadow runs count the failure as skipped)."""
     try:
-        key = state.registry.acquire(ref)
+        key = state.registry.acquire(ref, use=Use.CANDIDATE)   # the gate may have changed its mind
     except QswapError:
         if strict:
             raise
