@@ -36,7 +36,7 @@ from typing import Any
 
 from qswap.bench.domains_data import DomainData, load_domains, write_corpus, write_subset
 from qswap.bench.domains_power import fixed_power
-from qswap.bench.domains_report import heatmap, learning_curve_plot, markdown
+from qswap.bench.domains_report import heatmap, latency_markdown, learning_curve_plot, markdown
 from qswap.bench.loadgen import Request, run_load_sync
 from qswap.bench.processes import ServerProcess, free_port, http_json
 from qswap.bench.results import ResultWriter, results_dir_for
@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-decided", type=int, default=50, help="impressions at the first look (doubling after)")
     p.add_argument("--looks", type=int, default=16, help="looks (Bonferroni over them); the last is the budget")
     p.add_argument("--power", type=float, default=0.8, help="share of experiments that must decide")
+    p.add_argument("--latency-only", action="store_true", help="only phase 5, on the index and the largest "
+                   "size's domain encoders an earlier run left in --work (registered without sentinels); writes "
+                   "bench/results/domains/latency/ unless --out says otherwise")
     p.add_argument("--work", type=Path, help="keep the corpus, index, encoders and server log here; a rerun on "
                    "the same folder reuses the index and the encoders whose inputs are unchanged")
 
@@ -84,6 +87,8 @@ def _quick(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         _quick(args)
+    if args.latency_only:
+        return _latency_only(args)
     out_dir = results_dir_for("domains", args.quick, args.out)
     w = ResultWriter("domains", out_dir)
     work = args.work or Path(tempfile.mkdtemp(prefix="qswap-domains-"))
@@ -96,6 +101,39 @@ def run(args: argparse.Namespace) -> int:
     heatmap(w.plot_path("matrix.png"), results)
     learning_curve_plot(w.plot_path("learning_curve.png"), results)
     w.write(results, markdown(results))
+    print(f"results: {out_dir}")
+    return 0
+
+
+def _latency_only(args: argparse.Namespace) -> int:
+    """Phase 5 alone (a quiet machine for the timings), on what ``--work`` holds from a full run."""
+    from qswap.bench.fixtures import debian_dir
+    if args.work is None or not (args.work / "index.built").is_file():
+        raise InvalidInputError("--latency-only needs the --work folder of an earlier full run",
+                                "run `qswap bench domains --work DIR` first")
+    out_dir = args.out or results_dir_for("domains", args.quick, None) / "latency"
+    w = ResultWriter("domains", out_dir)
+    names = [x for x in args.domains.split(",") if x]
+    main = max(int(x) for x in args.sizes.split(","))
+    data = load_domains(args.beir or debian_dir(), names, ["en"], held_out=args.held_out, max_train=main,
+                        docs=args.docs)
+    missing = [d for d in names if not (args.work / "encoders" / f"{d}-{main}" / "report.json").is_file()]
+    if missing:
+        raise InvalidInputError(f"no tuned encoder for {', '.join(missing)} (size {main}) in {args.work}",
+                                "run the full bench on this --work first, with the same --sizes")
+    port = free_port()
+    state = Path(tempfile.mkdtemp(prefix="qswap-domains-state-"))
+    cmd = _cli("serve", "--model", args.model, "--index", str(args.work / "index"), "--read-only-index",
+               "--state-dir", str(state), "--encoders-root", str(args.work / "encoders"), "--insecure",
+               "--port", str(port), "--log-format", "text")
+    try:
+        with ServerProcess(cmd, port, ready_path="/readyz", log_path=state / "server.log") as srv:
+            reg = _register(srv, {f"{d}-{main}": {} for d in names}, names, main)
+            res = {"setup": {"domains": names, "size": main, "work": str(args.work), "guard": "no sentinels"},
+                   "registration": reg, "latency": _latency(port, data, names, args)}
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    w.write(res, latency_markdown(res["latency"]))
     print(f"results: {out_dir}")
     return 0
 

@@ -63,7 +63,7 @@ def test_bench_domains_runs_every_phase(tiny_model_dir, tmp_path):
                "--sizes", "20,40", "--held-out", "40", "--docs", "200", "--langs", "en,de", "--sentinel-n", "20",
                "--tune-args", "--lr 3e-3 --batch-size 4 --epoch-batches 3 --max-epochs 1 --loss infonce",
                "--latency-seconds", "0.5", "--rounds", "2", "--concurrency", "2", "--seeds", "10",
-               "--min-decided", "5", "--looks", "8", "--out", str(out)])
+               "--min-decided", "5", "--looks", "8", "--work", str(tmp_path / "work"), "--out", str(out)])
     assert rc == 0
     r = json.loads((out / "results.json").read_text())["results"]
     assert set(r["tuning"]) == {"alpha-20", "beta-20", "general-20", "alpha-40", "beta-40", "general-40"}
@@ -82,6 +82,21 @@ def test_bench_domains_runs_every_phase(tiny_model_dir, tmp_path):
     assert {"index build", "tuning", "evaluation over HTTP"} <= set(r["phases_seconds"])
     assert (out / "matrix.png").is_file() and (out / "learning_curve.png").is_file()
     assert "Encoder x domain" in (out / "README.md").read_text()
+    # Phase 5 alone on what the run left in --work (no tuning again: the encoders are reused).
+    lat = tmp_path / "lat"
+    rc = main(["bench", "domains", "--latency-only", "--beir", str(beir), "--model", str(tiny_model_dir),
+               "--domains", "alpha,beta", "--sizes", "20,40", "--held-out", "40", "--docs", "200",
+               "--latency-seconds", "0.5", "--rounds", "2", "--concurrency", "2", "--work", str(tmp_path / "work"),
+               "--out", str(lat)])
+    assert rc == 0
+    r2 = json.loads((lat / "results.json").read_text())["results"]
+    assert set(r2["registration"]["aliases"]) == {"alpha", "beta"}
+    assert r2["latency"]["runs"]["mixed"][0]["ok"] > 0 and "Mixed traffic" in (lat / "README.md").read_text()
+
+
+def test_latency_only_needs_a_full_run_first(tmp_path, capsys):
+    assert main(["bench", "domains", "--latency-only", "--work", str(tmp_path)]) == 2
+    assert "earlier full run" in capsys.readouterr().err
 
 
 def test_interleave_odds_are_the_servers_team_draft_and_the_cascade_user():
