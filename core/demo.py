@@ -60,7 +60,7 @@ def write_tour_files(out: Path, n_docs: int | None = None) -> dict[str, int]:
     labelled = [{"query": d["title"], "relevant": [d["id"]]} for d in held]
     lines = {"corpus.jsonl": docs, "triplets.jsonl": triplets, "support-queries.jsonl": labelled}
     for name, rows in lines.items():
-        atomic_write_bytes(out / name, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
+        atomic_write_bytes(out / name, "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in rows).encode())
     return {name: len(rows) for name, rows in lines.items()}
 
 

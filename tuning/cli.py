@@ -264,12 +264,14 @@ def _run(args: argparse.Namespace) -> int:
     print(res.report.summary())
     if res.registration is not None:
         print(f"registered: {json.dumps(res.registration)}")
-    if res.report.training["best_epoch"] == 0 and not args.allow_identity:
+    if res.report.training["best_epoch"] == 0:
         # An encoder that equals the base is rarely what the user wanted: say so even with --quiet.
-        print(f"qswap: error: no epoch improved both validation loss and validation errors; {args.out} holds the "
-              "base model (kind identity) -- check the training data (queries and positives that match), or "
+        level = "warning" if args.allow_identity else "error"
+        print(f"qswap: {level}: no epoch improved both validation loss and validation errors; {args.out} holds "
+              "the base model (kind identity) -- check the training data (queries and positives that match), or "
               "try more data, a higher --lr or more --max-epochs; --allow-identity accepts it", file=sys.stderr)
-        return IDENTITY_EXIT
+        if not args.allow_identity:
+            return IDENTITY_EXIT
     return 0
 
 
