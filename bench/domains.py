@@ -235,7 +235,7 @@ def _tune_all(args: argparse.Namespace, data: DomainData, corpus: Path, idx: Pat
             report = enc_root / name / "report.json"
             digest = _digest(beir / "queries-en.jsonl") + _digest(idx / "manifest.json") + args.tune_args
             done = work / "train" / name / "tuned"     # tuned by an earlier run on this --work, same inputs
-            cmd = _cli("tune", "run", "--beir", str(beir), "--lang", "en", "--index", str(idx), "--mine", "index",
+            cmd = _cli("tune", "run", "--allow-identity", "--beir", str(beir), "--lang", "en", "--index", str(idx), "--mine", "index",
                        "--test-size", "0", "--base", args.model, "--out", str(enc_root / name), "--name", name,
                        "--quiet", *args.tune_args.split())
             t0 = time.perf_counter()

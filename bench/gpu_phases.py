@@ -377,7 +377,7 @@ def phase_tune(rec: Recorder, cfg: dict[str, Any]) -> None:
     langs = available_languages(Path(beir)) or ["en"]
     langs = sorted(langs, key=lambda lg: lg != "en")   # train on English, the others are sentinels
     out = work / "tuned"
-    cmd = [sys.executable, "-m", "qswap.cli", "tune", "run", "--beir", beir, "--lang", langs[0], "--index", str(idx),
+    cmd = [sys.executable, "-m", "qswap.cli", "tune", "run", "--allow-identity", "--beir", beir, "--lang", langs[0], "--index", str(idx),
            "--base", cfg["model"], "--method", "partial", "--negatives", "3", "--mine", "index",
            "--device", "cuda" if torch.cuda.is_available() else "cpu", "--quiet", "--out", str(out),
            "--cache-dir", str(work / "tune-cache"), "--eval-langs", ",".join(langs),

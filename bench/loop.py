@@ -273,7 +273,7 @@ def _run(args: argparse.Namespace, work: Path, w: ResultWriter) -> dict[str, Any
         res["capture"]["seconds"] = time.perf_counter() - t0
         # 2. tune from the feedback only, register with the guard
         t0 = time.perf_counter()
-        tune = [*py, "tune", "run", "--base", args.model, "--feedback", str(work / "feedback"), "--domain", DOMAIN,
+        tune = [*py, "tune", "run", "--allow-identity", "--base", args.model, "--feedback", str(work / "feedback"), "--domain", DOMAIN,
                 "--index", str(args.index), "--out", str(enc_root / "cand"), "--name", "cand", "--quiet",
                 *args.tune_args.split()]
         proc = subprocess.run(tune, capture_output=True, text=True)

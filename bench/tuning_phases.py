@@ -62,7 +62,7 @@ def _tune(args: argparse.Namespace, tmp: Path, label: str, extra: str) -> dict[s
     langs = [x for x in args.eval_langs.split(",") if x]
     work = tmp / label.replace(" ", "-")
     work.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "qswap.cli", "tune", "run", "--beir", str(args.beir), "--lang", args.lang,
+    cmd = [sys.executable, "-m", "qswap.cli", "tune", "run", "--allow-identity", "--beir", str(args.beir), "--lang", args.lang,
            "--index", str(args.index), *shlex.split(args.tune_args), *shlex.split(extra), "--device", "cpu",
            "--quiet", "--out", str(work / "encoder"), "--cache-dir", str(work / "cache")]
     if langs:

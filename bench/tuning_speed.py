@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     def qswap_arm() -> dict[str, Any]:
         state["i"] += 1
         enc = tmp / f"enc{state['i']}"
-        cmd = qswap_command() + ["tune", "run", "--train", str(triplets), "--base", str(model), "--out", str(enc),
+        cmd = qswap_command() + ["tune", "run", "--allow-identity", "--train", str(triplets), "--base", str(model), "--out", str(enc),
                                  "--batch-size", str(BATCH), "--lr", str(LR), "--margin", str(MARGIN),
                                  "--weight-decay", str(WEIGHT_DECAY), "--epoch-batches", str(epoch_batches),
                                  "--max-epochs", str(max_epochs), "--patience", str(patience),

@@ -59,7 +59,7 @@ def test_run_with_an_index(tiny_model_dir, tuning_data, beir_index, tmp_path):
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     out = tmp_path / "enc"
-    args = parser.parse_args(["tune", "run", "--base", str(tiny_model_dir), "--beir", str(tuning_data["beir"]),
+    args = parser.parse_args(["tune", "run", "--allow-identity", "--base", str(tiny_model_dir), "--beir", str(tuning_data["beir"]),
                               "--index", str(beir_index[0]), "--mine", "index", "--fn-cutoff", "1.0",
                               "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--lr", "3e-3",
                               "--batch-size", "8", "--epoch-batches", "3", "--max-epochs", "2", "--quiet"])
@@ -96,7 +96,7 @@ def test_recipes_set_the_schedule_and_flags_override_them(tiny_model_dir, tuning
     register(parser.add_subparsers())
     for recipe, extra in (("paper", []), ("cpu", ["--patience", "1"])):
         out = tmp_path / recipe
-        args = parser.parse_args(["tune", "run", "--base", str(tiny_model_dir), "--beir", str(tuning_data["beir"]),
+        args = parser.parse_args(["tune", "run", "--allow-identity", "--base", str(tiny_model_dir), "--beir", str(tuning_data["beir"]),
                                   "--index", str(beir_index[0]), "--mine", "index", "--fn-cutoff", "1.0",
                                   "--out", str(out), "--recipe", recipe, "--epoch-batches", "2", "--max-epochs", "1",
                                   "--batch-size", "8", "--quiet", *extra])

@@ -113,7 +113,7 @@ def test_no_improvement_gives_an_identity_encoder(tiny_model_dir, tuning_data, t
     assert cli("tune", "run", "--base", str(tiny_model_dir), "--train", str(tuning_data["train"]),
                "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--lr", "1e-12",
                "--batch-size", "8", "--epoch-batches", "2", "--max-epochs", "3", "--patience", "1",
-               "--quiet") == 0
+               "--quiet", "--allow-identity") == 0
     m = read_encoder_manifest(out)
     assert m.kind == "identity" and m.training["best_epoch"] == 0 and m.guard["passed"] is True
     assert "the encoder is the base model" in (out / "report.md").read_text()
