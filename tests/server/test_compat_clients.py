@@ -12,35 +12,16 @@ import pytest
 from qswap.matryoshka import truncate
 
 from .conftest import ADMIN, LiveServer, server_settings
+from .test_compat_routes import _cos, admin, anon  # noqa: F401  (the same module fixtures: two encoders, an alias)
 from .guarding import GuardGate, build_guard_data, wait_verdict
 
 QUERIES = ["chess puzzle game", "linux network server", "audio video music"]
-
-
-@pytest.fixture(scope="module")
-def admin(live):
-    with live.client(ADMIN) as c:
-        for d in ("ft1", "ft2"):
-            assert c.post("/v1/encoders", json={"path": d}).status_code in (200, 201)
-        assert c.put("/v1/aliases/games", json={"encoder": "ft@1"}).status_code == 200
-        yield c
-
-
-@pytest.fixture(scope="module")
-def anon(live, admin):
-    with live.client() as c:
-        yield c
 
 
 def _openai(url: str, max_retries: int = 0, hooks: list | None = None):
     import openai
     http = httpx.Client(event_hooks={"request": hooks or []})
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=max_retries, http_client=http)
-
-
-def _cos(a, b) -> np.ndarray:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
 @pytest.mark.parametrize("kwargs,error,code,says", [
