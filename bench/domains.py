@@ -257,14 +257,14 @@ def _tune_all(args: argparse.Namespace, data: DomainData, corpus: Path, idx: Pat
 def _sentinels(args: argparse.Namespace, data: DomainData, work: Path, langs: list[str]) -> Path:
     """One sentinel per domain and language, from the domain's held-out queries only (the
     library call ``qswap sentinels make`` runs; every judged document is in the index)."""
-    from qswap.guard.sentinels import SentinelData, make_sentinel
+    from qswap.guard.sentinels import JudgedQueries, make_sentinel
     sent = work / "sentinels"
     for d in data.domains:
         for lang in langs:
             qids = data.lang_queries(lang, d.held_out)
             # Fewer than the server's --guard-min-queries (20) decide nothing and refuse every encoder.
             if len(qids) >= MIN_SENTINEL:
-                sd = SentinelData({q: data.queries[lang][q] for q in qids}, {q: data.qrels[lang][q] for q in qids},
+                sd = JudgedQueries({q: data.queries[lang][q] for q in qids}, {q: data.qrels[lang][q] for q in qids},
                                   f"bench domains: held-out {d.name} queries", lang)
                 make_sentinel(sd, sent, f"{d.name}-{lang}", args.sentinel_n)
     return sent
