@@ -62,7 +62,7 @@ def load_workload(quick: bool, max_queries: int = 4000, seed: int = 0) -> Worklo
         docs = [Document(r["id"], r["text"], {"section": r.get("section", "")}) for r in rows]
         queries = [r.get("title") or r["text"][:80] for r in rows]
         rng.shuffle(queries)
-        return Workload(docs, queries[:max_queries], f"demo corpus ({len(docs)} Debian descriptions, {path.name})")
+        return Workload(docs, queries[:max_queries], f"demo corpus ({len(docs)} Debian descriptions, demo_corpus.jsonl)")
     d = debian_dir()
     docs = []
     with open(d / "corpus.jsonl", encoding="utf-8") as f:

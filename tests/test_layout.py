@@ -173,7 +173,13 @@ BENCH_ALLOWED = {("qswap.bench.serving", "qswap.bench.ray_serving"),
                  ("qswap.bench.forward", "qswap.bench.forward_adapters"),
                  ("qswap.bench.tuning_speed", "qswap.bench.tuning_phases"),
                  ("qswap.bench.tuning_speed", "qswap.bench.tuning_step"),   # modes of `qswap bench tuning`
-                 ("qswap.bench.ray_embed", "qswap.bench.embed_arms")}
+                 ("qswap.bench.ray_embed", "qswap.bench.embed_arms"),
+                 # `bench domains`: its data, its power analysis and its report in files of their own
+                 ("qswap.bench.domains", "qswap.bench.domains_data"), ("qswap.bench.domains", "qswap.bench.domains_power"),
+                 ("qswap.bench.domains", "qswap.bench.domains_report"),
+                 ("qswap.bench.domains_report", "qswap.bench.domains_data"),
+                 ("qswap.bench.domains_power", "qswap.bench.domains_data"),
+                 ("qswap.bench.domains_power", "qswap.bench.loop")}   # the simulated user of `bench loop`
 
 
 def test_benchmarks_import_the_library_not_each_other():

@@ -118,6 +118,37 @@ class TeiDecodeRequest(_Lenient):
 
 
 
+class OpenAIErrorDetail(BaseModel):
+    """OpenAI's error object: what the ``openai`` package's exceptions carry."""
+
+    message: str = Field(description="what is wrong, then qswap's hint")
+    type: str = Field(description="invalid_request_error, authentication_error, rate_limit_error, server_error, ...")
+    param: str | None = Field(None, description="the request field the error is about, when known")
+    code: str = Field(description="qswap's error code, e.g. not_found, limit_exceeded, guard_refused")
+
+
+class OpenAIErrorBody(BaseModel):
+    """Error answers of the OpenAI-compatible routes (qswap's fields beside OpenAI's ``error``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    error: OpenAIErrorDetail
+    hint: str | None = None
+    request_id: str | None = None
+
+
+class TeiErrorBody(BaseModel):
+    """Error answers of the TEI-compatible routes (qswap's fields beside TEI's)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    error: str = Field(description="what is wrong, then qswap's hint")
+    error_type: str = Field(description="TEI's kind: Validation, Overloaded, Unhealthy, Backend")
+    code: str = Field(description="qswap's error code")
+    hint: str | None = None
+    request_id: str | None = None
+
+
 __all__ = ["DOCUMENTS_MODEL", "DOCUMENT_PROMPTS", "MAX_DIMENSIONS", "MAX_EMBEDDING_INPUTS", "MODEL_PATTERN",
            "PROMPT_NAMES", "QUERY_PROMPTS", "EmbeddingRequest", "ModelList", "TeiDecodeRequest", "TeiEmbedRequest",
            "TeiTokenizeRequest", "token_ids_given"]

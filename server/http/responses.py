@@ -7,12 +7,16 @@ from typing import Any
 from fastapi import Header, Request
 
 from qswap.server.http.errors import documented_errors
+from qswap.server.http.compat_models import OpenAIErrorBody, TeiErrorBody
 from qswap.server.http.models import ErrorBody
 from qswap.server.state import ServerState
 
 # Error statuses a route can answer (bodies are always ErrorBody), from the one error table.
 ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorBody, "description": doc}
                                            for status, doc in sorted(documented_errors().items())}
+# The compatibility routes answer errors in their anchor's shape (qswap.server.http.dialects).
+OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {s: {**r, "model": OpenAIErrorBody} for s, r in ERRORS.items()}
+TEI_ERRORS: dict[int | str, dict[str, Any]] = {s: {**r, "model": TeiErrorBody} for s, r in ERRORS.items()}
 
 
 def state_of(request: Request) -> ServerState:

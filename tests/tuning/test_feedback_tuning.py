@@ -64,9 +64,9 @@ def test_tune_run_from_feedback(tiny_model_dir, captured, tmp_path, capsys):
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     out = tmp_path / "enc"
-    argv = ["tune", "run", "--allow-identity", "--base", str(tiny_model_dir), "--feedback", str(captured["feedback"]), "--domain", "games",
+    argv = ["tune", "run", "--base", str(tiny_model_dir), "--feedback", str(captured["feedback"]), "--domain", "games",
             "--index", str(captured["index"]), "--out", str(out), "--cache-dir", str(tmp_path / "cache"),
-            "--lr", "3e-3", "--batch-size", "8", "--epoch-batches", "3", "--max-epochs", "2", "--quiet"]
+            "--lr", "3e-3", "--batch-size", "8", "--epoch-batches", "3", "--max-epochs", "2", "--quiet", "--allow-identity"]
     args = parser.parse_args(argv)
     assert args.func(args) == 0
     report = json.loads((out / "report.json").read_text())

@@ -161,7 +161,7 @@ def test_a_run_without_an_improving_epoch_says_so_and_exits_nonzero(tiny_model_d
     """Nothing learned (lr 0): the encoder is the base; --quiet or not, stderr says so and the exit is 3."""
     from qswap.tuning.cli import IDENTITY_EXIT
     argv = ["tune", "run", "--base", str(tiny_model_dir), "--train", str(tuning_data["train"]),
-            "--cache-dir", str(tmp_path / "cache"), "--lr", "0", "--batch-size", "8", "--epoch-batches", "2",
+            "--cache-dir", str(tmp_path / "cache"), "--lr", "1e-12", "--batch-size", "8", "--epoch-batches", "2",
             "--max-epochs", "2", "--patience", "1", "--quiet"]
     assert cli(*argv, "--out", str(tmp_path / "a")) == IDENTITY_EXIT
     err = capsys.readouterr().err

@@ -20,7 +20,7 @@ from qswap.server.http.compat_models import DOCUMENTS_MODEL, MODEL_PATTERN, Embe
 from qswap.answers import EmbeddingResponse, ModelCard
 from qswap.server.serving.embeddings import embed_texts, encode_vector, model_ref, texts_of
 from qswap.server.registry.serving import Use
-from qswap.server.http.responses import ERRORS, ready_state
+from qswap.server.http.responses import OPENAI_ERRORS, ready_state
 from qswap.server.serving.gate import Admission, admission
 from qswap.server.state import ServerState
 
@@ -40,7 +40,7 @@ async def _embeddings(body: EmbeddingRequest, request: Request, adm: Admission) 
     return Response(json.dumps(payload, separators=(",", ":")).encode(), media_type="application/json")
 
 
-_EMBED = dict(response_model=EmbeddingResponse, responses=ERRORS, dependencies=[Depends(require_search)])
+_EMBED = dict(response_model=EmbeddingResponse, responses=OPENAI_ERRORS, dependencies=[Depends(require_search)])
 
 
 @router.post("/v1/embeddings", summary="Embed texts (OpenAI-compatible): a query encoder or the documents",
@@ -73,7 +73,7 @@ def _documents_card(state: ServerState) -> ModelCard:
                      dimensions=state.base.dim)
 
 
-@router.get("/v1/models", response_model=ModelList, responses=ERRORS, dependencies=[Depends(require_search)],
+@router.get("/v1/models", response_model=ModelList, responses=OPENAI_ERRORS, dependencies=[Depends(require_search)],
             summary="List what 'model' may name (OpenAI-compatible): document tower, encoders, aliases")
 async def list_models(state: ServerState = Depends(ready_state)) -> ModelList:
     """The document tower, every servable encoder (guard passed, unguarded, or forced) and every alias."""
@@ -86,7 +86,7 @@ async def list_models(state: ServerState = Depends(ready_state)) -> ModelList:
     return ModelList(data=cards)
 
 
-@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS,
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=OPENAI_ERRORS,
             dependencies=[Depends(require_search)], summary="Show one model id (OpenAI-compatible)")
 async def get_model(model_id: str = Path(pattern=MODEL_PATTERN),
                     state: ServerState = Depends(ready_state)) -> ModelCard:

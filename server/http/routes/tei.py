@@ -23,7 +23,7 @@ from qswap.server.http.auth import require_search
 from qswap.answers import TeiInfo, TeiToken
 from qswap.server.http.compat_models import DOCUMENTS_MODEL, TeiDecodeRequest, TeiEmbedRequest, TeiTokenizeRequest
 from qswap.server.http.models import REF_PATTERN
-from qswap.server.http.responses import ERRORS, ready_state
+from qswap.server.http.responses import TEI_ERRORS, ready_state
 from qswap.server.serving.embeddings import embed_texts, model_ref, texts_of
 from qswap.server.serving.gate import Admission, admission
 from qswap.server.state import ServerState
@@ -62,7 +62,7 @@ def keep_tail(tok: Tokenizer, texts: list[str], prefix: str, max_tokens: int) ->
     return out
 
 
-@router.post("/tei/{encoder}/embed", response_model=list[list[float]], responses=ERRORS,
+@router.post("/tei/{encoder}/embed", response_model=list[list[float]], responses=TEI_ERRORS,
              dependencies=[Depends(require_search)], summary="Embed texts (TEI-compatible) with the encoder in the path")
 async def tei_embed(body: TeiEmbedRequest, request: Request, encoder: str = _ENCODER,
                     adm: Admission = Depends(admission)) -> Response:
@@ -83,7 +83,7 @@ async def tei_embed(body: TeiEmbedRequest, request: Request, encoder: str = _ENC
     return Response(json.dumps(out.vectors.tolist(), separators=(",", ":")).encode(), media_type="application/json")
 
 
-@router.post("/tei/{encoder}", response_model=list[list[float]], responses=ERRORS,
+@router.post("/tei/{encoder}", response_model=list[list[float]], responses=TEI_ERRORS,
              dependencies=[Depends(require_search)],
              summary="Embed texts (TEI's root route, what huggingface_hub's feature_extraction posts to)")
 async def tei_root(body: TeiEmbedRequest, request: Request, encoder: str = _ENCODER,
@@ -93,10 +93,10 @@ async def tei_root(body: TeiEmbedRequest, request: Request, encoder: str = _ENCO
 
 
 router.add_api_route("/tei/{encoder}/", tei_root, methods=["POST"], response_model=list[list[float]],
-                     responses=ERRORS, dependencies=[Depends(require_search)], include_in_schema=False)
+                     responses=TEI_ERRORS, dependencies=[Depends(require_search)], include_in_schema=False)
 
 
-@router.get("/tei/{encoder}/info", response_model=TeiInfo, responses=ERRORS, dependencies=[Depends(require_search)],
+@router.get("/tei/{encoder}/info", response_model=TeiInfo, responses=TEI_ERRORS, dependencies=[Depends(require_search)],
             summary="What the TEI route of this encoder serves")
 async def tei_info(encoder: str = _ENCODER, state: ServerState = Depends(ready_state)) -> TeiInfo:
     reg = state.registry
@@ -109,7 +109,7 @@ async def tei_info(encoder: str = _ENCODER, state: ServerState = Depends(ready_s
                    max_client_batch_size=s.max_embedding_inputs, version=__version__)
 
 
-@router.get("/tei/{encoder}/health", responses=ERRORS, dependencies=[Depends(require_search)],
+@router.get("/tei/{encoder}/health", responses=TEI_ERRORS, dependencies=[Depends(require_search)],
             summary="200 when the server is ready and the encoder in the path may serve")
 async def tei_health(encoder: str = _ENCODER, state: ServerState = Depends(ready_state)) -> Response:
     """TEI's health check: 200 with an empty body; 503 while the server loads, 404 for an unknown
@@ -126,7 +126,7 @@ def _tokens(tok: Tokenizer, texts: list[str], special: bool) -> list[list[TeiTok
              for i, t, m, (a, b) in zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets)] for e in encs]
 
 
-@router.post("/tei/{encoder}/tokenize", response_model=list[list[TeiToken]], responses=ERRORS,
+@router.post("/tei/{encoder}/tokenize", response_model=list[list[TeiToken]], responses=TEI_ERRORS,
              dependencies=[Depends(require_search)], summary="The tokens the model reads (TEI-compatible)")
 async def tei_tokenize(body: TeiTokenizeRequest, encoder: str = _ENCODER,
                        state: ServerState = Depends(ready_state)) -> list[list[TeiToken]]:
@@ -149,7 +149,7 @@ async def tei_tokenize(body: TeiTokenizeRequest, encoder: str = _ENCODER,
     return await asyncio.to_thread(_tokens, tok, texts, body.add_special_tokens)
 
 
-@router.post("/tei/{encoder}/decode", response_model=list[str], responses=ERRORS,
+@router.post("/tei/{encoder}/decode", response_model=list[str], responses=TEI_ERRORS,
              dependencies=[Depends(require_search)], summary="Token ids back to text (TEI-compatible)")
 async def tei_decode(body: TeiDecodeRequest, encoder: str = _ENCODER,
                      state: ServerState = Depends(ready_state)) -> list[str]:
