@@ -108,11 +108,13 @@ class TeiTokenizeRequest(_Lenient):
         None, description="prepend that prompt's prefix, as /embed does (default: the text as sent)")
 
 
+_TokenId = Count   # 289.0 reads as 289, as JSON Schema's integer allows; unknown ids decode as [UNK]
+
+
 class TeiDecodeRequest(_Lenient):
     """TEI's ``POST /decode`` body."""
 
-    ids: Annotated[list[Annotated[int, Field(ge=0)]], _NonEmpty] | Annotated[
-        list[Annotated[list[Annotated[int, Field(ge=0)]], _NonEmpty]], _NonEmpty] = Field(
+    ids: Annotated[list[_TokenId], _NonEmpty] | Annotated[list[Annotated[list[_TokenId], _NonEmpty]], _NonEmpty] = Field(
         description="token ids, or a list of lists of token ids")
     skip_special_tokens: bool = Field(True, description="leave out the model's special tokens")
 

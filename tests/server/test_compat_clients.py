@@ -86,8 +86,9 @@ def test_tei_health_tokenize_decode(anon, tiny_base):
     assert [t["id"] for t in prompted[0]] == tiny_base.tokenizer.encode(tiny_base.spec.query_prefix + "chess").ids
     text = anon.post("/tei/games/decode", json={"ids": enc.ids}).json()
     assert text == [tiny_base.tokenizer.decode(enc.ids)]
-    r = anon.post("/tei/games/decode", json={"ids": [[10 ** 7]]})
-    assert r.status_code == 422 and r.json()["code"] == "limit_exceeded"
+    r = anon.post("/tei/games/decode", json={"ids": [[10 ** 7]], "skip_special_tokens": False})
+    assert r.status_code == 200 and r.json() == [tiny_base.tokenizer.decode([tiny_base.tokenizer.token_to_id("[UNK]")],
+                                                                            skip_special_tokens=False)]
 
 
 def test_tei_truncation_left_keeps_the_tail_and_prompt_names(anon, reference_pool, tiny_base):

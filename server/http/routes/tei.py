@@ -160,8 +160,7 @@ async def tei_decode(body: TeiDecodeRequest, encoder: str = _ENCODER,
     if len(batches) > state.settings.max_embedding_inputs:
         raise LimitExceededError(f"{len(batches)} inputs in one request; the limit is "
                                  f"{state.settings.max_embedding_inputs}", "split the inputs over several requests")
-    bad = next((i for ids in batches for i in ids if i >= size), None)
-    if bad is not None:
-        raise LimitExceededError(f"token id {bad} is outside the model's vocabulary of {size}",
-                                 "send ids from this server's /tokenize")
+    # An id the vocabulary lacks (negative, or past its size) reads as the unknown token (the schema cannot know the vocabulary's size).
+    unk = tok.token_to_id(str(tok.model.unk_token)) if getattr(tok.model, "unk_token", None) else 0
+    batches = [[i if 0 <= i < size else (unk or 0) for i in ids] for ids in batches]
     return tok.decode_batch(batches, skip_special_tokens=body.skip_special_tokens)
