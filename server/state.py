@@ -25,7 +25,8 @@ from qswap.server.serving.batching import MicroBatcher
 from qswap.server.config import ServerSettings
 from qswap.server.serving.jobs import DocumentJobs
 from qswap.server.http.metrics import Metrics
-from qswap.server.registry.facade import EncoderRecord, EncoderRegistry
+from qswap.server.registry.facade import EncoderRegistry
+from qswap.server.registry.records import EncoderRecord
 from qswap.server.http.rendering import ResponseLimits
 
 log = logging.getLogger("qswap.server")

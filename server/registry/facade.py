@@ -1,13 +1,17 @@
 """The encoder registry: what the server routes call to register, resolve, hold and delete encoders.
 
-A façade over four parts, one concept each:
+A façade over its parts, one concept each:
 
 - :mod:`qswap.server.registry.intake`: bringing files in (register-by-path without following links,
   uploaded archives), into a staging folder of the store;
 - :mod:`qswap.server.registry.records`: the records and aliases, and their files (``registry.json`` and
   its journal; one commit step: the change's journal line first, then one swap in memory);
 - :mod:`qswap.server.registry.cache`: the encoders attached to the pool, an LRU under a budget;
-- :mod:`qswap.server.registry.guard_scheduler`: the server's own guard (``--sentinels``) and its verdicts.
+- :mod:`qswap.server.registry.guard_scheduler`: the server's own guard (``--sentinels``) and its verdicts;
+- the registry's methods by concern, as base classes of :class:`EncoderRegistry`:
+  :mod:`~qswap.server.registry.registration` (register), :mod:`~qswap.server.registry.deletion`
+  (delete), :mod:`~qswap.server.registry.aliases` (set and delete aliases) and
+  :mod:`~qswap.server.registry.guard_side` (what the guard scheduler reads and writes).
 
 What this module decides:
 
@@ -23,8 +27,8 @@ What this module decides:
   forced or not. An alias was checked when it was set; an alias whose encoder is re-evaluated at
   start keeps serving (a restart must not take a domain down), with an error logged if the new
   verdict refuses it.
-- **Deletion** refuses new requests at once and waits (on a condition, not by polling) for the
-  ones in flight.
+- **References.** Deletion (:mod:`~qswap.server.registry.deletion`) refuses new requests at
+  once and waits on ``_released`` for the references taken here.
 
 Locks: ``_lock`` guards the in-memory tables and is never held across model code or disk
 work (the event loop takes it); the cache's ``load_lock`` serialises pool changes;
@@ -35,52 +39,31 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import shutil
-import tempfile
 import threading
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from qswap.answers import EncoderInfo
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
-from qswap.encoders.artifact import ENCODER_MANIFEST, EncoderArtifact
-from qswap.names import validate_name
-from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapError
-from qswap.guard import GuardStatus
+from qswap.encoders.artifact import ENCODER_MANIFEST
+from qswap.errors import NotFoundError
 from qswap.server.registry import intake
+from qswap.server.registry.aliases import AliasSide
 from qswap.server.registry.cache import EncoderCache
+from qswap.server.registry.deletion import DeletionSide
 from qswap.server.registry.guard_scheduler import GuardScheduler
 from qswap.server.registry.guard_side import GuardSide
-from qswap.server.registry.intake import EncoderDir
 from qswap.server.registry.lease import Lease
-from qswap.server.registry.records import (REGISTRY_FILE, STATE_LOCK_FILE, EncoderRecord, RecordTable, split_key,
-                                  version_order)
+from qswap.server.registry.records import EncoderRecord, RecordTable, version_order
+from qswap.server.registry.registration import DEFAULT_ALIAS, INCOMING, RegistrationSide
+from qswap.server.registry.serving import Use, is_forced, serving_error
 from qswap.space import EmbeddingSpace
-from qswap.guard.checks import check_guard
-from qswap.server.registry.serving import Use, is_forced, needs_force, serving_error
-
-__all__ = ["DEFAULT_ALIAS", "REGISTRY_FILE", "STATE_LOCK_FILE", "EncoderRecord", "EncoderRegistry", "GuardStatus",
-           "split_key", "version_order"]
 
 log = logging.getLogger("qswap.server")
 
-DEFAULT_ALIAS = "default"   # an alias with this name overrides the configured default encoder
-_INCOMING = ".incoming-"
 
-
-def check_manifest_guard(guard: dict[str, Any] | None, force: bool) -> None:
-    """The manifest's self-reported guard: a recorded failure refuses unless ``force``; a pass
-    proves nothing (anyone can write it) and decides nothing when the server has sentinels."""
-    if force:
-        if isinstance(guard, dict) and guard.get("passed") is False:
-            log.warning("manifest guard failure overridden by force")
-        return
-    check_guard(guard)
-
-
-class EncoderRegistry(GuardSide):
+class EncoderRegistry(RegistrationSide, DeletionSide, AliasSide, GuardSide):
     """See the module docstring. Blocking methods (``register``, ``delete``, ``set_alias``,
     ``ensure_loaded``) must run off the event loop; ``acquire``/``release``/lookups are cheap."""
 
@@ -133,7 +116,7 @@ class EncoderRegistry(GuardSide):
                 del aliases[dom]
                 changed = True
         for p in self.store.iterdir():
-            if p.name.startswith(_INCOMING) or (p.is_dir() and "@" in p.name and p.name not in records):
+            if p.name.startswith(INCOMING) or (p.is_dir() and "@" in p.name and p.name not in records):
                 shutil.rmtree(p, ignore_errors=True)   # a crash mid-registration left it
         if changed:
             self.table.commit(records, aliases)   # one journal line: what was dropped
@@ -307,179 +290,6 @@ class EncoderRegistry(GuardSide):
             self.metrics.encoders_loaded_bytes.set(self.cache.total)
             self.metrics.encoders_registered.set(len(self.table.records))
 
-    # -- registration ---------------------------------------------------------------------------
-
-    def register(self, src: Path | EncoderDir, *, force: bool = False, source: str = "",
-                 wait: bool = False) -> tuple[EncoderRecord, bool]:
-        """Copy, verify and attach the encoder directory ``src``.
-
-        With sentinels the record comes back ``evaluating`` while the server's evaluation runs
-        in the background, unless ``wait``: then this returns once the verdict is in, and a
-        refused (or failed) encoder is unregistered again and raises :class:`GuardRefusedError`
-        carrying the table, so a refused request changes nothing.
-
-        Args:
-            src: a directory held open (:func:`qswap.server.registry.intake.open_under_root`: what was
-                checked is what is copied), or a path the server trusts (opened here, no link
-                followed).
-            force: accept a refused verdict (the manifest's, or the server's once known).
-            source: where it came from (kept on the record).
-            wait: answer after the server's own verdict.
-
-        Returns:
-            (record, created): created is False when the identical encoder was registered.
-        """
-        def copy_into(work: Path, opened: EncoderDir) -> Path:
-            intake.copy_encoder(opened, work)
-            return work
-
-        if isinstance(src, EncoderDir):
-            return self._registered(lambda work: copy_into(work, src), src.label, force, source, wait)
-        with intake.open_dir(Path(src)) as opened:
-            return self._registered(lambda work: copy_into(work, opened), opened.label, force, source, wait)
-
-    def register_extracted(self, extract: Callable[[Path], Path], *, label: str, force: bool = False,
-                           source: str = "", wait: bool = False) -> tuple[EncoderRecord, bool]:
-        """Like :meth:`register`, for files an ``extract(work)`` call writes straight into a
-        staging folder of the store (an uploaded archive: extracted once, never copied again).
-
-        Args:
-            extract: writes the encoder into the empty folder ``work`` and returns the encoder
-                directory (``work`` or a folder in it).
-            label: how messages name the upload.
-            force: see :meth:`register`.
-            source: see :meth:`register`.
-            wait: see :meth:`register`.
-
-        Returns:
-            (record, created).
-        """
-        return self._registered(extract, label, force, source, wait)
-
-    def _registered(self, fill: Callable[[Path], Path], label: str, force: bool, source: str,
-                    wait: bool) -> tuple[EncoderRecord, bool]:
-        try:
-            rec, created, job = self._register(fill, label, force, source)
-            if wait and job is not None:
-                rec = self._await_verdict(rec.key, job, drop=created)
-        except QswapError:
-            if self.metrics is not None:
-                self.metrics.registrations.labels(result="refused").inc()
-            raise
-        if self.metrics is not None:
-            self.metrics.registrations.labels(result="created" if created else "exists").inc()
-        self._gauges()
-        return rec, created
-
-    def _await_verdict(self, key: str, job: Future, drop: bool) -> EncoderRecord:
-        job.result()
-        with self._lock:
-            rec = self.table.records.get(key)
-        if rec is None:
-            raise NotFoundError(f"encoder {key} was deleted during its evaluation", "register it again")
-        err = serving_error(rec, Use.NAME)
-        if err is not None:
-            if drop:
-                self._unregister_unserved(key)
-            raise err
-        return rec
-
-    def _staged(self, fill: Callable[[Path], Path], work: Path, label: str) -> EncoderArtifact:
-        """Fill ``work`` and load what it holds (manifest, checksums, then the space): everything
-        after this reads the staged files, so what is verified is what is stored and served."""
-        with intake.server_paths_hidden({work: label, self.state_dir: "<state-dir>"}):
-            enc_dir = fill(work)
-            art = load_encoder(enc_dir, self.space)
-            intake.keep_listed(enc_dir, art.manifest)
-        return art
-
-    def _register(self, fill: Callable[[Path], Path], label: str, force: bool,
-                  source: str) -> tuple[EncoderRecord, bool, Future | None]:
-        with self.admin_lock:
-            self.store.mkdir(parents=True, exist_ok=True)
-            work = Path(tempfile.mkdtemp(prefix=_INCOMING, dir=self.store))
-            try:
-                art = self._staged(fill, work, label)
-                manifest = art.manifest
-                validate_name(manifest.name)
-                validate_name(manifest.version, "encoder version")
-                key = manifest.key
-                if manifest.name.lower() in (BASE_KEY, DEFAULT_ALIAS):   # "BASE" would read as the base
-                    raise ConflictError(f"encoder name {manifest.name!r} is reserved (in any case)",
-                                        "rename the encoder")
-                with self._lock:
-                    existing = self.table.records.get(key)
-                if existing is not None:
-                    if existing.files == manifest.files and existing.kind == manifest.kind:
-                        return self._register_again(existing, force)
-                    raise ConflictError(f"encoder {key} is already registered with different files",
-                                        "register the new files under a new version")
-                check_manifest_guard(manifest.guard, force)
-                rec = EncoderRecord.from_manifest(manifest, source)
-                rec.forced = force
-                rec.guard_status = GuardStatus.EVALUATING if self.guard is not None else GuardStatus.UNGUARDED
-                self._store_new(art, rec)
-                job = self.scheduler.schedule(key) if self.scheduler is not None else None
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
-        log.info("encoder registered", extra={"encoder": key, "kind": rec.kind, "source": source,
-                                              "guard_status": rec.guard_status, "forced": force})
-        return rec, True, job
-
-    def _store_new(self, art: EncoderArtifact, rec: EncoderRecord) -> None:
-        """Attach ``art``, move its staged folder into the store and commit its record."""
-        key, target = rec.key, self.store / rec.key
-        with self.cache.load_lock:
-            self.pool.add(art)   # refuses an adapter that does not fit the base
-            try:
-                if target.exists():
-                    shutil.rmtree(target)   # an unregistered leftover
-                os.replace(art.path, target)
-                with self._lock:
-                    records = {**self.table.records, key: rec}
-                self.table.commit(records=records)
-            except BaseException:
-                self.pool.remove(key)
-                shutil.rmtree(target, ignore_errors=True)
-                raise
-            self.cache.count(key)   # prepared before the guard encodes with it
-            self.cache.evict(keep=key, busy=self._busy)
-
-    def _register_again(self, existing: EncoderRecord, force: bool) -> tuple[EncoderRecord, bool, Future | None]:
-        """The identical encoder is registered already (holds ``admin_lock``): ``force`` accepts
-        a known verdict; a failed evaluation is retried; a pending one is returned with its job."""
-        key = existing.key
-        if force and not existing.forced and needs_force(existing):
-            existing = self.table.update(key, forced=True)   # serves once its verdict is known
-        if existing.guard_status == GuardStatus.EVALUATING:
-            return existing, False, self.scheduler.job(key) if self.scheduler is not None else None
-        if existing.guard_status == GuardStatus.FAILED and self.scheduler is not None:
-            rec = self.table.update(key, guard_status=GuardStatus.EVALUATING)
-            return rec, False, self.scheduler.schedule(key)
-        if not force:
-            with self._lock:
-                self._require_servable(key, Use.NAME)
-        return existing, False, None
-
-    def _unregister_unserved(self, key: str) -> None:
-        """Drop an encoder nothing can be serving (refused while its registration waited)."""
-        with self.admin_lock:
-            with self._lock:
-                if key not in self.table.records or key in self.table.aliases.values():
-                    return
-            self._remove(key)
-        log.info("encoder refused by the guard and unregistered", extra={"encoder": key})
-
-    def _remove(self, key: str) -> None:
-        """Unregister ``key`` (file first), detach it and delete its stored copy (holds ``admin_lock``)."""
-        self.table.commit(records=self.table.without(key))
-        with self.cache.load_lock:
-            self.cache.forget(key)
-            self.cache.detach(key)
-        if self.scheduler is not None:
-            self.scheduler.forget(key)
-        shutil.rmtree(self.store / key, ignore_errors=True)
-
     # -- the server's own guard -----------------------------------------------------------------
 
     def start_guard(self) -> None:
@@ -496,110 +306,6 @@ class EncoderRegistry(GuardSide):
         """Block until ``key``'s pending evaluation (if any) is done (tests and the CLI)."""
         if self.scheduler is not None:
             self.scheduler.wait(key, timeout)
-
-    # -- deletion and aliases -------------------------------------------------------------------
-
-    def delete(self, key: str, timeout_s: float = 30.0) -> None:
-        """Unregister ``key`` after its in-flight requests finish (new ones are refused at once)."""
-        if "@" not in key:
-            raise InvalidInputError(f"delete needs an exact name@version, got {key!r}",
-                                    "list the versions with GET /v1/encoders")
-        with self.admin_lock:
-            with self._lock:
-                if key not in self.table.records:
-                    raise NotFoundError(f"encoder {key} is not registered", "list encoders with GET /v1/encoders")
-                domains = sorted(d for d, k in self.table.aliases.items() if k == key)
-                if domains:
-                    raise ConflictError(f"encoder {key} is the target of aliases {domains}",
-                                        "point those aliases elsewhere or delete them first")
-                if self._serving_default() == key:
-                    raise ConflictError(f"encoder {key} is the default encoder",
-                                        "configure another default encoder first")
-                self._deleting.add(key)
-                self._released.notify_all()   # whoever waits for the delete to begin (tests)
-                try:
-                    if not self._released.wait_for(lambda: not self._refs.get(key), timeout_s):
-                        raise ConflictError(f"encoder {key} still has requests in flight after {timeout_s:.0f}s",
-                                            "retry the delete when traffic to it has drained")
-                except BaseException:
-                    self._deleting.discard(key)
-                    raise
-            try:
-                self._remove(key)
-            finally:
-                with self._lock:
-                    self._deleting.discard(key)
-        log.info("encoder deleted", extra={"encoder": key})
-        self._gauges()
-
-    def _serving_default(self) -> str | None:
-        """The key requests naming no encoder are served by now, if any (holds ``_lock``): a
-        default that may not serve (evaluating, refused) serves nothing, so it can be deleted."""
-        try:
-            key = self.default_key()
-        except NotFoundError:
-            return None
-        rec = self.table.records.get(key)
-        return key if DEFAULT_ALIAS in self.table.aliases or serving_error(rec, Use.DEFAULT) is None else None
-
-    def set_alias(self, domain: str, ref: str, force: bool = False, use: Use = Use.ALIAS,
-                  expect: str | None = None) -> tuple[str, str | None]:
-        """Point ``domain`` at ``ref`` (loaded first, so the switch costs traffic nothing): the one
-        way an alias is written.
-
-        The serving gate decides for ``use``: :attr:`Use.ALIAS` (an admin) refuses an encoder under
-        evaluation even with ``force`` and a refused (insufficient evidence, failed) one unless
-        ``force``, which records the encoder as forced (it then serves by name too); promotion
-        and rollback ask for their own use (a forced candidate is never promoted).
-
-        Args:
-            domain: the alias.
-            ref: a name or ``name@version``.
-            force: given by the admin in this request.
-            use: who switches it (:attr:`Use.ALIAS`, :attr:`Use.PROMOTE`, :attr:`Use.ROLLBACK`).
-            expect: switch only if the alias points at this key now (409 otherwise), checked
-                under the admin lock: a promotion or rollback never overwrites an admin's change.
-
-        Returns:
-            The key now served and the previous one.
-        """
-        validate_name(domain, "domain")
-        if domain.lower() == DEFAULT_ALIAS and domain != DEFAULT_ALIAS:
-            raise InvalidInputError(f"domain {domain!r} is a case variant of the reserved alias "
-                                    f"{DEFAULT_ALIAS!r}", f"use {DEFAULT_ALIAS!r} or another name")
-        with self.admin_lock:
-            with self._lock:
-                if expect is not None and self.table.aliases.get(domain) != expect:
-                    raise ConflictError(f"domain {domain!r} no longer points at {expect}",
-                                        "the alias changed meanwhile: look at GET /v1/aliases and decide again")
-                key = self.resolve(encoder=ref, use=use)
-                self._require_servable(key, use, force)
-                rec = self.table.records.get(key)
-                self._refs[key] = self._refs.get(key, 0) + 1   # held so it cannot be evicted before it is pinned
-            try:
-                if rec is not None and is_forced(rec) and not rec.forced:   # accepted by force: on record
-                    self.table.update(key, forced=True)
-                self.ensure_loaded(key)
-                with self._lock:
-                    previous = self.table.aliases.get(domain)
-                    aliases = {**self.table.aliases, domain: key}
-                self.table.commit(aliases=aliases)   # one reference swap: requests see old or new
-            finally:
-                self.release(key)
-        log.info("alias set", extra={"domain": domain, "encoder": key, "previous": previous})
-        return key, previous
-
-    def delete_alias(self, domain: str) -> str:
-        """Remove the alias ``domain``; returns the key it pointed at."""
-        with self.admin_lock:
-            with self._lock:
-                if domain not in self.table.aliases:
-                    raise NotFoundError(f"no alias for domain {domain!r}", "list aliases with GET /v1/aliases")
-                key = self.table.aliases[domain]
-                aliases = {d: k for d, k in self.table.aliases.items() if d != domain}
-            self.table.commit(aliases=aliases)
-        log.info("alias deleted", extra={"domain": domain, "encoder": key})
-        return key
 
     # -- views ---------------------------------------------------------------------------------
 

@@ -20,7 +20,6 @@ from concurrent.futures import Future
 from contextlib import ExitStack
 from typing import Any, Protocol
 
-from qswap.encoders import BASE_KEY
 from qswap.errors import QswapError
 from qswap.guard import GuardRecord, GuardStatus
 from qswap.guard.evaluator import EvaluationCancelled

@@ -1,11 +1,12 @@
 """Dynamic micro-batching: concurrent searches share one forward pass and one index search.
 
-Request handlers put a job on a queue and await an asyncio future. Three threads work in a
-pipeline, so that each stage of one batch overlaps the others' work on the next:
+Request handlers put a job (:mod:`qswap.server.serving.work`) on a queue and await an asyncio
+future. Three threads work in a pipeline, so that each stage of one batch overlaps the others'
+work on the next:
 
 1. **tokens**: counts each new job's tokens (what it costs a forward pass), off the event loop
    and off the forward thread;
-2. **forward** (the batch worker): takes the first waiting job and whatever else is queued (up
+2. **forward** (the batch worker, :mod:`qswap.server.serving.forward`): takes the first waiting job and whatever else is queued (up
    to ``max_batch`` queries; with ``window_s`` > 0 it waits that long for more), encodes all rows
    in one ``encode(texts, keys)`` call (rows of different encoders together) and hands the
    finished requests on. A model that is idle starts at once; requests arriving while it runs
@@ -40,66 +41,17 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
 from qswap.errors import DeadlineExceededError, NotReadyError, OverloadedError
-from qswap.server.serving.admission import Ticket, token_slices
-from qswap.server.serving.answers import EmbedOutcome, SearchFn, SearchOutcome, answer_batch
-from qswap.server.serving.answers import post as _post
+from qswap.server.serving.admission import Ticket
+from qswap.server.serving.answers import EmbedOutcome, SearchFn, SearchOutcome, answer_batch, post
+from qswap.server.serving.forward import EncodeFlagged, EncodeFn, ForwardStage
+from qswap.server.serving.work import STOP, Call, Job, Slice
 
 log = logging.getLogger("qswap.server")
-
-EncodeFn = Callable[[list[str], list[str]], np.ndarray]
-_STOP = object()
-
-
-@dataclass(eq=False)   # identity: jobs live in a set
-class _Job:
-    texts: list[str]
-    key: str
-    k: int
-    filter: dict[str, Any] | None
-    with_text: bool
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    enqueued: float
-    deadline: float = float("inf")
-    on_done: Callable[[], None] | None = None
-    finished: bool = False
-    tokens: list[int] | None = None      # per row, counted on the worker when first taken
-    next_row: int = 0                    # rows before it are encoded (a split request)
-    parts: list[np.ndarray] = field(default_factory=list)
-    trunc: list[bool] = field(default_factory=list)
-    started: float | None = None
-    encode_s: float = 0.0
-    failed: bool = False                 # its error is posted; nothing more runs for it
-    vectors_only: bool = False           # an embedding request: encoded in the batch, not searched
-    documents: bool = False              # rows for the document tower: never in a batch with queries
-    answering: bool = False              # handed to the answer stage, which finishes it
-
-
-@dataclass
-class _Slice:
-    """Rows ``lo:hi`` of one job in one micro-batch."""
-
-    job: _Job
-    lo: int
-    hi: int
-
-
-@dataclass(eq=False)
-class _Call:
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    deadline: float = float("inf")
-    key: str = ""
-    finished: bool = False
 
 
 class MicroBatcher:
@@ -110,27 +62,18 @@ class MicroBatcher:
                  window_s: float = 0.002, max_batch: int = 64, max_pending: int = 256,
                  max_pending_per_encoder: int | None = None, metrics: Any = None,
                  name: str = "qswap-batcher", adaptive: bool = True,
-                 encode_flagged: Callable[[list[str], list[str]], tuple[np.ndarray, list[bool]]] | None = None,
+                 encode_flagged: EncodeFlagged | None = None,
                  count_tokens: Callable[[list[str]], list[int]] | None = None,
                  max_batch_tokens: int | None = None, slice_tokens: int | None = None,
                  encode_documents: Callable[[list[str]], np.ndarray] | None = None) -> None:
-        # count_tokens: tokens per query as the model sees them (None: every row costs one);
-        # max_batch_tokens: rows x longest row per forward pass at most (None: no bound);
-        # slice_tokens: one request's share of a pass: a larger request is split into slices
-        # of this, and small requests fill the rest of the pass (None: max_batch_tokens).
-        # encode_flagged: vectors and truncation flags from one tokenisation (replaces both
-        # ``encode`` and ``truncated`` when the backend offers it).
-        # encode_documents: the document tower (jobs submitted with documents=True).
-        self._encode_flagged = encode_flagged
-        self._encode = encode
-        self._encode_documents = encode_documents
+        # encode, truncated, encode_flagged, encode_documents, count_tokens, max_batch,
+        # max_batch_tokens, slice_tokens: the forward stage's (qswap.server.serving.forward).
+        self.forward = ForwardStage(encode=encode, truncated=truncated, encode_flagged=encode_flagged,
+                                    encode_documents=encode_documents, count_tokens=count_tokens,
+                                    max_batch=max_batch, max_batch_tokens=max_batch_tokens,
+                                    slice_tokens=slice_tokens, metrics=metrics)
         self._search = search
-        self._truncated = truncated
         self.window_s = window_s
-        self.max_batch = max_batch
-        self._count_tokens = count_tokens
-        self.max_batch_tokens = max_batch_tokens
-        self.slice_tokens = slice_tokens if slice_tokens is not None else max_batch_tokens
         self.max_pending = max_pending
         self.max_pending_per_encoder = max_pending_per_encoder or max_pending
         self.metrics = metrics
@@ -161,7 +104,7 @@ class MicroBatcher:
         if self._stopped:
             return
         self._stopped = True
-        self._q.put(_STOP)   # passes through every stage in order, behind what is queued
+        self._q.put(STOP)   # passes through every stage in order, behind what is queued
         end = time.monotonic() + timeout
         for t in (self._stages[0], self._thread, self._stages[1]):
             if t.is_alive():
@@ -286,7 +229,7 @@ class MicroBatcher:
                       on_done: Callable[[], None] | None, ticket: Ticket, tokens: list[int] | None,
                       vectors_only: bool, documents: bool = False) -> Any:
         try:
-            if documents and self._encode_documents is None:
+            if documents and self.forward.encode_documents is None:
                 raise NotReadyError("this server has no document tower", "send documents to a server with one")
             self._admit(key)
         except (NotReadyError, OverloadedError):
@@ -294,7 +237,7 @@ class MicroBatcher:
                 on_done()
             raise
         loop = asyncio.get_running_loop()
-        job = _Job(list(texts), key, k, filter, with_text, loop.create_future(), loop, time.perf_counter(),
+        job = Job(list(texts), key, k, filter, with_text, loop.create_future(), loop, time.perf_counter(),
                    ticket.deadline, on_done, tokens=list(tokens) if tokens is not None else None,
                    vectors_only=vectors_only, documents=documents)
         ticket.watch(job.future)
@@ -312,7 +255,7 @@ class MicroBatcher:
         self._admit("")
         loop = asyncio.get_running_loop()
         deadline = time.perf_counter() + timeout_s if timeout_s is not None else float("inf")
-        c = _Call(fn, args, loop.create_future(), loop, kwargs, deadline)
+        c = Call(fn, args, loop.create_future(), loop, kwargs, deadline)
         with self._count_lock:
             self._live.add(c)
         self._q.put(c)
@@ -325,48 +268,23 @@ class MicroBatcher:
         while True:
             item = carry if carry is not None else self._ready.get()
             carry = None
-            if item is _STOP:
+            if item is STOP:
                 break
             try:
-                if isinstance(item, _Call):
+                if isinstance(item, Call):
                     self._do_call(item)
-                    continue
-                batch = [self._first_slice(item)]
-                rows, longest = batch[0].hi - batch[0].lo, self._longest(batch[0])
-                if item.documents:   # the document tower runs its own forward pass
-                    self._last_requests = 1
-                    self._process(batch)
                     continue
                 # Adaptive window: after a batch of one (no concurrency), waiting only adds
                 # latency, so take what is already queued and go; under load batches hold
                 # several requests and the window lets more join.
                 window = self.window_s if (self._last_requests > 1 or not self.adaptive) else 0.0
-                deadline = item.enqueued + window
-                while rows < self.max_batch:
-                    wait = deadline - time.perf_counter()
-                    try:
-                        nxt = self._ready.get(timeout=wait) if wait > 0 else self._ready.get_nowait()
-                    except queue.Empty:
-                        break
-                    # Only whole requests join a batch; the first one is the one that is split.
-                    if (not isinstance(nxt, _Job) or nxt.next_row or nxt.documents
-                            or rows + len(nxt.texts) > self.max_batch):
-                        carry = nxt
-                        break
-                    self._counted(nxt)
-                    n, top = len(nxt.texts), max(nxt.tokens or [1])
-                    big = self.slice_tokens is not None and n * top > self.slice_tokens
-                    if big or not self._fits(rows + n, max(longest, top)):   # a large one is split later
-                        carry = nxt
-                        break
-                    batch.append(_Slice(nxt, 0, n))
-                    rows, longest = rows + n, max(longest, top)
+                batch, carry = self.forward.gather(item, self._ready, window)
                 self._last_requests = len(batch)
                 self._process(batch)
             except Exception:   # never let the worker die: requests would hang
                 log.exception("batch worker error")
         self._drain()
-        self._answers.put(_STOP)
+        self._answers.put(STOP)
 
     # -- the other stages ----------------------------------------------------------------------
 
@@ -374,20 +292,20 @@ class MicroBatcher:
         """Stage 1: count each new job's tokens, then queue it for the forward thread."""
         while True:
             item = self._q.get()
-            if isinstance(item, _Job):
+            if isinstance(item, Job):
                 try:
-                    self._counted(item)
+                    self.forward.counted(item)
                 except Exception:   # a tokenizer failure: every row costs one; the encode reports the error
                     item.tokens = [1] * len(item.texts)
             self._ready.put(item)
-            if item is _STOP:
+            if item is STOP:
                 return
 
     def _answer_loop(self) -> None:
         """Stage 3: search and answer the requests each forward pass completed."""
         while True:
             item = self._answers.get()
-            if item is _STOP:
+            if item is STOP:
                 return
             jobs, batch_requests, start = item
             try:
@@ -395,30 +313,10 @@ class MicroBatcher:
             except Exception as e:   # never leave a caller waiting
                 log.exception("answer stage error")
                 for j in jobs:
-                    _post(j.loop, j.future, exc=e)
+                    post(j.loop, j.future, exc=e)
             finally:
                 for j in jobs:
                     self._finish(j)
-
-    # -- token budget (worker thread) ---------------------------------------------------------
-
-    def _counted(self, job: _Job) -> None:
-        if job.tokens is None:
-            job.tokens = self._count_tokens(job.texts) if self._count_tokens is not None else [1] * len(job.texts)
-
-    def _fits(self, rows: int, longest: int) -> bool:
-        return self.max_batch_tokens is None or rows * longest <= self.max_batch_tokens
-
-    @staticmethod
-    def _longest(sl: _Slice) -> int:
-        return max(sl.job.tokens[sl.lo:sl.hi]) if sl.job.tokens else 1
-
-    def _first_slice(self, job: _Job) -> _Slice:
-        """The next rows of ``job`` that fit one batch (at least one row); its tokens are counted."""
-        assert job.tokens is not None
-        lo = job.next_row
-        _, n = token_slices(job.tokens[lo:], self.slice_tokens, self.max_batch)[0]
-        return _Slice(job, lo, lo + n)
 
     def _drain(self) -> None:
         for q in (self._ready, self._q):   # the tokens stage has ended: nothing moves between them
@@ -427,11 +325,11 @@ class MicroBatcher:
                     item = q.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(item, (_Job, _Call)):
-                    _post(item.loop, item.future, exc=NotReadyError("the server is shutting down", "retry"))
+                if isinstance(item, (Job, Call)):
+                    post(item.loop, item.future, exc=NotReadyError("the server is shutting down", "retry"))
                     self._finish(item)
 
-    def _do_call(self, c: _Call) -> None:
+    def _do_call(self, c: Call) -> None:
         try:
             if c.future.done():   # cancelled, or answered by abort()
                 return
@@ -439,20 +337,20 @@ class MicroBatcher:
                 self._expire(c)
                 return
             try:
-                _post(c.loop, c.future, c.fn(*c.args, **c.kwargs))
+                post(c.loop, c.future, c.fn(*c.args, **c.kwargs))
             except Exception as e:
-                _post(c.loop, c.future, exc=e)
+                post(c.loop, c.future, exc=e)
         finally:
             self._finish(c)
 
-    def _expire(self, item: "_Job | _Call") -> None:
+    def _expire(self, item: Job | Call) -> None:
         if self.metrics is not None:
             self.metrics.expired.labels(stage="queued").inc()
-        _post(item.loop, item.future, exc=DeadlineExceededError(
+        post(item.loop, item.future, exc=DeadlineExceededError(
             "the request waited in the queue past its deadline and was dropped",
             "retry later, or give a longer X-Request-Timeout"))
 
-    def _finish(self, item: "_Job | _Call") -> None:
+    def _finish(self, item: Job | Call) -> None:
         if item.finished:
             return
         item.finished = True
@@ -466,9 +364,9 @@ class MicroBatcher:
             except Exception:
                 log.exception("on_done callback failed")
 
-    def _process(self, batch: list[_Slice]) -> None:
+    def _process(self, batch: list[Slice]) -> None:
         start = time.perf_counter()
-        live: list[_Slice] = []
+        live: list[Slice] = []
         for sl in batch:
             j = sl.job
             if j.future.cancelled() or j.future.done():   # the client went away or stopped waiting
@@ -494,45 +392,9 @@ class MicroBatcher:
                 elif not j.answering:
                     self._finish(j)
 
-    def _encode_slices(self, slices: list[_Slice]) -> bool:
-        """Encode the rows of ``slices`` into their jobs; False when the encode failed (posted)."""
-        texts = [t for sl in slices for t in sl.job.texts[sl.lo:sl.hi]]
-        keys = [sl.job.key for sl in slices for _ in range(sl.lo, sl.hi)]
-        t0 = time.perf_counter()
-        try:
-            if slices[0].job.documents:   # a document batch holds document rows only
-                assert self._encode_documents is not None
-                emb, trunc = self._encode_documents(texts), [False] * len(texts)
-            elif self._encode_flagged is not None:
-                emb, trunc = self._encode_flagged(texts, keys)
-            else:
-                trunc = self._truncated(texts) if self._truncated else [False] * len(texts)
-                emb = self._encode(texts, keys)
-        except Exception as e:
-            if len(slices) > 1:
-                # One bad row must not fail its neighbours: retry each request alone.
-                return all([self._encode_slices([sl]) for sl in slices])
-            _post(slices[0].job.loop, slices[0].job.future, exc=e)
-            slices[0].job.failed = True
-            return False
-        took = time.perf_counter() - t0
-        if self.metrics is not None:
-            self.metrics.batch_size.observe(len(texts))
-            self.metrics.batch_requests.observe(len(slices))
-            self.metrics.encode_seconds.observe(took)
-        o = 0
-        for sl in slices:
-            n = sl.hi - sl.lo
-            sl.job.parts.append(emb[o:o + n])
-            sl.job.trunc.extend(trunc[o:o + n])
-            sl.job.next_row = sl.hi
-            sl.job.encode_s += took
-            o += n
-        return True
-
-    def _run_batch(self, slices: list[_Slice], start: float) -> None:
+    def _run_batch(self, slices: list[Slice], start: float) -> None:
         """Encode the slices; hand the requests they complete to the answer stage."""
-        self._encode_slices(slices)
+        self.forward.encode(slices)
         jobs = [sl.job for sl in slices if sl.job.next_row == len(sl.job.texts) and not sl.job.failed]
         if jobs:
             for j in jobs:

@@ -135,8 +135,8 @@ def _gate_documents(state: Any) -> _Gate:
 
 
 def _gate_queries(state: Any) -> _Gate:
-    g = _Gate(state.batcher._encode_flagged)
-    state.batcher._encode_flagged = g
+    g = _Gate(state.batcher.forward.encode_flagged)
+    state.batcher.forward.encode_flagged = g
     return g
 
 
@@ -198,7 +198,7 @@ def test_an_abandoned_request_stops_at_its_next_slice(gated, path, body, gate):
     state = gated.app.state.qs
     gone = state.metrics.rejected.labels(reason="client_gone")
     before = gone._value.get()
-    real, real_queries = state.embed_documents, state.batcher._encode_flagged
+    real, real_queries = state.embed_documents, state.batcher.forward.encode_flagged
     g = gate(state)
     try:
         sock = _raw_post(gated.port, path, body)
@@ -209,7 +209,7 @@ def test_an_abandoned_request_stops_at_its_next_slice(gated, path, body, gate):
         _until(lambda: state.batcher.pending == 0 and state.registry.in_flight("base") == 0)
     finally:
         g.open()
-        state.embed_documents, state.batcher._encode_flagged = real, real_queries
+        state.embed_documents, state.batcher.forward.encode_flagged = real, real_queries
     assert len(g.sizes) == 1, g.sizes                                # nothing after the slice that ran
     with gated.client() as c:                                        # and the server serves on
         assert c.post("/v1/search", json={"query": "chess"}).status_code == 200

@@ -8,7 +8,7 @@ import pytest
 
 from qswap.errors import (ConflictError, GuardRefusedError, IntegrityError, InvalidInputError, NotFoundError,
                           SpaceMismatchError)
-from qswap.server.registry.facade import version_order
+from qswap.server.registry.records import version_order
 
 @pytest.fixture()
 def registry(tmp_path, tiny_base):

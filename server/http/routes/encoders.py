@@ -21,7 +21,7 @@ from qswap.names import KEY_PATTERN, NAME_PATTERN, REF_PATTERN
 from qswap.server.http.models import AliasList, AliasSet, Deleted, RegisterByPath
 from qswap.answers import Alias, EncoderInfo, EncoderList, RegisterResponse
 from qswap.server.registry.intake import open_under_root
-from qswap.server.registry.facade import EncoderRecord
+from qswap.server.registry.records import EncoderRecord
 from qswap.server.http.responses import ERRORS, ready_state
 from qswap.server.state import ServerState
 

@@ -18,7 +18,7 @@ from qswap.server.traffic.experiments import interleave_hits
 from qswap.server.traffic.impressions import client_of, contributor
 from qswap.server.http.models import SearchRequest
 from qswap.answers import SearchResponse
-from qswap.server.registry.facade import split_key
+from qswap.server.registry.records import split_key
 from qswap.server.http.rendering import render_search_async
 from qswap.server.http.responses import ERRORS
 from qswap.server.registry.lease import Lease
