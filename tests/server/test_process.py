@@ -91,6 +91,24 @@ def private_index(tmp_path, index_dir) -> Path:
     return tmp_path / "index"
 
 
+def _restart_keeps(tmp_path: Path, model: Path, index: Path, acked_encoders: list[str], acked_docs: list[str]) -> None:
+    """Restart the server: every acknowledged write is there, nothing half-done is left over."""
+    srv = ServerProcess(tmp_path, model, index).wait_ready()
+    try:
+        assert not list((tmp_path / "state" / "encoders").glob(".incoming-*"))
+        with srv.client() as c:
+            listed = {e["key"] for e in c.get("/v1/encoders").json()["encoders"]}
+            assert set(acked_encoders) <= listed, (acked_encoders, listed)
+            for key in acked_encoders[-2:]:
+                assert c.post("/v1/search", json={"query": "chess", "encoder": key}).status_code == 200
+            for doc_id in acked_docs:
+                r = c.post("/v1/search", json={"query": "chess", "k": 1, "filter": {"uid": doc_id},
+                                               "with_text": False})
+                assert [h["id"] for h in r.json()["results"][0]["hits"]] == [doc_id], doc_id
+    finally:
+        srv.kill(signal.SIGTERM)
+
+
 @pytest.mark.slow
 def test_sigkill_during_registration_and_upsert_loses_no_acknowledged_write(tmp_path, tiny_model_dir, tiny_base,
                                                                             private_index):
@@ -156,21 +174,7 @@ def test_sigkill_during_registration_and_upsert_loses_no_acknowledged_write(tmp_
             for t in threads:
                 t.join(30)
 
-        # Restart: every acknowledged write is there, nothing half-done is left over.
-        srv = ServerProcess(tmp_path, tiny_model_dir, private_index).wait_ready()
-        try:
-            assert not list((tmp_path / "state" / "encoders").glob(".incoming-*"))
-            with srv.client() as c:
-                listed = {e["key"] for e in c.get("/v1/encoders").json()["encoders"]}
-                assert set(acked_encoders) <= listed, (acked_encoders, listed)
-                for key in acked_encoders[-2:]:
-                    assert c.post("/v1/search", json={"query": "chess", "encoder": key}).status_code == 200
-                for doc_id in acked_docs:
-                    r = c.post("/v1/search", json={"query": "chess", "k": 1, "filter": {"uid": doc_id},
-                                                   "with_text": False})
-                    assert [h["id"] for h in r.json()["results"][0]["hits"]] == [doc_id], doc_id
-        finally:
-            srv.kill(signal.SIGTERM)
+        _restart_keeps(tmp_path, tiny_model_dir, private_index, acked_encoders, acked_docs)
     assert len(acked_encoders) >= 1 and len(acked_docs) >= 2   # the loops did write something
 
 
