@@ -74,6 +74,13 @@ def padded_splits(widths: list[int], max_rows: int, call_tokens: int | None = No
     return out[::-1]
 
 
+def token_lengths(encodings: list[Any]) -> list[int]:
+    """Each encoding's real tokens (prefix and special tokens included, padding not): what a
+    text costs a forward pass. The attention mask, not the ids: the tokenizer pads every row
+    of a call to its longest."""
+    return [sum(e.attention_mask) for e in encodings]
+
+
 def length_buckets(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_size: int,
                    encodings: list[Any] | None = None, lengths_out: list[int] | None = None,
                    call_tokens: int | None = None) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
@@ -84,8 +91,7 @@ def length_buckets(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_si
     ``call_tokens``: split where padding would cost more than another call (:func:`padded_splits`);
     None: batches of ``batch_size``."""
     encs = encodings if encodings is not None else tokenizer.encode_batch([prefix + t for t in texts])
-    # attention_mask, not ids: the tokenizer pads, so every row's ids have the same length.
-    lengths = [sum(e.attention_mask) for e in encs]
+    lengths = token_lengths(encs)
     if lengths_out is not None:
         lengths_out.extend(lengths)
     order = sorted(range(len(texts)), key=lambda i: -lengths[i])
@@ -99,9 +105,10 @@ def length_buckets(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_si
 
 def sorted_batches(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_size: int,
                    device: torch.device | str = "cpu", lengths_out: list[int] | None = None,
-                   ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """:func:`length_buckets` as torch tensors on ``device``."""
-    for idx, ids, mask in length_buckets(tokenizer, texts, prefix, batch_size, lengths_out=lengths_out):
+                   encodings: list[Any] | None = None) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """:func:`length_buckets` as torch tensors on ``device`` (``encodings``: see there)."""
+    for idx, ids, mask in length_buckets(tokenizer, texts, prefix, batch_size, encodings=encodings,
+                                         lengths_out=lengths_out):
         yield idx, torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
 
 

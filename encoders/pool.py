@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -167,10 +167,13 @@ class EncoderPool:
             return lambda **kw: torch.func.functional_call(module, overrides, (), kw, tie_weights=False)
         return module
 
-    def encode(self, texts: list[str], keys: list[str], batch_size: int = 64) -> np.ndarray:
+    def encode(self, texts: list[str], keys: list[str], batch_size: int = 64,
+               encodings: list[Any] | None = None) -> np.ndarray:
         """Encode row ``i`` as a query with encoder ``keys[i]``; returns (n, dim) float32.
 
         LoRA and identity rows share forward passes; bias/partial rows run per encoder.
+        ``encodings``: the texts' tokenizer encodings (query prefix included) when the caller
+        has them, so they are not tokenised again.
         """
         if len(texts) != len(keys):
             raise InvalidInputError(f"{len(texts)} texts but {len(keys)} encoder keys")
@@ -185,8 +188,9 @@ class EncoderPool:
                 groups.setdefault(k if e.attached.overrides else None, []).append(i)
             for gkey, rows in groups.items():
                 fwd = self._forward_fn(self._entries[gkey].attached.overrides if gkey else {})
+                encs = [encodings[i] for i in rows] if encodings is not None else None
                 for pos, ids, mask in sorted_batches(tok, [texts[i] for i in rows], spec.query_prefix,
-                                                     batch_size, dev):
+                                                     batch_size, dev, encodings=encs):
                     idx = [rows[p] for p in pos]
                     with self._deltas.rows([keys[i] for i in idx], dev):
                         out[idx] = embed_batch(fwd, ids, mask, spec).float().cpu().numpy()

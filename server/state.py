@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from qswap.encoders import BASE_KEY, BaseEncoder, EncoderPool, load_base
+from qswap.encoders.embedding import token_lengths
 from qswap.errors import NotReadyError, QswapError
 from qswap.server.registry.intake import extract_encoder_archive
 from qswap.encoders.runtime.backend import make_backend
@@ -116,8 +117,7 @@ class ServerState:
             except QswapError as e:   # the alias still resolves; its requests will get this error
                 log.error("aliased encoder failed to load", extra={"domain": domain, "encoder": key,
                                                                    "error": str(e)})
-        batcher = self.make_batcher(encode=self.backend.encode, search=index.search, truncated=self.truncated,
-                                    encode_flagged=self.backend.encode_flagged,
+        batcher = self.make_batcher(encode=self.backend.encode, search=index.search, tokenize=self.tokenize,
                                     window_s=s.batch_window_ms / 1000.0, max_batch=s.max_batch,
                                     max_pending=s.max_pending, max_pending_per_encoder=s.max_pending_per_encoder,
                                     metrics=self.metrics, count_tokens=self.token_counts,
@@ -248,33 +248,32 @@ class ServerState:
         """The version shown for the ``base`` encoder: its space fingerprint."""
         return self.base.space.fingerprint if self.base is not None else ""
 
-    def truncated(self, texts: list[str]) -> list[bool]:
-        """Which queries exceed the model's max tokens (the tokenizer cuts them). Worker thread."""
-        assert self.base is not None
-        encs = self.base.tokenizer.encode_batch([self.base.spec.query_prefix + t for t in texts])
-        return [bool(e.overflowing) for e in encs]
-
     @property
     def max_text_tokens(self) -> int:
         """Tokens the model reads of one text at most (longer ones are cut)."""
         assert self.base is not None
         return int(self.base.tokenizer.truncation["max_length"])
 
-    def token_counts(self, texts: list[str], documents: bool = False) -> list[int]:
-        """Tokens per text as the model sees them (prefix and special tokens included, cut at
-        its max length): what a text costs a forward pass.
+    def tokenize(self, texts: list[str], documents: bool = False) -> list[Any]:
+        """The texts as the model reads them: one tokenizer call (prefix and special tokens
+        included, cut at its max length). A query's encodings travel with its batch job, so
+        the backend encodes them without tokenising again.
 
         Args:
             texts: queries (or documents), without their prefix.
-            documents: count with the document prefix instead of the query prefix.
+            documents: with the document prefix instead of the query prefix.
 
         Returns:
-            One count per text.
+            One ``tokenizers.Encoding`` per text (its ``overflowing`` says it was cut).
         """
         assert self.base is not None
         prefix = self.base.spec.document_prefix if documents else self.base.spec.query_prefix
-        encs = self.base.tokenizer.encode_batch([prefix + t for t in texts])
-        return [sum(e.attention_mask) for e in encs]   # the tokenizer pads: count real tokens only
+        return self.base.tokenizer.encode_batch([prefix + t for t in texts])
+
+    def token_counts(self, texts: list[str], documents: bool = False) -> list[int]:
+        """Tokens per text as the model sees them (:meth:`tokenize`, padding not counted): what
+        a text costs a forward pass."""
+        return token_lengths(self.tokenize(texts, documents))
 
     def register_archive(self, fileobj: BinaryIO, force: bool, filename: str | None,
                          wait: bool = False) -> tuple[EncoderRecord, bool]:

@@ -9,6 +9,7 @@ neither, the ONNX ones export in the background and fall back to the pool until 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -56,11 +57,11 @@ class TorchBackend:
         bf16 = self.precision == "bf16" and rows >= self.bf16_min_batch and encoders == 1
         return "bf16" if bf16 else "fp32"
 
-    def encode(self, texts: list[str], keys: list[str]) -> np.ndarray:
+    def encode(self, texts: list[str], keys: list[str], encodings: list[Any] | None = None) -> np.ndarray:
         # Autocast is thread-local: entered here, on the batch worker's thread, around the pass.
         precision = self.precision_for(len(texts), len(set(keys)))
         with autocast_context(self.pool.base.device, precision):
-            return self.pool.encode(texts, keys)
+            return self.pool.encode(texts, keys, encodings=encodings)
 
     def prepare(self, key: str) -> None:
         """Nothing to prepare: the pool already holds the encoder."""

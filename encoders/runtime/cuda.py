@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -123,15 +124,16 @@ class CudaBackend:
 
     # -- encoding ---------------------------------------------------------------------------------
 
-    def encode(self, texts: list[str], keys: list[str]) -> np.ndarray:
-        """Row ``i`` embedded as a query by encoder ``keys[i]``: (n, dim) float32, input order."""
+    def encode(self, texts: list[str], keys: list[str], encodings: list[Any] | None = None) -> np.ndarray:
+        """Row ``i`` embedded as a query by encoder ``keys[i]``: (n, dim) float32, input order
+        (``encodings``: the texts' tokenizer encodings when the caller has them: not redone)."""
         if len(texts) != len(keys):
             raise InvalidInputError(f"{len(texts)} texts but {len(keys)} encoder keys")
         out = np.empty((len(texts), self.base.dim), dtype=np.float32)
         if not texts:
             return out
         prefix = self.base.spec.query_prefix
-        encs = self.base.tokenizer.encode_batch([prefix + t for t in texts])
+        encs = encodings if encodings is not None else self.base.tokenizer.encode_batch([prefix + t for t in texts])
         ids = [e.ids[:sum(e.attention_mask)] for e in encs]
         with self._lock:
             order = list(dict.fromkeys(keys))   # first appearance: a deterministic slot order
@@ -151,5 +153,6 @@ class CudaBackend:
                 out[rows] = self.runner.run([ids[i] for i in rows], [slot[keys[i]] for i in rows], rank)
         rest = [i for i, k in enumerate(keys) if slot[k] is None]
         if rest:
-            out[rest] = self.pool.encode([texts[i] for i in rest], [keys[i] for i in rest])
+            out[rest] = self.pool.encode([texts[i] for i in rest], [keys[i] for i in rest],
+                                         encodings=[encs[i] for i in rest])
         return out

@@ -231,11 +231,12 @@ class OnnxBackend:
 
     # -- encoding -------------------------------------------------------------------------------
 
-    def encode(self, texts: list[str], keys: list[str]) -> np.ndarray:
+    def encode(self, texts: list[str], keys: list[str], encodings: list[Any] | None = None) -> np.ndarray:
         """Encode row ``i`` as a query with encoder ``keys[i]``; (n, dim) float32, input order.
 
         Rows whose key is ready run in ONNX Runtime, grouped per key; the others go through
         ``pool.encode`` (torch). Unknown keys raise :class:`NotFoundError` like the pool.
+        ``encodings``: the texts' tokenizer encodings when the caller has them (not redone).
         """
         if len(texts) != len(keys):
             raise InvalidInputError(f"{len(texts)} texts but {len(keys)} encoder keys")
@@ -252,9 +253,11 @@ class OnnxBackend:
         for k, rows in groups.items():
             if k not in self.pool:
                 raise NotFoundError(f"encoder {k} is not loaded", "register it or use a loaded encoder")
-            out[rows] = self._run(sessions[k], [texts[i] for i in rows])
+            out[rows] = self._run(sessions[k], [texts[i] for i in rows],
+                                  [encodings[i] for i in rows] if encodings is not None else None)
         if rest:
-            out[rest] = self.pool.encode([texts[i] for i in rest], [keys[i] for i in rest])
+            out[rest] = self.pool.encode([texts[i] for i in rest], [keys[i] for i in rest],
+                                         encodings=[encodings[i] for i in rest] if encodings is not None else None)
         return out
 
     def encode_ids(self, key: str, rows: list[np.ndarray]) -> np.ndarray:
@@ -270,9 +273,9 @@ class OnnxBackend:
             raise NotFoundError(f"encoder {key} has no ONNX Runtime session", "prepare it and wait until ready")
         return self._run_ids(s, rows)
 
-    def _run(self, s: _Session, texts: list[str]) -> np.ndarray:
+    def _run(self, s: _Session, texts: list[str], encodings: list[Any] | None = None) -> np.ndarray:
         tok, prefix = self.base.tokenizer, self.base.spec.query_prefix
-        encs = tok.encode_batch([prefix + t for t in texts])
+        encs = encodings if encodings is not None else tok.encode_batch([prefix + t for t in texts])
         # The tokenizer pads every row to the call's longest: keep each row's real tokens.
         return self._run_ids(s, [np.asarray(e.ids[:sum(e.attention_mask)], dtype=np.int64) for e in encs])
 

@@ -6,7 +6,7 @@ each other.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -23,7 +23,10 @@ class Backend(Protocol):
     #: where the backend does not tokenise itself (the caller asks the tokenizer).
     encode_flagged: EncodeFlagged | None
 
-    def encode(self, texts: list[str], keys: list[str]) -> np.ndarray: ...
+    def encode(self, texts: list[str], keys: list[str], encodings: list[Any] | None = None) -> np.ndarray:
+        """Row ``i`` embedded as a query by encoder ``keys[i]``: (n, dim) float32, input order.
+        ``encodings``: the texts' tokenizer encodings (query prefix included) when the caller
+        has them (the server's tokens stage): then the backend does not tokenise again."""
     def prepare(self, key: str) -> None: ...
     def discard(self, key: str) -> None: ...
     def ready(self, key: str) -> bool: ...

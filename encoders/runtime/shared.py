@@ -331,11 +331,13 @@ class SharedBackend:
 
     # -- encoding -------------------------------------------------------------------------------
 
-    def encode(self, texts: list[str], keys: list[str]) -> np.ndarray:
-        """Encode row ``i`` as a query with encoder ``keys[i]``; (n, dim) float32, input order."""
-        return self.encode_flagged(texts, keys)[0]
+    def encode(self, texts: list[str], keys: list[str], encodings: list[Any] | None = None) -> np.ndarray:
+        """Encode row ``i`` as a query with encoder ``keys[i]``; (n, dim) float32, input order
+        (``encodings``: the texts' tokenizer encodings when the caller has them: not redone)."""
+        return self.encode_flagged(texts, keys, encodings)[0]
 
-    def encode_flagged(self, texts: list[str], keys: list[str]) -> tuple[np.ndarray, list[bool]]:
+    def encode_flagged(self, texts: list[str], keys: list[str],
+                       encodings: list[Any] | None = None) -> tuple[np.ndarray, list[bool]]:
         """:meth:`encode` and, per row, whether the tokenizer cut it at the model's max length,
         from the one tokenisation the forward uses (a server needs both)."""
         if len(texts) != len(keys):
@@ -343,7 +345,8 @@ class SharedBackend:
         out = np.empty((len(texts), self.base.dim), dtype=np.float32)
         if not texts:
             return out, []
-        encs = self.base.tokenizer.encode_batch([self.base.spec.query_prefix + t for t in texts])
+        encs = encodings if encodings is not None else \
+            self.base.tokenizer.encode_batch([self.base.spec.query_prefix + t for t in texts])
         flags = [bool(e.overflowing) for e in encs]
         groups: dict[str, list[int]] = {}
         merged: list[int] = []
@@ -376,7 +379,8 @@ class SharedBackend:
             for feed, rows, ids, mask in calls:
                 out[rows] = self._call(session, feed, ids, mask)
         if merged:
-            out[merged] = self.merged.encode([texts[i] for i in merged], [keys[i] for i in merged])
+            out[merged] = self.merged.encode([texts[i] for i in merged], [keys[i] for i in merged],
+                                             encodings=[encs[i] for i in merged])
         return out, flags
 
     def _call(self, session: Any, feed: BoundFeed, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -81,7 +81,6 @@ class EncoderCore:
         self.registry.load_state()   # shared lock on the state dir, as every replica
         self.backend.prepare(BASE_KEY)
         self.registry.start_polling()
-        self._encode_flagged = self.backend.encode_flagged
         self.stats = {"requests": 0, "rows": 0, "batches": 0, "loads": 0}
 
     async def load(self, key: str) -> Lease | None:
@@ -124,11 +123,9 @@ class EncoderCore:
                 self.registry.ensure_loaded(key)
         self.stats["batches"] += 1
         self.stats["rows"] += len(texts)
-        if self._encode_flagged is not None:
-            emb, trunc = self._encode_flagged(texts, keys)
-            return np.asarray(emb, dtype=np.float32), list(trunc)
+        # Tokenised once here: the backend encodes these encodings, the flags are read from them.
         encs = self.base.tokenizer.encode_batch([self.base.spec.query_prefix + t for t in texts])
-        return (np.asarray(self.backend.encode(texts, keys), dtype=np.float32),
+        return (np.asarray(self.backend.encode(texts, keys, encodings=encs), dtype=np.float32),
                 [bool(e.overflowing) for e in encs])
 
     def replica_stats(self, replica: str) -> dict[str, Any]:

@@ -189,8 +189,10 @@ class RayIngressState(ServerState):
         return SharedRegistry(**kw)
 
     def make_batcher(self, **kw: Any) -> MicroBatcher:
+        # The encoders run in the encoder deployment, which tokenises: here texts are only counted.
         kw["encode_flagged"] = self.encode_remote
         kw["encode"] = lambda texts, keys: self.encode_remote(texts, keys)[0]
+        kw["tokenize"] = None
         return MicroBatcher(**kw)
 
     def start_loading(self) -> None:

@@ -57,7 +57,7 @@ log = logging.getLogger("qswap.server")
 class MicroBatcher:
     """One worker thread that batches searches; see the module docstring."""
 
-    def __init__(self, *, encode: EncodeFn, search: SearchFn,
+    def __init__(self, *, encode: EncodeFn, search: SearchFn, tokenize: Callable[[list[str]], list[Any]] | None = None,
                  truncated: Callable[[list[str]], list[bool]] | None = None,
                  window_s: float = 0.002, max_batch: int = 64, max_pending: int = 256,
                  max_pending_per_encoder: int | None = None, metrics: Any = None,
@@ -66,9 +66,9 @@ class MicroBatcher:
                  count_tokens: Callable[[list[str]], list[int]] | None = None,
                  max_batch_tokens: int | None = None, slice_tokens: int | None = None,
                  encode_documents: Callable[[list[str]], np.ndarray] | None = None) -> None:
-        # encode, truncated, encode_flagged, encode_documents, count_tokens, max_batch,
+        # encode, tokenize, truncated, encode_flagged, encode_documents, count_tokens, max_batch,
         # max_batch_tokens, slice_tokens: the forward stage's (qswap.server.serving.forward).
-        self.forward = ForwardStage(encode=encode, truncated=truncated, encode_flagged=encode_flagged,
+        self.forward = ForwardStage(encode=encode, tokenize=tokenize, truncated=truncated, encode_flagged=encode_flagged,
                                     encode_documents=encode_documents, count_tokens=count_tokens,
                                     max_batch=max_batch, max_batch_tokens=max_batch_tokens,
                                     slice_tokens=slice_tokens, metrics=metrics)
@@ -195,16 +195,18 @@ class MicroBatcher:
 
     async def search(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None = None,
                      with_text: bool = True, on_done: Callable[[], None] | None = None, *, ticket: Ticket,
-                     tokens: list[int] | None = None) -> SearchOutcome:
+                     tokens: list[int] | None = None, encodings: list[Any] | None = None) -> SearchOutcome:
         """Encode ``texts`` with encoder ``key`` and search; ``on_done`` runs exactly once,
         on the worker thread, when the job is finished, failed or found cancelled (or here,
         at once, when the job is refused). ``ticket``: the request's admission (its deadline,
-        and whether its client is still there); ``tokens``: the queries' token counts when the
-        caller has them (else the worker counts)."""
-        return await self._submit(texts, key, k, filter, with_text, on_done, ticket, tokens, vectors_only=False)
+        and whether its client is still there); ``tokens`` / ``encodings``: the queries' token
+        counts / tokenizer encodings when the caller has them (else the worker makes them, once)."""
+        return await self._submit(texts, key, k, filter, with_text, on_done, ticket, tokens, encodings,
+                                  vectors_only=False)
 
     async def embed(self, texts: list[str], key: str, on_done: Callable[[], None] | None = None, *,
-                    ticket: Ticket, tokens: list[int] | None = None, documents: bool = False) -> EmbedOutcome:
+                    ticket: Ticket, tokens: list[int] | None = None, encodings: list[Any] | None = None,
+                    documents: bool = False) -> EmbedOutcome:
         """Encode ``texts`` with encoder ``key`` (or the document tower) and return the vectors.
 
         The rows join search batches like any query (same admission, deadline, token budget and
@@ -217,17 +219,18 @@ class MicroBatcher:
             on_done: runs exactly once when the job is finished, failed, dropped or refused.
             ticket: the request's admission (deadline; a client gone drops the rest).
             tokens: the inputs' token counts, when the caller has them.
+            encodings: the queries' tokenizer encodings (query prefix), when the caller has them.
             documents: embed with the frozen document tower instead of a query encoder.
 
         Returns:
             The vectors (float32, one row per text) and which texts the tokenizer cut.
         """
-        return await self._submit(texts, key, 0, None, False, on_done, ticket, tokens, vectors_only=True,
-                                  documents=documents)
+        return await self._submit(texts, key, 0, None, False, on_done, ticket, tokens, encodings,
+                                  vectors_only=True, documents=documents)
 
     async def _submit(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None, with_text: bool,
                       on_done: Callable[[], None] | None, ticket: Ticket, tokens: list[int] | None,
-                      vectors_only: bool, documents: bool = False) -> Any:
+                      encodings: list[Any] | None, vectors_only: bool, documents: bool = False) -> Any:
         try:
             if documents and self.forward.encode_documents is None:
                 raise NotReadyError("this server has no document tower", "send documents to a server with one")
@@ -238,8 +241,8 @@ class MicroBatcher:
             raise
         loop = asyncio.get_running_loop()
         job = Job(list(texts), key, k, filter, with_text, loop.create_future(), loop, time.perf_counter(),
-                   ticket.deadline, on_done, tokens=list(tokens) if tokens is not None else None,
-                   vectors_only=vectors_only, documents=documents)
+                  ticket.deadline, on_done, tokens=list(tokens) if tokens is not None else None,
+                  encodings=encodings, vectors_only=vectors_only, documents=documents)
         ticket.watch(job.future)
         with self._count_lock:
             self._live.add(job)

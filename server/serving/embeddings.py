@@ -22,7 +22,6 @@ from qswap.errors import InvalidInputError, LimitExceededError
 from qswap.matryoshka import truncate
 from qswap.server.http.compat_models import DOCUMENTS_MODEL, token_ids_given
 from qswap.server.serving.gate import Admission
-from qswap.server.state import ServerState
 
 # Tokenising this many inputs or more leaves the event loop (a thread does it).
 _TOKENIZE_INLINE = 64
@@ -71,9 +70,9 @@ def model_ref(registry: Any, model: str) -> dict[str, str]:
     return {"domain": model} if model in registry.aliases() else {"encoder": model}
 
 
-def _tokenize(state: ServerState, texts: list[str], prefix: str) -> tuple[list[int], list[bool]]:
-    encs = state.base.tokenizer.encode_batch([prefix + t for t in texts])
-    return [len(e.ids) for e in encs], [bool(e.overflowing) for e in encs]
+def _read(encodings: list[Any]) -> tuple[list[int], list[bool]]:
+    """Tokens per input (as answered in ``usage``) and which inputs the tokenizer cut."""
+    return [len(e.ids) for e in encodings], [bool(e.overflowing) for e in encodings]
 
 
 async def embed_texts(adm: Admission, texts: list[str], model: str, *, dimensions: int | None = None,
@@ -101,12 +100,12 @@ async def embed_texts(adm: Admission, texts: list[str], model: str, *, dimension
         raise LimitExceededError(f"dimensions={dimensions} exceeds the model's {dim}",
                                  f"ask for at most {dim} dimensions")
     documents = model == DOCUMENTS_MODEL
-    await adm.bound_tokens(texts, documents=documents)   # before the tokenizer reads a huge request
-    prefix = state.base.spec.document_prefix if documents else state.base.spec.query_prefix
-    if len(texts) < _TOKENIZE_INLINE:
-        tokens, cut = _tokenize(state, texts, prefix)
-    else:
-        tokens, cut = await asyncio.to_thread(_tokenize, state, texts, prefix)
+    # Bounded before the tokenizer reads a huge request; tokenised once: the job reuses them.
+    encodings = await adm.bound_tokens(texts, documents=documents)
+    if encodings is None:
+        encodings = state.tokenize(texts, documents) if len(texts) < _TOKENIZE_INLINE else \
+            await asyncio.to_thread(state.tokenize, texts, documents)
+    tokens, cut = _read(encodings)
     if refuse_truncated and any(cut):
         raise LimitExceededError(f"input {cut.index(True)} is longer than the model's max tokens",
                                  "shorten it, or send truncate=true")
@@ -121,7 +120,8 @@ async def embed_texts(adm: Admission, texts: list[str], model: str, *, dimension
             if on_key is not None:
                 on_key(key)
             await state.prepare_encoder(key)   # first use after start or eviction
-            done = await state.batcher.embed(texts, key, on_done=lease.share(), ticket=adm, tokens=tokens)
+            done = await state.batcher.embed(texts, key, on_done=lease.share(), ticket=adm, tokens=tokens,
+                                             encodings=encodings)
     out = done.vectors
     state.metrics.embedded.labels(encoder=key).inc(len(texts))
     if dimensions is not None and dimensions < dim:

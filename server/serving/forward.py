@@ -8,10 +8,11 @@ thread itself, and what happens to a job before and after, is
   (rows times its longest row, padding included: what the forward pass computes), one request
   at most ``slice_tokens`` of it; the first job of a batch may be split into slices
   (:meth:`ForwardStage.first_slice`), the others join whole (:meth:`ForwardStage.gather`);
-- the **encoders**: queries of any encoders in one ``encode_flagged(texts, keys)`` call (or
-  ``encode`` plus the tokenizer's truncation flags), texts for the document tower in batches of
-  their own; a failing batch is retried request by request, so one bad row fails only its own
-  request (:meth:`ForwardStage.encode`).
+- the **encoders**: queries of any encoders in one ``encode(texts, keys, encodings=...)`` call
+  with the encodings the tokens stage made (a query is tokenised once; its truncation flags
+  are read from them), texts for the document tower in batches of their own; a failing batch
+  is retried request by request, so one bad row fails only its own request
+  (:meth:`ForwardStage.encode`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from qswap.encoders.embedding import token_lengths
 from qswap.server.serving.admission import token_slices
 from qswap.server.serving.answers import post
 from qswap.server.serving.work import Job, Slice
@@ -34,8 +36,13 @@ class ForwardStage:
     """Batch forming under the token budget, and the forward pass (see the module docstring).
 
     Args:
-        encode: ``(texts, keys) -> vectors``, row ``i`` with encoder ``keys[i]``.
-        truncated: which texts the tokenizer cuts (when ``encode_flagged`` is None).
+        encode: ``(texts, keys) -> vectors``, row ``i`` with encoder ``keys[i]``; with ``tokenize``
+            it also takes ``encodings=`` (a :class:`~qswap.encoders.runtime.protocol.Backend`).
+        tokenize: the server's tokenizer for queries (``texts -> encodings``): each query job is
+            tokenised once, in the tokens stage (unless its caller did), and encoded from those
+            encodings. None: ``count_tokens`` counts, and the encode tokenises (a Ray ingress,
+            whose encoders run in another process).
+        truncated: which texts the tokenizer cuts (without ``tokenize`` and ``encode_flagged``).
         encode_flagged: vectors and truncation flags from one tokenisation (replaces both
             ``encode`` and ``truncated`` when the backend offers it).
         encode_documents: the document tower (jobs submitted with ``documents=True``).
@@ -47,13 +54,15 @@ class ForwardStage:
         metrics: the server's metrics (batch sizes, encode time), or None.
     """
 
-    def __init__(self, *, encode: EncodeFn, truncated: Callable[[list[str]], list[bool]] | None = None,
+    def __init__(self, *, encode: EncodeFn, tokenize: Callable[[list[str]], list[Any]] | None = None,
+                 truncated: Callable[[list[str]], list[bool]] | None = None,
                  encode_flagged: EncodeFlagged | None = None,
                  encode_documents: Callable[[list[str]], np.ndarray] | None = None,
                  count_tokens: Callable[[list[str]], list[int]] | None = None, max_batch: int = 64,
                  max_batch_tokens: int | None = None, slice_tokens: int | None = None,
                  metrics: Any = None) -> None:
         self.encode_fn = encode
+        self.tokenize = tokenize
         self.truncated = truncated
         self.encode_flagged = encode_flagged
         self.encode_documents = encode_documents
@@ -66,9 +75,17 @@ class ForwardStage:
     # -- the token budget ----------------------------------------------------------------------
 
     def counted(self, job: Job) -> None:
-        """Count ``job``'s tokens per row, once (the tokens stage does it; the caller's counts stand)."""
+        """Tokenise a query job and count its tokens per row, once (the tokens stage does it;
+        what the caller brought stands)."""
+        if self.tokenize is not None and not job.documents and job.encodings is None:
+            job.encodings = self.tokenize(job.texts)
         if job.tokens is None:
-            job.tokens = self.count_tokens(job.texts) if self.count_tokens is not None else [1] * len(job.texts)
+            if self.tokenize is not None and job.encodings is not None:
+                job.tokens = token_lengths(job.encodings)
+            elif self.count_tokens is not None:
+                job.tokens = self.count_tokens(job.texts)
+            else:
+                job.tokens = [1] * len(job.texts)
 
     def fits(self, rows: int, longest: int) -> bool:
         """Whether ``rows`` rows padded to ``longest`` tokens fit one forward pass."""
@@ -123,6 +140,9 @@ class ForwardStage:
         if slices[0].job.documents:   # a document batch holds document rows only
             assert self.encode_documents is not None
             return self.encode_documents(texts), [False] * len(texts)
+        if self.tokenize is not None and all(sl.job.encodings is not None for sl in slices):
+            encs = [e for sl in slices for e in sl.job.encodings[sl.lo:sl.hi]]   # type: ignore[index]
+            return self.encode_fn(texts, keys, encodings=encs), [bool(e.overflowing) for e in encs]
         if self.encode_flagged is not None:
             return self.encode_flagged(texts, keys)
         trunc = self.truncated(texts) if self.truncated else [False] * len(texts)

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import Depends, Request
 from starlette.types import Receive
 
+from qswap.encoders.embedding import token_lengths
 from qswap.errors import LimitExceededError
 from qswap.server.http.responses import ready_state, request_timeout
 from qswap.server.serving.admission import Ticket
@@ -70,17 +71,18 @@ class Admission(Ticket):
                 await self._watcher
 
     async def bound_tokens(self, texts: list[str], *, documents: bool = False,
-                           exact: bool = False) -> list[int] | None:
-        """Refuse a request over ``max_request_tokens``; its token counts when they were needed.
+                           exact: bool = False) -> list[Any] | None:
+        """Refuse a request over ``max_request_tokens``; its tokenizer encodings when they were
+        needed (pass them on with the job: the request is then not tokenised again).
 
         Args:
             texts: the request's texts (each counted up to the model's max length).
             documents: count with the document prefix (texts for the document tower).
-            exact: always count (the caller needs the counts); else a request certainly
-                within the bound is not tokenised here (the worker counts it once).
+            exact: always tokenise (the caller needs the encodings); else a request certainly
+                within the bound is not tokenised here (the worker tokenises it once).
 
         Returns:
-            Tokens per text, or None when the request is certainly within the bound.
+            One encoding per text, or None when the request is certainly within the bound.
 
         Raises:
             LimitExceededError: (422) the texts hold more tokens than the bound.
@@ -91,15 +93,16 @@ class Admission(Ticket):
         if not exact and sum(min(_TOKENS_PER_CHAR * len(t) + _EXTRA_TOKENS, most) for t in texts) <= limit:
             return None
         at_least = sum(min(len(t.split()) + 2, most) for t in texts)   # words, [CLS] and [SEP]
-        tokens = None
+        encodings = tokens = None
         if at_least <= limit:
-            tokens = await asyncio.to_thread(state.token_counts, texts, documents)
+            encodings = await asyncio.to_thread(state.tokenize, texts, documents)
+            tokens = token_lengths(encodings)
         if tokens is None or sum(tokens) > limit:
             n = f"at least {at_least}" if tokens is None else str(sum(tokens))
             raise LimitExceededError(f"the inputs hold {n} tokens; the limit per request is {limit}",
                                      "send fewer or shorter inputs per request (split them over several; "
                                      "LangChain: chunk_size), or raise max_request_tokens")
-        return tokens
+        return encodings
 
 
 async def admission(request: Request, timeout_s: float = Depends(request_timeout),

@@ -2,8 +2,8 @@
 one micro-batch (:class:`Slice`) and a function run between batches (:class:`Call`).
 
 A job is made once, when its request is admitted (:mod:`qswap.server.serving.batching`), and
-travels through every stage of the pipeline: its tokens are counted once (the tokens stage),
-its rows are encoded slice by slice (:mod:`qswap.server.serving.forward`), and the answer
+travels through every stage of the pipeline: its texts are tokenised once (by the cost gate or
+the tokens stage; the encodings stay on the job), its rows are encoded slice by slice (:mod:`qswap.server.serving.forward`), and the answer
 stage (:mod:`qswap.server.serving.answers`) finishes it.
 """
 
@@ -35,6 +35,7 @@ class Job:
     on_done: Callable[[], None] | None = None
     finished: bool = False
     tokens: list[int] | None = None      # per row, counted on the worker when first taken
+    encodings: list[Any] | None = None   # per row, the tokenizer's (queries): tokenised once, encoded as is
     next_row: int = 0                    # rows before it are encoded (a split request)
     parts: list[np.ndarray] = field(default_factory=list)
     trunc: list[bool] = field(default_factory=list)

@@ -16,6 +16,7 @@ from qswap.encoders.embedding import length_buckets, padded_splits
 from qswap.encoders.runtime.shared import SharedBackend, adapter_inputs
 from qswap.encoders.runtime.shared_export import SHARED_MODEL_FILE
 
+from ..counting import CountingTokenizer
 from .adapters import make_lora, make_overrides
 
 TEXTS = ["chess puzzle game", "audio and music", "physics data", "the linux search server",
@@ -201,6 +202,22 @@ def test_truncation_flags_come_from_the_forward_tokenisation(backend, pool):
     vecs, flags = backend.encode_flagged([TEXTS[0], long], ["l1@1", "l1@1"])
     assert flags == [False, True]
     assert cosine(vecs, pool.encode([TEXTS[0], long], ["l1@1", "l1@1"])).min() >= MIN_COSINE
+
+
+def test_given_encodings_are_encoded_without_tokenising_again(backend, pool, monkeypatch):
+    """A server tokenises a query once and hands the encodings on: the shared session, a merged
+    export (the partial encoder) and the torch pool encode them without tokenising again."""
+    keys = list(KINDS)
+    texts = TEXTS[:len(keys)]
+    expected = pool.encode(texts, keys)
+    encs = pool.base.tokenizer.encode_batch([pool.base.spec.query_prefix + t for t in texts])
+    counting = CountingTokenizer(pool.base.tokenizer)
+    monkeypatch.setattr(pool.base, "tokenizer", counting)   # the backend reads the same base
+    got, flags = backend.encode_flagged(texts, keys, encs)
+    by_torch = pool.encode(texts, keys, encodings=encs)
+    assert counting.texts == []
+    assert flags == [False] * len(texts)
+    assert cosine(got, expected).min() >= MIN_COSINE and cosine(by_torch, expected).min() >= MIN_COSINE
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 
+from ..counting import CountingTokenizer
 from .conftest import ADMIN, LiveServer, server_settings
 
 LONG = " ".join(["chess game music"] * 30)   # ~64 tokens: the tiny model's max length
@@ -117,11 +118,11 @@ class _Gate:
         self.entered = threading.Semaphore(0)
         self.permits = threading.Semaphore(0)
 
-    def __call__(self, texts: list[str], *rest: Any) -> Any:
+    def __call__(self, texts: list[str], *rest: Any, **kw: Any) -> Any:
         self.sizes.append(len(texts))
         self.entered.release()
         assert self.permits.acquire(timeout=30)
-        return self.fn(texts, *rest)
+        return self.fn(texts, *rest, **kw)
 
     def open(self) -> None:
         for _ in range(1000):
@@ -135,8 +136,8 @@ def _gate_documents(state: Any) -> _Gate:
 
 
 def _gate_queries(state: Any) -> _Gate:
-    g = _Gate(state.batcher.forward.encode_flagged)
-    state.batcher.forward.encode_flagged = g
+    g = _Gate(state.batcher.forward.encode_fn)
+    state.batcher.forward.encode_fn = g
     return g
 
 
@@ -198,7 +199,7 @@ def test_an_abandoned_request_stops_at_its_next_slice(gated, path, body, gate):
     state = gated.app.state.qs
     gone = state.metrics.rejected.labels(reason="client_gone")
     before = gone._value.get()
-    real, real_queries = state.embed_documents, state.batcher.forward.encode_flagged
+    real, real_queries = state.embed_documents, state.batcher.forward.encode_fn
     g = gate(state)
     try:
         sock = _raw_post(gated.port, path, body)
@@ -209,7 +210,32 @@ def test_an_abandoned_request_stops_at_its_next_slice(gated, path, body, gate):
         _until(lambda: state.batcher.pending == 0 and state.registry.in_flight("base") == 0)
     finally:
         g.open()
-        state.embed_documents, state.batcher.forward.encode_flagged = real, real_queries
+        state.embed_documents, state.batcher.forward.encode_fn = real, real_queries
     assert len(g.sizes) == 1, g.sizes                                # nothing after the slice that ran
     with gated.client() as c:                                        # and the server serves on
         assert c.post("/v1/search", json={"query": "chess"}).status_code == 200
+
+
+@pytest.mark.parametrize("path,field,n,filler,extra", [
+    ("/v1/search", "queries", 2, " chess game", {"k": 3}),
+    # 7 long one-word texts: the gate cannot tell from their length that they are within the
+    # bound, so it tokenises them itself; the batch job must reuse those encodings
+    ("/v1/search", "queries", 7, "x" * 200, {"k": 3}),
+    ("/v1/embeddings", "input", 2, " chess game", {"model": "base"}),
+], ids=["search", "search-counted-by-the-gate", "embeddings"])
+def test_a_request_is_tokenised_once(gated, path, field, n, filler, extra):
+    """From the cost gate to the forward pass, each query goes through the tokenizer once: the
+    encodings made to count it (by the gate or the tokens stage) are the ones encoded."""
+    state = gated.app.state.qs
+    real = state.base.tokenizer
+    counting = CountingTokenizer(real)
+    marks = [f"once{i}-{time.monotonic_ns()}" for i in range(n)]
+    state.base.tokenizer = counting   # the one tokenizer object the gate, the worker and the backend read
+    try:
+        with gated.client() as c:
+            r = c.post(path, json={field: [m + filler for m in marks], **extra})
+    finally:
+        state.base.tokenizer = real
+    assert r.status_code == 200, r.text
+    for m in marks:
+        assert sum(m in t for t in counting.texts) == 1, (m, counting.texts)

@@ -59,8 +59,8 @@ PATHS = {
     ("registry/facade.py", "lease", "acquire"): "registry",
     ("registry/facade.py", "held", "hold"): "registry",
     ("registry/facade.py", "_pinned", "default_key"): "registry",
-    ("registry/facade.py", "_serving_default", "default_key"): "registry",
-    ("registry/facade.py", "set_alias", "resolve"): "registry",
+    ("registry/deletion.py", "_serving_default", "default_key"): "registry",
+    ("registry/aliases.py", "set_alias", "resolve"): "registry",
     ("ray/registry.py", "resolve", "resolve"): "registry",
     ("ray/registry.py", "set_alias", "set_alias"): "registry",
     ("ray/serve.py", "_encoder_class.encode", "lease"): "registry",
@@ -121,7 +121,7 @@ def test_only_the_gate_reads_a_verdict_and_only_set_alias_writes_an_alias():
                     writers.add((rel, fn.name))
     assert readers <= {("registry/serving.py", "serving_error"), ("registry/serving.py", "is_forced"),
                        ("registry/serving.py", "needs_force"), ("registry/records.py", "servable")}, readers
-    assert writers == {("registry/facade.py", "set_alias"), ("registry/facade.py", "delete_alias"),
+    assert writers == {("registry/aliases.py", "set_alias"), ("registry/aliases.py", "delete_alias"),
                        ("registry/facade.py", "load_state")}, writers
 
 

@@ -53,13 +53,14 @@ async def search(body: SearchRequest, request: Request, adm: Admission = Depends
                                  f"page through at most {s.max_k} hits past the first ones")
     cut = [len(t) > s.max_query_chars for t in texts]
     texts = [t[:s.max_query_chars] for t in texts]
-    tokens = await adm.bound_tokens(texts)
+    encodings = await adm.bound_tokens(texts)   # when it tokenised: the jobs reuse them
     impression = rid = client = None
     if state.impressions is not None:   # capture on: the server's own id, bound to this client
         client = client_of(request, state.settings)
         impression, rid = state.impressions.issue(client)
     with state.registry.lease(body.encoder, body.domain) as lease:
-        out, cand, arm = await _searches(adm, lease, body, texts, tokens, k + body.offset, request, rid)
+        out, cand, arm, encodings = await _searches(adm, lease, body, texts, encodings, k + body.offset, request,
+                                                    rid)
     key = lease.key
     exps = state.experiments
     name, version = (BASE_KEY, state.base_version) if key == BASE_KEY else split_key(key)
@@ -90,7 +91,7 @@ async def search(body: SearchRequest, request: Request, adm: Admission = Depends
     if arm is not None and arm.mode == "shadow" and arm.control == key:
         # Off the response path, and only on an idle worker: live traffic never waits for it.
         # A background run: no client to lose, the request's deadline.
-        exps.spawn_shadow(arm, shown, lambda: _candidate(Ticket(adm.remaining()), state, arm.candidate, texts, tokens,
+        exps.spawn_shadow(arm, shown, lambda: _candidate(Ticket(adm.remaining()), state, arm.candidate, texts, encodings,
                                                          k + body.offset, body, strict=True),
                           idle=state.batcher.pending == 0)
     n_trunc = sum(flags)
@@ -106,31 +107,34 @@ async def search(body: SearchRequest, request: Request, adm: Admission = Depends
     return Response(payload, media_type="application/json")
 
 
-async def _searches(adm: Admission, lease: Lease, body: SearchRequest, texts: list[str], tokens: Any, k: int,
-                    request: Request, rid: str | None) -> tuple[Any, Any, Any]:
+async def _searches(adm: Admission, lease: Lease, body: SearchRequest, texts: list[str], encodings: Any, k: int,
+                    request: Request, rid: str | None) -> tuple[Any, Any, Any, Any]:
     """The control's search, and the candidate's when an interleave experiment assigns one
-    (only to a captured search: ``rid`` is the server's impression id)."""
+    (only to a captured search: ``rid`` is the server's impression id); the encodings every
+    run of the queries shares (tokenised here once when an experiment runs them twice)."""
     state, key = adm.state, lease.key
     request.state.encoder = key
     exps = state.experiments
     arm = exps.assign(body.domain, rid) if exps is not None and rid is not None else None
+    if arm is not None and arm.control == key and encodings is None:
+        encodings = await asyncio.to_thread(state.tokenize, texts)   # the candidate's run reads them too
     if arm is not None and arm.mode == "interleave" and arm.control == key:
         # Both encoders run in the same batch (mixed-encoder batching): no second round trip.
-        out, cand = await asyncio.gather(_run(adm, state, lease, texts, tokens, k, body),
-                                         _candidate(adm, state, arm.candidate, texts, tokens, k, body))
-        return out, cand, arm
-    return await _run(adm, state, lease, texts, tokens, k, body), None, arm
+        out, cand = await asyncio.gather(_run(adm, state, lease, texts, encodings, k, body),
+                                         _candidate(adm, state, arm.candidate, texts, encodings, k, body))
+        return out, cand, arm, encodings
+    return await _run(adm, state, lease, texts, encodings, k, body), None, arm, encodings
 
 
-async def _run(ticket: Ticket, state: Any, lease: Lease, texts: list[str], tokens: Any, k: int,
+async def _run(ticket: Ticket, state: Any, lease: Lease, texts: list[str], encodings: Any, k: int,
                body: SearchRequest) -> Any:
     """Search with a leased encoder; the batch job holds a share of the lease until it is done."""
     await state.prepare_encoder(lease.key)   # first use after start or eviction
     return await state.batcher.search(texts, lease.key, k, body.filter, body.with_text, on_done=lease.share(),
-                                      ticket=ticket, tokens=tokens)
+                                      ticket=ticket, encodings=encodings)
 
 
-async def _candidate(ticket: Ticket, state: Any, ref: str, texts: list[str], tokens: Any, k: int,
+async def _candidate(ticket: Ticket, state: Any, ref: str, texts: list[str], encodings: Any, k: int,
                      body: SearchRequest, strict: bool = False) -> Any:
     """The experiment candidate's search; ``None`` (the control alone answers) when it cannot run,
     unless ``strict`` (shadow runs count the failure as skipped)."""
@@ -143,7 +147,7 @@ async def _candidate(ticket: Ticket, state: Any, ref: str, texts: list[str], tok
         return None
     try:
         with lease:
-            return await _run(ticket, state, lease, texts, tokens, k, body)
+            return await _run(ticket, state, lease, texts, encodings, k, body)
     except QswapError:
         if strict:
             raise
