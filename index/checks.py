@@ -73,6 +73,13 @@ def normalize_rows(x: Any, full_dim: int, what: str = "embeddings") -> np.ndarra
     return a / norms
 
 
+def check_k(k: Any) -> int:
+    """The number of hits asked for: a positive integer."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise InvalidInputError(f"k must be a positive integer, got {k!r}", "ask for at least one result")
+    return int(k)
+
+
 def as_queries(queries: Any, full_dim: int) -> np.ndarray:
     """A query vector or matrix as checked, L2-normalised ``(n, full_dim)`` float32 rows."""
     q = np.asarray(queries, dtype=np.float32)
@@ -86,14 +93,23 @@ def as_queries(queries: Any, full_dim: int) -> np.ndarray:
     return normalize_rows(q, full_dim, "queries")
 
 
-def documents_with_embeddings(docs: Any, embeddings: Any, full_dim: int) -> tuple[list[Document], np.ndarray]:
-    """Documents for a new index and their embeddings, checked: at least one document, one
-    finite non-zero row per document; the rows come back L2-normalised."""
+def documents_and_rows(docs: Any, embeddings: Any, full_dim: int) -> tuple[list[Document], np.ndarray | None]:
+    """Documents to write and their embeddings, checked: one finite non-zero row per document,
+    L2-normalised. No documents: ``(docs, None)``, whatever ``embeddings`` holds."""
     docs = list(docs)
     check_documents(docs)
     if not docs:
-        raise InvalidInputError("no documents to index", "pass at least one document")
+        return docs, None
     x = normalize_rows(embeddings, full_dim)
     if len(x) != len(docs):
         raise InvalidInputError(f"{len(docs)} documents but {len(x)} embeddings", "pass one embedding per document")
+    return docs, x
+
+
+def documents_with_embeddings(docs: Any, embeddings: Any, full_dim: int) -> tuple[list[Document], np.ndarray]:
+    """Documents for a new index and their embeddings, checked (:func:`documents_and_rows`): at
+    least one document."""
+    docs, x = documents_and_rows(docs, embeddings, full_dim)
+    if x is None:
+        raise InvalidInputError("no documents to index", "pass at least one document")
     return docs, x

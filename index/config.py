@@ -117,6 +117,11 @@ class IndexConfig:
         """True when FAISS itself scores exactly (flat fp32); rescoring adds nothing then."""
         return self.kind == "flat" and self.quant == "fp32"
 
+    def rescores(self, full_dim: int) -> bool:
+        """Whether candidates are rescored with the stored full-dimension vectors: when asked,
+        unless the search itself is exact over every dimension."""
+        return bool(self.rescore) and not (self.is_exact and self.dim == full_dim)
+
     # ------------------------------------------------------------------ records
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,22 +1,30 @@
 """What every index backend answers the same way: its embedding space and dimensions from the
-generation it has open, and add/upsert as one ``_put`` that either refuses or replaces present ids."""
+generation it has open, add/upsert as one ``_put`` that either refuses or replaces present ids,
+whether it rescores, the checks that it is open (and writable), and its lifetime (``close``, once;
+a context manager)."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, ContextManager
 
 import numpy as np
 
+from qswap.errors import InvalidInputError
 from qswap.index.config import IndexConfig
 from qswap.space import EmbeddingSpace
 
 
 class BackendCommon:
     """Shared part of :class:`~qswap.index.backends.faiss.index.DocumentIndex` and
-    :class:`~qswap.index.backends.milvus.collection.MilvusIndex` (both set ``_space`` and ``_config``)."""
+    :class:`~qswap.index.backends.milvus.collection.MilvusIndex` (both set ``_space``, ``_config``,
+    ``_closed`` and ``_read_only``, and say what they are in ``_described``)."""
 
     _space: EmbeddingSpace
     _config: IndexConfig
+    _closed: bool
+    _read_only: bool
+    _described: str   # how an error names it: "index <path>", "collection <name>"
     _put: Any   # (docs, embeddings, replace) -> count: each backend's writer
 
     @property
@@ -47,3 +55,44 @@ class BackendCommon:
     def upsert(self, docs: list[Any], embeddings: np.ndarray) -> int:
         """Add documents, replacing those whose id is present. Returns the number written."""
         return self._put(docs, embeddings, replace=True)
+
+    @property
+    def _rescoring(self) -> bool:
+        return self._config.rescores(self.full_dim)
+
+    # -- checks --------------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise InvalidInputError("the index is closed", "open it again")
+
+    def _refuse_read_only(self) -> None:
+        if self._read_only:
+            raise InvalidInputError(f"{self._described} was opened read-only", "open it without read_only to change it")
+
+    def _check_writable(self) -> None:
+        self._check_usable()
+        self._refuse_read_only()
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def _closing(self) -> ContextManager[Any]:
+        """What ``close`` holds: work in flight finishes first (nothing to wait for by default)."""
+        return contextlib.nullcontext()
+
+    def _release(self) -> None:
+        """Give back what the open index holds (each backend's own)."""
+
+    def close(self) -> None:
+        """Release what the index holds (in-flight work finishes first); a second close does nothing."""
+        with self._closing():
+            if self._closed:
+                return
+            self._closed = True
+            self._release()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -15,10 +15,10 @@ import faiss
 import numpy as np
 
 import qswap.index.backends.faiss.faiss_index as faiss_index
-from qswap.errors import ConflictError, InvalidInputError
+from qswap.errors import ConflictError
 from qswap.index.config import IndexConfig
-from qswap.index.corpus import Document, check_documents
-from qswap.index.checks import check_ids, normalize_rows
+from qswap.index.corpus import Document
+from qswap.index.checks import check_ids, documents_and_rows
 from qswap.index.backends.faiss.docstore import digest_hex, meta_json, record_hash
 from qswap.index.backends.faiss.embeddings import DTYPE, EmbeddingStore
 from qswap.index.backends.faiss.generation import make_manifest
@@ -42,13 +42,9 @@ class CommitMixin:
     _m: dict[str, Any]
 
     def _put(self, docs: list[Document], embeddings: np.ndarray, replace: bool) -> int:
-        docs = list(docs)
-        check_documents(docs)
-        if not docs:
+        docs, x = documents_and_rows(docs, embeddings, self.full_dim)
+        if x is None:
             return 0
-        x = normalize_rows(embeddings, self.full_dim)
-        if len(x) != len(docs):
-            raise InvalidInputError(f"{len(docs)} documents but {len(x)} embeddings", "pass one embedding per document")
         with self._lock.write():
             self._check_writable()
             existing = self._docs.rows_for_ids([d.id for d in docs], self._gen)

@@ -207,8 +207,8 @@ class DocumentIndex(BackendCommon, SearchMixin, CommitMixin, ReindexMixin):
         return dict(self._m)
 
     @property
-    def _rescoring(self) -> bool:
-        return bool(self._config.rescore) and not (self._config.is_exact and self.dim == self.full_dim)
+    def _described(self) -> str:
+        return f"index {self.path}"
 
     def _check_usable(self) -> None:
         node: DocumentIndex | None = self
@@ -224,8 +224,7 @@ class DocumentIndex(BackendCommon, SearchMixin, CommitMixin, ReindexMixin):
         self._check_usable()
         if self._ephemeral:
             raise InvalidInputError("this is an in-memory variant of an index", "change the index it came from")
-        if self._read_only:
-            raise InvalidInputError(f"index {self.path} was opened read-only", "open it without read_only to change it")
+        self._refuse_read_only()
 
     # ------------------------------------------------------------------ reads by id
     def get(self, ids: list[str]) -> list[Document | None]:
@@ -305,17 +304,16 @@ class DocumentIndex(BackendCommon, SearchMixin, CommitMixin, ReindexMixin):
             }
 
     # ------------------------------------------------------------------ lifetime
-    def close(self) -> None:
-        """Release the writer lock and the document store (in-flight searches finish first)."""
-        with self._lock.write():
-            if self._closed:
-                return
-            self._closed = True
-            if self._owns_docs:
-                self._docs.close()
-            release_lock(self._lock_fd)
-            self._lock_fd = None
-            self._gpu = None
+    def _closing(self) -> Any:
+        return self._lock.write()   # in-flight searches finish first
+
+    def _release(self) -> None:
+        """The writer lock and the document store."""
+        if self._owns_docs:
+            self._docs.close()
+        release_lock(self._lock_fd)
+        self._lock_fd = None
+        self._gpu = None
 
     def __del__(self) -> None:
         # A forgotten close() must not keep the writer lock for the life of the process.
@@ -324,12 +322,6 @@ class DocumentIndex(BackendCommon, SearchMixin, CommitMixin, ReindexMixin):
                 self.close()
         except Exception:  # noqa: BLE001 - best effort at garbage collection / shutdown
             pass
-
-    def __enter__(self) -> "DocumentIndex":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"DocumentIndex({str(getattr(self, 'path', '?'))!r}, documents={getattr(self, '_count', '?')}, "

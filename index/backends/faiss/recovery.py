@@ -21,7 +21,7 @@ from qswap.atomic import remove_stale_temps
 from qswap.errors import ConflictError
 from qswap.index.backends.faiss.embeddings import EMB_DIR, EmbeddingStore
 from qswap.index.manifest import FAISS_DIR, MANIFEST
-from qswap.locks import try_lock_exclusive
+from qswap.locks import try_lock
 
 LOCK_FILE = ".lock"
 
@@ -41,7 +41,7 @@ def acquire_writer_lock(path: Path) -> int:
     The holder writes its pid into the lock file so that a refused writer can name it."""
     lock_file = path / LOCK_FILE
     try:
-        fd = try_lock_exclusive(lock_file, "", "")
+        fd = try_lock(lock_file, "", "")
     except ConflictError:
         raise ConflictError(f"index {path} is open for writing by {lock_holder(path)}",
                             "stop that process (e.g. the server) or open this index read-only") from None

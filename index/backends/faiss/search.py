@@ -12,8 +12,7 @@ from typing import Any
 import numpy as np
 
 import qswap.index.backends.faiss.faiss_index as faiss_index
-from qswap.errors import InvalidInputError
-from qswap.index.checks import as_queries
+from qswap.index.checks import as_queries, check_k
 from qswap.matryoshka import truncate
 from qswap.index.hit import FilterValue, Hit
 
@@ -39,9 +38,7 @@ class SearchMixin:
         on, scores are exact cosines with the stored full-dimension vectors.
         """
         q = as_queries(queries, self.full_dim)
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise InvalidInputError(f"k must be a positive integer, got {k!r}", "ask for at least one result")
-        k = int(k)
+        k = check_k(k)
         with self._lock.read():
             self._check_usable()
             if len(q) == 0 or self._count == 0:

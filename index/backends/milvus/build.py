@@ -22,7 +22,7 @@ import numpy as np
 import qswap
 from qswap.errors import ConflictError, InvalidInputError, QswapError
 from qswap.index.backends.milvus.collection import (FORMAT, FORMAT_VERSION, MANIFEST_PROPERTY, MAX_ID_CHARS,
-                                                    MAX_TEXT_CHARS, _INSERT_BATCH, MilvusIndex, _check_sizes, _rescoring, _rows,
+                                                    MAX_TEXT_CHARS, _INSERT_BATCH, MilvusIndex, _check_sizes, _rows,
                                                     milvus_index)
 from qswap.index.backends.milvus.connection import BUILD_TIMEOUT_S, Connection, connect, milvus_error
 from qswap.index.checks import documents_with_embeddings, normalize_rows
@@ -118,7 +118,7 @@ def _build(uri: str, collection: str, n: int, batches: Iterable[tuple[list[Docum
            space: EmbeddingSpace, config: IndexConfig, *, replace: bool, build: dict[str, Any]) -> MilvusIndex:
     """Write a collection under a staging name, index it, then put it in place of ``collection``."""
     cfg = config.resolve(n, space.dim)
-    full = _rescoring(cfg, space.dim) and cfg.dim < space.dim
+    full = cfg.rescores(space.dim) and cfg.dim < space.dim
     t0 = time.time()
     c = connect(uri)
     try:

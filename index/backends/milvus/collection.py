@@ -34,8 +34,8 @@ import numpy as np
 
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapError
 from qswap.index.config import IndexConfig
-from qswap.index.corpus import Document, check_documents
-from qswap.index.checks import as_queries, check_ids, normalize_rows
+from qswap.index.corpus import Document
+from qswap.index.checks import as_queries, check_ids, check_k, documents_and_rows
 from qswap.index.backends.common import BackendCommon
 from qswap.index.backends.milvus.connection import (BUILD_TIMEOUT_S, Connection, connect, milvus_error,
                                                     parse_location)
@@ -83,10 +83,6 @@ def milvus_index(cfg: IndexConfig) -> tuple[str, dict[str, Any], dict[str, Any]]
         t = "HNSW_SQ"
         params["sq_type"] = "SQ8" if q == "sq8" else "SQ6"
     return t, params, {"ef": int(cfg.ef_search)}
-
-
-def _rescoring(cfg: IndexConfig, full_dim: int) -> bool:
-    return bool(cfg.rescore) and not (cfg.is_exact and cfg.dim == full_dim)
 
 
 # ---------------------------------------------------------------------- the index
@@ -155,28 +151,22 @@ class MilvusIndex(BackendCommon):
     def _full_field(self) -> str:
         return "full" if self.dim < self.full_dim else "vec"
 
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise InvalidInputError("the index is closed", "open it again")
-
-    def _check_writable(self) -> None:
-        self._check_usable()
-        if self._read_only:
-            raise InvalidInputError(f"collection {self.collection!r} was opened read-only",
-                                    "open it without read_only to change it")
+    @property
+    def _described(self) -> str:
+        return f"collection {self.collection!r}"
 
     # ------------------------------------------------------------------ search
     def search(self, queries: np.ndarray, k: int, filter: dict[str, FilterValue] | None = None,
                with_text: bool = True) -> list[list[Hit]]:
         """Top-``k`` documents per query row (full-dimension, L2-normalised), filtered by metadata."""
         q = as_queries(queries, self.full_dim)
-        k = _check_k(k)
+        k = check_k(k)
         expr = filter_expr(filter)
         self._check_usable()
         if len(q) == 0:
             return []
         cfg = self._config
-        rescore = _rescoring(cfg, self.full_dim)
+        rescore = self._rescoring
         fetch = min(k * int(cfg.oversample or 1) if rescore else k, MAX_FETCH)
         _, _, sp = milvus_index(cfg)
         if "ef" in sp:
@@ -203,7 +193,7 @@ class MilvusIndex(BackendCommon):
                      with_text: bool = False) -> list[list[Hit]]:
         """Brute-force top-``k`` by exact cosine over every (filtered) document's full vector."""
         q = as_queries(queries, self.full_dim)
-        k = _check_k(k)
+        k = check_k(k)
         expr = filter_expr(filter)
         self._check_usable()
         ids, vecs, recs = [], [], []
@@ -273,14 +263,10 @@ class MilvusIndex(BackendCommon):
 
     # ------------------------------------------------------------------ changes
     def _put(self, docs: list[Document], embeddings: np.ndarray, replace: bool) -> int:
-        docs = list(docs)
-        check_documents(docs)
-        if not docs:
+        docs, x = documents_and_rows(docs, embeddings, self.full_dim)
+        if x is None:
             return 0
         _check_sizes(docs)
-        x = normalize_rows(embeddings, self.full_dim)
-        if len(x) != len(docs):
-            raise InvalidInputError(f"{len(docs)} documents but {len(x)} embeddings", "pass one embedding per document")
         with self._write_lock:
             self._check_writable()
             if not replace:
@@ -333,7 +319,7 @@ class MilvusIndex(BackendCommon):
             "milvus": {"index_type": t, "params": params, "search_params": sp,
                        "full_vectors": self._has_full, "full_vectors_field": self._m.get("full_field", "vector"),
                        "server": self._conn.features.to_dict()},
-            "rescoring": _rescoring(self._config, self.full_dim),
+            "rescoring": self._rescoring,
             "bytes": {"milvus_lite_file": size} if size is not None else {},
             "bytes_per_doc": {"milvus_lite_file": size / n} if size is not None else {},
             "build": self._m.get("build", {}),
@@ -343,17 +329,9 @@ class MilvusIndex(BackendCommon):
         }
 
     # ------------------------------------------------------------------ lifetime
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self) -> None:
+        """The connection."""
         self._conn.close()
-
-    def __enter__(self) -> "MilvusIndex":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"MilvusIndex({self.uri!r}, collection={self.collection!r})"
@@ -398,12 +376,6 @@ def _check_sizes(docs: list[Document]) -> None:
         if len(d.text.encode("utf-8")) > MAX_TEXT_CHARS:
             raise InvalidInputError(f"document {d.id!r}: text is over {MAX_TEXT_CHARS} bytes",
                                     "Milvus VARCHAR holds at most 65,535 bytes; split the document")
-
-
-def _check_k(k: Any) -> int:
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise InvalidInputError(f"k must be a positive integer, got {k!r}", "ask for at least one result")
-    return int(k)
 
 
 def _path_bytes(p: Path) -> int:
