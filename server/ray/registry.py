@@ -27,16 +27,15 @@ once its in-flight requests on this replica are done.
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from qswap.encoders import BASE_KEY
-from qswap.errors import ConflictError, NotFoundError
+from qswap.locks import exclusive_lock, try_lock
+from qswap.errors import NotFoundError
 from qswap.server.registry.records import EncoderRecord
 from qswap.server.registry.facade import EncoderRegistry
 from qswap.server.registry.serving import Use
@@ -63,28 +62,15 @@ class SharedRegistry(EncoderRegistry):
     def shared_admin_lock(self) -> Iterator[None]:
         """Exclusive across every process sharing the state dir (blocking)."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        with self._xlock:
-            fd = os.open(self.state_dir / ADMIN_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                yield
-            finally:
-                os.close(fd)   # releases the flock
+        with self._xlock, exclusive_lock(self.state_dir / ADMIN_LOCK_FILE):
+            yield
 
     def _lock_state_dir(self) -> None:
         # Shared: replicas coexist; a single-process server (exclusive) is refused, and so is
         # a replica while such a server runs.
-        def take_shared(path: Path) -> int:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise ConflictError("the state dir is in use by a single-process server",
-                                    "stop it, or give the Ray deployment its own --state-dir") from None
-            return fd
-
-        self.table.lock_dir(take_shared)
+        self.table.lock_dir(lambda path: try_lock(
+            path, "the state dir is in use by a single-process server",
+            "stop it, or give the Ray deployment its own --state-dir", shared=True))
 
     # -- reading the shared table -------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from qswap.atomic import append_line, atomic_write_bytes
 from qswap.encoders.artifact import EncoderManifest
 from qswap.errors import IntegrityError
 from qswap.guard import GuardRecord, GuardStatus
-from qswap.locks import try_lock_exclusive
+from qswap.locks import try_lock
 
 log = logging.getLogger("qswap.server")
 
@@ -364,7 +364,7 @@ class RecordTable:
         self._exclusive = take is None
         path = self.state_dir / STATE_LOCK_FILE
         # Two servers writing one registry file would lose each other's changes.
-        self._state_fd = take(path) if take is not None else try_lock_exclusive(
+        self._state_fd = take(path) if take is not None else try_lock(
             path, "the state dir is in use by another server", "give each server its own --state-dir")
 
     def close(self) -> None:
