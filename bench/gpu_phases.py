@@ -24,6 +24,7 @@ import numpy as np
 
 from qswap.atomic import atomic_write_json
 from qswap.bench.results import to_json
+from qswap.bench.stats import timed_ms
 
 LORA_TARGETS = ("query", "key", "value", "dense")
 
@@ -72,16 +73,7 @@ def sync() -> None:
 
 def median_ms(fn: Callable[[], Any], reps: int, warm: int = 3) -> float:
     """Median wall time of ``fn()`` in ms (device synchronised around each call)."""
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
-    return round(statistics.median(times), 4)
+    return round(statistics.median(timed_ms(lambda _: fn(), reps, warm, sync)), 4)
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:

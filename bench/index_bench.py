@@ -31,7 +31,7 @@ from typing import Any
 from qswap import DEFAULT_MODEL
 from qswap.bench.results import ResultWriter, md_table, results_dir_for
 from qswap.bench.plots import pareto_front, plot_lines, plot_pareto
-from qswap.bench.stats import summarize
+from qswap.bench.stats import summarize, timed_ms
 from qswap.errors import InvalidInputError
 
 NAME = "index"
@@ -127,13 +127,7 @@ def _measure(idx: Any, s: Setting, queries: Any, truth: Any, n_latency: int) -> 
     for i in range(0, len(queries), 256):
         got += idx.search(queries[i:i + 256], K, with_text=False)
     recall = _recall(got, truth)
-    for j in range(min(10, n_latency)):
-        idx.search(queries[j:j + 1], K)
-    lat = []
-    for j in range(n_latency):
-        t = time.perf_counter()
-        idx.search(queries[j:j + 1], K)
-        lat.append((time.perf_counter() - t) * 1e3)
+    lat = timed_ms(lambda j: idx.search(queries[j:j + 1], K), n_latency, warm=min(10, n_latency))
     info = idx.info()
     faiss_b = float(info["bytes_per_doc"]["faiss"])
     # Rescoring reads the float16 full-dimension rows of the candidates: they must be in memory.
@@ -390,13 +384,7 @@ def _backend_row(backend: str, label: str, opts: dict[str, Any], base: Any, quer
         for i in range(0, len(queries), 100):
             got += idx.search(queries[i:i + 100], K, with_text=False)
         recall = _recall(got, truth)
-        for j in range(min(10, n_latency)):
-            idx.search(queries[j:j + 1], K)
-        lat = []
-        for j in range(n_latency):
-            t = time.perf_counter()
-            idx.search(queries[j:j + 1], K)
-            lat.append((time.perf_counter() - t) * 1e3)
+        lat = timed_ms(lambda j: idx.search(queries[j:j + 1], K), n_latency, warm=min(10, n_latency))
         info = idx.info()
     finally:
         idx.close()

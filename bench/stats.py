@@ -9,6 +9,7 @@ drift of a shared machine hits both arms alike.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,34 @@ def percentile(values: Sequence[float], q: float) -> float:
         raise InvalidInputError(f"percentile {q} is outside 0..100", "use e.g. 50, 95, 99")
     xs = np.asarray(values, dtype=float)
     return float(np.percentile(xs, q)) if xs.size else math.nan
+
+
+def timed_ms(fn: Callable[[int], Any], reps: int, warm: int = 0,
+             sync: Callable[[], Any] | None = None) -> list[float]:
+    """Wall times of ``fn(i)`` for ``i`` in ``range(reps)``, in milliseconds: the one latency loop.
+
+    Args:
+        fn: the call to time, given its repetition's number (e.g. which query to search).
+        reps: timed calls.
+        warm: untimed calls first, ``fn(0) .. fn(warm - 1)``.
+        sync: waits for queued work (a GPU's stream): run before the clock starts and before
+            it stops, so each time is the call's own.
+
+    Returns:
+        One time per call, in order.
+    """
+    for i in range(warm):
+        fn(i)
+    times = []
+    for i in range(reps):
+        if sync is not None:
+            sync()
+        t = time.perf_counter()
+        fn(i)
+        if sync is not None:
+            sync()
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
 
 
 def summarize(values: Sequence[float], qs: Sequence[float] = (50, 95, 99)) -> dict[str, float]:

@@ -11,7 +11,7 @@ import pytest
 from qswap.bench import plots, processes
 from qswap.bench.results import ResultWriter, md_table
 from qswap.bench.provenance import command_line
-from qswap.bench.stats import interleaved, percentile, ratio_summary, summarize
+from qswap.bench.stats import interleaved, percentile, ratio_summary, summarize, timed_ms
 from qswap.bench.plots import pareto_front
 from qswap.errors import InvalidInputError
 
@@ -47,6 +47,15 @@ def test_summarize():
     s = summarize(list(range(1, 101)))
     assert s["n"] == 100 and s["mean"] == 50.5 and s["min"] == 1 and s["max"] == 100
     assert s["p50"] == pytest.approx(50.5) and s["p99"] == pytest.approx(99.01)
+
+
+def test_timed_ms_warms_then_times_each_call_between_syncs():
+    calls: list[tuple[str, int]] = []
+    times = timed_ms(lambda i: calls.append(("call", i)), 3, warm=2, sync=lambda: calls.append(("sync", -1)))
+    assert calls == [("call", 0), ("call", 1)] + [("sync", -1), ("call", 0), ("sync", -1),
+                                                    ("sync", -1), ("call", 1), ("sync", -1),
+                                                    ("sync", -1), ("call", 2), ("sync", -1)]
+    assert len(times) == 3 and all(t >= 0 for t in times)
 
 
 def test_ratio_summary_pairs_rounds():
