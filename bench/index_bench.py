@@ -121,13 +121,19 @@ def _recall(got: list[list[Any]], truth: Any) -> float:
     return float(np.mean(r))
 
 
+def _recall_and_latency(idx: Any, queries: Any, truth: Any, n_latency: int, batch: int) -> tuple[float, list[float]]:
+    """Recall@K over every query (searched ``batch`` at a time), and the latency of one-query
+    searches (ms) over the first ``n_latency``, after ten untimed ones."""
+    got = []
+    for i in range(0, len(queries), batch):
+        got += idx.search(queries[i:i + batch], K, with_text=False)
+    lat = timed_ms(lambda j: idx.search(queries[j:j + 1], K), n_latency, warm=min(10, n_latency))
+    return _recall(got, truth), lat
+
+
 def _measure(idx: Any, s: Setting, queries: Any, truth: Any, n_latency: int) -> dict[str, Any]:
     """Recall, latency and bytes of one search-time variant of ``idx`` (already built)."""
-    got = []
-    for i in range(0, len(queries), 256):
-        got += idx.search(queries[i:i + 256], K, with_text=False)
-    recall = _recall(got, truth)
-    lat = timed_ms(lambda j: idx.search(queries[j:j + 1], K), n_latency, warm=min(10, n_latency))
+    recall, lat = _recall_and_latency(idx, queries, truth, n_latency, 256)
     info = idx.info()
     faiss_b = float(info["bytes_per_doc"]["faiss"])
     # Rescoring reads the float16 full-dimension rows of the candidates: they must be in memory.
@@ -380,11 +386,7 @@ def _backend_row(backend: str, label: str, opts: dict[str, Any], base: Any, quer
         idx = create_collection(str(where), "bench", docs, base, space, cfg)
     build_s = time.perf_counter() - t0
     try:
-        got = []
-        for i in range(0, len(queries), 100):
-            got += idx.search(queries[i:i + 100], K, with_text=False)
-        recall = _recall(got, truth)
-        lat = timed_ms(lambda j: idx.search(queries[j:j + 1], K), n_latency, warm=min(10, n_latency))
+        recall, lat = _recall_and_latency(idx, queries, truth, n_latency, 100)
         info = idx.info()
     finally:
         idx.close()
