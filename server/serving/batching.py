@@ -4,13 +4,13 @@ Request handlers put a job (:mod:`qswap.server.serving.work`) on a queue and awa
 future. Three threads work in a pipeline, so that each stage of one batch overlaps the others'
 work on the next:
 
-1. **tokens**: counts each new job's tokens (what it costs a forward pass), off the event loop
-   and off the forward thread;
-2. **forward** (the batch worker, :mod:`qswap.server.serving.forward`): takes the first waiting job and whatever else is queued (up
-   to ``max_batch`` queries; with ``window_s`` > 0 it waits that long for more), encodes all rows
-   in one ``encode(texts, keys)`` call (rows of different encoders together) and hands the
-   finished requests on. A model that is idle starts at once; requests arriving while it runs
-   form the next batch;
+1. **tokens**: tokenises each new query job once and counts its tokens (what it costs a forward
+   pass), off the event loop and off the forward thread;
+2. **forward** (the batch worker, :mod:`qswap.server.serving.forward`): takes the first waiting
+   job and whatever else is queued (up to ``max_batch`` queries; with ``window_s`` > 0 it waits
+   that long for more), encodes all rows in one ``encode(texts, keys)`` call (rows of different
+   encoders together) and hands the finished requests on. A model that is idle starts at once;
+   requests arriving while it runs form the next batch;
 3. **answers** (:mod:`qswap.server.serving.answers`): searches the index for them (one call per
    distinct filter) and posts the answers while the next forward runs.
 
@@ -57,7 +57,8 @@ log = logging.getLogger("qswap.server")
 class MicroBatcher:
     """One worker thread that batches searches; see the module docstring."""
 
-    def __init__(self, *, encode: EncodeFn, search: SearchFn, tokenize: Callable[[list[str]], list[Any]] | None = None,
+    def __init__(self, *, encode: EncodeFn, search: SearchFn,
+                 tokenize: Callable[[list[str]], list[Any]] | None = None,
                  truncated: Callable[[list[str]], list[bool]] | None = None,
                  window_s: float = 0.002, max_batch: int = 64, max_pending: int = 256,
                  max_pending_per_encoder: int | None = None, metrics: Any = None,
@@ -68,10 +69,10 @@ class MicroBatcher:
                  encode_documents: Callable[[list[str]], np.ndarray] | None = None) -> None:
         # encode, tokenize, truncated, encode_flagged, encode_documents, count_tokens, max_batch,
         # max_batch_tokens, slice_tokens: the forward stage's (qswap.server.serving.forward).
-        self.forward = ForwardStage(encode=encode, tokenize=tokenize, truncated=truncated, encode_flagged=encode_flagged,
-                                    encode_documents=encode_documents, count_tokens=count_tokens,
-                                    max_batch=max_batch, max_batch_tokens=max_batch_tokens,
-                                    slice_tokens=slice_tokens, metrics=metrics)
+        self.forward = ForwardStage(encode=encode, tokenize=tokenize, truncated=truncated,
+                                    encode_flagged=encode_flagged, encode_documents=encode_documents,
+                                    count_tokens=count_tokens, max_batch=max_batch,
+                                    max_batch_tokens=max_batch_tokens, slice_tokens=slice_tokens, metrics=metrics)
         self._search = search
         self.window_s = window_s
         self.max_pending = max_pending
@@ -292,7 +293,7 @@ class MicroBatcher:
     # -- the other stages ----------------------------------------------------------------------
 
     def _count_loop(self) -> None:
-        """Stage 1: count each new job's tokens, then queue it for the forward thread."""
+        """Stage 1: tokenise each new query job once and count its tokens, then queue it for the forward thread."""
         while True:
             item = self._q.get()
             if isinstance(item, Job):

@@ -3,8 +3,9 @@ one micro-batch (:class:`Slice`) and a function run between batches (:class:`Cal
 
 A job is made once, when its request is admitted (:mod:`qswap.server.serving.batching`), and
 travels through every stage of the pipeline: its texts are tokenised once (by the cost gate or
-the tokens stage; the encodings stay on the job), its rows are encoded slice by slice (:mod:`qswap.server.serving.forward`), and the answer
-stage (:mod:`qswap.server.serving.answers`) finishes it.
+the tokens stage; the encodings stay on the job), its rows are encoded slice by slice
+(:mod:`qswap.server.serving.forward`), and the answer stage
+(:mod:`qswap.server.serving.answers`) finishes it.
 """
 
 from __future__ import annotations
