@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from typing import Any, Callable
 
 
 class Counter:
@@ -36,3 +38,19 @@ class Counter:
         """
         with self._cond:
             return self._cond.wait_for(lambda: self._n >= n, timeout)
+
+
+def held_first_call(fn: Callable[..., Any], until: Callable[[], bool], timeout: float = 30.0) -> Callable[..., Any]:
+    """``fn``, whose first call waits until ``until()`` holds (polled: a state another thread
+    changes, e.g. requests queued behind a batch) or ``timeout`` passes; later calls go straight through."""
+    first = threading.Event()
+
+    def call(*args: Any, **kw: Any) -> Any:
+        if not first.is_set():
+            first.set()
+            end = time.monotonic() + timeout
+            while not until() and time.monotonic() < end:
+                time.sleep(0.001)
+        return fn(*args, **kw)
+
+    return call

@@ -20,7 +20,7 @@ from qswap.errors import NotReadyError, error_from_body
 from qswap.answers import SearchResponse
 
 from ..encoders.adapters import make_lora, make_overrides
-from ..handshake import Counter
+from ..handshake import Counter, held_first_call
 from .conftest import ADMIN, SEARCH, LiveServer, server_settings
 
 TOL = 3e-3   # the index rescoring uses float16 document vectors
@@ -253,6 +253,11 @@ def test_alias_switch_under_concurrent_load(live, admin, anon, registered, refer
     assert max(abs(s1[i] - s2[i]) for i in ids) > 10 * TOL    # the two versions are distinguishable
     assert admin.put("/v1/aliases/games", json={"encoder": "ft@1"}).status_code == 200
     before = anon.get("/metrics").text
+    # The first forward pass waits until two more requests are queued behind it, so that the
+    # next batch merges requests however fast this machine encodes.
+    forward = live.app.state.qs.batcher.forward
+    real_encode = forward.encode_fn
+    forward.encode_fn = held_first_call(real_encode, lambda: live.app.state.qs.batcher._ready.qsize() >= 2)
     responses: list[tuple[int, dict]] = []
     answered = Counter()
     errors: list[str] = []
@@ -282,6 +287,7 @@ def test_alias_switch_under_concurrent_load(live, admin, anon, registered, refer
         stop.set()
         for t in threads:
             t.join()
+        forward.encode_fn = real_encode
     assert not errors
     assert len(responses) >= 20
     assert {status for status, _ in responses} == {200}
