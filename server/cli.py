@@ -75,9 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--insecure", action="store_true", default=None,
                    help="admin routes without a token, for local use (loopback host only)")
     p.add_argument("--backend", choices=BACKENDS,
-                   help="query forward passes: 'shared' (default: one ONNX Runtime session of the base, adapters bound "
-                        "per run), 'onnx' (one merged export per encoder), 'torch' (the reference) or 'cuda' (mixed-adapter "
-                        "batches as CUDA-graph replays: docs/gpu.md)")
+                   help="query forward passes: 'shared' (the CPU default: one ONNX Runtime session of the base, adapters "
+                        "bound per run), 'onnx' (one merged export per encoder), 'torch' (the reference) or 'cuda' (the default where the "
+                        "model runs on a GPU: mixed-adapter batches as CUDA-graph replays, docs/gpu.md)")
     p.add_argument("--query-precision", choices=(*PRECISIONS, "fp16"),
                    help="torch backend: run batches of 16+ queries for one encoder in bf16 (default fp32; pays only where the "
                         "hardware has native bf16: AMX, AVX-512-BF16, tensor cores); cuda backend: every batch "
