@@ -122,6 +122,9 @@ class ServerSettings(BaseSettings):
     max_batch_tokens: int = Field(2048, ge=1, description="rows x longest row of one forward pass at most")
     slice_tokens: int = Field(256, ge=1, description="one request's share of a forward pass: a larger search (or "
                               "document upsert) is split into slices of this, and other requests run between them")
+    bulk_lane: bool = Field(True, description="requests larger than slice_tokens (and document rows) run on a "
+                            "second, lower-priority forward thread, so one-query searches never wait behind them "
+                            "(docs/serving.md)")
     max_hit_text_chars: int = Field(8192, ge=1, description="a hit's text is cut at this (the hit says "
                                                           "truncated: true)")
     max_hit_metadata_bytes: int = Field(8192, ge=2, description="a hit's metadata beyond this (as JSON) is "
