@@ -193,6 +193,7 @@ class RayIngressState(ServerState):
         kw["encode_flagged"] = self.encode_remote
         kw["encode"] = lambda texts, keys: self.encode_remote(texts, keys)[0]
         kw["tokenize"] = None
+        kw["encode_bulk"] = None   # the bulk lane too encodes remotely
         return MicroBatcher(**kw)
 
     def start_loading(self) -> None:

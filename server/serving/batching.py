@@ -27,6 +27,14 @@ remainder goes to the back of the queue, so other requests' batches interleave w
 one-query client waits for one slice, not for the whole request), and a request past its
 deadline (or whose caller went away) stops between slices instead of holding the worker.
 
+**Two lanes.** With ``bulk=True``, a request too large for one slice (more than
+``slice_tokens`` tokens: a long query list, a 512-token embedding input, document rows) runs
+its slices on a second forward thread, the *bulk lane*, one slice at a time and at a lower CPU
+priority (a nice value of :data:`BULK_NICE` on that thread; ``encode_bulk`` runs it on a
+single-threaded ONNX Runtime session where the backend has one). Interactive searches keep the
+first lane to themselves: one of them waits for no slice of a large request at all, instead of
+one slice (a 512-token row is a ~120 ms forward pass on two cores, ten times a short query's).
+
 Admission is bounded: at most ``max_pending`` requests wait or run overall and at most
 ``max_pending_per_encoder`` for one encoder; beyond that a request is refused at once with
 :class:`OverloadedError` (429 + ``Retry-After``) instead of joining a queue whose wait would
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -53,6 +62,11 @@ from qswap.server.serving.work import STOP, Call, Job, Slice
 
 log = logging.getLogger("qswap.server")
 
+#: Nice value of the bulk lane's thread: under contention the interactive lane's threads get
+#: ~90 % of a shared core (CFS weights 1024 vs 110); alone, the bulk lane runs at full speed.
+BULK_NICE = 10
+
+
 
 class MicroBatcher:
     """One worker thread that batches searches; see the module docstring."""
@@ -66,12 +80,14 @@ class MicroBatcher:
                  encode_flagged: EncodeFlagged | None = None,
                  count_tokens: Callable[[list[str]], list[int]] | None = None,
                  max_batch_tokens: int | None = None, slice_tokens: int | None = None,
-                 encode_documents: Callable[[list[str]], np.ndarray] | None = None) -> None:
-        # encode, tokenize, truncated, encode_flagged, encode_documents, count_tokens, max_batch,
-        # max_batch_tokens, slice_tokens: the forward stage's (qswap.server.serving.forward).
+                 encode_documents: Callable[[list[str]], np.ndarray] | None = None,
+                 bulk: bool = False, encode_bulk: EncodeFlagged | None = None) -> None:
+        # encode, tokenize, truncated, encode_flagged, encode_documents, encode_bulk, count_tokens,
+        # max_batch, max_batch_tokens, slice_tokens: the forward stage's (qswap.server.serving.forward).
+        # bulk: large requests run on a second, lower-priority forward thread (module docstring).
         self.forward = ForwardStage(encode=encode, tokenize=tokenize, truncated=truncated,
                                     encode_flagged=encode_flagged, encode_documents=encode_documents,
-                                    count_tokens=count_tokens, max_batch=max_batch,
+                                    encode_bulk=encode_bulk, count_tokens=count_tokens, max_batch=max_batch,
                                     max_batch_tokens=max_batch_tokens, slice_tokens=slice_tokens, metrics=metrics)
         self._search = search
         self.window_s = window_s
@@ -86,6 +102,9 @@ class MicroBatcher:
         self._q: queue.Queue = queue.Queue()        # submitted, tokens not counted yet
         self._ready: queue.Queue = queue.Queue()    # counted: the forward thread's input
         self._answers: queue.Queue = queue.Queue()  # encoded batches: the answer thread's input
+        self._bulk: queue.Queue = queue.Queue()     # large requests' next slices: the bulk lane's input
+        self._bulk_thread = (threading.Thread(target=self._bulk_loop, name=f"{name}-bulk", daemon=True)
+                             if bulk else None)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stages = [threading.Thread(target=self._count_loop, name=f"{name}-tokens", daemon=True),
                         threading.Thread(target=self._answer_loop, name=f"{name}-answers", daemon=True)]
@@ -98,6 +117,8 @@ class MicroBatcher:
     def start(self) -> None:
         for t in self._stages:
             t.start()
+        if self._bulk_thread is not None:
+            self._bulk_thread.start()
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -278,6 +299,9 @@ class MicroBatcher:
                 if isinstance(item, Call):
                     self._do_call(item)
                     continue
+                if self._bulk_thread is not None and self.forward.is_bulk(item):
+                    self._bulk.put(item)
+                    continue
                 # Adaptive window: after a batch of one (no concurrency), waiting only adds
                 # latency, so take what is already queued and go; under load batches hold
                 # several requests and the window lets more join.
@@ -287,8 +311,27 @@ class MicroBatcher:
                 self._process(batch)
             except Exception:   # never let the worker die: requests would hang
                 log.exception("batch worker error")
+        if self._bulk_thread is not None and self._bulk_thread.is_alive():
+            self._bulk.put(STOP)   # it ends its slice in progress; what is queued is refused below
+            self._bulk_thread.join()
         self._drain()
         self._answers.put(STOP)
+
+    def _bulk_loop(self) -> None:
+        """The bulk lane: one slice of a large request per pass, at a lower CPU priority; the
+        remainder goes back through the intake like any split request."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BULK_NICE)
+        except (AttributeError, OSError):   # not Linux, or not allowed: same priority as the rest
+            pass
+        while True:
+            item = self._bulk.get()
+            if item is STOP:
+                return
+            try:
+                self._process([self.forward.first_slice(item)], bulk=True)
+            except Exception:   # never let the lane die: requests would hang
+                log.exception("bulk lane error")
 
     # -- the other stages ----------------------------------------------------------------------
 
@@ -323,7 +366,8 @@ class MicroBatcher:
                     self._finish(j)
 
     def _drain(self) -> None:
-        for q in (self._ready, self._q):   # the tokens stage has ended: nothing moves between them
+        # The tokens stage and the bulk lane have ended: nothing moves between these queues.
+        for q in (self._bulk, self._ready, self._q):
             while True:
                 try:
                     item = q.get_nowait()
@@ -368,7 +412,7 @@ class MicroBatcher:
             except Exception:
                 log.exception("on_done callback failed")
 
-    def _process(self, batch: list[Slice]) -> None:
+    def _process(self, batch: list[Slice], bulk: bool = False) -> None:
         start = time.perf_counter()
         live: list[Slice] = []
         for sl in batch:
@@ -385,7 +429,7 @@ class MicroBatcher:
         if not live:
             return
         try:
-            self._run_batch(live, start)
+            self._run_batch(live, start, bulk)
         finally:
             for sl in live:
                 j = sl.job
@@ -396,9 +440,9 @@ class MicroBatcher:
                 elif not j.answering:
                     self._finish(j)
 
-    def _run_batch(self, slices: list[Slice], start: float) -> None:
+    def _run_batch(self, slices: list[Slice], start: float, bulk: bool = False) -> None:
         """Encode the slices; hand the requests they complete to the answer stage."""
-        self.forward.encode(slices)
+        self.forward.encode(slices, bulk)
         jobs = [sl.job for sl in slices if sl.job.next_row == len(sl.job.texts) and not sl.job.failed]
         if jobs:
             for j in jobs:

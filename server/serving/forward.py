@@ -46,6 +46,8 @@ class ForwardStage:
         encode_flagged: vectors and truncation flags from one tokenisation (replaces both
             ``encode`` and ``truncated`` when the backend offers it).
         encode_documents: the document tower (jobs submitted with ``documents=True``).
+        encode_bulk: how the bulk lane encodes query rows, ``(texts, keys) -> (vectors, flags)``
+            (with ``tokenize`` it also takes ``encodings=``); None: as the first lane does.
         count_tokens: tokens per text as the model sees them (None: every row costs one).
         max_batch: rows per forward pass at most.
         max_batch_tokens: rows x longest row per forward pass at most (None: no bound).
@@ -58,6 +60,7 @@ class ForwardStage:
                  truncated: Callable[[list[str]], list[bool]] | None = None,
                  encode_flagged: EncodeFlagged | None = None,
                  encode_documents: Callable[[list[str]], np.ndarray] | None = None,
+                 encode_bulk: EncodeFlagged | None = None,
                  count_tokens: Callable[[list[str]], list[int]] | None = None, max_batch: int = 64,
                  max_batch_tokens: int | None = None, slice_tokens: int | None = None,
                  metrics: Any = None) -> None:
@@ -66,6 +69,7 @@ class ForwardStage:
         self.truncated = truncated
         self.encode_flagged = encode_flagged
         self.encode_documents = encode_documents
+        self.encode_bulk = encode_bulk
         self.count_tokens = count_tokens
         self.max_batch = max_batch
         self.max_batch_tokens = max_batch_tokens
@@ -95,6 +99,10 @@ class ForwardStage:
     def longest(sl: Slice) -> int:
         """The longest row of ``sl`` in tokens."""
         return max(sl.job.tokens[sl.lo:sl.hi]) if sl.job.tokens else 1
+
+    def is_bulk(self, job: Job) -> bool:
+        """A request larger than one slice (or document rows): the bulk lane's."""
+        return job.documents or (self.slice_tokens is not None and sum(job.tokens or [1]) > self.slice_tokens)
 
     def first_slice(self, job: Job) -> Slice:
         """The next rows of ``job`` that fit one batch (at least one row); its tokens are counted."""
@@ -136,29 +144,36 @@ class ForwardStage:
 
     # -- the forward pass ------------------------------------------------------------------------
 
-    def _vectors(self, slices: list[Slice], texts: list[str], keys: list[str]) -> tuple[np.ndarray, list[bool]]:
+    def _vectors(self, slices: list[Slice], texts: list[str], keys: list[str],
+                 bulk: bool) -> tuple[np.ndarray, list[bool]]:
         if slices[0].job.documents:   # a document batch holds document rows only
             assert self.encode_documents is not None
             return self.encode_documents(texts), [False] * len(texts)
         if self.tokenize is not None and all(sl.job.encodings is not None for sl in slices):
             encs = [e for sl in slices for e in sl.job.encodings[sl.lo:sl.hi]]   # type: ignore[index]
-            return self.encode_fn(texts, keys, encodings=encs), [bool(e.overflowing) for e in encs]
+            flags = [bool(e.overflowing) for e in encs]
+            if bulk and self.encode_bulk is not None:
+                return self.encode_bulk(texts, keys, encodings=encs)[0], flags   # type: ignore[call-arg]
+            return self.encode_fn(texts, keys, encodings=encs), flags
+        if bulk and self.encode_bulk is not None:
+            return self.encode_bulk(texts, keys)
         if self.encode_flagged is not None:
             return self.encode_flagged(texts, keys)
         trunc = self.truncated(texts) if self.truncated else [False] * len(texts)
         return self.encode_fn(texts, keys), trunc
 
-    def encode(self, slices: list[Slice]) -> bool:
-        """Encode the rows of ``slices`` into their jobs; False when the encode failed (posted)."""
+    def encode(self, slices: list[Slice], bulk: bool = False) -> bool:
+        """Encode the rows of ``slices`` into their jobs (``bulk``: on the bulk lane); False when
+        the encode failed (posted)."""
         texts = [t for sl in slices for t in sl.job.texts[sl.lo:sl.hi]]
         keys = [sl.job.key for sl in slices for _ in range(sl.lo, sl.hi)]
         t0 = time.perf_counter()
         try:
-            emb, trunc = self._vectors(slices, texts, keys)
+            emb, trunc = self._vectors(slices, texts, keys, bulk)
         except Exception as e:
             if len(slices) > 1:
                 # One bad row must not fail its neighbours: retry each request alone.
-                return all([self.encode([sl]) for sl in slices])
+                return all([self.encode([sl], bulk) for sl in slices])
             post(slices[0].job.loop, slices[0].job.future, exc=e)
             slices[0].job.failed = True
             return False
