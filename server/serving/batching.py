@@ -69,7 +69,6 @@ log = logging.getLogger("qswap.server")
 BULK_NICE = 19
 
 
-
 class MicroBatcher:
     """One worker thread that batches searches; see the module docstring."""
 
