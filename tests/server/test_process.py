@@ -127,6 +127,9 @@ def test_sigkill_during_registration_and_upsert_loses_no_acknowledged_write(tmp_
 
         def register() -> None:
             nonlocal next_encoder
+            # Registrations start once upserts flow (the document tower's first batch loads it):
+            # else all the archives may register before the first upsert, leaving the next round none.
+            upserted.wait_for(1, timeout=120)
             with srv.client() as c:
                 while not stop.is_set() and next_encoder < len(archives):
                     try:
