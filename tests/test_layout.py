@@ -174,6 +174,9 @@ BENCH_ALLOWED = {("qswap.bench.serving", "qswap.bench.ray_serving"),
                  ("qswap.bench.tuning_speed", "qswap.bench.tuning_phases"),
                  ("qswap.bench.tuning_speed", "qswap.bench.tuning_step"),   # modes of `qswap bench tuning`
                  ("qswap.bench.ray_embed", "qswap.bench.embed_arms"),
+                 # `bench index --backend LIST` in index_backends, its `--http` arm in index_http
+                 ("qswap.bench.index_bench", "qswap.bench.index_backends"),
+                 ("qswap.bench.index_backends", "qswap.bench.index_http"),
                  # `bench domains`: its data, its power analysis and its report in files of their own
                  ("qswap.bench.domains", "qswap.bench.domains_data"), ("qswap.bench.domains", "qswap.bench.domains_power"),
                  ("qswap.bench.domains", "qswap.bench.domains_report"),

@@ -332,7 +332,7 @@ class MilvusIndex(BackendCommon):
             "config": self._config.index_dict(),
             "milvus": {"index_type": t, "params": params, "search_params": sp,
                        "full_vectors": self._has_full, "full_vectors_field": self._m.get("full_field", "vector"),
-                       "server": self._conn.features.to_dict()},
+                       "server": self._conn.features.to_dict(), "read_consistency": self._conn.consistency},
             "rescoring": _rescoring(self._config, self.full_dim),
             "bytes": {"milvus_lite_file": size} if size is not None else {},
             "bytes_per_doc": {"milvus_lite_file": size / n} if size is not None else {},

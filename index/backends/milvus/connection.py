@@ -34,6 +34,13 @@ log = logging.getLogger("qswap.index")
 CALL_TIMEOUT_S = 10.0
 #: Deadline of a build step (insert of a batch, index creation, loading a collection).
 BUILD_TIMEOUT_S = 600.0
+#: Consistency of reads (search, query); ``QSWAP_MILVUS_CONSISTENCY`` overrides it. "Session": this
+#: process sees its own writes at once (pymilvus keeps its last write's timestamp per collection)
+#: and other writers' within the server's time tick. "Strong" waits for the next time tick on every
+#: read (up to 200 ms on a default server, measured in bench/results/index/backends), whether or
+#: not anything was written.
+READ_CONSISTENCY = "Session"
+CONSISTENCY_LEVELS = ("Strong", "Session", "Bounded", "Eventually")
 
 
 # ---------------------------------------------------------------------- locations
@@ -151,10 +158,11 @@ def _public(uri: str) -> str:
 class Connection:
     """A pymilvus client, the server's features and the deadline of each call."""
 
-    def __init__(self, client: Any, uri: str, timeout_s: float) -> None:
+    def __init__(self, client: Any, uri: str, timeout_s: float, consistency: str = READ_CONSISTENCY) -> None:
         self.client = client
         self.uri = uri
         self.timeout_s = timeout_s
+        self.consistency = consistency
         version = self.call("get_server_version", "a version check")
         self.features = server_features(str(version))
 
@@ -171,8 +179,10 @@ class Connection:
             raise milvus_error(e, what, self.uri) from None
 
     def call_loaded(self, collection: str, method: str, what: str, *args: Any, **kw: Any) -> Any:
-        """:meth:`call` on a collection that must be loaded: a server that restarted may have it
-        unloaded; it is loaded again and the call retried once."""
+        """:meth:`call` of a read (search, query) on a collection that must be loaded, at the
+        connection's read consistency: a server that restarted may have the collection unloaded;
+        it is loaded again and the call retried once."""
+        kw.setdefault("consistency_level", self.consistency)
         try:
             return getattr(self.client, method)(*args, timeout=self.timeout_s, **kw)
         except Exception as e:  # noqa: BLE001
@@ -190,6 +200,18 @@ class Connection:
             pass
 
 
+def read_consistency() -> str:
+    """The read consistency level: ``QSWAP_MILVUS_CONSISTENCY`` if set (checked), else :data:`READ_CONSISTENCY`."""
+    raw = os.environ.get("QSWAP_MILVUS_CONSISTENCY", "").strip()
+    if not raw:
+        return READ_CONSISTENCY
+    level = next((c for c in CONSISTENCY_LEVELS if c.lower() == raw.lower()), None)
+    if level is None:
+        raise InvalidInputError(f"QSWAP_MILVUS_CONSISTENCY={raw!r} is not a Milvus consistency level",
+                                "use one of " + ", ".join(CONSISTENCY_LEVELS))
+    return level
+
+
 def connect(uri: str, timeout_s: float | None = None) -> Connection:
     """Connect to a Milvus server (``http://HOST:PORT``) or milvus-lite file (``PATH.db``).
 
@@ -203,6 +225,7 @@ def connect(uri: str, timeout_s: float | None = None) -> Connection:
     if uri.endswith(".db"):
         Path(uri).parent.mkdir(parents=True, exist_ok=True)
     timeout = timeout_s or float(os.environ.get("QSWAP_MILVUS_TIMEOUT_S", CALL_TIMEOUT_S))
+    consistency = read_consistency()
     try:
         client = MilvusClient(uri=uri, token=os.environ.get("QSWAP_MILVUS_TOKEN", ""), timeout=timeout)
     except Exception as e:  # noqa: BLE001 - pymilvus raises several unrelated types when it cannot connect
@@ -210,7 +233,7 @@ def connect(uri: str, timeout_s: float | None = None) -> Connection:
                                     "check the URI (a .db path for milvus-lite, http://host:19530 for a server) "
                                     "and that the server is running") from None
     try:
-        conn = Connection(client, uri, timeout)
+        conn = Connection(client, uri, timeout, consistency)
     except BaseException:
         client.close()
         raise
