@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,12 +36,17 @@ CALL_TIMEOUT_S = 10.0
 #: Deadline of a build step (insert of a batch, index creation, loading a collection).
 BUILD_TIMEOUT_S = 600.0
 #: Consistency of reads (search, query); ``QSWAP_MILVUS_CONSISTENCY`` overrides it. "Session": this
-#: process sees its own writes at once (pymilvus keeps its last write's timestamp per collection)
-#: and other writers' within the server's time tick. "Strong" waits for the next time tick on every
-#: read (up to 200 ms on a default server, measured in bench/results/index/backends), whether or
-#: not anything was written.
+#: process sees its own writes at once and other writers' within the server's time tick. "Strong"
+#: waits for the next time tick on every read (up to 200 ms on a default server: see
+#: bench/results/index/backends), whether or not anything was written.
 READ_CONSISTENCY = "Session"
 CONSISTENCY_LEVELS = ("Strong", "Session", "Bounded", "Eventually")
+#: At "Session", reads of a collection this process wrote less than this long ago are "Strong":
+#: pymilvus' own session timestamp is not enough (a delete on a 2.3 server does not advance it, and a
+#: search right after the delete still found the deleted document).
+STRONG_AFTER_WRITE_S = 2.0
+_WRITES = ("insert", "upsert", "delete")
+_last_write: dict[tuple[str, str], float] = {}   # (uri, collection) -> monotonic time, for the whole process
 
 
 # ---------------------------------------------------------------------- locations
@@ -173,16 +179,28 @@ class Connection:
     def call(self, method: str, what: str, *args: Any, timeout_s: float | None = None, **kw: Any) -> Any:
         """``client.method(*args, **kw)`` under a deadline, failures mapped (see the module doc)."""
         kw["timeout"] = timeout_s or self.timeout_s
+        write = (self.uri, str(args[0] if args else kw.get("collection_name"))) if method in _WRITES else None
         try:
             return getattr(self.client, method)(*args, **kw)
         except Exception as e:  # noqa: BLE001 - pymilvus and grpc raise many unrelated types
             raise milvus_error(e, what, self.uri) from None
+        finally:
+            if write is not None:   # also after a failure: a write that raised may have been applied
+                _last_write[write] = time.monotonic()
+
+    def read_level(self, collection: str) -> str:
+        """The consistency level of a read of ``collection`` now (see :data:`STRONG_AFTER_WRITE_S`)."""
+        if self.consistency == "Session":
+            t = _last_write.get((self.uri, collection))
+            if t is not None and time.monotonic() - t < STRONG_AFTER_WRITE_S:
+                return "Strong"
+        return self.consistency
 
     def call_loaded(self, collection: str, method: str, what: str, *args: Any, **kw: Any) -> Any:
         """:meth:`call` of a read (search, query) on a collection that must be loaded, at the
         connection's read consistency: a server that restarted may have the collection unloaded;
         it is loaded again and the call retried once."""
-        kw.setdefault("consistency_level", self.consistency)
+        kw.setdefault("consistency_level", self.read_level(collection))
         try:
             return getattr(self.client, method)(*args, timeout=self.timeout_s, **kw)
         except Exception as e:  # noqa: BLE001
