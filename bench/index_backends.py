@@ -257,7 +257,7 @@ def run_backends(args: argparse.Namespace, backends: list[str]) -> int:
 
     quick = bool(args.quick)
     n_lat = args.latency_queries or (30 if quick else 200)
-    out = results_dir_for("index", quick, args.out) / "backends"
+    out = args.out or results_dir_for("index", quick, None) / "backends"   # --out: this very folder
     w = ResultWriter("index-backends", out)
     work = args.work or (out / "tmp" / "work")
     work.mkdir(parents=True, exist_ok=True)
