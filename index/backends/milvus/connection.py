@@ -186,7 +186,11 @@ class Connection:
             raise milvus_error(e, what, self.uri) from None
         finally:
             if write is not None:   # also after a failure: a write that raised may have been applied
-                _last_write[write] = time.monotonic()
+                self.wrote(write[1])
+
+    def wrote(self, collection: str) -> None:
+        """Note a change of ``collection`` made otherwise than by a write call (a build's rename)."""
+        _last_write[(self.uri, collection)] = time.monotonic()
 
     def read_level(self, collection: str) -> str:
         """The consistency level of a read of ``collection`` now (see :data:`STRONG_AFTER_WRITE_S`)."""
