@@ -205,7 +205,7 @@ def _backend_row(backend: str, label: str, opts: dict[str, Any], base: Any, quer
             "native_index": milvus.get("index_type") if milvus else info["faiss"]["factory"],
             f"recall@{K}": recall, "latency_ms": summarize(lat), "build_s": build_s,
             "bytes_on_disk": size, "bytes_per_doc": size / len(docs) if size is not None else None,
-            "rescoring": bool(info["rescoring"]),
+            "rescoring": bool(info["rescoring"]), "read_consistency": milvus.get("read_consistency"),
             "full_vectors": ((f"float32 {milvus.get('full_vectors_field', 'vector')} field in Milvus"
                               if milvus.get("full_vectors") else "the vec field itself") if milvus
                              else "qswap float16 log")}
@@ -313,6 +313,8 @@ def _write(w: ResultWriter, results: dict[str, Any], backends: list[str], load_s
           "API); `milvus-server` is a Milvus server process on this machine reached over gRPC on 127.0.0.1"
           + (f" ({srv['server_version']}, the `{srv['package']}` package's standalone build, started in "
              f"{srv['start_seconds']} s)" if srv else "")
+          + "".join(f"; Milvus reads at {c} consistency" for c in sorted({r.get("read_consistency") for res in
+                    results["sets"].values() for r in res["rows"] if r.get("read_consistency")}))
           + f". Load average at start {load_start[0]:.2f}, end {results['loadavg_end'][0]:.2f} (2 shared cores).\n"]
     for name, res in results["sets"].items():
         md.append(f"## {name}: {res['documents']:,} x {res['dim']}, {res['queries']} queries\n")
