@@ -275,6 +275,7 @@ def run_backends(args: argparse.Namespace, backends: list[str]) -> int:
     try:
         if "milvus-server" in backends or args.http:
             from qswap.bench.milvus_server import LocalMilvus
+            shutil.rmtree(work / "milvus-server", ignore_errors=True)   # a run that failed may have left one
             server = LocalMilvus(work / "milvus-server").start()
             results["milvus_server"] = server.facts()
             print(f"Milvus server {server.version} started in {server.start_seconds:.1f} s", flush=True)

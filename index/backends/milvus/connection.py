@@ -37,8 +37,8 @@ CALL_TIMEOUT_S = 10.0
 BUILD_TIMEOUT_S = 600.0
 #: Consistency of reads (search, query); ``QSWAP_MILVUS_CONSISTENCY`` overrides it. "Session": this
 #: process sees its own writes at once and other writers' within the server's time tick. "Strong"
-#: waits for the next time tick on every read (up to 200 ms on a default server: see
-#: bench/results/index/backends), whether or not anything was written.
+#: waits for the next time tick on every read (200 ms and more on a default server: see
+#: bench/results/index/milvus-server-strong), whether or not anything was written.
 READ_CONSISTENCY = "Session"
 CONSISTENCY_LEVELS = ("Strong", "Session", "Bounded", "Eventually")
 #: At "Session", reads of a collection this process wrote less than this long ago are "Strong":
