@@ -39,7 +39,7 @@ from qswap.encoders.pool import FACTOR_DTYPES, EncoderPool
 from qswap.encoders.runtime.shared_export import (GATHERED_MODEL_FILE, UNREACHED, SHARED_MODEL_FILE, Slots, export_shared,
                                                   find_slots, ort_input, release_freed_memory, shared_digest)
 from qswap.encoders.runtime.shared_gathered import GatheredTable
-from qswap.encoders.runtime.shared_run import BoundFeed, spread_groups
+from qswap.encoders.runtime.shared_run import BoundFeed, gather_groups, spread_groups
 from qswap.errors import InvalidInputError, NotFoundError
 
 log = logging.getLogger(__name__)
@@ -50,8 +50,12 @@ CALL_TOKENS = 16
 SHARED_DIR = "_shared"
 #: How a batch that mixes encoders runs: ``groups``, one call per encoder group (side by side on
 #: a second, single-threaded session); ``gathered``, one call for all its rows, each row's adapter
-#: gathered from a table (:mod:`qswap.encoders.runtime.shared_gathered`).
-MIXES = ("groups", "gathered")
+#: gathered from a table (:mod:`qswap.encoders.runtime.shared_gathered`); ``auto``, gathered only
+#: for batches of tiny groups (:func:`qswap.encoders.runtime.shared_run.gather_groups`).
+MIXES = ("groups", "gathered", "auto")
+# Not "auto": a gathered call pays only for batches of 1-2 rows per encoder, and its table holds
+# a second copy of every encoder that ran gathered (bench/results/forward_mixed/), against the
+# memory budget that counts each encoder's adapter bytes once.
 DEFAULT_MIX = "groups"
 
 
@@ -415,7 +419,8 @@ class SharedBackend:
         for k in groups:
             if k not in self.pool:
                 raise NotFoundError(f"encoder {k} is not loaded", "register it or use a loaded encoder")
-        if len(groups) > 1 and self.mix == "gathered":
+        rows = sum(len(r) for r in groups.values())
+        if len(groups) > 1 and (self.mix == "gathered" or self.mix == "auto" and gather_groups(rows, len(groups))):
             if gathered is not None:
                 self._encode_gathered(gathered, groups, texts, encs, out)
                 groups = {}

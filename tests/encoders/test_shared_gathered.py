@@ -139,3 +139,24 @@ def test_a_failed_gathered_export_leaves_mixed_batches_per_group(pool, tmp_path,
 def test_unknown_mix_is_refused(pool, tmp_path):
     with pytest.raises(InvalidInputError, match="mix"):
         SharedBackend(pool, tmp_path, mix="sideways")
+
+
+def test_auto_gathers_only_batches_of_tiny_groups(pool, tmp_path, monkeypatch):
+    from qswap.encoders.runtime.shared_run import gather_groups
+
+    assert gather_groups(4, 4) and gather_groups(3, 2) and not gather_groups(4, 2) and not gather_groups(8, 1)
+    b = _backend(pool, tmp_path, "auto")
+    try:
+        tiny = ["l1@1", "l2@1", "b1@1", BASE_KEY]          # one row per encoder: gathered
+        b.encode(TEXTS[:4], tiny)
+        assert b.gathered_ready(wait=120)
+        spy = _Spy(b, monkeypatch)
+        got = b.encode(TEXTS[:4], tiny)
+        assert sum(spy.gathered) == 4 and spy.groups == 0
+        spy.gathered.clear()
+        b.encode(TEXTS[:4], ["l1@1", "l1@1", "l2@1", "l2@1"])   # two rows per encoder: per group
+        assert not spy.gathered and spy.groups >= 2
+        ref = np.stack([pool.encode([t], [k])[0] for t, k in zip(TEXTS[:4], tiny)])
+        assert cosine(got, ref).min() >= MIN_COSINE
+    finally:
+        b.close()
