@@ -429,7 +429,9 @@ class SharedBackend:
             if k not in self.pool:
                 raise NotFoundError(f"encoder {k} is not loaded", "register it or use a loaded encoder")
         rows = sum(len(r) for r in groups.values())
-        if len(groups) > 1 and (self.mix == "gathered" or self.mix == "auto" and gather_groups(rows, len(groups))):
+        # Never for the bulk lane: the gathered session is multi-threaded, the bulk lane holds one core.
+        if len(groups) > 1 and not bulk and (self.mix == "gathered" or self.mix == "auto"
+                                             and gather_groups(rows, len(groups))):
             if gathered is not None:
                 self._encode_gathered(gathered, groups, texts, encs, out)
                 groups = {}

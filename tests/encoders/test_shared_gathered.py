@@ -160,3 +160,12 @@ def test_auto_gathers_only_batches_of_tiny_groups(pool, tmp_path, monkeypatch):
         assert cosine(got, ref).min() >= MIN_COSINE
     finally:
         b.close()
+
+
+def test_the_bulk_lane_never_runs_gathered(gathered, pool, monkeypatch):
+    assert gathered.gathered_ready(wait=120)
+    spy = _Spy(gathered, monkeypatch)
+    got, _ = gathered.encode_flagged_bulk(TEXTS, MIXED)   # one core, per group, in this thread
+    assert not spy.gathered and spy.groups >= 4
+    alone = np.stack([pool.encode([t], [k])[0] for t, k in zip(TEXTS, MIXED)])
+    assert cosine(got, alone).min() >= MIN_COSINE
