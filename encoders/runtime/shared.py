@@ -10,7 +10,9 @@ length, each encoder's inputs bound once (:class:`qswap.encoders.runtime.shared_
 of several encoder groups runs its calls side by side on a second, single-threaded session of
 the same graph, one worker per core (:func:`qswap.encoders.runtime.shared_run.spread_groups` says when);
 that session is built when the first such batch comes, so a server whose batches never mix
-encoders does not hold its weights.
+encoders does not hold its weights. With ``mix="gathered"`` (or ``"auto"`` for batches of tiny
+groups) a mixed batch is instead ONE call of a second graph that takes each row's adapter
+(:mod:`qswap.encoders.runtime.shared_gathered`).
 
 Encoders the shared graph cannot express (``partial`` tensors other than biases), and encoders
 pinned with :meth:`SharedBackend.pin` (one that serves most of the traffic may run a little
