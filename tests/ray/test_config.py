@@ -98,3 +98,15 @@ def test_build_app_puts_encoders_on_gpus_and_the_ingress_on_cpu(tmp_path, tiny_m
     assert "num_gpus" not in ingress.ray_actor_options and ingress.num_replicas == 2
     # each side on its device: CUDA for the encoders, CPU for the ingress (registration checks, documents)
     assert encoder.init_args[0].device == "cuda" and ingress.init_args[0].device == "cpu"
+
+
+def test_print_config_over_a_milvus_collection_keeps_the_location(capsys, tmp_path):
+    from ray.serve.schema import ServeDeploySchema
+    loc = "milvus://milvus.milvus.svc:19530?collection=docs"
+    rc = main(["serve", "--ray", "--print-config", "--index", loc, "--state-dir", str(tmp_path / "state")])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    cfg = yaml.safe_load(out.out)
+    ServeDeploySchema.model_validate(cfg)
+    env = cfg["applications"][0]["runtime_env"]["env_vars"]
+    assert env["QSWAP_INDEX"] == loc and env["QSWAP_STATE_DIR"] == str((tmp_path / "state").resolve())

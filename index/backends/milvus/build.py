@@ -22,7 +22,7 @@ import numpy as np
 import qswap
 from qswap.errors import ConflictError, InvalidInputError, QswapError
 from qswap.index.backends.milvus.collection import (FORMAT, FORMAT_VERSION, MANIFEST_PROPERTY, MAX_ID_CHARS,
-                                                    MAX_TEXT_CHARS, _INSERT_BATCH, MilvusIndex, _check_sizes, _rows,
+                                                    MAX_TEXT_CHARS, _INSERT_BATCH, MilvusIndex, _check_sizes, _rescoring, _rows,
                                                     milvus_index)
 from qswap.index.backends.milvus.connection import BUILD_TIMEOUT_S, Connection, connect, milvus_error
 from qswap.index.checks import documents_with_embeddings, normalize_rows
@@ -118,7 +118,7 @@ def _build(uri: str, collection: str, n: int, batches: Iterable[tuple[list[Docum
            space: EmbeddingSpace, config: IndexConfig, *, replace: bool, build: dict[str, Any]) -> MilvusIndex:
     """Write a collection under a staging name, index it, then put it in place of ``collection``."""
     cfg = config.resolve(n, space.dim)
-    full = cfg.rescores(space.dim) and cfg.dim < space.dim
+    full = _rescoring(cfg, space.dim) and cfg.dim < space.dim
     t0 = time.time()
     c = connect(uri)
     try:
@@ -139,6 +139,10 @@ def _build(uri: str, collection: str, n: int, batches: Iterable[tuple[list[Docum
             rows = _rows(docs, x, int(cfg.dim), space.dim, full)
             c.call("insert", "an insert", staging, rows, timeout_s=BUILD_TIMEOUT_S)
             seen += len(rows)
+        if not c.is_lite:
+            # Sealed segments before indexing: the index then covers every row, and a read that
+            # does not wait for the server's time tick (Session) finds every row once loaded.
+            c.call("flush", "flushing the inserted rows", staging, timeout_s=BUILD_TIMEOUT_S)
         ip = c.client.prepare_index_params()
         ip.add_index("vec", index_type=t, metric_type="IP", params=params)
         if full_field == "vector":
@@ -152,6 +156,7 @@ def _build(uri: str, collection: str, n: int, batches: Iterable[tuple[list[Docum
         if c.call("has_collection", "a collection check", collection):
             c.call("drop_collection", "dropping the old collection", collection)
         c.call("rename_collection", "renaming the collection into place", staging, collection)
+        c.wrote(collection)   # this process's next reads of it wait until the server has it all
     except QswapError:
         c.close()
         raise

@@ -85,6 +85,14 @@ def milvus_index(cfg: IndexConfig) -> tuple[str, dict[str, Any], dict[str, Any]]
     return t, params, {"ef": int(cfg.ef_search)}
 
 
+def _rescoring(cfg: IndexConfig, full_dim: int) -> bool:
+    """Whether a search re-ranks candidates by exact cosine over the full vectors. Not when Milvus
+    already scores the full float32 vectors (full dimension, fp32/fp16 kept as float32): its scores
+    are the exact ones, and fetching ``k × oversample`` vectors and texts to re-rank them the same
+    way cost more than the search itself (bench/results/index/milvus-server)."""
+    return bool(cfg.rescore) and not (cfg.dim == full_dim and cfg.quant in ("fp32", "fp16"))
+
+
 # ---------------------------------------------------------------------- the index
 class MilvusIndex(BackendCommon):
     """A qswap index in a Milvus collection (see the module doc)."""
@@ -154,6 +162,10 @@ class MilvusIndex(BackendCommon):
     @property
     def _described(self) -> str:
         return f"collection {self.collection!r}"
+
+    @property
+    def _rescoring(self) -> bool:   # Milvus's own rule (see the module function)
+        return _rescoring(self._config, self.full_dim)
 
     # ------------------------------------------------------------------ search
     def search(self, queries: np.ndarray, k: int, filter: dict[str, FilterValue] | None = None,
@@ -318,7 +330,7 @@ class MilvusIndex(BackendCommon):
             "config": self._config.index_dict(),
             "milvus": {"index_type": t, "params": params, "search_params": sp,
                        "full_vectors": self._has_full, "full_vectors_field": self._m.get("full_field", "vector"),
-                       "server": self._conn.features.to_dict()},
+                       "server": self._conn.features.to_dict(), "read_consistency": self._conn.consistency},
             "rescoring": self._rescoring,
             "bytes": {"milvus_lite_file": size} if size is not None else {},
             "bytes_per_doc": {"milvus_lite_file": size / n} if size is not None else {},
