@@ -69,6 +69,23 @@ def _idle(conn: Any) -> bool:
     return cycle is None or cycle.response_complete
 
 
+def _evict_one(unserved: "OrderedDict[Any, None]", connections: Any, me: Any) -> bool:
+    """Close one idle connection other than ``me``: a slow client's (never served) first, oldest
+    first, found without a scan in the common case (a busy one, its first request running, is
+    skipped); else the oldest kept-alive idle one. False when every connection is busy."""
+    for c in unserved:
+        if c is not me and _idle(c) and not c.transport.is_closing():
+            unserved.pop(c)
+            c.transport.close()
+            return True
+    idle = [c for c in connections if c is not me and _idle(c)]
+    if not idle:
+        return False
+    victim = min(idle, key=lambda c: (getattr(c, "_served", 0) > 0, getattr(c, "_opened", 0.0)))
+    victim.transport.close()
+    return True
+
+
 def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol with a request-head timeout and a connection cap.
 
@@ -102,21 +119,7 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyn
             self._arm()   # a new connection must send a request head within the bound
 
         def _evict_idle(self) -> bool:
-            # A slow client's connection first (never served), oldest first: the common case,
-            # found without a scan; a busy one (its first request running) is skipped.
-            for c in unserved:
-                if c is not self and _idle(c) and not c.transport.is_closing():
-                    unserved.pop(c)
-                    c.transport.close()
-                    return True
-            idle = [c for c in self.connections if c is not self and _idle(c)]
-            if not idle:
-                return False
-            # Connections that never completed a request go first (a slow client's), oldest
-            # first; kept-alive connections of clients that were served go last.
-            victim = min(idle, key=lambda c: (getattr(c, "_served", 0) > 0, getattr(c, "_opened", 0.0)))
-            victim.transport.close()
-            return True
+            return _evict_one(unserved, self.connections, self)
 
         def _arm(self) -> None:
             self._disarm()
