@@ -24,6 +24,9 @@ from .test_build import _compare
 REQUEST_TIMEOUT_S = 20.0
 #: A refusal (503) must come this fast: the client is told to retry, not kept waiting.
 FAIL_FAST_S = 5.0
+#: Requests started this soon after the test saw the node declared dead may still have gone to
+#: its replicas (the proxies learn of the loss from the controller; the test polls the GCS).
+IN_FLIGHT_S = 1.0
 
 
 @dataclass
@@ -94,3 +97,170 @@ def test_index_build_runs_on_both_nodes_and_equals_local_build(cluster, tmp_path
     nodes = {p.name.split("-")[0] for p in seen.iterdir()}
     assert nodes == set(alive_nodes()), nodes
     _compare(local, tmp_path / "ray")
+
+
+@dataclass
+class Outcome:
+    """One request of the traffic: when it ran and how it ended (status -1: no HTTP answer)."""
+
+    kind: str
+    start: float
+    end: float
+    status: int
+    retry_after: str | None = None
+    detail: str = ""
+    doc: str | None = None
+
+
+class Traffic:
+    """Steady traffic from real HTTP clients: ``searchers`` threads searching (a LoRA encoder and
+    the base, alternately) and one thread upserting one document per request."""
+
+    def __init__(self, url: str, encoder: str, searchers: int = 2) -> None:
+        self.url = url
+        self.encoder = encoder
+        self.log: list[Outcome] = []
+        self.ok = Counter()
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._search, args=(i,), daemon=True) for i in range(searchers)]
+        self.threads.append(threading.Thread(target=self._upsert, daemon=True))
+
+    def __enter__(self) -> "Traffic":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(REQUEST_TIMEOUT_S + 5)
+
+    def _record(self, kind: str, t0: float, send: Any, doc: str | None = None) -> None:
+        try:
+            r = send()
+            o = Outcome(kind, t0, time.monotonic(), r.status_code, r.headers.get("retry-after"),
+                        r.text[:300] if r.status_code != 200 else "", doc)
+        except httpx.HTTPError as e:
+            o = Outcome(kind, t0, time.monotonic(), -1, None, repr(e)[:300], doc)
+        self.log.append(o)
+        if o.status == 200:
+            self.ok.add()
+
+    def _search(self, i: int) -> None:
+        with httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT_S) as c:
+            n = 0
+            while not self.stop.is_set():
+                enc = self.encoder if (n + i) % 2 == 0 else "base"
+                self._record("search", time.monotonic(),
+                             lambda: c.post("/v1/search", json={"query": "chess game", "k": 3, "encoder": enc}))
+                n += 1
+
+    def _upsert(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT_S,
+                          headers={"Authorization": f"Bearer {ADMIN}"}) as c:
+            n = 0
+            while not self.stop.is_set():
+                doc = f"mn{n:05d}"
+                self._record("upsert", time.monotonic(), lambda: c.post("/v1/documents", json={"documents": [
+                    {"id": doc, "text": f"chess opening number {n}", "metadata": {"n": n}}]}), doc)
+                n += 1
+
+    def acked(self) -> list[str]:
+        return [o.doc for o in self.log if o.kind == "upsert" and o.status == 200 and o.doc]
+
+
+@pytest.fixture(scope="module")
+def served(cluster, tmp_path_factory, tiny_model_dir, ray_index, ray_encoders) -> Iterator[Any]:
+    """``qswap serve --ray --address <head>`` as a child process: 2 ingress and 2 encoder replicas
+    of 0.5 CPU on the two 1-CPU nodes (the cluster is full: two replicas on each node)."""
+    from qswap.bench.processes import ServerProcess, free_port
+    tmp = tmp_path_factory.mktemp("mnserve")
+    port = free_port()
+    cmd = [str(Path(os.sys.executable).with_name("qswap")), "serve", "--ray", "--address", cluster.head.address,
+           "--port", str(port), "--model", str(tiny_model_dir), "--index", str(ray_index),
+           "--encoders-root", str(ray_encoders), "--state-dir", str(tmp / "state"), "--replicas", "2",
+           "--max-encoders-per-replica", "2", "--log-format", "text"]
+    srv = ServerProcess(cmd, port, ready_path="/readyz", log_path=tmp / "serve.log",
+                        env={**NODE_ENV, "QSWAP_ADMIN_TOKEN": ADMIN}, start_timeout_s=180)
+    srv.state_dir = tmp / "state"
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop(30)
+
+
+def _wait(cond: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (v := cond()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout} s")
+        time.sleep(0.2)   # polls the cluster's state; orders nothing
+    return v
+
+
+def _on_node(node: str) -> Any:
+    def check() -> dict[str, list[str]] | None:
+        reps = serve_replicas()
+        return reps if all(node in reps.get(d, []) for d in ("QswapIngress", "QswapEncoder")) else None
+    return check
+
+
+def test_serving_survives_losing_the_worker_node(cluster, served, ray_index):
+    import ray
+    from qswap.index import DocumentIndex
+    url = served.url("")
+    nodes = alive_nodes()
+    head_id = ray.get_runtime_context().get_node_id()
+    worker_id = next(n for n in nodes if n != head_id)
+    # One replica of each deployment on each node (Serve spreads a deployment's replicas; the
+    # proxy answers /readyz once the first ingress replica is up).
+    _wait(lambda: all(sorted(serve_replicas().get(d, [])) == sorted(nodes) for d in ("QswapIngress", "QswapEncoder")),
+          90, f"one replica of each deployment on each node: {serve_replicas()}")
+    with httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {ADMIN}"}) as c:
+        assert c.post("/v1/encoders", json={"path": "e1"}).status_code == 201
+        before = sorted(e["key"] for e in c.get("/v1/encoders").json()["encoders"])
+    with Traffic(url, "enc1") as traffic:
+        assert traffic.ok.wait_for(30, timeout=60), traffic.log[-5:]
+        t_kill = time.monotonic()
+        cluster.nodes[1].kill()
+        wait_nodes(1, timeout=30)
+        t_dead = time.monotonic()
+        # Serve's controller replaces the lost replicas; they wait for CPUs until a node joins.
+        _wait(lambda: all(worker_id not in serve_replicas().get(d, []) for d in ("QswapIngress", "QswapEncoder")),
+              30, "the lost replicas dropped from the actor table")
+        n_dead = traffic.ok.value
+        assert traffic.ok.wait_for(n_dead + 60, timeout=60), "no traffic served with the worker node gone"
+        new = cluster.add_worker("w2")
+        wait_nodes(2, timeout=60)
+        new_id = next(n for n in alive_nodes() if n != head_id)
+        _wait(_on_node(new_id), 120, "replicas placed on the returned node")
+        n_back = traffic.ok.value   # the returned node's replicas serve part of this
+        assert traffic.ok.wait_for(n_back + 40, timeout=60)
+    log = traffic.log
+    print(f"\nrequests {len(log)}; kill at {t_kill:.1f}, node dead +{t_dead - t_kill:.1f} s; "
+          f"failed {sum(o.status != 200 for o in log)}: "
+          + ", ".join(f"{o.kind} {o.status} {o.end - o.start:.2f}s @+{o.start - t_kill:.1f} {o.detail[:80]}"
+                      for o in log if o.status != 200)[:3000])
+    failed = [o for o in log if o.status != 200]
+    # Every failure is fast and is either qswap's 503 with Retry-After, or Ray's proxy's 500 for a
+    # request that was on a replica of the lost node when Ray declared the node dead (the proxy
+    # answers it; no replica code runs). Never a dropped connection or a 4xx.
+    assert all(o.end - o.start < FAIL_FAST_S for o in failed), failed
+    assert all((o.status == 503 and o.retry_after) or (o.status == 500 and o.detail == "Internal Server Error"
+                                                        and o.start < t_dead + IN_FLIGHT_S) for o in failed), failed
+    # None in the steady state: from just after the node was declared dead, through the worker
+    # node's return and the replicas placed on it, to the end.
+    steady = [o for o in failed if o.start >= t_dead + IN_FLIGHT_S]
+    assert not steady, steady
+    # Every acknowledged upsert is in the index; the registry is what it was.
+    acked = traffic.acked()
+    assert acked, "no upsert acknowledged"
+    with DocumentIndex.open(ray_index, read_only=True) as idx:
+        missing = [d for d, got in zip(acked, idx.get(acked)) if got is None]
+    assert not missing, missing
+    with httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {ADMIN}"}) as c:
+        assert sorted(e["key"] for e in c.get("/v1/encoders").json()["encoders"]) == before
+        for _ in range(8):   # both ingress replicas, both encoder replicas (the new one loads enc1)
+            r = c.post("/v1/search", json={"query": "chess game", "k": 3, "encoder": "enc1"})
+            assert r.status_code == 200 and r.json()["results"][0]["encoder"]["key"] == "enc1@1", r.text
