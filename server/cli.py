@@ -122,7 +122,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "default: start a local one)")
     r.add_argument("--replicas", default="1", metavar="N|auto", help="ingress replicas (Ray Serve num_replicas, "
                    "default 1)")
-    r.add_argument("--encoder-replicas", default=None, metavar="N|auto", help="encoder replicas (default: --replicas)")
+    r.add_argument("--encoder-replicas", default=None, metavar="N|auto", help="encoder replicas (default: --replicas; "
+                   "0: no encoder deployment, each ingress replica runs its encoders itself, without a hop)")
     r.add_argument("--autoscaling", metavar="JSON", help="Ray Serve autoscaling_config of the encoder deployment, "
                    "passed through (e.g. '{\"min_replicas\": 1, \"max_replicas\": 4}'); overrides --encoder-replicas")
     r.add_argument("--max-encoders-per-replica", type=int, default=8, metavar="M",
@@ -232,7 +233,7 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
                                 "e.g. --replica-threads 2")
     opts = RayOptions(replicas=_replica_count("--replicas", args.replicas),
                       encoder_replicas=(None if args.encoder_replicas is None
-                                        else _replica_count("--encoder-replicas", args.encoder_replicas)),
+                                        else _replica_count("--encoder-replicas", args.encoder_replicas, minimum=0)),
                       autoscaling=autoscaling, max_encoders=args.max_encoders_per_replica,
                       replica_cpus=args.replica_cpus, encoder_cpus=args.encoder_cpus, encoder_gpus=args.encoder_gpus,
                       replica_threads=args.replica_threads, max_ongoing_requests=args.max_ongoing_requests)
@@ -244,8 +245,8 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
     return serve_forever(settings, opts, address=args.address)
 
 
-def _replica_count(flag: str, text: str) -> int | str:
-    """A replica count flag: a positive number or ``auto``."""
+def _replica_count(flag: str, text: str, minimum: int = 1) -> int | str:
+    """A replica count flag: a number (``minimum`` or more) or ``auto``."""
     from qswap.errors import InvalidInputError
     if text == "auto":
         return text
@@ -253,6 +254,6 @@ def _replica_count(flag: str, text: str) -> int | str:
         n = int(text)
     except ValueError:
         raise InvalidInputError(f"{flag} must be a number or 'auto', got {text!r}", f"e.g. {flag} 2") from None
-    if n < 1:
-        raise InvalidInputError(f"{flag} must be at least 1, got {n}", f"e.g. {flag} 2")
+    if n < minimum:
+        raise InvalidInputError(f"{flag} must be at least {minimum}, got {n}", f"e.g. {flag} 2")
     return n

@@ -76,7 +76,7 @@ def serve_config(settings: ServerSettings, opts: RayOptions) -> dict[str, Any]:
         raise InvalidInputError("qswap serve --ray serves a FAISS index folder, not Milvus",
                                 "give an index folder on shared storage")
     options = deployment_options(settings, opts)
-    deployments = [{"name": name, **options[name]} for name in (INGRESS, ENCODER)]
+    deployments = [{"name": name, **options[name]} for name in (INGRESS, ENCODER) if name in options]
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": settings.host, "port": settings.port},

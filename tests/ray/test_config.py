@@ -98,3 +98,16 @@ def test_build_app_puts_encoders_on_gpus_and_the_ingress_on_cpu(tmp_path, tiny_m
     assert "num_gpus" not in ingress.ray_actor_options and ingress.num_replicas == 2
     # each side on its device: CUDA for the encoders, CPU for the ingress (registration checks, documents)
     assert encoder.init_args[0].device == "cuda" and ingress.init_args[0].device == "cpu"
+
+
+def test_serve_config_without_encoder_deployment(capsys, tmp_path):
+    from ray.serve.schema import ServeDeploySchema
+
+    from qswap.server.ray.serve import RayOptions
+    rc, out, err = _print(capsys, tmp_path, "--print-config", "--encoder-replicas", "0")
+    assert rc == 0, err
+    app = ServeDeploySchema.model_validate(yaml.safe_load(out)).applications[0]
+    assert [d.name for d in app.deployments] == ["QswapIngress"]
+    assert RayOptions(**app.args).fused
+    rc, _, err = _print(capsys, tmp_path, "--print-config", "--encoder-replicas", "-1")
+    assert rc == 2 and "--encoder-replicas must be at least 0" in err
