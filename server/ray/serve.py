@@ -372,10 +372,10 @@ def build_app(settings: ServerSettings, opts: RayOptions | None = None) -> Any:
         # GPU encoder replicas behind CPU ingress replicas: each side on its own device.
         enc_settings = settings.model_copy(update={"device": "cuda"})
         ing_settings = settings.model_copy(update={"device": "cpu"})
-    enc_max_batch = min(settings.max_batch, options[ENCODER]["max_ongoing_requests"])
     if opts.fused:
         return _ingress_class().options(**options[INGRESS], logging_config=LOGGING).bind(
             settings, None, opts.replica_threads, 1)
+    enc_max_batch = min(settings.max_batch, options[ENCODER]["max_ongoing_requests"])
     encoder = _encoder_class(opts.max_encoders, max(1, enc_max_batch)).options(
         **options[ENCODER], logging_config=LOGGING).bind(enc_settings, opts.replica_threads)
     return _ingress_class().options(**options[INGRESS], logging_config=LOGGING).bind(
