@@ -86,7 +86,8 @@ def ray_server(index: Path, enc_root: Path, state_dir: Path, log_path: Path, *, 
     env = {"RAY_USAGE_STATS_ENABLED": "0"}
     if direct:
         port = free_port()   # the replica's own port (Serve's proxy port above goes unused)
-        env.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1", RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(port))
+        env.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1", RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(port),
+                   RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(port + 1))
     return ServerProcess(cmd, port, ready_path="/readyz", log_path=log_path, start_timeout_s=600, env=env)
 
 
