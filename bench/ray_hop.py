@@ -81,6 +81,10 @@ def run_hop(args: argparse.Namespace, opts: LoadOptions) -> int:
                     "healthz_c1": {a: _lat(rs) for a, rs in hz.items()},
                     "lora_c1": {a: {**_lat(rs), "breakdown_ms": breakdown(_merged(rs))} for a, rs in lora.items()}}
             o = res["layouts"][name]
+            # The targets' figures: what the layout adds to /healthz, and a LoRA search against the
+            # single process of the same minutes.
+            o["healthz_added_p50_ms"] = o["healthz_c1"][name]["p50"] - o["healthz_c1"]["single"]["p50"]
+            o["lora_p50_ratio"] = o["lora_c1"][name]["p50"] / o["lora_c1"]["single"]["p50"]
             print(f"{name}: /healthz p50 {o['healthz_c1'][name]['p50']:.2f} ms (single "
                   f"{o['healthz_c1']['single']['p50']:.2f}); LoRA search p50 {o['lora_c1'][name]['p50']:.2f} ms "
                   f"(single {o['lora_c1']['single']['p50']:.2f})", file=sys.stderr)
