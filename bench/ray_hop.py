@@ -3,9 +3,11 @@
 One ingress replica in each layout, each on its own local Ray cluster started by ``qswap serve
 --ray``, measured alternately (A B B A) against the same single process at concurrency 1:
 
-- ``proxy + encoder deployment``: the default layout: Serve's HTTP proxy, the ingress replica,
-  and a hop to the encoder deployment for every encode (the multiplexed encoders);
-- ``proxy, encoders in ingress`` (``--encoder-replicas 0``): the proxy, no hop;
+- ``proxy + encoder deployment`` (``--encoder-replicas 1``; the default with several ingress
+  replicas): Serve's HTTP proxy, the ingress replica, and a hop to the encoder deployment for
+  every encode (the multiplexed encoders);
+- ``proxy, encoders in ingress`` (``--encoder-replicas 0``, the default with one replica): the
+  proxy, no hop;
 - ``direct ingress, encoders in ingress`` (``RAY_SERVE_ENABLE_DIRECT_INGRESS=1`` too): no proxy,
   no hop: the ingress replica answers on its own port.
 
@@ -30,7 +32,7 @@ from qswap.bench.stats import interleaved, summarize
 NAME = "ray-serving"
 #: name -> (encoder replicas, direct ingress)
 LAYOUTS: dict[str, tuple[int | None, bool]] = {
-    "proxy + encoder deployment": (None, False),
+    "proxy + encoder deployment": (1, False),
     "proxy, encoders in ingress": (0, False),
     "direct ingress, encoders in ingress": (0, True),
 }
