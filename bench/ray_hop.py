@@ -48,9 +48,11 @@ def _merged(rs: list[LoadResult]) -> LoadResult:
                       rs[0].stopped_by)
 
 
-def run_hop(args: argparse.Namespace, opts: LoadOptions) -> int:
-    """Measure every layout of :data:`LAYOUTS` against the single process; write the results."""
-    from qswap.bench.ray_serving import ray_server
+def run(args: argparse.Namespace) -> int:
+    """``qswap bench serving --ray --hop``: every layout of :data:`LAYOUTS` against the single
+    process; writes the results."""
+    from qswap.bench.ray_serving import LOAD, ray_server
+    opts = LoadOptions.from_args(args, LOAD)
     dirs = RunDirs.create(NAME, opts.quick, args.out)
     tmp = dirs.tmp
     work = load_workload(opts.quick)

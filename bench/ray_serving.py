@@ -159,9 +159,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``qswap bench serving --ray``."""
     opts = LoadOptions.from_args(args, LOAD)
-    if args.hop:
-        from qswap.bench.ray_hop import run_hop
-        return run_hop(args, opts)
     dirs = RunDirs.create(NAME, opts.quick, args.out)
     tmp = dirs.tmp
     work = load_workload(opts.quick)
