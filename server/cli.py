@@ -20,7 +20,7 @@ _FLAG_FIELDS = {
     "encoders_root": "encoders_root", "state_dir": "state_dir", "token": "admin_token",
     "search_token": "search_token", "metrics_token": "metrics_token", "insecure": "insecure", "backend": "backend",
     "query_precision": "query_precision", "lora_factors": "lora_factors",
-    "onnx_threads": "onnx_threads", "onnx_spin": "onnx_spin",
+    "onnx_threads": "onnx_threads", "onnx_spin": "onnx_spin", "bulk_lane": "bulk_lane",
     "batch_window_ms": "batch_window_ms", "max_batch": "max_batch", "default_encoder": "default_encoder",
     "read_only_index": "read_only_index", "max_k": "max_k", "max_queries": "max_queries",
     "encoder_memory_mb": "encoder_memory_bytes", "sentinels": "sentinels", "guard_alpha": "guard_alpha",
@@ -75,9 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--insecure", action="store_true", default=None,
                    help="admin routes without a token, for local use (loopback host only)")
     p.add_argument("--backend", choices=BACKENDS,
-                   help="query forward passes: 'shared' (default: one ONNX Runtime session of the base, adapters bound "
-                        "per run), 'onnx' (one merged export per encoder), 'torch' (the reference) or 'cuda' (mixed-adapter "
-                        "batches as CUDA-graph replays: docs/gpu.md)")
+                   help="query forward passes: 'shared' (the CPU default: one ONNX Runtime session of the base, adapters "
+                        "bound per run), 'onnx' (one merged export per encoder), 'torch' (the reference) or 'cuda' (the default where the "
+                        "model runs on a GPU: mixed-adapter batches as CUDA-graph replays, docs/gpu.md)")
     p.add_argument("--query-precision", choices=(*PRECISIONS, "fp16"),
                    help="torch backend: run batches of 16+ queries for one encoder in bf16 (default fp32; pays only where the "
                         "hardware has native bf16: AMX, AVX-512-BF16, tensor cores); cuda backend: every batch "
@@ -89,6 +89,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="ONNX Runtime intra-op threads per forward (default: all cores)")
     p.add_argument("--onnx-spin", choices=("on", "off"), default=None,
                    help="ONNX Runtime's workers busy-wait inside a forward (default on; docs/serving.md)")
+    p.add_argument("--bulk-lane", choices=("on", "off"), default=None,
+                   help="requests larger than one slice run on a second, lower-priority forward thread (default on; "
+                        "docs/serving.md)")
     p.add_argument("--batch-window-ms", type=float, help="micro-batch window (default 2)")
     p.add_argument("--max-batch", type=int, help="queries per forward pass at most (default 64)")
     p.add_argument("--max-k", type=int, help="hits per query at most (default 100)")

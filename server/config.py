@@ -10,7 +10,7 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from qswap import DEFAULT_MODEL
@@ -30,6 +30,15 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def device_is_cuda(device: str | None) -> bool:
+    """Whether the base model will run on a GPU: ``device`` names one, or none is named and torch
+    sees one (:func:`qswap.encoders.base.load_base`'s default)."""
+    if device is not None:
+        return str(device).split(":")[0] == "cuda"
+    import torch   # only here: the settings module is imported by light tools (the CLI's help)
+    return torch.cuda.is_available()
 
 
 class ServerSettings(BaseSettings):
@@ -65,7 +74,9 @@ class ServerSettings(BaseSettings):
                                             "none: /metrics follows the search rule (the search token when set)")
     insecure: bool = Field(False, description="admin routes without a token, loopback only")
     # -- throughput
-    backend: Literal["shared", "onnx", "torch", "cuda"] = "shared"
+    backend: Literal["shared", "onnx", "torch", "cuda"] | None = Field(
+        None, description="query forward passes; default: 'cuda' where the model runs on a GPU (--device cuda, or "
+                          "no --device and a GPU present), else 'shared' (ONNX Runtime on the CPU)")
     onnx_threads: int | None = Field(None, ge=1, description="ONNX Runtime intra-op threads per forward (default: "
                                      "all cores)")
     onnx_spin: bool = Field(True, description="ONNX Runtime's workers busy-wait inside a forward (its default); off: "
@@ -111,6 +122,9 @@ class ServerSettings(BaseSettings):
     max_batch_tokens: int = Field(2048, ge=1, description="rows x longest row of one forward pass at most")
     slice_tokens: int = Field(256, ge=1, description="one request's share of a forward pass: a larger search (or "
                               "document upsert) is split into slices of this, and other requests run between them")
+    bulk_lane: bool = Field(True, description="requests larger than slice_tokens (and document rows) run on a "
+                            "second, lower-priority forward thread, so one-query searches never wait behind them "
+                            "(docs/serving.md)")
     max_hit_text_chars: int = Field(8192, ge=1, description="a hit's text is cut at this (the hit says "
                                                           "truncated: true)")
     max_hit_metadata_bytes: int = Field(8192, ge=2, description="a hit's metadata beyond this (as JSON) is "
@@ -147,6 +161,14 @@ class ServerSettings(BaseSettings):
         if self.admin_token is not None:
             return "token"
         return "insecure" if self.insecure else "disabled"
+
+    @model_validator(mode="after")
+    def _pick_backend(self) -> "ServerSettings":
+        # A model on a GPU with the CPU's default backend would run every query through ONNX
+        # Runtime on the CPU while the GPU idles: the backend follows the device unless named.
+        if self.backend is None:
+            self.backend = "cuda" if device_is_cuda(self.device) else "shared"
+        return self
 
     def check(self) -> None:
         """Refuse settings that are unsafe or cannot work (raises :class:`InvalidInputError`)."""

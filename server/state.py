@@ -121,7 +121,9 @@ class ServerState:
                                     max_pending=s.max_pending, max_pending_per_encoder=s.max_pending_per_encoder,
                                     metrics=self.metrics, count_tokens=self.token_counts,
                                     max_batch_tokens=s.max_batch_tokens, slice_tokens=s.slice_tokens,
-                                    encode_documents=lambda texts: self.embed_documents(texts))
+                                    encode_documents=lambda texts: self.embed_documents(texts),
+                                    bulk=s.bulk_lane,
+                                    encode_bulk=getattr(self.backend, "encode_flagged_bulk", None))
         self.metrics.admitted.set_function(lambda: batcher.pending)
         if s.feedback_dir is not None:
             from qswap.feedback.store import FeedbackStore
@@ -143,6 +145,11 @@ class ServerState:
                 return
             batcher.start()
             self.batcher = batcher
+            if guard is not None:
+                # From here on the guard's forward passes are batch-worker jobs (the cost gate),
+                # not a second forward pass beside the worker's; see serving/background.py.
+                from qswap.server.serving.background import GatedEncode
+                guard.encode = GatedEncode(batcher, closing=guard.closing)
             self.ready = True
             self.metrics.ready.set(1)
 

@@ -9,14 +9,15 @@ without a corpus: the corpus is the served index)::
 
 Every registration then evaluates the new encoder on every sentinel against the base and
 against each encoder currently behind an alias (the ones it may replace): queries encoded
-by the server's own backend (``Backend.encode``, what serves search), scored exactly against
+by the server's own backend (``Backend.encode``, what serves search; in a running server as
+jobs of its batch worker, through the cost gate: :mod:`qswap.server.serving.background`), scored exactly against
 the index's stored document vectors (the vectors that re-rank every search), compared per
 query by :mod:`qswap.guard.checks` (Wilcoxon on nDCG@10, Holm over the sentinels). Query
 embeddings are cached per (encoder, sentinel): encoders are immutable, so the base and the
 incumbents cost one encoding each for the server's lifetime.
 
 Evaluations run one at a time on their own thread (``qswap-guard``); the batch worker keeps
-serving meanwhile (the pool's lock interleaves the two forward-pass streams chunk by chunk).
+serving meanwhile, its token slices interleaving the guard's chunks with the searches.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ class GuardEvaluator:
     def submit(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` on the guard thread (evaluations never overlap)."""
         return self._pool.submit(fn)
+
+    def closing(self) -> bool:
+        """Whether :meth:`close` was called (a running evaluation stops at its next chunk)."""
+        return self._closing.is_set()
 
     def close(self) -> None:
         """Drop queued evaluations and stop the running one at its next chunk (shutdown)."""

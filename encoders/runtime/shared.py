@@ -335,9 +335,18 @@ class SharedBackend:
         """Encode row ``i`` as a query with encoder ``keys[i]``; (n, dim) float32, input order."""
         return self.encode_flagged(texts, keys)[0]
 
-    def encode_flagged(self, texts: list[str], keys: list[str]) -> tuple[np.ndarray, list[bool]]:
+    def encode_flagged_bulk(self, texts: list[str], keys: list[str]) -> tuple[np.ndarray, list[bool]]:
+        """:meth:`encode_flagged` for a server's bulk lane (large requests, on a thread of their
+        own beside the interactive one): every call on the single-threaded session, in the
+        calling thread, so the bulk work holds one core and none of the interactive session's
+        threads (the main session until that session is built)."""
+        return self.encode_flagged(texts, keys, bulk=True)
+
+    def encode_flagged(self, texts: list[str], keys: list[str],
+                       bulk: bool = False) -> tuple[np.ndarray, list[bool]]:
         """:meth:`encode` and, per row, whether the tokenizer cut it at the model's max length,
-        from the one tokenisation the forward uses (a server needs both)."""
+        from the one tokenisation the forward uses (a server needs both). ``bulk``: see
+        :meth:`encode_flagged_bulk`."""
         if len(texts) != len(keys):
             raise InvalidInputError(f"{len(texts)} texts but {len(keys)} encoder keys")
         out = np.empty((len(texts), self.base.dim), dtype=np.float32)
@@ -363,9 +372,12 @@ class SharedBackend:
                                                  self.base.spec.query_prefix, self.batch_size,
                                                  encodings=[encs[i] for i in rows], call_tokens=CALL_TOKENS):
                 calls.append((feeds[k], [rows[j] for j in idx], ids, mask))
-        if len(groups) > 1 and group_session is None:
+        if (len(groups) > 1 or bulk) and group_session is None:
             self._start_group_session()
-        if group_session is not None and spread_groups([ids.size for _, _, ids, _ in calls], len(groups),
+        if bulk:
+            for feed, rows, ids, mask in calls:
+                out[rows] = self._call(group_session or session, feed, ids, mask)
+        elif group_session is not None and spread_groups([ids.size for _, _, ids, _ in calls], len(groups),
                                                        self._group_workers):
             # Longest first, so the short calls fill the workers' gaps at the end.
             calls.sort(key=lambda c: -c[2].size)

@@ -241,6 +241,24 @@ def test_one_encoder_stays_one_call_on_the_multithreaded_session(two_workers, mo
     assert used and set(used) == {two_workers._session}
 
 
+def test_bulk_encode_runs_in_the_calling_thread_on_the_single_threaded_session(two_workers, pool, monkeypatch):
+    # A server's bulk lane: every call on the single-threaded session, none on the group workers
+    # or the interactive session; the same vectors as the interactive path.
+    keys = ["l1@1", BASE_KEY, "b1@1", "l1@1"]
+    texts = TEXTS[:4]
+    two_workers.encode_flagged_bulk(texts, keys)      # builds the single-threaded session if none yet
+    assert two_workers.groups_side_by_side(wait=120)
+    used: list[tuple[object, str]] = []
+    call = two_workers._call
+    monkeypatch.setattr(two_workers, "_call",
+                        lambda s, *a: (used.append((s, threading.current_thread().name)), call(s, *a))[1])
+    vecs, flags = two_workers.encode_flagged_bulk(texts, keys)
+    assert used and {u for u, _ in used} == {two_workers._group_session}
+    assert {name for _, name in used} == {threading.current_thread().name}
+    alone = np.stack([pool.encode([t], [k])[0] for t, k in zip(texts, keys)])
+    assert cosine(vecs, alone).min() >= MIN_COSINE and flags == [False] * 4
+
+
 def test_bound_inputs_survive_batch_sizes_and_concurrent_runs(two_workers, pool):
     from concurrent.futures import ThreadPoolExecutor
 

@@ -203,3 +203,47 @@ def test_pipeline_answers_one_batch_while_the_next_is_encoded():
         first, second = _run(main())
     assert first.hits == [[True]] and second.hits == [[True]]
     assert names == {"count": "qswap-batcher-tokens", "encode": "qswap-batcher", "search": "qswap-batcher-answers"}
+
+
+def test_bulk_lane_answers_a_short_search_while_a_large_request_runs():
+    # A request over slice_tokens runs on the bulk lane: a one-query search arriving while one
+    # of its slices is in the model is answered at once, not after that slice. Without the lane
+    # the short search would wait for the held slice (this test would time out).
+    held, release = threading.Event(), threading.Event()
+    lanes: list[str] = []
+
+    def encode(texts, keys):
+        lanes.append(threading.current_thread().name)
+        if any(len(t) > 50 for t in texts):
+            held.set()
+            assert release.wait(30), "never released"
+        return np.array([[float(len(t)), 0.0] for t in texts], dtype=np.float32)
+
+    def search(q, k, flt, with_text):
+        return [[f"{int(row[0])}:{r}" for r in range(k)] for row in q]
+
+    with running(encode=encode, search=search, bulk=True, max_batch_tokens=64, slice_tokens=8,
+                 count_tokens=lambda texts: [len(t) // 10 + 1 for t in texts]) as b:
+        async def main():
+            big = asyncio.ensure_future(b.search(["L" * 60] * 3, "k", k=1, ticket=Ticket()))
+            assert await asyncio.to_thread(held.wait, 30)
+            short = await asyncio.wait_for(b.search(["short"], "k", k=1, ticket=Ticket()), 10)
+            assert not big.done()                      # the large request is still in its slice
+            release.set()
+            return short, await asyncio.wait_for(big, 30)
+        try:
+            short, big = _run(main())
+        finally:
+            release.set()
+    assert short.hits[0][0].startswith("5:") and [h[0] for h in big.hits] == ["60:0"] * 3
+    assert "qswap-batcher-bulk" in lanes and "qswap-batcher" in lanes
+    assert lanes.count("qswap-batcher-bulk") == 3    # one 7-token row per slice of 8 tokens
+
+
+def test_bulk_lane_off_keeps_one_forward_thread():
+    calls: list = []
+    enc, srch = _fake(calls)
+    with running(encode=enc, search=srch, max_batch_tokens=64, slice_tokens=8,
+                 count_tokens=lambda texts: [len(t) // 10 + 1 for t in texts]) as b:
+        _run(b.search(["L" * 60] * 3, "k", k=1, ticket=Ticket()))
+    assert {c[3] for c in calls if c[0] == "encode"} == {"qswap-batcher"}

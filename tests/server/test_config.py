@@ -40,3 +40,18 @@ def test_settings_refuse_blank_tokens():
             ServerSettings(admin_token=tok).check()
     with pytest.raises(InvalidInputError):
         ServerSettings(search_token=" " * 32).check()
+
+
+def test_backend_follows_the_device(monkeypatch):
+    # Named: kept whatever the device. Unnamed: cuda where the model runs on a GPU, else shared.
+    assert ServerSettings(device="cuda", backend="torch").backend == "torch"
+    assert ServerSettings(device="cuda").backend == "cuda"
+    assert ServerSettings(device="cuda:1").backend == "cuda"
+    assert ServerSettings(device="cpu").backend == "shared"
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert ServerSettings().backend == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ServerSettings().backend == "shared"
+    monkeypatch.setenv("QSWAP_BACKEND", "onnx")
+    assert ServerSettings(device="cuda").backend == "onnx"

@@ -180,14 +180,15 @@ def test_an_answer_over_the_byte_bound_is_refused(tmp_path, tiny_model_dir, inde
         assert r.json()["error"] == "limit_exceeded" and "4096 bytes" in r.json()["detail"] and r.json()["hint"]
 
 
-def test_a_large_upsert_is_a_job_and_searches_run_between_its_slices(tmp_path, tiny_model_dir, index_dir):
-    """A large upsert answers 202 with a job; its embedding runs in slices on the batch worker
-    and a search that arrives meanwhile runs before the next slice, not after the whole job.
-    The first slices are gated (events) to order the worker's turns."""
+@pytest.mark.parametrize("bulk_lane", [True, False])
+def test_a_large_upsert_is_a_job_and_searches_run_between_its_slices(tmp_path, tiny_model_dir, index_dir, bulk_lane):
+    """A large upsert answers 202 with a job; its embedding runs in slices and a search that
+    arrives meanwhile runs beside the slice in progress (bulk lane) or before the next slice
+    (one lane), never after the whole job. The first slices are gated (events) to order the turns."""
     import shutil
     shutil.copytree(index_dir, tmp_path / "index")
     s = server_settings(tmp_path, tiny_model_dir, tmp_path / "index", admin_token=ADMIN, backend="torch",
-                        sync_upsert_documents=4, slice_tokens=64)
+                        sync_upsert_documents=4, slice_tokens=64, bulk_lane=bulk_lane)
     with LiveServer(s) as srv, srv.client(ADMIN) as admin, srv.client() as anon:
         state = srv.app.state.qs
         real = state.embed_documents
@@ -209,12 +210,20 @@ def test_a_large_upsert_is_a_job_and_searches_run_between_its_slices(tmp_path, t
         result: list[httpx.Response] = []
         searcher = threading.Thread(target=lambda: result.append(anon.post("/v1/search", json={"query": "chess"})))
         searcher.start()
-        while state.batcher.pending < 2:               # the search is admitted and queued behind slice 1
-            assert searcher.is_alive()
-        gate.release()                                 # slice 1 ends; slice 2 queues behind the search
-        searcher.join(30)
-        assert result and result[0].status_code == 200
+        if bulk_lane:   # the search runs on the first lane while slice 1 is still in the model
+            searcher.join(30)
+            assert result and result[0].status_code == 200
+            assert admin.get(r.headers["location"]).json()["embedded"] == 0
+            gate.release()
+        else:
+            while state.batcher.pending < 2:           # the search is admitted and queued behind slice 1
+                assert searcher.is_alive()
+            gate.release()                             # slice 1 ends; slice 2 queues behind the search
+            searcher.join(30)
+            assert result and result[0].status_code == 200
         polled = admin.get(r.headers["location"]).json()
+        while polled["embedded"] == 0:                 # slice 1 written into the job's count
+            polled = admin.get(r.headers["location"]).json()
         assert polled["status"] == "running" and 0 < polled["embedded"] < 40, polled   # slice 2 still gated
         for _ in range(40):
             gate.release()

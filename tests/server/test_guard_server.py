@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from .conftest import ADMIN, LiveServer, server_settings
-from .guarding import GuardGate, build_guard_data, wait_verdict as _wait_verdict
+from .guarding import GuardGate, build_guard_data, save_bias, wait_verdict as _wait_verdict
 
 @pytest.fixture(scope="module")
 def guard_data(tmp_path_factory, tiny_base):
@@ -98,6 +98,26 @@ def test_identity_and_unrecorded_encoders_are_evaluated_and_pass(guarded):
     assert c.put("/v1/aliases/web", json={"encoder": "mild@1"}).status_code == 200
     assert c.post("/v1/search", json={"query": "chess", "domain": "web"}).json()["results"][0]["encoder"]["key"] \
         == "mild@1"
+
+
+def _encoded_rows(c) -> float:
+    line = next(ln for ln in c.get("/metrics").text.splitlines() if ln.startswith("qswap_batch_size_sum"))
+    return float(line.split()[-1])
+
+
+def test_guard_forward_passes_go_through_the_batch_worker(guarded, guard_data, tiny_base):
+    # The cost gate covers guard evaluations: the new encoder's sentinel queries are batch-worker
+    # jobs (counted in its batches, interleaved with searches), not a forward pass beside it.
+    srv, c = guarded
+    save_bias(guard_data["root"], "gated1", "gated", "1", tiny_base, 1e-4, seed=5)
+    before = _encoded_rows(c)
+    r = c.post("/v1/encoders", json={"path": "gated1", "wait": True})
+    assert r.status_code == 201, r.text
+    # the new encoder's queries (the references' embeddings are cached from earlier evaluations)
+    sentinel_queries = sum({x["name"]: x["n"] for x in r.json()["encoder"]["evaluation"]["checks"]}.values())
+    assert sentinel_queries > 0
+    assert _encoded_rows(c) - before >= sentinel_queries
+    assert c.delete("/v1/encoders/gated@1").status_code == 200
 
 
 def test_sentinels_with_unknown_documents_start_and_judge_nothing(tmp_path, tiny_model_dir, index_dir, caplog,
