@@ -93,6 +93,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "default: %(default)s)")
     p.add_argument("--adapter-count", type=int, default=10,
                    help="extra LoRA encoders loaded for the memory figure (default: %(default)s)")
+    p.add_argument("--mixed-only", action="store_true",
+                   help="run only the mixed-batch arms (qswap.bench.forward_mixed: per encoder group vs one "
+                        "gathered call); results under bench/results/forward_mixed/")
+    p.add_argument("--mixed-encoders", default="1,4,8,20",
+                   help="encoders mixed in one batch, round-robin over its rows (default: %(default)s)")
+    p.add_argument("--mixed-batches", default="8,32", help="queries per mixed batch (default: %(default)s)")
+    p.add_argument("--mixed-reps", type=int, default=15, help="rounds per mixed batch size (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run (10 rounds, batch of 4; results under bench/results/forward/tmp/quick)")
     p.add_argument("--out", type=Path, default=None, help="result directory (default bench/results/forward/)")
@@ -217,8 +224,8 @@ def main(args: argparse.Namespace) -> int:
     if min(args.threads, args.reps, args.batch_reps, args.batch, args.query_tokens, args.passage_tokens) < 1:
         raise InvalidInputError("--threads, --reps, --batch-reps, --batch and token counts must be >= 1",
                                 "give positive numbers")
-    writer = ResultWriter("forward", results_dir_for("forward", args.quick, args.out),
-                          packages=PACKAGES)
+    name = "forward_mixed" if args.mixed_only else "forward"
+    writer = ResultWriter(name, results_dir_for(name, args.quick, args.out), packages=PACKAGES)
     writer.meta["machine"]["bf16_cpu_flags"] = list(cpu_bf16_flags())
     torch.set_num_threads(args.threads)
     base = load_base(args.model, device=args.device)
@@ -233,6 +240,9 @@ def main(args: argparse.Namespace) -> int:
 
     # texts of exact token counts, with the base model's tokenizer and prefixes
     queries, qlens = make_texts(base.tokenizer, base.spec.query_prefix, 8, args.query_tokens)
+    if args.mixed_only:
+        results["texts"] = {"query_tokens": qlens, "queries": queries}
+        return _mixed_only(args, base, queries, results, writer)
     passages, plens = make_texts(base.tokenizer, base.spec.document_prefix, args.batch, args.passage_tokens)
     results["texts"] = {"query_tokens": qlens, "passage_tokens": plens, "queries": queries,
                         "passage_example": passages[0]}
@@ -357,6 +367,34 @@ def main(args: argparse.Namespace) -> int:
     atomic_write_bytes(out / "summary.md", (out / "README.md").read_bytes())
     print(md)
     print(f"wrote {out}/results.json, README.md (= summary.md), forward.png", file=sys.stderr)
+    return 0
+
+
+def _mixed_only(args: argparse.Namespace, base: Any, queries: list[str], results: dict[str, Any], writer: Any) -> int:
+    """The mixed-batch arms alone (``--mixed-only``); writes results.json and README.md."""
+    from qswap.bench import forward_mixed
+
+    try:
+        encoders = [int(x) for x in args.mixed_encoders.split(",") if x.strip()]
+        batches = [int(x) for x in args.mixed_batches.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidInputError("bad --mixed-encoders / --mixed-batches",
+                                "give comma-separated positive integers, e.g. 1,4,8") from None
+    if not encoders or not batches or min(encoders + batches) < 1 or args.mixed_reps < 1 or args.adapter_rank < 1:
+        raise InvalidInputError("--mixed-encoders, --mixed-batches, --mixed-reps and --adapter-rank must be >= 1",
+                                "give positive numbers")
+    if args.quick:
+        args.mixed_reps, batches = 2, batches[:1]
+    with tempfile.TemporaryDirectory(prefix="qswap-bench-mixed-cache-") as tmp:
+        results["mixed"] = forward_mixed.run(
+            base, queries, threads=args.threads, rank=args.adapter_rank, encoders=encoders, batches=batches,
+            reps=args.mixed_reps, settle=args.settle_ms / 1000, spin=not args.ort_no_spin,
+            cache=args.cache_dir or Path(tmp), timed_arms=timed_arms, spread=_spread, progress=_progress)
+    results["goals"] = forward_mixed.goals(results["mixed"])
+    md = "\n".join(forward_mixed.summary_lines(results["mixed"]))
+    out = writer.write(results, md)
+    print(md)
+    print(f"wrote {out}/results.json, README.md", file=sys.stderr)
     return 0
 
 

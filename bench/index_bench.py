@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from qswap import DEFAULT_MODEL
+from qswap.bench.index_backends import (add_backend_arguments, real_debian_embeddings, recall_and_latency,
+                                       run_backends)
 from qswap.bench.results import ResultWriter, md_table, results_dir_for
 from qswap.bench.plots import pareto_front, plot_lines, plot_pareto
 from qswap.bench.stats import summarize
@@ -36,6 +38,8 @@ from qswap.errors import InvalidInputError
 
 NAME = "index"
 K = 10
+#: What ``--backend`` may list: FAISS, milvus-lite (embedded) and a Milvus server (a LocalMilvus per run).
+BACKENDS = ("faiss", "milvus", "milvus-server")
 
 
 @dataclass(frozen=True)
@@ -110,30 +114,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "synthetic set, 40 %% of it for the real one; the rest is listed as skipped)")
     p.add_argument("--work", type=Path, default=None, help="scratch directory (default <out>/tmp/work)")
     p.add_argument("--backend", default="faiss", metavar="LIST",
-                   help="faiss (default): the FAISS option grid; a list with milvus (e.g. faiss,milvus): the "
+                   help="faiss (default): the FAISS option grid; a list of faiss, milvus (milvus-lite) and "
+                        "milvus-server (a Milvus server started for the run), e.g. faiss,milvus-server: the "
                         "backends side by side on the same vectors, queries and options (results in "
-                        "<out>/backends/, milvus-lite here)")
-
-
-def _recall(got: list[list[Any]], truth: Any) -> float:
-    import numpy as np
-    r = [len({int(h.id) for h in g} & set(t[:K].tolist())) / K for g, t in zip(got, truth)]
-    return float(np.mean(r))
+                        "<out>/backends/)")
+    add_backend_arguments(p)
 
 
 def _measure(idx: Any, s: Setting, queries: Any, truth: Any, n_latency: int) -> dict[str, Any]:
     """Recall, latency and bytes of one search-time variant of ``idx`` (already built)."""
-    got = []
-    for i in range(0, len(queries), 256):
-        got += idx.search(queries[i:i + 256], K, with_text=False)
-    recall = _recall(got, truth)
-    for j in range(min(10, n_latency)):
-        idx.search(queries[j:j + 1], K)
-    lat = []
-    for j in range(n_latency):
-        t = time.perf_counter()
-        idx.search(queries[j:j + 1], K)
-        lat.append((time.perf_counter() - t) * 1e3)
+    recall, lat = recall_and_latency(idx, queries, truth, n_latency, batch=256)
     info = idx.info()
     faiss_b = float(info["bytes_per_doc"]["faiss"])
     # Rescoring reads the float16 full-dimension rows of the candidates: they must be in memory.
@@ -201,38 +191,6 @@ def run_set(name: str, base: Any, queries: Any, work: Path, settings: list[Setti
             "store_build_s": t_store, "rows": rows, "skipped": skipped, "budget_s": budget_s}
 
 
-def real_debian_embeddings(n: int, model: str) -> Path:
-    """``n`` Debian one-line descriptions (English, distinct) embedded as documents (cached .npy)."""
-    import json
-
-    import numpy as np
-
-    from qswap.bench.fixtures import cache_dir, debian_dir
-    from qswap.encoders import load_base
-
-    base = load_base(model, device="cpu")
-    path = cache_dir() / f"real-debian-short-{n}-{base.space.fingerprint[:10]}.npy"
-    if path.is_file():
-        return path
-    texts: list[str] = []
-    seen: set[str] = set()
-    with open(debian_dir() / "queries-en.jsonl", encoding="utf-8") as f:
-        for line in f:
-            t = json.loads(line)["text"] if line.strip() else ""
-            if t and t not in seen:
-                seen.add(t)
-                texts.append(t)
-    if len(texts) < n:
-        raise InvalidInputError(f"only {len(texts)} distinct descriptions", f"use --real-debian {len(texts)} or less")
-    import random
-    random.Random(0).shuffle(texts)
-    x = base.encode_documents(texts[:n], batch_size=64, progress=True)
-    tmp = path.with_suffix(".tmp.npy")
-    np.save(tmp, x.astype(np.float32))
-    tmp.replace(path)
-    return path
-
-
 def _table(rows: list[dict[str, Any]]) -> str:
     hdr = ["kind", "quant", "dim", "search", "rescore", f"recall@{K}", "FAISS B/doc", "B/doc touched",
            "p50 ms", "p99 ms", "build s"]
@@ -269,9 +227,10 @@ def run(args: argparse.Namespace) -> int:
     from qswap.bench.data.synthetic import clustered_embeddings
 
     backends = [b.strip() for b in str(args.backend).split(",") if b.strip()]
-    bad = [b for b in backends if b not in ("faiss", "milvus")]
+    bad = [b for b in backends if b not in BACKENDS]
     if bad or not backends:
-        raise InvalidInputError(f"unknown backend(s) {bad or args.backend!r}", "use --backend faiss or faiss,milvus")
+        raise InvalidInputError(f"unknown backend(s) {bad or args.backend!r}",
+                                "use --backend faiss, or a list of " + ", ".join(BACKENDS))
     if backends != ["faiss"]:
         return run_backends(args, backends)
     quick = bool(args.quick)
@@ -346,141 +305,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out}")
     return 0
 
-
-# ---------------------------------------------------------------------- backends side by side
-BACKEND_SETTINGS = [  # (label, IndexConfig options): the same options given to every backend
-    ("flat fp32 d{d} (exact)", {"kind": "flat", "quant": "fp32"}),
-    ("hnsw sq8 d{d} ef64 +rescore", {"kind": "hnsw", "quant": "sq8", "ef_search": 64, "rescore": True}),
-    ("ivf sq8 d{d} nprobe16 +rescore", {"kind": "ivf", "quant": "sq8", "nprobe": 16, "rescore": True}),
-    ("ivf sq8 d{m} nprobe16 +rescore (MRL)", {"kind": "ivf", "quant": "sq8", "nprobe": 16, "rescore": True,
-                                                "mrl": True}),
-]
-
-
-def _dir_bytes(p: Path) -> int:
-    if p.is_file():
-        return p.stat().st_size
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.exists() else 0
-
-
-def _backend_row(backend: str, label: str, opts: dict[str, Any], base: Any, queries: Any, truth: Any,
-                 work: Path, n_latency: int, space: Any, docs: list[Any]) -> dict[str, Any]:
-
-    from qswap.index import IndexConfig, create_index
-
-    dim = base.shape[1]
-    opts = dict(opts)
-    d = dim // 3 if opts.pop("mrl", False) else dim
-    cfg = IndexConfig(dim=d, use_gpu=False, **opts)
-    t0 = time.perf_counter()
-    if backend == "faiss":
-        path = work / "faiss-index"
-        shutil.rmtree(path, ignore_errors=True)
-        shutil.rmtree(path.with_name(path.name + ".building"), ignore_errors=True)
-        idx: Any = create_index(path, docs, base, space, cfg)
-        where = path
-    else:
-        from qswap.index.backends.milvus.build import create_collection
-        # A fresh milvus-lite file per setting (its embedded server keeps a file's state while it runs).
-        where = work / f"milvus-{time.monotonic_ns()}.db"
-        idx = create_collection(str(where), "bench", docs, base, space, cfg)
-    build_s = time.perf_counter() - t0
-    try:
-        got = []
-        for i in range(0, len(queries), 100):
-            got += idx.search(queries[i:i + 100], K, with_text=False)
-        recall = _recall(got, truth)
-        for j in range(min(10, n_latency)):
-            idx.search(queries[j:j + 1], K)
-        lat = []
-        for j in range(n_latency):
-            t = time.perf_counter()
-            idx.search(queries[j:j + 1], K)
-            lat.append((time.perf_counter() - t) * 1e3)
-        info = idx.info()
-    finally:
-        idx.close()
-    size = _dir_bytes(where)
-    n = len(docs)
-    return {"backend": backend, "setting": label.format(d=dim, m=d), "dim": d, "config": info["config"],
-            "native_index": info.get("milvus", {}).get("index_type") if backend == "milvus"
-            else info["faiss"]["factory"],
-            f"recall@{K}": recall, "latency_ms": summarize(lat), "build_s": build_s,
-            "bytes_on_disk": size, "bytes_per_doc": size / n,
-            "rescoring": bool(info["rescoring"]),
-            "full_vectors": ("float32 field in Milvus" if info.get("milvus", {}).get("full_vectors") else
-                             "the vec field itself" if backend == "milvus" else "qswap float16 log")}
-
-
-def run_backends(args: argparse.Namespace, backends: list[str]) -> int:
-    """``qswap bench index --backend faiss,milvus``: every backend on the same vectors and options."""
-    import os
-
-    import numpy as np
-
-    from qswap.bench.data.synthetic import clustered_embeddings, exact_ground_truth
-    from qswap.index import Document
-    from qswap.space import EmbeddingSpace
-
-    quick = bool(args.quick)
-    n = args.n or (5_000 if quick else 20_000)
-    nq = args.queries or (100 if quick else 300)
-    n_lat = args.latency_queries or (30 if quick else 200)
-    clusters = args.clusters or (64 if quick else 256)
-    out = results_dir_for(NAME, quick, args.out) / "backends"
-    w = ResultWriter(f"{NAME}-backends", out)
-    work = args.work or (out / "tmp" / "work")
-    work.mkdir(parents=True, exist_ok=True)
-    load_start = os.getloadavg()
-    sets: dict[str, Any] = {}
-    data = [("synthetic", clustered_embeddings(n, args.dim, clusters, args.seed),
-             clustered_embeddings(nq, args.dim, clusters, args.seed, stream="queries"),
-             f"synthetic clustered unit vectors, {clusters} clusters, seed {args.seed}")]
-    real_kind = f"real embeddings {args.real}"
-    if args.real is None and args.real_debian:
-        args.real = real_debian_embeddings(args.real_debian, args.model)
-        real_kind = (f"real {args.model} embeddings of {args.real_debian:,} distinct Debian one-line descriptions "
-                     f"(English, document prefix); queries: the last {args.real_queries}, held out")
-    if args.real is not None:
-        real = np.load(args.real, mmap_mode="r")
-        if real.ndim != 2 or len(real) <= args.real_queries + K:
-            raise InvalidInputError(f"{args.real} has shape {real.shape}", f"need more than {args.real_queries + K} rows")
-        data.append(("real", np.ascontiguousarray(real[:-args.real_queries], dtype=np.float32),
-                     np.ascontiguousarray(real[-args.real_queries:], dtype=np.float32), real_kind))
-    for name, base, queries, kind in data:
-        _, truth = exact_ground_truth(base, queries, K)
-        dim = base.shape[1]
-        space = EmbeddingSpace(name=f"bench-{name}", weights_sha256="0" * 64, tokenizer_sha256="0" * 64,
-                               pooling="mean", query_prefix="", document_prefix="", normalize=True, dim=dim)
-        docs = [Document(str(i), f"doc {i}", {"cluster": int(i % 7)}) for i in range(len(base))]
-        rows = []
-        for label, opts in BACKEND_SETTINGS:
-            for b in backends:
-                print(f"{name}: {b}: {label.format(d=dim, m=dim // 3)}", flush=True)
-                rows.append(_backend_row(b, label, opts, base, queries, truth, work, n_lat, space, docs))
-        sets[name] = {"documents": len(base), "dim": dim, "queries": len(queries), "data": kind, "rows": rows}
-    results = {"k": K, "backends": backends, "sets": sets, "loadavg_start": load_start,
-               "loadavg_end": os.getloadavg()}
-    md = [f"Backends side by side on the same vectors, queries and index options. Recall@{K} against exact "
-          "float32 search; latency: one query through the backend's `search` (with text and metadata), after "
-          "10 warm-up queries, single process; build: documents + vectors in, index built and loaded; "
-          "bytes/doc: everything on disk (FAISS: index folder with docs.sqlite and the float16 log; Milvus: the "
-          "milvus-lite database). Milvus here is milvus-lite (embedded, same client API), not a server or "
-          f"cluster. Load average at start {load_start[0]:.2f}, end {os.getloadavg()[0]:.2f} (2 shared cores).\n"]
-    for name, res in sets.items():
-        md.append(f"## {name}: {res['documents']:,} x {res['dim']}, {res['queries']} queries\n")
-        md.append(f"Data: {res['data']}.\n")
-        hdr = ["setting", "backend", "native index", f"recall@{K}", "p50 ms", "p99 ms", "build s", "bytes/doc",
-               "full vectors for rescoring"]
-        md.append(md_table(hdr, [[r["setting"], r["backend"], r["native_index"], r[f"recall@{K}"],
-                                  r["latency_ms"]["p50"], r["latency_ms"]["p99"], r["build_s"],
-                                  round(r["bytes_per_doc"]), r["full_vectors"] if r["rescoring"] else "-"]
-                                 for r in res["rows"]]))
-        pts = [(r["latency_ms"]["p50"], r[f"recall@{K}"]) for r in res["rows"]]
-        plot_pareto(w.plot_path(f"backends_{name}.png"), pts, [f"{r['backend']}: {r['setting']}" for r in res["rows"]],
-                    xlabel="p50 latency per query (ms)", ylabel=f"recall@{K} vs exact fp32",
-                    title=f"FAISS vs Milvus(-lite), {res['documents']:,} x {res['dim']} ({name})")
-    w.write(results, "\n".join(md))
-    shutil.rmtree(work, ignore_errors=True)
-    print(f"wrote {out}")
-    return 0

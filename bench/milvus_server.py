@@ -50,6 +50,11 @@ class LocalMilvus:
         return f"milvus://127.0.0.1:{self.port}"
 
     @property
+    def http_uri(self) -> str:
+        """The pymilvus URI of this server (``http://127.0.0.1:PORT``)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
     def pid(self) -> int | None:
         return self._proc.proc.pid if self._proc and self._proc.proc else None
 
@@ -121,7 +126,7 @@ class LocalMilvus:
     def facts(self) -> dict[str, Any]:
         """What a results file records about this server."""
         return {"server_version": self.version, "package": f"milvus {milvus_package_version()}",
-                "start_seconds": round(self.start_seconds or 0.0, 2), "uri": f"http://127.0.0.1:{self.port}"}
+                "start_seconds": round(self.start_seconds or 0.0, 2), "uri": self.http_uri}
 
     def __enter__(self) -> "LocalMilvus":
         return self.start()

@@ -164,7 +164,7 @@ def test_cli_help_imports_no_command_and_its_lines_are_the_commands_own(tmp_path
 #: (exceptions: a benchmark's own arm kept in a second file — `bench serving --ray` in ray_serving
 #: and its `--hop` layouts in ray_hop,
 #: `bench serving --embeddings` in serving_embeddings,
-#: `bench forward`'s adapter rows in forward_adapters, `bench tuning --e2e` in tuning_phases and `--step` in tuning_step,
+#: `bench forward`'s adapter rows in forward_adapters and mixed batches in forward_mixed, `bench tuning --e2e` in tuning_phases and `--step` in tuning_step,
 #: `bench embed`'s runtime arms in embed_arms). The Infinity peer (infinity_peer) is library:
 #: `bench embed` and `bench peer` both run it.
 BENCH_LIBRARY = ("provenance", "stats", "results", "plots", "processes", "load_options", "fixtures", "loadgen",
@@ -173,9 +173,13 @@ BENCH_ALLOWED = {("qswap.bench.serving", "qswap.bench.ray_serving"),
                  ("qswap.bench.serving", "qswap.bench.ray_hop"), ("qswap.bench.ray_hop", "qswap.bench.ray_serving"),
                  ("qswap.bench.serving", "qswap.bench.serving_embeddings"),
                  ("qswap.bench.forward", "qswap.bench.forward_adapters"),
+                 ("qswap.bench.forward", "qswap.bench.forward_mixed"),   # `bench forward --mixed-only`
                  ("qswap.bench.tuning_speed", "qswap.bench.tuning_phases"),
                  ("qswap.bench.tuning_speed", "qswap.bench.tuning_step"),   # modes of `qswap bench tuning`
                  ("qswap.bench.ray_embed", "qswap.bench.embed_arms"),
+                 # `bench index --backend LIST` in index_backends, its `--http` arm in index_http
+                 ("qswap.bench.index_bench", "qswap.bench.index_backends"),
+                 ("qswap.bench.index_backends", "qswap.bench.index_http"),
                  # `bench domains`: its data, its power analysis and its report in files of their own
                  ("qswap.bench.domains", "qswap.bench.domains_data"), ("qswap.bench.domains", "qswap.bench.domains_power"),
                  ("qswap.bench.domains", "qswap.bench.domains_report"),

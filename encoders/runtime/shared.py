@@ -10,7 +10,9 @@ length, each encoder's inputs bound once (:class:`qswap.encoders.runtime.shared_
 of several encoder groups runs its calls side by side on a second, single-threaded session of
 the same graph, one worker per core (:func:`qswap.encoders.runtime.shared_run.spread_groups` says when);
 that session is built when the first such batch comes, so a server whose batches never mix
-encoders does not hold its weights.
+encoders does not hold its weights. With ``mix="gathered"`` (or ``"auto"`` for batches of tiny
+groups) a mixed batch is instead ONE call of a second graph that takes each row's adapter
+(:mod:`qswap.encoders.runtime.shared_gathered`).
 
 Encoders the shared graph cannot express (``partial`` tensors other than biases), and encoders
 pinned with :meth:`SharedBackend.pin` (one that serves most of the traffic may run a little
@@ -36,9 +38,10 @@ from qswap.encoders.runtime.export_cache import cached_dir
 from qswap.encoders.embedding import length_buckets
 from qswap.encoders.runtime.onnx import OnnxBackend, available_providers, make_session
 from qswap.encoders.pool import FACTOR_DTYPES, EncoderPool
-from qswap.encoders.runtime.shared_export import (UNREACHED, SHARED_MODEL_FILE, Slots, export_shared, find_slots, ort_input,
-                                          release_freed_memory, shared_digest)
-from qswap.encoders.runtime.shared_run import BoundFeed, spread_groups
+from qswap.encoders.runtime.shared_export import (GATHERED_MODEL_FILE, UNREACHED, SHARED_MODEL_FILE, Slots, export_shared,
+                                                  find_slots, ort_input, release_freed_memory, shared_digest)
+from qswap.encoders.runtime.shared_gathered import GatheredTable
+from qswap.encoders.runtime.shared_run import BoundFeed, gather_groups, spread_groups
 from qswap.errors import InvalidInputError, NotFoundError
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,15 @@ RETRY_MAX_S = 300.0   # the longest wait between two export attempts
 # first) are cut into calls where the padding saved outweighs it (encoders.embedding.padded_splits).
 CALL_TOKENS = 16
 SHARED_DIR = "_shared"
+#: How a batch that mixes encoders runs: ``groups``, one call per encoder group (side by side on
+#: a second, single-threaded session); ``gathered``, one call for all its rows, each row's adapter
+#: gathered from a table (:mod:`qswap.encoders.runtime.shared_gathered`); ``auto``, gathered only
+#: for batches of tiny groups (:func:`qswap.encoders.runtime.shared_run.gather_groups`).
+MIXES = ("groups", "gathered", "auto")
+# Not "auto": a gathered call pays only for batches of 1-2 rows per encoder, and its table holds
+# a second copy of every encoder that ran gathered (bench/results/forward_mixed/), against the
+# memory budget that counts each encoder's adapter bytes once.
+DEFAULT_MIX = "groups"
 
 
 def adapter_inputs(pool: EncoderPool, key: str, slots: Slots) -> dict[str, torch.Tensor] | None:
@@ -84,16 +96,20 @@ class SharedBackend:
     intra-op threads (default: all cores); ``providers``: ONNX Runtime execution providers
     (default :func:`available_providers`: CUDA first where present); ``batch_size``: rows per
     ONNX Runtime call; ``group_workers``: how many encoder groups of one batch run side by side
-    (default: ``threads``; 1 runs them one after another; on CPU only).
+    (default: ``threads``; 1 runs them one after another; on CPU only); ``mix``: how a batch that
+    mixes encoders runs (:data:`MIXES`).
     """
 
     name = "shared"
 
     def __init__(self, pool: EncoderPool, cache_dir: Path, threads: int | None = None,
                  providers: list[str] | None = None, spin: bool = True, batch_size: int = 64,
-                 group_workers: int | None = None, retry_s: float | None = None) -> None:
+                 group_workers: int | None = None, retry_s: float | None = None, mix: str = DEFAULT_MIX) -> None:
         if threads is not None and threads < 1:
             raise InvalidInputError(f"threads must be >= 1, got {threads}", "omit it to use all cores")
+        if mix not in MIXES:
+            raise InvalidInputError(f"unknown mix {mix!r}", f"use one of {', '.join(MIXES)}")
+        self.mix = mix
         self.pool = pool
         self.base = pool.base
         self.cache_dir = Path(cache_dir)
@@ -128,6 +144,9 @@ class SharedBackend:
         self._group_session: Any = None
         self._group_future: Future[None] | None = None
         self._workers = ThreadPoolExecutor(max_workers=self._group_workers, thread_name_prefix="qswap-shared-group")
+        # The gathered graph's session and table (mix="gathered"), built at the first mixed batch.
+        self._gathered: tuple[Any, GatheredTable] | None = None
+        self._gathered_future: Future[None] | None = None
         # Merged per-encoder exports: encoders the shared graph cannot express, and pinned ones.
         self.merged = OnnxBackend(pool, cache_dir, threads=threads, providers=self.providers, spin=spin,
                                   batch_size=batch_size)
@@ -176,21 +195,44 @@ class SharedBackend:
                 return
             self._retried.notify_all()
 
-    def _load_or_export(self) -> Any:
+    def _load_or_export(self, gathered: bool = False) -> Any:
         target = self.directory()
-        digest = shared_digest(self.base, self._variant, self.factors)
+        if gathered:
+            target = target.with_name(target.name + "-gathered")
+        digest = shared_digest(self.base, self._variant, self.factors, gathered=gathered)
+        model_file = GATHERED_MODEL_FILE if gathered else SHARED_MODEL_FILE
 
         def export(staging: Path) -> dict[str, Any]:
-            facts = export_shared(self.base, staging, factors=self.factors, optimize_for=self._variant)
+            facts = export_shared(self.base, staging, factors=self.factors, optimize_for=self._variant,
+                                  gathered=gathered)
             release_freed_memory()
             return {"digest": digest, "variant": self._variant, "space": self.base.space.fingerprint,
                     "base": self.base.name, **facts}
 
-        meta, exported = cached_dir(target, digest, SHARED_MODEL_FILE, export)
+        meta, exported = cached_dir(target, digest, model_file, export)
         if exported:
-            log.info("exported the shared base graph in %.1fs (probe cosine %.7f)", meta["export_seconds"],
-                     meta["probe_min_cosine"])
-        return make_session(target / SHARED_MODEL_FILE, self._threads, self.providers, self.spin)
+            log.info("exported the %s base graph in %.1fs (probe cosine %.7f)", "gathered" if gathered else "shared",
+                     meta["export_seconds"], meta["probe_min_cosine"])
+        return make_session(target / model_file, self._threads, self.providers, self.spin)
+
+    def _start_gathered(self) -> None:
+        """Export (or load) the gathered graph and build its session and table in the background,
+        once: only when a batch mixes encoders, so a server whose batches never do holds neither.
+        Until it is ready, or if it fails, mixed batches run per group."""
+        with self._lock:
+            if self._gathered_future is not None:
+                return
+
+            def build() -> None:
+                try:
+                    sess = self._load_or_export(gathered=True)
+                except Exception as e:   # mixed batches keep running per group
+                    log.warning("gathered ONNX export failed; mixed batches run one call per encoder: %s", e)
+                    raise
+                table = GatheredTable(self.slots, self._base_inputs, FACTOR_DTYPES[self.factors])
+                with self._lock:
+                    self._gathered = (sess, table)
+            self._gathered_future = self._executor.submit(build)
 
     def _feed(self, tensors: dict[str, torch.Tensor]) -> BoundFeed:
         """Pre-built OrtValues, bound once per session: a run copies nothing of the adapter
@@ -231,6 +273,9 @@ class SharedBackend:
         full = {**self._base_inputs, **own}
         with self._lock:
             self._inputs[key] = self._feed(full) if self._session is not None else full
+            gathered = self._gathered
+        if gathered is not None:   # a re-prepared key is written again when it next runs gathered
+            gathered[1].discard(key)
 
     def pin(self, key: str) -> None:
         """Serve ``key`` from its own merged export (for an encoder with most of the traffic);
@@ -238,6 +283,9 @@ class SharedBackend:
         with self._lock:
             self._pinned.add(key)
             self._inputs.pop(key, None)
+            gathered = self._gathered
+        if gathered is not None:
+            gathered[1].discard(key)
         self.merged.prepare(key)
 
     def ready(self, key: str) -> bool:
@@ -308,10 +356,24 @@ class SharedBackend:
                 pass
         return self._group_session is not None
 
+    def gathered_ready(self, wait: float | None = 0) -> bool:
+        """Whether batches mixing encoders run as one gathered call now (``mix="gathered"``, its
+        graph built); ``wait``: seconds to wait for it if it is being built."""
+        future = self._gathered_future
+        if future is not None and wait != 0:
+            try:
+                future.result(timeout=wait)
+            except Exception:   # a timeout or a failed build: mixed batches run per group
+                pass
+        return self._gathered is not None
+
     def discard(self, key: str) -> None:
         with self._lock:
             self._inputs.pop(key, None)
             self._pinned.discard(key)
+            gathered = self._gathered
+        if gathered is not None:
+            gathered[1].discard(key)
         self.merged.discard(key)
 
     def close(self) -> None:
@@ -327,6 +389,7 @@ class SharedBackend:
         with self._lock:
             self._session = None
             self._group_session = None
+            self._gathered = None
             self._inputs.clear()
 
     # -- encoding -------------------------------------------------------------------------------
@@ -357,17 +420,27 @@ class SharedBackend:
         groups: dict[str, list[int]] = {}
         merged: list[int] = []
         with self._lock:
-            session, group_session = self._session, self._group_session
+            session, group_session, gathered = self._session, self._group_session, self._gathered
             feeds = {k: f for k, f in self._inputs.items() if isinstance(f, BoundFeed)} if session is not None else {}
         for i, k in enumerate(keys):
             if k in feeds:
                 groups.setdefault(k, []).append(i)
             else:
                 merged.append(i)
-        calls: list[tuple[BoundFeed, list[int], np.ndarray, np.ndarray]] = []   # (feed, rows, ids, mask)
-        for k, rows in groups.items():
+        for k in groups:
             if k not in self.pool:
                 raise NotFoundError(f"encoder {k} is not loaded", "register it or use a loaded encoder")
+        rows = sum(len(r) for r in groups.values())
+        # Never for the bulk lane: the gathered session is multi-threaded, the bulk lane holds one core.
+        if len(groups) > 1 and not bulk and (self.mix == "gathered" or self.mix == "auto"
+                                             and gather_groups(rows, len(groups))):
+            if gathered is not None:
+                self._encode_gathered(gathered, groups, texts, encs, out)
+                groups = {}
+            else:
+                self._start_gathered()
+        calls: list[tuple[BoundFeed, list[int], np.ndarray, np.ndarray]] = []   # (feed, rows, ids, mask)
+        for k, rows in groups.items():
             for idx, ids, mask in length_buckets(self.base.tokenizer, [texts[i] for i in rows],
                                                  self.base.spec.query_prefix, self.batch_size,
                                                  encodings=[encs[i] for i in rows], call_tokens=CALL_TOKENS):
@@ -390,6 +463,29 @@ class SharedBackend:
         if merged:
             out[merged] = self.merged.encode([texts[i] for i in merged], [keys[i] for i in merged])
         return out, flags
+
+    def _encode_gathered(self, gathered: tuple[Any, GatheredTable], groups: dict[str, list[int]], texts: list[str],
+                         encs: list[Any], out: np.ndarray) -> None:
+        """Every row of ``groups`` (key -> its rows) in one call per length bucket, each row's
+        adapter gathered from the table (an encoder is written into it the first time it runs)."""
+        session, table = gathered
+        slot_of: dict[str, int] = {}
+        for k in groups:
+            s = table.slot(k)
+            if s is None:
+                own = adapter_inputs(self.pool, k, self.slots)
+                if own is None:   # cannot happen for a key with a shared feed; refuse rather than guess
+                    raise InvalidInputError(f"encoder {k} cannot run on the shared graph")
+                s = table.put(k, {**self._base_inputs, **own})
+            slot_of[k] = s
+        rows = [i for r in groups.values() for i in r]
+        row_slot = {i: slot_of[k] for k, r in groups.items() for i in r}
+        for idx, ids, mask in length_buckets(self.base.tokenizer, [texts[i] for i in rows],
+                                             self.base.spec.query_prefix, self.batch_size,
+                                             encodings=[encs[i] for i in rows], call_tokens=CALL_TOKENS):
+            picked = [rows[j] for j in idx]
+            slots = np.array([row_slot[i] for i in picked], dtype=np.int64)
+            out[picked] = table.run(session, np.take(self._table, ids, axis=0), mask, slots)
 
     def _call(self, session: Any, feed: BoundFeed, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """One ONNX Runtime call: the rows' word embeddings gathered here, the adapter bound."""

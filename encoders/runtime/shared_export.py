@@ -23,7 +23,15 @@ each layer's bias Add into those nodes (``SkipLayerNormalization``'s bias input,
 which the optimiser's own matchers only do for constant biases.
 
 So one session holds the base weights once, and an encoder is only its adapter tensors
-(:mod:`qswap.encoders.runtime.shared`). Word embeddings stay outside, as for merged exports
+(:mod:`qswap.encoders.runtime.shared`).
+
+The *gathered* variant (``gathered=True``, file ``gathered.onnx``) takes every adapter input
+per row instead, so one call serves rows of any mix of encoders
+(:mod:`qswap.encoders.runtime.shared_gathered`): ``<m>.lora_A`` (n, r, in), ``<m>.lora_B``
+(n, r, out) and ``<m>.bias`` (n, 1, out) / (n, 1, d), and each Linear computes
+``x @ W.T + (x @ A_row.T) @ B_row + bias_row`` with batched MatMuls. Per-row biases cannot go
+into the fused nodes (their bias inputs are one vector for the whole batch): they stay Adds, and
+MultiHeadAttention gets a zero bias. Word embeddings stay outside, as for merged exports
 (:mod:`qswap.encoders.runtime.onnx_export`): the caller gathers rows of the base matrix.
 """
 
@@ -49,6 +57,7 @@ from qswap.errors import IntegrityError, InvalidInputError
 # Bump when the shared graph changes, so cached exports are rebuilt.
 SHARED_FORMAT = 2
 SHARED_MODEL_FILE = "shared.onnx"
+GATHERED_MODEL_FILE = "gathered.onnx"
 # Layers a query's pooled embedding never depends on (mean/CLS pooling of last_hidden_state).
 UNREACHED = ("pooler",)
 
@@ -81,6 +90,17 @@ class Slots:
             out[f"{m}.bias"] = model.get_submodule(m).bias.detach()
         return out
 
+    def gathered_inputs(self, model: torch.nn.Module, rows: int, dtype: torch.dtype = torch.float32,
+                        rank: int = 0) -> dict[str, torch.Tensor]:
+        """:meth:`base_inputs` in the gathered graph's per-row layout, for ``rows`` rows:
+        factors (rows, rank, in) / (rows, rank, out), biases (rows, 1, width)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, t in self.base_inputs(model, dtype, rank).items():
+            if name.endswith(".lora_B"):
+                t = t.t()
+            out[name] = t.unsqueeze(0).expand(rows, *([1] if t.dim() == 1 else []), *t.shape).contiguous()
+        return out
+
 
 def find_slots(model: torch.nn.Module) -> Slots:
     """Every Linear and LayerNorm of ``model`` a query's embedding depends on."""
@@ -98,6 +118,7 @@ def find_slots(model: torch.nn.Module) -> Slots:
 class _Inputs:
     """The graph inputs of the forward being traced, read by the adapted layers and attention."""
 
+    gathered = False   # adapter inputs per row (the gathered graph)
     values: dict[str, torch.Tensor] = {}
     mask: torch.Tensor | None = None     # (n, L) int32 key padding mask, cast once per forward
 
@@ -113,6 +134,9 @@ class _AdaptedLinear(torch.nn.Module):
         a, b = v[f"{self.name}.lora_A"], v[f"{self.name}.lora_B"]
         if a.dtype != torch.float32:   # half-precision storage, float32 compute (a Cast in the graph)
             a, b = a.float(), b.float()
+        if self.inputs.gathered:   # per row: a (n, r, in), b (n, r, out), bias (n, 1, out)
+            y = torch.matmul(x, self.weight.t()) + torch.matmul(torch.matmul(x, a.transpose(1, 2)), b)
+            return y + v[f"{self.name}.bias"]
         # Projection, then the rank-r path, then the bias: the bias Add comes last so that
         # fold_biases finds it right before the Gelu / residual Add it belongs to.
         y = torch.matmul(x, self.weight.t()) + torch.matmul(torch.matmul(x, a.t()), b.t())
@@ -128,9 +152,10 @@ class _AdaptedNorm(torch.nn.Module):
         self.ln, self.name, self.inputs = ln, name, inputs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ln = self.ln
-        return torch.nn.functional.layer_norm(x, ln.normalized_shape, ln.weight,
-                                              self.inputs.values[f"{self.name}.bias"], ln.eps)
+        ln, bias = self.ln, self.inputs.values[f"{self.name}.bias"]
+        if self.inputs.gathered:   # (n, 1, d): each row's own LayerNorm bias
+            return torch.nn.functional.layer_norm(x, ln.normalized_shape, ln.weight, None, ln.eps) + bias
+        return torch.nn.functional.layer_norm(x, ln.normalized_shape, ln.weight, bias, ln.eps)
 
 
 @torch.library.custom_op("qswap::multi_head_attention", mutates_args=())
@@ -174,11 +199,15 @@ class _FusedSelfAttention(torch.nn.Module):
         self.query, self.key, self.value, self.inputs = attn.query, attn.key, attn.value, inputs
         self.heads = int(attn.num_attention_heads)
         self.scale = float(getattr(attn, "scaling", attn.attention_head_size ** -0.5))
+        self.width = 3 * int(self.query.weight.shape[0])
         for m in (self.query, self.key, self.value):
-            m.bias_in_attention = True
+            m.bias_in_attention = not inputs.gathered   # per-row biases: added by the projections
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        bias = torch.cat([m.bias_input() for m in (self.query, self.key, self.value)])
+        if self.inputs.gathered:
+            bias = torch.zeros(self.width, dtype=hidden_states.dtype, device=hidden_states.device)
+        else:
+            bias = torch.cat([m.bias_input() for m in (self.query, self.key, self.value)])
         out = torch.ops.qswap.multi_head_attention(self.query(hidden_states), self.key(hidden_states),
                                                    self.value(hidden_states), bias, self.inputs.mask,
                                                    self.heads, self.scale)
@@ -195,11 +224,12 @@ def _is_self_attention(mod: torch.nn.Module) -> bool:
 class SharedEncoder(torch.nn.Module):
     """``(inputs_embeds, attention_mask, *adapter inputs) -> pooled embedding``."""
 
-    def __init__(self, pooled: PooledEncoder, slots: Slots) -> None:
+    def __init__(self, pooled: PooledEncoder, slots: Slots, gathered: bool = False) -> None:
         super().__init__()
         self.pooled, self.slots, self.names = pooled, slots, slots.input_names()
         self.inputs = _Inputs()
         self.inputs.values = {}
+        self.inputs.gathered = gathered
         model = pooled.model
         adapted: dict[str, _AdaptedLinear] = {}
         for name, _, _ in slots.linear:
@@ -229,9 +259,11 @@ def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
-def shared_digest(base: BaseEncoder, variant: str, factors: str = "float32") -> str:
-    """Content key of a shared export: format, opset, variant (cpu/cuda), factor dtype, base space."""
-    return hashlib.sha256(f"shared|{SHARED_FORMAT}|{OPSET}|{variant}|{factors}|{base.space.fingerprint}"
+def shared_digest(base: BaseEncoder, variant: str, factors: str = "float32", gathered: bool = False) -> str:
+    """Content key of a shared export: format, opset, variant (cpu/cuda), factor dtype, base
+    space, and whether adapter inputs are per row."""
+    kind = "gathered" if gathered else "shared"
+    return hashlib.sha256(f"{kind}|{SHARED_FORMAT}|{OPSET}|{variant}|{factors}|{base.space.fingerprint}"
                           .encode()).hexdigest()
 
 
@@ -297,8 +329,8 @@ def fold_biases(path: Path) -> dict[str, int]:
 
 
 def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
-                  optimize_for: str | None = "cpu") -> dict[str, Any]:
-    """Write ``shared.onnx`` to ``out_dir``; checked against the torch base on probe texts.
+                  optimize_for: str | None = "cpu", gathered: bool = False) -> dict[str, Any]:
+    """Write ``shared.onnx`` (``gathered.onnx``) to ``out_dir``; checked against the torch base on probe texts.
 
     Args:
         base: the base model (never changed: the graph is traced from a storage-sharing copy).
@@ -307,6 +339,7 @@ def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
         optimize_for: ``"cpu"`` / ``"cuda"`` runs ONNX Runtime's transformer optimiser (skip layer
             norm, GELU) and :func:`fold_biases`; ``None`` keeps the graph as exported (attention is
             a ``MultiHeadAttention`` node either way).
+        gathered: adapter inputs per row (module docstring).
 
     Returns:
         Facts for the cache record: probe cosine, fused node counts, export seconds, slot counts.
@@ -319,10 +352,11 @@ def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
     out_dir.mkdir(parents=True, exist_ok=True)
     pooled = build_module(base, {})
     slots = find_slots(pooled.model)
-    feed = slots.base_inputs(base.model, dtype, rank=2)
-    module = SharedEncoder(pooled, slots).eval()
+    module = SharedEncoder(pooled, slots, gathered).eval()
     table = base.model.get_input_embeddings().weight.detach().float().cpu().numpy()
     emb, mask = probe_inputs(base, table)
+    feed = (slots.gathered_inputs(base.model, len(mask), dtype, rank=2) if gathered
+            else slots.base_inputs(base.model, dtype, rank=2))
     dev = base.device
     # Trace with rank 2 so no shape is specialised to the rank, then check rank 0 below.
     args = (torch.from_numpy(emb).to(dev), torch.from_numpy(mask).to(dev),
@@ -330,9 +364,15 @@ def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
     axes: dict[str, dict[int, str]] = {"inputs_embeds": {0: "batch", 1: "sequence"},
                                        "attention_mask": {0: "batch", 1: "sequence"}, OUTPUT: {0: "batch"}}
     for i, (m, _, _) in enumerate(slots.linear):
-        axes[f"{m}.lora_A"] = {0: f"r{i}"}
-        axes[f"{m}.lora_B"] = {1: f"r{i}"}
-    path = out_dir / SHARED_MODEL_FILE
+        if gathered:   # one rank per call (the batch's), and the batch axis of every input
+            axes[f"{m}.lora_A"] = {0: "batch", 1: "rank"}
+            axes[f"{m}.lora_B"] = {0: "batch", 1: "rank"}
+        else:
+            axes[f"{m}.lora_A"] = {0: f"r{i}"}
+            axes[f"{m}.lora_B"] = {1: f"r{i}"}
+    if gathered:
+        axes.update({n: {0: "batch"} for n in slots.input_names() if n.endswith(".bias")})
+    path = out_dir / (GATHERED_MODEL_FILE if gathered else SHARED_MODEL_FILE)
     with EXPORT_LOCK, warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(module, args, str(path), input_names=["inputs_embeds", "attention_mask", *slots.input_names()],
@@ -341,9 +381,14 @@ def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
         ref = module(*args).float().cpu().numpy()
     if optimize_for is not None:
         _fuse(path, base, use_gpu=optimize_for == "cuda")
-        fold_biases(path)
+        if not gathered:   # per-row biases cannot go into the fused nodes' bias inputs
+            fold_biases(path)
     fused = _fused_ops(path)
-    check = {n: ort_input(t) for n, t in slots.base_inputs(base.model, dtype, rank=0).items()}
+
+    def check(rows: int) -> dict[str, Any]:
+        inputs = (slots.gathered_inputs(base.model, rows, dtype, rank=0) if gathered
+                  else slots.base_inputs(base.model, dtype, rank=0))
+        return {n: ort_input(t) for n, t in inputs.items()}
     cos = probe_cosine(path, emb, mask, ref, extra=check)
     if cos < 0.99999:
         raise IntegrityError(f"shared ONNX export disagrees with torch (probe cosine {cos:.7f})",

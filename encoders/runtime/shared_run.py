@@ -74,3 +74,16 @@ def spread_groups(call_tokens: list[int], groups: int, workers: int) -> bool:
     the other calls' overhead saves.
     """
     return workers > 1 and groups > 1 and len(call_tokens) > 1 and 2 * max(call_tokens) <= sum(call_tokens)
+
+
+#: ``mix="auto"`` runs a mixed batch as one gathered call when its encoder groups average fewer
+#: rows than this (bench/results/forward_mixed/: one gathered call was faster than the groups
+#: with 1-1.6 rows per encoder, slower with 2 or more).
+GATHER_BELOW_ROWS_PER_GROUP = 2
+
+
+def gather_groups(rows: int, groups: int) -> bool:
+    """Whether a batch of ``rows`` rows over ``groups`` encoders runs as one gathered call under
+    ``mix="auto"``: only when it mixes encoders and its groups are tiny, where one call per group
+    costs more in calls than the gathered call costs in copying each row's factors."""
+    return groups > 1 and rows < GATHER_BELOW_ROWS_PER_GROUP * groups

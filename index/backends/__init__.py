@@ -86,8 +86,8 @@ class IndexBackend(Protocol):
 
 
 def is_milvus(location: str | Path) -> bool:
-    """True for a ``milvus://`` index location."""
-    return str(location).startswith(MILVUS_SCHEME)
+    """True for a ``milvus://`` (or ``milvus+https://``) index location."""
+    return str(location).startswith((MILVUS_SCHEME, "milvus+https://"))
 
 
 def open_index(location: str | Path, *, read_only: bool = False, expected_space: EmbeddingSpace | None = None,

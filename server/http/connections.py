@@ -8,6 +8,10 @@ head within ``header_timeout_s`` of opening or of the first byte of its next req
 connections below the process's open-file limit: at the cap, a new connection first closes the
 idle one (no request running; one that was never served first, then the oldest); only when
 every connection is busy is it refused.
+
+Finding that idle connection costs O(1) in the usual case: connections that never completed a
+request are kept in opening order, so a flood of slow clients at the cap (each new one evicting
+another) does not scan every open connection on the event loop per accept.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import logging
 import resource
 import time
+from collections import OrderedDict
 from typing import Any
 
 import uvicorn
@@ -76,6 +81,8 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyn
         A protocol class for ``uvicorn.Config(http=...)``.
     """
     base: Any = _base_protocol()
+    # Open connections that never completed a request, oldest first (one event loop: no lock).
+    unserved: OrderedDict[Any, None] = OrderedDict()
 
     class GuardedProtocol(base):   # type: ignore[misc, valid-type]
         _header_timer: asyncio.TimerHandle | None = None
@@ -85,6 +92,7 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyn
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._opened = time.monotonic()
+            unserved[self] = None
             if len(self.connections) > max_connections and not self._evict_idle():
                 log.warning("connection refused: every connection is busy",
                             extra={"connections": len(self.connections), "max_connections": max_connections})
@@ -94,6 +102,13 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyn
             self._arm()   # a new connection must send a request head within the bound
 
         def _evict_idle(self) -> bool:
+            # A slow client's connection first (never served), oldest first: the common case,
+            # found without a scan; a busy one (its first request running) is skipped.
+            for c in unserved:
+                if c is not self and _idle(c) and not c.transport.is_closing():
+                    unserved.pop(c)
+                    c.transport.close()
+                    return True
             idle = [c for c in self.connections if c is not self and _idle(c)]
             if not idle:
                 return False
@@ -127,10 +142,12 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyn
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._served += 1
+            unserved.pop(self, None)
             self._disarm()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            unserved.pop(self, None)
             super().connection_lost(exc)
 
     _REFUSAL = _refusal()

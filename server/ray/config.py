@@ -17,6 +17,7 @@ from typing import Any
 
 from qswap import __version__
 from qswap.errors import InvalidInputError
+from qswap.index.backends import is_milvus
 from qswap.server.config import ServerSettings
 from qswap.server.ray.serve import APP_NAME, ENCODER, INGRESS, RayOptions, deployment_options
 
@@ -48,7 +49,7 @@ def settings_env(settings: ServerSettings) -> dict[str, str]:
         if name in SECRETS or name in ("host", "port"):
             continue
         v = getattr(settings, name)
-        if name in ("index", "state_dir"):
+        if name == "state_dir" or (name == "index" and not is_milvus(v)):   # a location stays as given
             v = Path(v).resolve()
         elif v == f.get_default(call_default_factory=True):
             continue
@@ -72,9 +73,6 @@ def serve_config(settings: ServerSettings, opts: RayOptions) -> dict[str, Any]:
     if settings.index is None:
         raise InvalidInputError("--print-config needs --index", "build the index first (qswap index build) "
                                 "on storage every node mounts, and give its path")
-    if str(settings.index).startswith("milvus://"):
-        raise InvalidInputError("qswap serve --ray serves a FAISS index folder, not Milvus",
-                                "give an index folder on shared storage")
     options = deployment_options(settings, opts)
     deployments = [{"name": name, **options[name]} for name in (INGRESS, ENCODER) if name in options]
     return {

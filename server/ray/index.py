@@ -14,7 +14,8 @@ readers. Under Ray:
   within ``poll_s``.
 
 The index folder must be reachable by every replica and by the writer (one machine, or a
-shared volume).
+shared volume). A ``milvus://`` collection needs none of this: Milvus is one index for every
+replica and its own writer, so each replica opens it as a single process does.
 """
 
 from __future__ import annotations

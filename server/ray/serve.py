@@ -35,6 +35,7 @@ from qswap.index.ray_build import init_ray
 from qswap.server.serving.batching import MicroBatcher
 from qswap.server.config import ServerSettings
 from qswap.server.ray.encoder import Encoded, EncoderCore, rows_of, set_threads, split_rows
+from qswap.index.backends import is_milvus
 from qswap.server.ray.index import SharedIndex, get_or_create_writer, qswap_error_of
 from qswap.server.ray.placement import cluster_nodes, fit_layout, groups
 from qswap.server.ray.registry import SharedRegistry
@@ -199,6 +200,10 @@ class RayIngressState(ServerState):
 
     def open_index(self, base: Any) -> Any:
         assert self.settings.index is not None   # the driver resolves the demo index to a path
+        if is_milvus(self.settings.index):
+            # Milvus is already one index for every replica, and its own writer: each replica
+            # opens the collection as a single process does.
+            return super().open_index(base)
         return SharedIndex(Path(self.settings.index), writable=not self.settings.read_only_index)
 
     def make_registry(self, **kw: Any) -> SharedRegistry:
@@ -276,7 +281,7 @@ class RayIngressState(ServerState):
         return {"replica": _replica_id(), "deployment": "ingress", "pid": os.getpid(), **self.stats,
                 "aliases": reg.aliases() if reg else {}, "registered": reg.keys() if reg else None,
                 "registry_reloads": getattr(reg, "reloads", 0),
-                "index_generation": self.index.generation if self.index is not None else None,
+                "index_generation": getattr(self.index, "generation", None) if self.index is not None else None,
                 "index_documents": self.index.count if self.index is not None else None}
 
 
@@ -384,7 +389,7 @@ def build_app(settings: ServerSettings, opts: RayOptions | None = None) -> Any:
 
 def prepare_index(settings: ServerSettings) -> ServerSettings:
     """Give the settings an index path (building the demo index in this process if none) and
-    start that index's writer actor.
+    start that index's writer actor (none for a ``milvus://`` collection: Milvus is the writer).
 
     Args:
         settings: the server settings.
@@ -399,8 +404,11 @@ def prepare_index(settings: ServerSettings) -> ServerSettings:
         base = load_base(settings.model, device="cpu")
         open_demo_index(base).close()
         settings = settings.model_copy(update={"index": demo_index_dir()})
+    state_dir = Path(settings.state_dir).resolve()
+    if is_milvus(settings.index):   # a collection of a Milvus server: no folder, no writer actor
+        return settings.model_copy(update={"state_dir": state_dir})
     index = Path(settings.index).resolve()
-    settings = settings.model_copy(update={"index": index, "state_dir": Path(settings.state_dir).resolve()})
+    settings = settings.model_copy(update={"index": index, "state_dir": state_dir})
     if not settings.read_only_index:
         writer = get_or_create_writer(index)
         ray.get(writer.generation.remote())   # fails here, not on the first upsert

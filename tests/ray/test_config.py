@@ -123,3 +123,15 @@ def test_one_replica_runs_its_encoders_itself_by_default(capsys, tmp_path):
         assert main(base + extra) == 0
         app = ServeDeploySchema.model_validate(yaml.safe_load(capsys.readouterr().out)).applications[0]
         assert [d.name for d in app.deployments] == names, extra
+
+
+def test_print_config_over_a_milvus_collection_keeps_the_location(capsys, tmp_path):
+    from ray.serve.schema import ServeDeploySchema
+    loc = "milvus://milvus.milvus.svc:19530?collection=docs"
+    rc = main(["serve", "--ray", "--print-config", "--index", loc, "--state-dir", str(tmp_path / "state")])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    cfg = yaml.safe_load(out.out)
+    ServeDeploySchema.model_validate(cfg)
+    env = cfg["applications"][0]["runtime_env"]["env_vars"]
+    assert env["QSWAP_INDEX"] == loc and env["QSWAP_STATE_DIR"] == str((tmp_path / "state").resolve())

@@ -139,6 +139,10 @@ def _build(uri: str, collection: str, n: int, batches: Iterable[tuple[list[Docum
             rows = _rows(docs, x, int(cfg.dim), space.dim, full)
             c.call("insert", "an insert", staging, rows, timeout_s=BUILD_TIMEOUT_S)
             seen += len(rows)
+        if not c.is_lite:
+            # Sealed segments before indexing: the index then covers every row, and a read that
+            # does not wait for the server's time tick (Session) finds every row once loaded.
+            c.call("flush", "flushing the inserted rows", staging, timeout_s=BUILD_TIMEOUT_S)
         ip = c.client.prepare_index_params()
         ip.add_index("vec", index_type=t, metric_type="IP", params=params)
         if full_field == "vector":
@@ -152,6 +156,7 @@ def _build(uri: str, collection: str, n: int, batches: Iterable[tuple[list[Docum
         if c.call("has_collection", "a collection check", collection):
             c.call("drop_collection", "dropping the old collection", collection)
         c.call("rename_collection", "renaming the collection into place", staging, collection)
+        c.wrote(collection)   # this process's next reads of it wait until the server has it all
     except QswapError:
         c.close()
         raise

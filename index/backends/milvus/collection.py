@@ -86,7 +86,11 @@ def milvus_index(cfg: IndexConfig) -> tuple[str, dict[str, Any], dict[str, Any]]
 
 
 def _rescoring(cfg: IndexConfig, full_dim: int) -> bool:
-    return bool(cfg.rescore) and not (cfg.is_exact and cfg.dim == full_dim)
+    """Whether a search re-ranks candidates by exact cosine over the full vectors. Not when Milvus
+    already scores the full float32 vectors (full dimension, fp32/fp16 kept as float32): its scores
+    are the exact ones, and fetching ``k × oversample`` vectors and texts to re-rank them the same
+    way cost more than the search itself (bench/results/index/milvus-server)."""
+    return bool(cfg.rescore) and not (cfg.dim == full_dim and cfg.quant in ("fp32", "fp16"))
 
 
 # ---------------------------------------------------------------------- the index
@@ -332,7 +336,7 @@ class MilvusIndex(BackendCommon):
             "config": self._config.index_dict(),
             "milvus": {"index_type": t, "params": params, "search_params": sp,
                        "full_vectors": self._has_full, "full_vectors_field": self._m.get("full_field", "vector"),
-                       "server": self._conn.features.to_dict()},
+                       "server": self._conn.features.to_dict(), "read_consistency": self._conn.consistency},
             "rescoring": _rescoring(self._config, self.full_dim),
             "bytes": {"milvus_lite_file": size} if size is not None else {},
             "bytes_per_doc": {"milvus_lite_file": size / n} if size is not None else {},

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,18 @@ log = logging.getLogger("qswap.index")
 CALL_TIMEOUT_S = 10.0
 #: Deadline of a build step (insert of a batch, index creation, loading a collection).
 BUILD_TIMEOUT_S = 600.0
+#: Consistency of reads (search, query); ``QSWAP_MILVUS_CONSISTENCY`` overrides it. "Session": this
+#: process sees its own writes at once and other writers' within the server's time tick. "Strong"
+#: waits for the next time tick on every read (200 ms and more on a default server: see
+#: bench/results/index/milvus-server-strong), whether or not anything was written.
+READ_CONSISTENCY = "Session"
+CONSISTENCY_LEVELS = ("Strong", "Session", "Bounded", "Eventually")
+#: At "Session", reads of a collection this process wrote less than this long ago are "Strong":
+#: pymilvus' own session timestamp is not enough (a delete on a 2.3 server does not advance it, and a
+#: search right after the delete still found the deleted document).
+STRONG_AFTER_WRITE_S = 2.0
+_WRITES = ("insert", "upsert", "delete")
+_last_write: dict[tuple[str, str], float] = {}   # (uri, collection) -> monotonic time, for the whole process
 
 
 # ---------------------------------------------------------------------- locations
@@ -151,10 +164,11 @@ def _public(uri: str) -> str:
 class Connection:
     """A pymilvus client, the server's features and the deadline of each call."""
 
-    def __init__(self, client: Any, uri: str, timeout_s: float) -> None:
+    def __init__(self, client: Any, uri: str, timeout_s: float, consistency: str = READ_CONSISTENCY) -> None:
         self.client = client
         self.uri = uri
         self.timeout_s = timeout_s
+        self.consistency = consistency
         version = self.call("get_server_version", "a version check")
         self.features = server_features(str(version))
 
@@ -165,14 +179,32 @@ class Connection:
     def call(self, method: str, what: str, *args: Any, timeout_s: float | None = None, **kw: Any) -> Any:
         """``client.method(*args, **kw)`` under a deadline, failures mapped (see the module doc)."""
         kw["timeout"] = timeout_s or self.timeout_s
+        write = (self.uri, str(args[0] if args else kw.get("collection_name"))) if method in _WRITES else None
         try:
             return getattr(self.client, method)(*args, **kw)
         except Exception as e:  # noqa: BLE001 - pymilvus and grpc raise many unrelated types
             raise milvus_error(e, what, self.uri) from None
+        finally:
+            if write is not None:   # also after a failure: a write that raised may have been applied
+                self.wrote(write[1])
+
+    def wrote(self, collection: str) -> None:
+        """Note a change of ``collection`` made otherwise than by a write call (a build's rename)."""
+        _last_write[(self.uri, collection)] = time.monotonic()
+
+    def read_level(self, collection: str) -> str:
+        """The consistency level of a read of ``collection`` now (see :data:`STRONG_AFTER_WRITE_S`)."""
+        if self.consistency == "Session":
+            t = _last_write.get((self.uri, collection))
+            if t is not None and time.monotonic() - t < STRONG_AFTER_WRITE_S:
+                return "Strong"
+        return self.consistency
 
     def call_loaded(self, collection: str, method: str, what: str, *args: Any, **kw: Any) -> Any:
-        """:meth:`call` on a collection that must be loaded: a server that restarted may have it
-        unloaded; it is loaded again and the call retried once."""
+        """:meth:`call` of a read (search, query) on a collection that must be loaded, at the
+        connection's read consistency: a server that restarted may have the collection unloaded;
+        it is loaded again and the call retried once."""
+        kw.setdefault("consistency_level", self.read_level(collection))
         try:
             return getattr(self.client, method)(*args, timeout=self.timeout_s, **kw)
         except Exception as e:  # noqa: BLE001
@@ -190,6 +222,18 @@ class Connection:
             pass
 
 
+def read_consistency() -> str:
+    """The read consistency level: ``QSWAP_MILVUS_CONSISTENCY`` if set (checked), else :data:`READ_CONSISTENCY`."""
+    raw = os.environ.get("QSWAP_MILVUS_CONSISTENCY", "").strip()
+    if not raw:
+        return READ_CONSISTENCY
+    level = next((c for c in CONSISTENCY_LEVELS if c.lower() == raw.lower()), None)
+    if level is None:
+        raise InvalidInputError(f"QSWAP_MILVUS_CONSISTENCY={raw!r} is not a Milvus consistency level",
+                                "use one of " + ", ".join(CONSISTENCY_LEVELS))
+    return level
+
+
 def connect(uri: str, timeout_s: float | None = None) -> Connection:
     """Connect to a Milvus server (``http://HOST:PORT``) or milvus-lite file (``PATH.db``).
 
@@ -203,6 +247,7 @@ def connect(uri: str, timeout_s: float | None = None) -> Connection:
     if uri.endswith(".db"):
         Path(uri).parent.mkdir(parents=True, exist_ok=True)
     timeout = timeout_s or float(os.environ.get("QSWAP_MILVUS_TIMEOUT_S", CALL_TIMEOUT_S))
+    consistency = read_consistency()
     try:
         client = MilvusClient(uri=uri, token=os.environ.get("QSWAP_MILVUS_TOKEN", ""), timeout=timeout)
     except Exception as e:  # noqa: BLE001 - pymilvus raises several unrelated types when it cannot connect
@@ -210,7 +255,7 @@ def connect(uri: str, timeout_s: float | None = None) -> Connection:
                                     "check the URI (a .db path for milvus-lite, http://host:19530 for a server) "
                                     "and that the server is running") from None
     try:
-        conn = Connection(client, uri, timeout)
+        conn = Connection(client, uri, timeout, consistency)
     except BaseException:
         client.close()
         raise

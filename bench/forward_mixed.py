@@ -1,0 +1,162 @@
+"""``qswap bench forward --mixed-only``: batches of queries that mix encoders, per group vs gathered.
+
+For each batch size (``--mixed-batches``) the arms run side by side, interleaved per round:
+
+- ``merged 1-encoder``: every row with one LoRA encoder on its own merged export
+  (:class:`qswap.encoders.runtime.onnx.OnnxBackend`): what a one-model server runs;
+- ``shared 1-encoder``: the same rows on the shared graph (one bound call);
+- ``groups k=K``: rows spread round-robin over K LoRA encoders, one ONNX Runtime call per
+  encoder group, side by side on the single-threaded second session (``mix="groups"``);
+- ``gathered k=K``: the same batch as ONE call of the gathered graph, each row's factors taken
+  from the table (``mix="gathered"``);
+- ``auto k=K``: ``mix="auto"``, gathered only when the groups average under two rows.
+
+Every encoder is a LoRA of ``--adapter-rank`` on every Linear layer with factors in the server's
+storage type; the queries are the benchmark's fixed-length ones (one length bucket per batch).
+Answers: per-row cosine of gathered against per group and against the torch pool.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from qswap.bench.data.encoders import random_lora_encoder
+from qswap.encoders import EncoderPool, load_encoder
+from qswap.encoders.base import BaseEncoder
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
+
+
+def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encoders: list[int], batches: list[int],
+        reps: int, settle: float, spin: bool, cache: Path, timed_arms: Callable[..., Any],
+        spread: Callable[[list[float]], dict[str, float]],
+        progress: Callable[[int, str], tuple[Any, Any]]) -> dict[str, Any]:
+    """Measure the mixed-batch arms; returns a dict for ``results.json["mixed"]``."""
+    from qswap.bench.stats import interleaved, percentile, ratio_summary
+    from qswap.encoders.runtime.onnx import OnnxBackend
+    from qswap.encoders.runtime.shared import SharedBackend
+    from qswap.factors import SERVING_FACTORS
+
+    tmp = tempfile.TemporaryDirectory(prefix="qswap-bench-mixed-")
+    root = Path(tmp.name)
+    pool = EncoderPool(base, factor_dtype=SERVING_FACTORS)
+    keys = []
+    for i in range(max(encoders)):
+        pool.add(load_encoder(random_lora_encoder(base, root / f"l{i}", f"l{i}", rank=rank, seed=100 + i), base.space))
+        keys.append(f"l{i}@1")
+    groups = SharedBackend(pool, cache, threads=threads, spin=spin, mix="groups")
+    for k in keys:
+        groups.prepare(k)
+    if not groups.wait(keys[0], timeout=1800):
+        raise RuntimeError(f"shared export failed: {groups.error(keys[0])}")
+    # Built after the export is cached, so the two backends do not export it at once.
+    gathered = SharedBackend(pool, cache, threads=threads, spin=spin, mix="gathered")
+    auto = SharedBackend(pool, cache, threads=threads, spin=spin, mix="auto")
+    merged = OnnxBackend(pool, cache, threads=threads, spin=spin)
+    for k in keys:
+        gathered.prepare(k)
+    if not gathered.wait(keys[0], timeout=1800):
+        raise RuntimeError(f"shared export failed: {gathered.error(keys[0])}")
+    for k in keys:
+        auto.prepare(k)
+    merged.prepare(keys[0])
+    if not auto.wait(keys[0], timeout=1800):
+        raise RuntimeError(f"shared export failed: {auto.error(keys[0])}")
+    if not merged.wait(keys[0], timeout=1800):
+        raise RuntimeError(f"merged export failed: {merged.error(keys[0])}")
+    n_max = max(batches)
+    texts = [queries[i % len(queries)] for i in range(n_max)]
+    mixes = {k: [keys[i % k] for i in range(n_max)] for k in encoders}
+    big = max(encoders)
+    if big > 1:   # build every backend's mixed-batch machinery before timing
+        groups.encode(texts, mixes[big])        # the second session
+        gathered.encode(texts, mixes[big])      # the gathered graph
+        if not gathered.gathered_ready(wait=1800):   # exported once; auto's build then loads it
+            raise RuntimeError("the gathered graph was not built")
+        auto.encode(texts[:2], keys[:2])                              # tiny groups: gathered
+        auto.encode(texts[:4], [keys[0], keys[0], keys[1], keys[1]])  # bigger ones: side by side
+        side_by_side = groups.groups_side_by_side(wait=1800)   # never with one thread: groups run in turn
+        if (threads > 1 and not (side_by_side and auto.groups_side_by_side(wait=1800))
+                or not auto.gathered_ready(wait=1800)):
+            raise RuntimeError("the side-by-side session or the gathered graph was not built")
+    per_group = groups.encode(texts, mixes[big])
+    one_call = gathered.encode(texts, mixes[big])
+    torch_ref = pool.encode(texts, mixes[big])
+    cosine = {"gathered vs groups": _cos(one_call, per_group), "gathered vs torch": _cos(one_call, torch_ref),
+              "groups vs torch": _cos(per_group, torch_ref)}
+
+    def arm(backend: Any, ks: list[str]) -> Callable[[list[str]], np.ndarray]:
+        return lambda t: backend.encode(t, ks[:len(t)])
+    fns: dict[str, Callable[[list[str]], np.ndarray]] = {
+        "merged 1-encoder": lambda t: merged.encode(t, [keys[0]] * len(t)),
+        "shared 1-encoder": arm(groups, mixes[1] if 1 in mixes else [keys[0]] * n_max)}
+    for k in encoders:
+        if k > 1:
+            fns[f"groups k={k}"] = arm(groups, mixes[k])
+            fns[f"gathered k={k}"] = arm(gathered, mixes[k])
+            fns[f"auto k={k}"] = arm(auto, mixes[k])
+    out: dict[str, Any] = {"rank": rank, "factors": SERVING_FACTORS, "encoders": encoders, "threads": threads,
+                           "cosine": cosine, "ms": {}, "ratios": {}}
+    bar, tick = progress(reps * len(fns) * len(batches), "mixed batches")
+    for n in batches:
+        t = interleaved(timed_arms(fns, [texts[:n]], settle), reps, warmup=2, on_round=tick)
+
+        def ratio(a: str, b: str) -> dict[str, float]:
+            rs = ratio_summary(t[a], t[b])
+            return {"median": rs.median, "p10": percentile(rs.ratios, 10), "p90": percentile(rs.ratios, 90),
+                    "n": rs.n}
+        out["ms"][str(n)] = {name: spread([x * 1000 for x in v]) for name, v in t.items()}
+        r: dict[str, Any] = {"shared 1-encoder / merged 1-encoder": ratio("shared 1-encoder", "merged 1-encoder")}
+        for k in encoders:
+            if k > 1:
+                r[f"gathered k={k} / groups k={k}"] = ratio(f"gathered k={k}", f"groups k={k}")
+                r[f"groups k={k} / shared 1-encoder"] = ratio(f"groups k={k}", "shared 1-encoder")
+                r[f"gathered k={k} / shared 1-encoder"] = ratio(f"gathered k={k}", "shared 1-encoder")
+                r[f"auto k={k} / groups k={k}"] = ratio(f"auto k={k}", f"groups k={k}")
+        out["ratios"][str(n)] = r
+    bar.close()
+    table = gathered._gathered[1] if gathered._gathered is not None else None
+    out["gathered_table_mb"] = round(table.nbytes() / 2**20, 1) if table is not None else 0.0
+    out["gathered_table_slots"] = table.capacity if table is not None else 0
+    for b in (groups, gathered, auto, merged):
+        b.close()
+    tmp.cleanup()
+    return out
+
+
+def summary_lines(m: dict[str, Any]) -> list[str]:
+    """Markdown for the mixed-batch arms."""
+    from qswap.bench.results import md_table
+
+    lines = [f"## Mixed batches: ms per batch (LoRA r={m['rank']} on every Linear, {m['factors']} factors, "
+             f"{m['threads']} threads)", ""]
+    for n, arms in m["ms"].items():
+        lines += [f"### {n} queries", "",
+                  md_table(["arm", "median", "p10", "p90", "n"],
+                           [[k, f"{v['median']:.1f}", f"{v['p10']:.1f}", f"{v['p90']:.1f}", v["n"]]
+                            for k, v in arms.items()]),
+                  md_table(["paired ratio", "median", "p10", "p90", "rounds"],
+                           [[k, f"{v['median']:.3f}", f"{v['p10']:.3f}", f"{v['p90']:.3f}", v["n"]]
+                            for k, v in m["ratios"][n].items()])]
+    lines += ["Min cosine per row on the largest mix: " + ", ".join(f"{k} {v:.7f}" for k, v in m["cosine"].items())
+              + f". Gathered table and call buffers after the runs: {m['gathered_table_mb']} MB "
+              f"({m['gathered_table_slots']} slots).", "", "## Goals (this run)", ""]
+    lines += [f"- {k}: {'yes' if v else '**no**'}" for k, v in goals(m).items()]
+    return lines + [""]
+
+
+def goals(m: dict[str, Any]) -> dict[str, bool]:
+    """Issue 32's mixed-batch target (within 10 % of the 1-encoder batch) per arm, and equal answers."""
+    out: dict[str, bool] = {}
+    for n, r in m["ratios"].items():
+        for name, v in r.items():
+            if name.endswith("/ shared 1-encoder"):
+                out[f"{n} queries, {name.split(' /')[0]} <= 1.10x shared 1-encoder"] = v["median"] <= 1.10
+    out["gathered equals groups per row (cosine >= 0.9999)"] = m["cosine"]["gathered vs groups"] >= 0.9999
+    return out
