@@ -57,9 +57,12 @@ def parse_replicas(text: str) -> list[int]:
 
 
 def ray_server(index: Path, enc_root: Path, state_dir: Path, log_path: Path, *, model: str, replicas: int,
-               max_encoders: int, autoscaling: dict[str, Any] | None = None) -> ServerProcess:
+               max_encoders: int, autoscaling: dict[str, Any] | None = None, encoder_replicas: int | None = None,
+               direct: bool = False) -> ServerProcess:
     """``qswap serve --ray`` as a child process (it starts and ends its own local Ray cluster):
-    ``replicas`` ingress and ``replicas`` encoder replicas (or an autoscaled encoder deployment)."""
+    ``replicas`` ingress and ``replicas`` encoder replicas (or an autoscaled encoder deployment,
+    or ``encoder_replicas``: 0 for encoders in the ingress). ``direct``: Serve's direct ingress
+    (no proxy; the one ingress replica listens on the port the process is reached at)."""
     import shutil
     port = free_port()
     shutil.rmtree(state_dir, ignore_errors=True)
@@ -67,7 +70,7 @@ def ray_server(index: Path, enc_root: Path, state_dir: Path, log_path: Path, *, 
     cpus = os.cpu_count() or 1
     # Same cores in all: the single process's torch uses every core, the encoder replicas
     # share them; Ray's CPU accounting is fractional so every replica fits on this machine.
-    top = int(autoscaling["max_replicas"]) if autoscaling else replicas
+    top = int(autoscaling["max_replicas"]) if autoscaling else (encoder_replicas or replicas)
     threads = max(1, cpus // replicas)
     cmd = qswap_command() + ["serve", "--ray", "--replicas", str(replicas), "--max-encoders-per-replica",
                              str(max_encoders), "--replica-threads", str(threads),
@@ -78,8 +81,14 @@ def ray_server(index: Path, enc_root: Path, state_dir: Path, log_path: Path, *, 
                              str(enc_root), "--state-dir", str(state_dir), "--insecure", "--log-format", "json"]
     if autoscaling:
         cmd += ["--autoscaling", json.dumps(autoscaling)]
-    return ServerProcess(cmd, port, ready_path="/readyz", log_path=log_path, start_timeout_s=600,
-                         env={"RAY_USAGE_STATS_ENABLED": "0"})
+    if encoder_replicas is not None:
+        cmd += ["--encoder-replicas", str(encoder_replicas)]
+    env = {"RAY_USAGE_STATS_ENABLED": "0"}
+    if direct:
+        port = free_port()   # the replica's own port (Serve's proxy port above goes unused)
+        env.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1", RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(port),
+                   RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(port + 1))
+    return ServerProcess(cmd, port, ready_path="/readyz", log_path=log_path, start_timeout_s=600, env=env)
 
 
 def replica_counters(state_dir: Path, fresh_after: float, replicas: int, deployment: str = "encoder",
@@ -142,6 +151,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--autoscale", action="store_true", help="with --ray: also the autoscaling step (1 -> 32 -> 1 "
                    "clients, encoder deployment autoscaled 1..4)")
     p.add_argument("--autoscale-only", action="store_true", help="with --ray: only the autoscaling step")
+    p.add_argument("--hop", action="store_true", help="with --ray: only the per-request cost of Ray's options "
+                   "(proxy + encoder deployment, encoders in the ingress, direct ingress), one replica each, "
+                   "against the single process (write it elsewhere with --out)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``qswap bench serving``."""
     if getattr(args, "ray", False):
+        if args.hop:
+            from qswap.bench import ray_hop
+            return ray_hop.run(args)
         from qswap.bench import ray_serving
         return ray_serving.run(args)
     if getattr(args, "embeddings", False):

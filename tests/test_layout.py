@@ -161,7 +161,8 @@ def test_cli_help_imports_no_command_and_its_lines_are_the_commands_own(tmp_path
 
 
 #: The bench library every benchmark may import; a benchmark never imports another benchmark
-#: (exceptions: a benchmark's own arm kept in a second file — `bench serving --ray` in ray_serving,
+#: (exceptions: a benchmark's own arm kept in a second file — `bench serving --ray` in ray_serving
+#: and its `--hop` layouts in ray_hop,
 #: `bench serving --embeddings` in serving_embeddings,
 #: `bench forward`'s adapter rows in forward_adapters and mixed batches in forward_mixed, `bench tuning --e2e` in tuning_phases and `--step` in tuning_step,
 #: `bench embed`'s runtime arms in embed_arms). The Infinity peer (infinity_peer) is library:
@@ -169,6 +170,7 @@ def test_cli_help_imports_no_command_and_its_lines_are_the_commands_own(tmp_path
 BENCH_LIBRARY = ("provenance", "stats", "results", "plots", "processes", "load_options", "fixtures", "loadgen",
                  "data", "infinity_peer", "tiny_model", "milvus_server")
 BENCH_ALLOWED = {("qswap.bench.serving", "qswap.bench.ray_serving"),
+                 ("qswap.bench.serving", "qswap.bench.ray_hop"), ("qswap.bench.ray_hop", "qswap.bench.ray_serving"),
                  ("qswap.bench.serving", "qswap.bench.serving_embeddings"),
                  ("qswap.bench.forward", "qswap.bench.forward_adapters"),
                  ("qswap.bench.forward", "qswap.bench.forward_mixed"),   # `bench forward --mixed-only`

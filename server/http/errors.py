@@ -17,11 +17,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from qswap.atomic import disk_full
 from qswap.server.http.dialects import dialect_for, retry_headers, shape_error
-from qswap.errors import (ERRORS, GuardRefusedError, InsufficientStorageError, InvalidRequestError, OverloadedError,
-                          QswapError, SpaceMismatchError, error_class)
+from qswap.errors import (ERRORS, GuardRefusedError, InsufficientStorageError, InvalidRequestError, NotReadyError,
+                          OverloadedError, QswapError, SpaceMismatchError, error_class)
 
 log = logging.getLogger("qswap.server")
 
@@ -189,6 +190,13 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     # The framework's own refusals (404 route, 405 method, 400 unreadable body, 413 from the
     # body limit) become the named error of their status, answered like any other.
     detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if exc.status_code == 400 and isinstance(exc.__cause__, ClientDisconnect):
+        # The body stopped arriving: the request was not bad. Behind Ray Serve's proxy this is a
+        # request the proxy re-sent to another replica after the first one died holding its body.
+        named: QswapError = NotReadyError("the request body did not arrive in full (the connection or a proxy "
+                                          "in front of the server dropped it)", "retry the request")
+        _, body, headers = error_body_of(named)
+        return _respond(request, 503, body, headers)
     named = error_class(None, exc.status_code)(detail, _FRAMEWORK_HINTS.get(exc.status_code,
                                                                             "see the API description at /docs"))
     _, body, headers = error_body_of(named)

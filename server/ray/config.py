@@ -74,7 +74,7 @@ def serve_config(settings: ServerSettings, opts: RayOptions) -> dict[str, Any]:
         raise InvalidInputError("--print-config needs --index", "build the index first (qswap index build) "
                                 "on storage every node mounts, and give its path")
     options = deployment_options(settings, opts)
-    deployments = [{"name": name, **options[name]} for name in (INGRESS, ENCODER)]
+    deployments = [{"name": name, **options[name]} for name in (INGRESS, ENCODER) if name in options]
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": settings.host, "port": settings.port},

@@ -60,7 +60,8 @@ class RayOptions:
 
     Attributes:
         replicas: ingress replicas (``num_replicas``; ``"auto"`` for Ray's default autoscaling).
-        encoder_replicas: encoder replicas (None: as many as ingress replicas).
+        encoder_replicas: encoder replicas (None: as many as ingress replicas; 0: no encoder
+            deployment, each ingress replica encodes itself, with no hop: see :attr:`fused`).
         autoscaling: Ray Serve ``autoscaling_config`` of the encoder deployment (overrides
             ``encoder_replicas``).
         max_encoders: encoders each encoder replica keeps loaded (multiplexing LRU).
@@ -91,9 +92,21 @@ class RayOptions:
         if self.encoder_gpus < 0:
             raise InvalidInputError(f"--encoder-gpus must be 0 or more, got {self.encoder_gpus}",
                                     "e.g. --encoder-gpus 1")
+        if self.fused and self.autoscaling is not None:
+            raise InvalidInputError("--autoscaling scales the encoder deployment; --encoder-replicas 0 has none",
+                                    "drop --autoscaling, or give encoder replicas")
+        if self.fused and self.encoder_gpus:
+            raise InvalidInputError("--encoder-gpus places encoder replicas; --encoder-replicas 0 has none",
+                                    "drop --encoder-gpus (and use --device on the ingress), or give encoder replicas")
         if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
             raise InvalidInputError(f"--max-ongoing-requests must be at least 1, got {self.max_ongoing_requests}",
                                     "e.g. --max-ongoing-requests 64")
+
+    @property
+    def fused(self) -> bool:
+        """No encoder deployment (``--encoder-replicas 0``): each ingress replica holds and runs
+        its encoders as a single process does, so a search makes no hop to another replica."""
+        return self.encoder_replicas == 0
 
     def encoder_fanout(self) -> int:
         """Encoder replicas one ingress batch is spread over: their count, or the autoscaler's
@@ -117,7 +130,7 @@ def deployment_options(settings: ServerSettings, opts: RayOptions) -> dict[str, 
 
     Returns:
         deployment name -> options (``num_replicas`` or ``autoscaling_config``,
-        ``max_ongoing_requests``, ``ray_actor_options``).
+        ``max_ongoing_requests``, ``ray_actor_options``); no ``ENCODER`` entry when ``opts.fused``.
     """
     opts.check()
     # Ray Serve's default of 5 ongoing requests per replica would cap a micro-batch at 5.
@@ -125,6 +138,8 @@ def deployment_options(settings: ServerSettings, opts: RayOptions) -> dict[str, 
     ing_group, enc_group = groups(opts)
     ingress: dict[str, Any] = {"num_replicas": opts.replicas, "max_ongoing_requests": max_ongoing,
                                "ray_actor_options": {"num_cpus": ing_group.cpus}}
+    if opts.fused:
+        return {INGRESS: ingress}
     encoder_actor: dict[str, Any] = {"num_cpus": enc_group.cpus}
     if opts.encoder_gpus:
         encoder_actor["num_gpus"] = opts.encoder_gpus
@@ -169,7 +184,8 @@ class RayIngressState(ServerState):
 
     Args:
         settings: the server settings.
-        encoder: the encoder deployment's handle.
+        encoder: the encoder deployment's handle (None: the replica encodes itself, as one
+            process does: ``--encoder-replicas 0``).
         fanout: encoder replicas a batch is spread over at most (their count, or the
             autoscaler's maximum): each encoder's rows go as up to ``fanout`` calls, so that a
             batch for one encoder keeps every encoder replica busy.
@@ -194,6 +210,8 @@ class RayIngressState(ServerState):
         return SharedRegistry(**kw)
 
     def make_batcher(self, **kw: Any) -> MicroBatcher:
+        if self.encoder is None:   # encoders in this replica (--encoder-replicas 0): the single process's worker
+            return super().make_batcher(**kw)
         # The encoders run in the encoder deployment, which tokenises: here texts are only counted.
         kw["encode_flagged"] = self.encode_remote
         kw["encode"] = lambda texts, keys: self.encode_remote(texts, keys)[0]
@@ -216,6 +234,8 @@ class RayIngressState(ServerState):
         # event loop, on which the batch thread sends its calls to the encoder deployment.
         self.loop = asyncio.get_running_loop()
         self.stats["admitted"] += 1
+        if self.encoder is None:
+            await super().prepare_encoder(key)
 
     def encode_remote(self, texts: list[str], keys: list[str]) -> Encoded:
         """Encode a batch on the encoder deployment (batch thread; blocks until it answers).
@@ -360,6 +380,9 @@ def build_app(settings: ServerSettings, opts: RayOptions | None = None) -> Any:
         # GPU encoder replicas behind CPU ingress replicas: each side on its own device.
         enc_settings = settings.model_copy(update={"device": "cuda"})
         ing_settings = settings.model_copy(update={"device": "cpu"})
+    if opts.fused:
+        return _ingress_class().options(**options[INGRESS], logging_config=LOGGING).bind(
+            settings, None, opts.replica_threads, 1)
     enc_max_batch = min(settings.max_batch, options[ENCODER]["max_ongoing_requests"])
     encoder = _encoder_class(opts.max_encoders, max(1, enc_max_batch)).options(
         **options[ENCODER], logging_config=LOGGING).bind(enc_settings, opts.replica_threads)
@@ -459,7 +482,8 @@ def serve_forever(settings: ServerSettings, opts: RayOptions, *, address: str | 
     init_ray(address)
     url = deploy(settings, opts)
     log.info("serving on Ray", extra={"url": url, "ingress_replicas": opts.replicas,
-                                      "encoder_replicas": opts.encoder_replicas or opts.replicas,
+                                      "encoder_replicas": opts.replicas if opts.encoder_replicas is None
+                                      else opts.encoder_replicas,
                                       "max_encoders_per_replica": opts.max_encoders,
                                       "ray_address": ray.get_runtime_context().gcs_address})
     stop = threading.Event()

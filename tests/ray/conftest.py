@@ -18,6 +18,10 @@ from ..server.conftest import ADMIN, make_docs
 pytest.importorskip("ray.serve", reason="qswap[ray] is not installed")
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# One auth mode for every Ray cluster of the session: a driver fixes its mode when it first uses
+# Ray, while a cluster started later reads the variable; the two-node cluster (test_multinode)
+# runs without a token (its nodes listen on this machine only), so all run without one.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 @contextmanager

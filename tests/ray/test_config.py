@@ -100,6 +100,31 @@ def test_build_app_puts_encoders_on_gpus_and_the_ingress_on_cpu(tmp_path, tiny_m
     assert encoder.init_args[0].device == "cuda" and ingress.init_args[0].device == "cpu"
 
 
+def test_serve_config_without_encoder_deployment(capsys, tmp_path):
+    from ray.serve.schema import ServeDeploySchema
+
+    from qswap.server.ray.serve import RayOptions
+    rc, out, err = _print(capsys, tmp_path, "--print-config", "--encoder-replicas", "0")
+    assert rc == 0, err
+    app = ServeDeploySchema.model_validate(yaml.safe_load(out)).applications[0]
+    assert [d.name for d in app.deployments] == ["QswapIngress"]
+    assert RayOptions(**app.args).fused
+    rc, _, err = _print(capsys, tmp_path, "--print-config", "--encoder-replicas", "-1")
+    assert rc == 2 and "--encoder-replicas must be at least 0" in err
+
+
+def test_one_replica_runs_its_encoders_itself_by_default(capsys, tmp_path):
+    from ray.serve.schema import ServeDeploySchema
+    (tmp_path / "idx").mkdir()
+    base = ["serve", "--ray", "--index", str(tmp_path / "idx"), "--state-dir", str(tmp_path / "state"),
+            "--print-config"]
+    for extra, names in (([], ["QswapIngress"]), (["--encoder-replicas", "1"], ["QswapIngress", "QswapEncoder"]),
+                         (["--replicas", "2"], ["QswapIngress", "QswapEncoder"])):
+        assert main(base + extra) == 0
+        app = ServeDeploySchema.model_validate(yaml.safe_load(capsys.readouterr().out)).applications[0]
+        assert [d.name for d in app.deployments] == names, extra
+
+
 def test_print_config_over_a_milvus_collection_keeps_the_location(capsys, tmp_path):
     from ray.serve.schema import ServeDeploySchema
     loc = "milvus://milvus.milvus.svc:19530?collection=docs"

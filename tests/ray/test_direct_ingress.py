@@ -68,3 +68,44 @@ def test_direct_ingress_serves_a_lora_encoder(direct_cluster, tmp_path, tiny_mod
         assert "enc1@1" in enc["resident"] and enc["loads"] == 1
     finally:
         serve.delete("qswap")
+
+
+def test_encoders_in_the_ingress_answer_like_one_process(direct_cluster, tmp_path, tiny_model_dir, ray_index,
+                                                         ray_encoders):
+    """``--encoder-replicas 0``: no encoder deployment, the ingress replica encodes itself (no hop);
+    with direct ingress there is no proxy either. Same hits as the single-process server."""
+    from ray import serve
+
+    from qswap.server.ray.serve import RayOptions, deploy
+
+    from ..server.conftest import LiveServer, server_settings
+    s = ray_settings(tmp_path / "ray", tiny_model_dir, ray_index, encoders_root=ray_encoders)
+    deploy(s, RayOptions(replicas=1, encoder_replicas=0, replica_cpus=0.5))
+    single = LiveServer(server_settings(tmp_path / "one", tiny_model_dir, ray_index, read_only_index=True,
+                                        encoders_root=ray_encoders, admin_token=ADMIN))
+    try:
+        assert set(serve.status().applications["qswap"].deployments) == {"QswapIngress"}
+        url = f"http://{s.host}:{ingress_ports()[0]}"
+        wait_ready(url, 1)
+        with single, httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {ADMIN}"}) as rc, \
+                single.client(ADMIN) as sc:
+            for c in (rc, sc):
+                assert c.post("/v1/encoders", json={"path": "e1"}).status_code == 201
+            for q in ("chess game", "linux server network"):
+                a, b = (c.post("/v1/search", json={"query": q, "k": 5, "encoder": "enc1"}) for c in (rc, sc))
+                assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
+                ha, hb = a.json()["results"][0]["hits"], b.json()["results"][0]["hits"]
+                assert [h["id"] for h in ha] == [h["id"] for h in hb] and len(ha) == 5
+                assert max(abs(x["score"] - y["score"]) for x, y in zip(ha, hb)) < 1e-4
+            r = rc.post("/v1/search", json={"query": "chess", "encoder": "nope"})
+            assert r.status_code == 404 and r.json()["error"] == "not_found"
+    finally:
+        serve.delete("qswap")
+
+
+def test_encoders_in_the_ingress_refuse_encoder_deployment_options():
+    from qswap.errors import InvalidInputError
+    from qswap.server.ray.serve import RayOptions
+    for bad in ({"autoscaling": {"min_replicas": 1}}, {"encoder_gpus": 1.0}):
+        with pytest.raises(InvalidInputError, match="--encoder-replicas 0"):
+            RayOptions(replicas=1, encoder_replicas=0, **bad).check()
