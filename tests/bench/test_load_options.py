@@ -32,7 +32,7 @@ def test_each_command_keeps_its_flags():
     flags = {n: [a.option_strings[-1] for a in parser_for(n)._actions] for n in COMMANDS}
     assert flags["serving"] == ["--help", "--quick", "--out", "--concurrency", "--seconds", "--requests", "--rounds",
                                 "--model", "--backend", "--query-precision", "--embeddings", "--ray", "--replicas",
-                                "--no-mux", "--mux-only", "--autoscale", "--autoscale-only"]
+                                "--no-mux", "--mux-only", "--autoscale", "--autoscale-only", "--hop"]
     assert flags["baseline"] == ["--help", "--quick", "--out", "--concurrency", "--seconds", "--requests", "--rounds",
                                  "--domains", "--naive-runtime", "--model"]
     assert flags["hotswap"] == ["--help", "--quick", "--out", "--swaps", "--concurrency", "--pause", "--model"]
