@@ -326,14 +326,8 @@ class ServerState:
             from qswap.encoders.runtime.documents import DocumentEncoder
             from qswap.index.manifest import documents_precision
             build = self.index.manifest.get("build", {})
-            enc = DocumentEncoder(self.base, precision=documents_precision(build),
-                                  cache_dir=self.settings.state_dir / "onnx")
-            if self.settings.bulk_lane and enc.runtime == "onnx":
-                # Upserts embed on the bulk lane's low-priority thread: one ONNX Runtime thread (the
-                # caller's), so none of the tower's work runs at normal priority beside searches.
-                enc = DocumentEncoder(self.base, precision=enc.precision, threads=1,
-                                      cache_dir=self.settings.state_dir / "onnx")
-            self._documents = enc
+            self._documents = DocumentEncoder(self.base, precision=documents_precision(build),
+                                              cache_dir=self.settings.state_dir / "onnx")
         return self._documents
 
     def delete_documents(self, ids: list[str]) -> tuple[int, int]:
