@@ -22,9 +22,8 @@ import argparse
 import sys
 from typing import Any
 
-from qswap.bench.fixtures import (breakdown, index_meta, load_space_base, load_workload, lora_encoders, qswap_server,
-                                  register, search_requests, stamped_index)
-from qswap.bench.load_options import LoadOptions, RunDirs, warm_up
+from qswap.bench.fixtures import breakdown, index_meta, qswap_server, register, search_requests
+from qswap.bench.load_options import RunDirs, warm_up
 from qswap.bench.loadgen import LoadResult, Request
 from qswap.bench.results import md_table
 from qswap.bench.stats import interleaved, summarize
@@ -51,15 +50,9 @@ def _merged(rs: list[LoadResult]) -> LoadResult:
 def run(args: argparse.Namespace) -> int:
     """``qswap bench serving --ray --hop``: every layout of :data:`LAYOUTS` against the single
     process; writes the results."""
-    from qswap.bench.ray_serving import LOAD, ray_server
-    opts = LoadOptions.from_args(args, LOAD)
-    dirs = RunDirs.create(NAME, opts.quick, args.out)
+    from qswap.bench.ray_serving import ray_server, setup
+    opts, dirs, work, idx_dir, enc_root = setup(args, NAME, [("m0", "1")], "ray-hop")
     tmp = dirs.tmp
-    work = load_workload(opts.quick)
-    base = load_space_base(args.model)
-    idx_dir, _, _ = stamped_index(work, base, tag="default")
-    enc_root = lora_encoders(base, [("m0", "1")], tag="ray-hop")
-    del base
     lora_req = search_requests(work.queries, ["m0@1"])
     ping = [Request("GET", "/healthz")]
     rounds = max(2, opts.rounds)

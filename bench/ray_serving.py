@@ -156,17 +156,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "against the single process (write it elsewhere with --out)")
 
 
-def run(args: argparse.Namespace) -> int:
-    """``qswap bench serving --ray``."""
+def setup(args: argparse.Namespace, name: str, encoders: list[tuple[str, str]],
+          tag: str) -> tuple[LoadOptions, RunDirs, Any, Path, Path]:
+    """What a Ray serving benchmark runs on: its load options, results folders, workload, the
+    default index and LoRA ``encoders`` (name, version) made for it (cached under ``tag``)."""
     opts = LoadOptions.from_args(args, LOAD)
-    dirs = RunDirs.create(NAME, opts.quick, args.out)
-    tmp = dirs.tmp
+    dirs = RunDirs.create(name, opts.quick, args.out)
     work = load_workload(opts.quick)
     base = load_space_base(args.model)
     idx_dir, _, _ = stamped_index(work, base, tag="default")
+    enc_root = lora_encoders(base, encoders, tag=tag)
+    return opts, dirs, work, idx_dir, enc_root
+
+
+def run(args: argparse.Namespace) -> int:
+    """``qswap bench serving --ray``."""
     names = [(f"m{i}", "1") for i in range(N_MUX)]
-    enc_root = lora_encoders(base, names, tag="ray-mux")
-    del base
+    opts, dirs, work, idx_dir, enc_root = setup(args, NAME, names, "ray-mux")
+    tmp = dirs.tmp
     res: dict[str, Any] = {"workload": work.source, "index": index_meta(idx_dir), "model": args.model,
                            "levels": opts.levels, "seconds_per_run": opts.seconds, "rounds": opts.rounds,
                            "overhead": {}, "mux": None, "autoscale": None}

@@ -348,23 +348,13 @@ class SharedBackend:
     def groups_side_by_side(self, wait: float | None = 0) -> bool:
         """Whether batches mixing encoders can run their groups side by side now (the
         single-threaded session is built); ``wait``: seconds to wait for it if it is being built."""
-        future = self._group_future
-        if future is not None and wait != 0:
-            try:
-                future.result(timeout=wait)
-            except Exception:   # a timeout or a failed build: groups keep running in turn
-                pass
+        _await_build(self._group_future, wait)   # a timeout or a failed build: groups run in turn
         return self._group_session is not None
 
     def gathered_ready(self, wait: float | None = 0) -> bool:
         """Whether batches mixing encoders run as one gathered call now (``mix="gathered"``, its
         graph built); ``wait``: seconds to wait for it if it is being built."""
-        future = self._gathered_future
-        if future is not None and wait != 0:
-            try:
-                future.result(timeout=wait)
-            except Exception:   # a timeout or a failed build: mixed batches run per group
-                pass
+        _await_build(self._gathered_future, wait)   # a timeout or a failed build: mixed batches run per group
         return self._gathered is not None
 
     def discard(self, key: str) -> None:
@@ -496,3 +486,13 @@ class SharedBackend:
         """One ONNX Runtime call: the rows' word embeddings gathered here, the adapter bound."""
         return feed.run(session, np.take(self._table, ids, axis=0), mask)
 
+
+def _await_build(future: Any, wait: float | None) -> None:
+    """Wait up to ``wait`` seconds (``None``: as long as it takes, 0: not at all) for a background
+    build; its outcome is read from what it built, so a timeout or a failure is not raised here."""
+    if future is None or wait == 0:
+        return
+    try:
+        future.result(timeout=wait)
+    except Exception:  # noqa: BLE001 - the caller reads whether the build produced its session
+        pass

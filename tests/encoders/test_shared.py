@@ -54,9 +54,9 @@ def pool(tiny_base, encoder_dirs):
     return _pool(tiny_base, encoder_dirs)   # float32 factors: the reference
 
 
-def _ready_backend(pool, cache, threads: int) -> SharedBackend:
+def _ready_backend(pool, cache, threads: int = 1, mix: str = "groups") -> SharedBackend:
     """A shared backend over ``pool`` with every encoder of ``KINDS`` prepared and ready."""
-    b = SharedBackend(pool, cache, threads=threads)
+    b = SharedBackend(pool, cache, threads=threads, mix=mix)
     for key in KINDS:
         b.prepare(key)
     for key in KINDS:

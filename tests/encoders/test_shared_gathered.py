@@ -13,24 +13,15 @@ from qswap.encoders.runtime.shared import SharedBackend
 from qswap.encoders.runtime.shared_gathered import GatheredTable
 from qswap.errors import InvalidInputError
 
-from .test_shared import KINDS, MIN_COSINE, TEXTS, _pool, cosine, encoder_dirs, pool  # noqa: F401 (fixtures)
+from .test_shared import MIN_COSINE, TEXTS, _pool, _ready_backend, cosine, encoder_dirs, pool  # noqa: F401 (fixtures)
 
 # LoRA r=4 and r=8 on different layers, bias, base, and a partial encoder (merged export), interleaved.
 MIXED = ["l1@1", BASE_KEY, "l2@1", "b1@1", "p1@1", "l2@1", "l1@1", "b1@1", BASE_KEY]
 
 
-def _backend(pool, cache, mix: str) -> SharedBackend:
-    b = SharedBackend(pool, cache, threads=1, mix=mix)
-    for key in KINDS:
-        b.prepare(key)
-    for key in KINDS:
-        assert b.wait(key, timeout=120), b.error(key)
-    return b
-
-
 @pytest.fixture(scope="module")
 def gathered(pool, tmp_path_factory):
-    b = _backend(pool, tmp_path_factory.mktemp("gathered"), "gathered")
+    b = _ready_backend(pool, tmp_path_factory.mktemp("gathered"), mix="gathered")
     yield b
     b.close()
 
@@ -63,7 +54,7 @@ def test_mixed_batch_is_one_gathered_call_equal_to_groups_and_torch(gathered, po
     shared_rows = sum(k != "p1@1" for k in MIXED)
     assert sum(spy.gathered) == shared_rows and spy.groups == 0
     assert len(spy.gathered) <= 2                      # one call, or two length buckets at most
-    groups = _backend(pool, tmp_path / "groups", "groups")
+    groups = _ready_backend(pool, tmp_path / "groups", mix="groups")
     try:
         per_group = groups.encode(TEXTS, MIXED)
     finally:
@@ -86,7 +77,7 @@ def test_one_encoder_keeps_its_bound_call(gathered, monkeypatch):
 
 def test_table_grows_in_rank_and_slots_and_frees_discarded_keys(tiny_base, encoder_dirs, tmp_path):
     pool = _pool(tiny_base, encoder_dirs)   # its own pool: discard below must not touch the module's
-    b = _backend(pool, tmp_path, "gathered")
+    b = _ready_backend(pool, tmp_path, mix="gathered")
     try:
         b.encode(TEXTS[:2], ["l1@1", BASE_KEY])          # starts the gathered build
         assert b.gathered_ready(wait=120)
@@ -107,7 +98,7 @@ def test_table_grows_in_rank_and_slots_and_frees_discarded_keys(tiny_base, encod
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_factors_gathered_equal_groups(tiny_base, encoder_dirs, tmp_path, dtype):
     hpool = _pool(tiny_base, encoder_dirs, dtype)
-    g, p = _backend(hpool, tmp_path / "g", "gathered"), _backend(hpool, tmp_path / "p", "groups")
+    g, p = _ready_backend(hpool, tmp_path / "g", mix="gathered"), _ready_backend(hpool, tmp_path / "p", mix="groups")
     try:
         g.encode(TEXTS, MIXED)
         assert g.gathered_ready(wait=120)
@@ -125,7 +116,7 @@ def test_a_failed_gathered_export_leaves_mixed_batches_per_group(pool, tmp_path,
             raise OSError("disk full")
         return real(*a, gathered=gathered, **kw)
     monkeypatch.setattr("qswap.encoders.runtime.shared.export_shared", broken)
-    b = _backend(pool, tmp_path, "gathered")
+    b = _ready_backend(pool, tmp_path, mix="gathered")
     try:
         first = b.encode(TEXTS, MIXED)
         assert not b.gathered_ready(wait=120)
@@ -145,7 +136,7 @@ def test_auto_gathers_only_batches_of_tiny_groups(pool, tmp_path, monkeypatch):
     from qswap.encoders.runtime.shared_run import gather_groups
 
     assert gather_groups(4, 4) and gather_groups(3, 2) and not gather_groups(4, 2) and not gather_groups(8, 1)
-    b = _backend(pool, tmp_path, "auto")
+    b = _ready_backend(pool, tmp_path, mix="auto")
     try:
         tiny = ["l1@1", "l2@1", "b1@1", BASE_KEY]          # one row per encoder: gathered
         b.encode(TEXTS[:4], tiny)

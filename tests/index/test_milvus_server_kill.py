@@ -46,12 +46,28 @@ class Writer(threading.Thread):
                     self.refused.append((0, {"error": repr(e)}, {}))
                     self.refusals.add()
                     continue
+                if r.status_code == 202:                   # still writing at its deadline: a job to follow
+                    r = self._settle(c, r)
                 if r.status_code == 200:
                     self.acked.append(doc["id"])
                     self.acks.add()
                 else:
                     self.refused.append((r.status_code, r.json(), dict(r.headers)))
                     self.refusals.add()
+
+    def _settle(self, c: httpx.Client, accepted: httpx.Response) -> httpx.Response:
+        """Follow a 202's job to its end: ``done`` is an acknowledged write (as a 200 is), ``failed``
+        a refusal with the status and error the job records."""
+        location = accepted.headers["Location"]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            job = c.get(location).json()
+            if job["status"] == "done":
+                return httpx.Response(200, json=job["result"])
+            if job["status"] == "failed":
+                return httpx.Response(job["error"].get("status", 500), json=job["error"])
+            time.sleep(0.1)   # polling a job, as its clients do
+        return httpx.Response(504, json={"error": "job_not_finished", "job": job})
 
 
 def test_a_killed_milvus_server_loses_no_acknowledged_write(tmp_path, tiny_model_dir, tiny_base, milvus_server):
