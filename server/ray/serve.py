@@ -461,8 +461,22 @@ def deploy(settings: ServerSettings, opts: RayOptions | None = None, *, app_name
     # No per-request access log lines from Serve's proxy and replicas (qswap logs its own
     # errors): on a small machine writing and shipping them cost more than the request.
     serve.start(http_options={"host": settings.host, "port": settings.port}, logging_config=LOGGING)
+    _check_listening(settings)
     serve.run(build_app(settings, opts), name=app_name, route_prefix=route_prefix, blocking=False)
     return f"http://{settings.host}:{settings.port}{route_prefix.rstrip('/')}"
+
+
+def _check_listening(settings: ServerSettings) -> None:
+    """Refuse when Serve was already running on this cluster with other HTTP options: it keeps them
+    (``serve.start`` only logs that the new ones are ignored), so the app would answer elsewhere
+    than ``--host``/``--port`` say."""
+    from ray.serve.context import _get_global_client   # the one place Serve exposes its running HTTP options
+    http = _get_global_client().http_config
+    if (http.host, int(http.port)) != (settings.host, int(settings.port)):
+        raise InvalidInputError(
+            f"Ray Serve already runs on this cluster with its proxies on {http.host}:{http.port}, not "
+            f"{settings.host}:{settings.port}", f"pass --host {http.host} --port {http.port}, or stop Serve "
+            "first (serve shutdown)")
 
 
 def serve_forever(settings: ServerSettings, opts: RayOptions, *, address: str | None) -> int:

@@ -96,12 +96,28 @@ def ray_clusters() -> Iterator[Clusters]:
 def ray_cluster(ray_clusters: Clusters) -> Iterator[None]:
     """A plain local Ray cluster, shared by the modules that ask for one (Serve, with what a
     module deployed, is shut down after each)."""
-    from ray import serve
     ray_clusters.use("local", local_cluster)
     try:
         yield
     finally:
-        serve.shutdown()   # the next module starts Serve on its own port
+        stop_serve()   # the next module starts Serve on its own port
+
+
+def stop_serve(timeout_s: float = 30.0) -> None:
+    """Shut Serve down and wait until its controller is gone: a ``serve.start`` right after
+    ``serve.shutdown`` can still find the dying controller and keep its HTTP options."""
+    import ray
+    from ray import serve
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+    serve.shutdown()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        except ValueError:   # no such actor: gone
+            return
+        time.sleep(0.1)   # polls the cluster's actor table; orders nothing
+    raise TimeoutError(f"Serve's controller still alive {timeout_s:.0f} s after serve.shutdown()")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from ..server.conftest import ADMIN
-from .conftest import local_cluster, ray_settings, wait_ready
+from .conftest import local_cluster, ray_settings, stop_serve, wait_ready
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_direct_ingress_serves_a_lora_encoder(direct_cluster, tmp_path, tiny_mod
         enc = serve.get_deployment_handle("QswapEncoder", app_name="qswap").replica_stats.remote().result(timeout_s=30)
         assert "enc1@1" in enc["resident"] and enc["loads"] == 1
     finally:
-        serve.delete("qswap")
+        stop_serve()   # the next test starts Serve on its own port
 
 
 def test_encoders_in_the_ingress_answer_like_one_process(direct_cluster, tmp_path, tiny_model_dir, ray_index,

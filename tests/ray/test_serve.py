@@ -47,6 +47,24 @@ def test_single_process_server_refused_on_the_replicas_state_dir(ray_url, tmp_pa
         srv.stop()
 
 
+def test_deploy_on_serve_running_elsewhere_is_refused_and_changes_nothing(ray_url, tmp_path, tiny_model_dir,
+                                                                          ray_index, ray_encoders):
+    """Serve keeps the HTTP options it started with: a second deployment asking for another port
+    would answer elsewhere than asked. It is refused, naming the port, and the app keeps serving."""
+    from ray import serve
+
+    from qswap.errors import InvalidInputError
+    from qswap.server.ray.serve import RayOptions, deploy
+    s = ray_settings(tmp_path, tiny_model_dir, ray_index, encoders_root=ray_encoders)
+    port = int(ray_url.rsplit(":", 1)[1])
+    with pytest.raises(InvalidInputError, match=f"127.0.0.1:{port}") as e:
+        deploy(s, RayOptions(replicas=1, replica_cpus=0.5), app_name="other")
+    assert f"--port {port}" in e.value.hint
+    assert set(serve.status().applications) == {"qswap"}
+    with httpx.Client(base_url=ray_url, timeout=30) as c:
+        assert c.post("/v1/search", json={"query": "chess", "k": 2}).status_code == 200
+
+
 def admin(url: str) -> httpx.Client:
     return httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {ADMIN}"})
 
