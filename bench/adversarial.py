@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import multiprocessing
 import random
 import selectors
 import shlex
@@ -97,25 +98,49 @@ class _Http:
 
 
 class Attacker:
-    """Loops one attack on its own thread until stopped; counts what the server answered."""
+    """Loops one attack in a process of its own until stopped; counts what the server answered.
+
+    A process, not a thread: an attacker busy in Python would otherwise hold the load
+    generator's GIL and add its waits to the normal clients' measured latency."""
 
     def __init__(self, name: str, port: int, payloads: dict[str, Any], slow: int) -> None:
         self.name, self.port, self.payloads, self.slow = name, port, payloads, slow
-        self.stop = threading.Event()
+        ctx = multiprocessing.get_context("fork")   # the payloads travel without pickling
+        self.stop = ctx.Event()
         self.statuses: Counter[str] = Counter()
         self.answer_bytes: list[int] = []
         self.jobs_done = 0
         self.closed_by_server = 0
         self.admin_ms: dict[str, list[float]] = {"before": [], "during": []}
-        self.thread = threading.Thread(target=self._run, name=f"attack-{name}", daemon=True)
+        self._results, self._report = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=self._child, name=f"attack-{name}", daemon=True)
 
     def start(self) -> None:
-        self.thread.start()
+        self.proc.start()
 
     def finish(self) -> None:
-        """Stop sending; a running upsert job is waited for (it must not spill into the next window)."""
+        """Stop sending and collect the counts; a running upsert job is waited for (it must not
+        spill into the next window)."""
         self.stop.set()
-        self.thread.join(900)
+        if self._results.poll(900):
+            got = self._results.recv()
+            self.statuses, self.answer_bytes = Counter(got["statuses"]), got["answer_bytes"]
+            self.jobs_done, self.closed_by_server = got["jobs_done"], got["closed_by_server"]
+            self.admin_ms = got["admin_ms"]
+        else:
+            self.statuses["attacker_lost"] += 1
+        self.proc.join(60)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+    def _child(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._report.send({"statuses": dict(self.statuses), "answer_bytes": self.answer_bytes,
+                               "jobs_done": self.jobs_done, "closed_by_server": self.closed_by_server,
+                               "admin_ms": self.admin_ms})
 
     def _run(self) -> None:
         {"long_queries": self._requests, "huge_answers": self._requests, "big_upsert": self._upserts,
