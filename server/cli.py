@@ -28,6 +28,7 @@ _FLAG_FIELDS = {
     "feedback_dir": "feedback_dir", "feedback_max_mb": "feedback_max_bytes", "feedback_max_days": "feedback_max_age_s",
     "max_request_tokens": "max_request_tokens", "max_batch_tokens": "max_batch_tokens", "slice_tokens": "slice_tokens",
     "max_response_bytes": "max_response_bytes", "max_connections": "max_connections",
+    "max_connections_per_address": "max_connections_per_address",
     "header_timeout": "header_timeout_s", "shutdown_timeout": "shutdown_timeout_s",
 }
 _SCALE = {"encoder_memory_mb": 1 << 20, "feedback_max_mb": 1 << 20, "feedback_max_days": 86400}
@@ -107,6 +108,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     lim.add_argument("--max-response-bytes", type=int, metavar="N", help="one search answer at most (default 16 MiB)")
     lim.add_argument("--max-connections", type=int, metavar="N",
                      help="open client connections (default: the open-file limit minus max(128, a quarter))")
+    lim.add_argument("--max-connections-per-address", type=int, metavar="N",
+                     help="open connections from one client address (default: a quarter of --max-connections; "
+                          "0: no limit, e.g. behind a reverse proxy)")
     lim.add_argument("--header-timeout", type=float, metavar="S",
                      help="seconds to deliver a request head (default 10)")
     lim.add_argument("--shutdown-timeout", type=float, metavar="S",

@@ -111,6 +111,10 @@ class ServerSettings(BaseSettings):
                                         "open-file limit minus max(128, a quarter of it)); at the cap a new "
                                         "connection closes an idle one (one never served first, then the oldest), or gets 429 "
                                         "when none is idle")
+    max_connections_per_address: int | None = Field(
+        None, ge=0, description="open connections from one client address at most (default: a quarter of "
+        "max_connections, at least 8; 0: no limit; behind a reverse proxy every client has the proxy's "
+        "address); beyond: 429 and closed at once")
     backlog: int = Field(2048, ge=1, description="listen backlog (the kernel caps it at net.core.somaxconn)")
     # -- limits
     max_queries: int = Field(64, ge=1, description="queries per search request")

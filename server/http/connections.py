@@ -1,4 +1,4 @@
-"""Connections that cost nothing they do not use: header timeout, connection cap, uvicorn config.
+"""Connections that cost nothing they do not use: header timeout, connection caps, uvicorn config.
 
 uvicorn closes idle keep-alive connections (``timeout_keep_alive``) but never one that sends
 nothing, or half a request head, after it connects: 1,000 of those held 1,000 file
@@ -8,6 +8,11 @@ head within ``header_timeout_s`` of opening or of the first byte of its next req
 connections below the process's open-file limit: at the cap, a new connection first closes the
 idle one (no request running; one that was never served first, then the oldest); only when
 every connection is busy is it refused.
+
+One client address may hold at most ``max_per_address`` of those connections: beyond that a new
+one from it is answered a JSON 429 and closed in ``connection_made``, before uvicorn sets up its
+parser and timers, so a client that opens connections in a loop costs the event loop an accept
+and a close, and never evicts other clients' connections at the cap.
 
 Finding that idle connection costs O(1) in the usual case: connections that never completed a
 request are kept in opening order, so a flood of slow clients at the cap (each new one evicting
@@ -35,8 +40,8 @@ log = logging.getLogger("qswap.server")
 FD_RESERVE_MIN = 128
 
 
-def _refusal() -> bytes:
-    body = json.dumps(error_body("overloaded", "too many open connections",
+def _refusal(detail: str = "too many open connections") -> bytes:
+    body = json.dumps(error_body("overloaded", detail,
                                  "retry after the Retry-After seconds, or reuse connections (keep-alive)")).encode()
     return (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
             b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -86,13 +91,40 @@ def _evict_one(unserved: "OrderedDict[Any, None]", connections: Any, me: Any) ->
     return True
 
 
-def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol with a request-head timeout and a connection cap.
+def default_max_per_address(max_connections: int) -> int:
+    """Connections one client address may hold by default: a quarter of the cap (at least 8)."""
+    return max(8, max_connections // 4)
+
+
+class _Refused:
+    """Counts connections refused per address and logs them at most every ``LOG_EVERY_S``
+    (a client refused in a loop must not cost a log line per connection)."""
+
+    LOG_EVERY_S = 10.0
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._logged_at = -self.LOG_EVERY_S
+
+    def note(self, address: str, limit: int) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self._logged_at >= self.LOG_EVERY_S:
+            self._logged_at = now
+            log.warning("connections refused: too many from one address",
+                        extra={"address": address, "max_connections_per_address": limit,
+                               "refused_so_far": self.count})
+
+
+def guarded_protocol(header_timeout_s: float, max_connections: int,
+                     max_per_address: int = 0) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol with a request-head timeout and connection caps.
 
     Args:
         header_timeout_s: seconds a connection may take to deliver a complete request head,
             from when it opens or (kept alive) from the first byte of its next request.
         max_connections: open client connections at most.
+        max_per_address: open connections from one client address at most (0: no limit).
 
     Returns:
         A protocol class for ``uvicorn.Config(http=...)``.
@@ -100,13 +132,29 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyn
     base: Any = _base_protocol()
     # Open connections that never completed a request, oldest first (one event loop: no lock).
     unserved: OrderedDict[Any, None] = OrderedDict()
+    per_address: dict[str, int] = {}
+    refused = _Refused()
 
     class GuardedProtocol(base):   # type: ignore[misc, valid-type]
         _header_timer: asyncio.TimerHandle | None = None
         _opened: float = 0.0
         _served = 0
+        _address: str | None = None
+        _refused = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            peer = transport.get_extra_info("peername")
+            address = peer[0] if isinstance(peer, tuple) else None
+            if max_per_address and address is not None and per_address.get(address, 0) >= max_per_address:
+                # Refused before uvicorn's own setup: the accept and this close are all it costs.
+                self._refused = True
+                refused.note(address, max_per_address)
+                transport.write(_REFUSAL_ADDRESS)
+                transport.close()
+                return
+            if address is not None:
+                self._address = address
+                per_address[address] = per_address.get(address, 0) + 1
             super().connection_made(transport)
             self._opened = time.monotonic()
             unserved[self] = None
@@ -149,11 +197,20 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyn
             self._disarm()
 
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._refused:
+                return   # uvicorn never saw it
+            if self._address is not None:
+                left = per_address[self._address] - 1
+                if left:
+                    per_address[self._address] = left
+                else:
+                    del per_address[self._address]
             self._disarm()
             unserved.pop(self, None)
             super().connection_lost(exc)
 
     _REFUSAL = _refusal()
+    _REFUSAL_ADDRESS = _refusal("too many open connections from this address")
     GuardedProtocol.__name__ = GuardedProtocol.__qualname__ = f"Guarded{base.__name__}"
     return GuardedProtocol
 
@@ -170,9 +227,12 @@ def uvicorn_config(app: Any, settings: Any, **overrides: Any) -> uvicorn.Config:
         The config for :class:`qswap.server.http.app.DrainingServer`.
     """
     cap = settings.max_connections or default_max_connections()
+    per_address = settings.max_connections_per_address
+    if per_address is None:
+        per_address = default_max_per_address(cap)
     kw: dict[str, Any] = dict(
         host=settings.host, port=settings.port, workers=1, loop="auto",
-        http=guarded_protocol(settings.header_timeout_s, cap), access_log=False, log_config=None,
+        http=guarded_protocol(settings.header_timeout_s, cap, per_address), access_log=False, log_config=None,
         server_header=False, timeout_keep_alive=settings.keep_alive_timeout_s,
         timeout_graceful_shutdown=settings.shutdown_timeout_s, backlog=settings.backlog)
     kw.update(overrides)
