@@ -11,8 +11,10 @@ every connection is busy is it refused.
 
 One client address may hold at most ``max_per_address`` of those connections: beyond that a new
 one from it is answered a JSON 429 and closed in ``connection_made``, before uvicorn sets up its
-parser and timers, so a client that opens connections in a loop costs the event loop an accept
-and a close, and never evicts other clients' connections at the cap.
+parser and timers, and never evicts other clients' connections at the cap. While an address
+holds its share, the listening socket's filter drops its connection attempts in the kernel
+(:mod:`qswap.server.http.synfilter`): a client that reopens every refused connection at once
+would otherwise have the event loop accept and close as fast as it can connect.
 
 Finding that idle connection costs O(1) in the usual case: connections that never completed a
 request are kept in opening order, so a flood of slow clients at the cap (each new one evicting
@@ -32,6 +34,7 @@ from typing import Any
 import uvicorn
 
 from qswap.server.http.errors import error_body
+from qswap.server.http.synfilter import SynFilter
 
 log = logging.getLogger("qswap.server")
 
@@ -134,6 +137,7 @@ def guarded_protocol(header_timeout_s: float, max_connections: int,
     unserved: OrderedDict[Any, None] = OrderedDict()
     per_address: dict[str, int] = {}
     refused = _Refused()
+    syn = SynFilter()   # its listening sockets are added once the server has started (watch_listeners)
 
     class GuardedProtocol(base):   # type: ignore[misc, valid-type]
         _header_timer: asyncio.TimerHandle | None = None
@@ -141,6 +145,7 @@ def guarded_protocol(header_timeout_s: float, max_connections: int,
         _served = 0
         _address: str | None = None
         _refused = False
+        syn_filter = syn
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             peer = transport.get_extra_info("peername")
@@ -154,7 +159,9 @@ def guarded_protocol(header_timeout_s: float, max_connections: int,
                 return
             if address is not None:
                 self._address = address
-                per_address[address] = per_address.get(address, 0) + 1
+                per_address[address] = held = per_address.get(address, 0) + 1
+                if held == max_per_address:
+                    syn.block(address)
             super().connection_made(transport)
             self._opened = time.monotonic()
             unserved[self] = None
@@ -201,6 +208,8 @@ def guarded_protocol(header_timeout_s: float, max_connections: int,
                 return   # uvicorn never saw it
             if self._address is not None:
                 left = per_address[self._address] - 1
+                if left == max_per_address - 1:
+                    syn.unblock(self._address)
                 if left:
                     per_address[self._address] = left
                 else:

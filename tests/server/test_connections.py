@@ -128,3 +128,39 @@ def test_one_address_holds_at_most_its_share_of_connections(tmp_path, tiny_model
             time.sleep(0.01)
         with srv.client() as c:
             assert c.get("/healthz").status_code == 200
+
+
+def test_the_kernel_drops_connection_attempts_from_an_address_at_its_share(tmp_path, tiny_model_dir, index_dir):
+    """On the server ``qswap serve`` runs (DrainingServer), an address that holds its share has
+    its connection attempts dropped by the listening socket's filter (no accept, no close:
+    the connect does not complete) until one of its connections closes; other addresses
+    connect meanwhile."""
+    import threading
+
+    from qswap.server.http.app import DrainingServer
+
+    s = server_settings(tmp_path, tiny_model_dir, index_dir, backend="torch", max_connections_per_address=2,
+                        read_only_index=True)
+    srv = LiveServer(s)
+    srv.server = DrainingServer(srv.server.config)
+    srv.thread = threading.Thread(target=srv.server.run, kwargs={"sockets": [srv.sock]}, daemon=True)
+    with srv:
+        syn = srv.server.config.http_protocol_class.syn_filter
+        assert syn.active
+        held = [_busy(srv) for _ in range(2)]
+        try:
+            assert syn.blocked == ["127.0.0.1"]
+            with pytest.raises(TimeoutError):   # the SYN is dropped: no connection, nothing accepted
+                socket.create_connection(("127.0.0.1", srv.port), timeout=0.5).close()
+            other = httpx.HTTPTransport(local_address="127.0.0.2")
+            with httpx.Client(base_url=srv.url, transport=other, timeout=30) as c:
+                assert c.get("/healthz").status_code == 200
+        finally:
+            for sock in held:
+                sock.close()
+        deadline = time.monotonic() + 30
+        while syn.blocked and time.monotonic() < deadline:   # the server sees one of the two go
+            time.sleep(0.01)
+        assert syn.blocked == []
+        with srv.client() as c:
+            assert c.get("/healthz").status_code == 200
