@@ -50,6 +50,10 @@ def _refusal(detail: str = "too many open connections") -> bytes:
             b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
+_REFUSAL = _refusal()
+_REFUSAL_ADDRESS = _refusal("too many open connections from this address")
+
+
 def default_max_connections() -> int:
     """Client connections the open-file limit leaves room for (RLIMIT_NOFILE minus a reserve).
 
@@ -99,24 +103,63 @@ def default_max_per_address(max_connections: int) -> int:
     return max(8, max_connections // 4)
 
 
-class _Refused:
-    """Counts connections refused per address and logs them at most every ``LOG_EVERY_S``
+def _peer_address(transport: asyncio.Transport) -> str | None:
+    """The client's IP address (None for a non-IP socket)."""
+    peer = transport.get_extra_info("peername")
+    return peer[0] if isinstance(peer, tuple) else None
+
+
+class _Shares:
+    """Open connections per client address, at most ``limit`` each (0: no limit); one event loop,
+    no lock. An address at its limit is blocked in the kernel (:class:`SynFilter`, once the
+    server's listening sockets are watched); refusals are logged at most every ``LOG_EVERY_S``
     (a client refused in a loop must not cost a log line per connection)."""
 
     LOG_EVERY_S = 10.0
 
-    def __init__(self) -> None:
-        self.count = 0
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held: dict[str, int] = {}
+        self.syn = SynFilter()
+        self.refused = 0
         self._logged_at = -self.LOG_EVERY_S
 
-    def note(self, address: str, limit: int) -> None:
-        self.count += 1
+    def admit(self, address: str | None, transport: asyncio.Transport) -> bool:
+        """Count a new connection from ``address``; when it holds its share, answer 429 and close
+        ``transport`` instead (nothing counted) and return False."""
+        if address is None:
+            return True
+        held = self.held.get(address, 0)
+        if self.limit and held >= self.limit:
+            self._note(address)
+            transport.write(_REFUSAL_ADDRESS)
+            transport.close()
+            return False
+        self.held[address] = held + 1
+        if held + 1 == self.limit:
+            self.syn.block(address)
+        return True
+
+    def release(self, address: str | None) -> None:
+        """One of ``address``'s connections closed."""
+        if address is None:
+            return
+        left = self.held[address] - 1
+        if left == self.limit - 1:
+            self.syn.unblock(address)
+        if left:
+            self.held[address] = left
+        else:
+            del self.held[address]
+
+    def _note(self, address: str) -> None:
+        self.refused += 1
         now = time.monotonic()
         if now - self._logged_at >= self.LOG_EVERY_S:
             self._logged_at = now
             log.warning("connections refused: too many from one address",
-                        extra={"address": address, "max_connections_per_address": limit,
-                               "refused_so_far": self.count})
+                        extra={"address": address, "max_connections_per_address": self.limit,
+                               "refused_so_far": self.refused})
 
 
 def guarded_protocol(header_timeout_s: float, max_connections: int,
@@ -135,9 +178,7 @@ def guarded_protocol(header_timeout_s: float, max_connections: int,
     base: Any = _base_protocol()
     # Open connections that never completed a request, oldest first (one event loop: no lock).
     unserved: OrderedDict[Any, None] = OrderedDict()
-    per_address: dict[str, int] = {}
-    refused = _Refused()
-    syn = SynFilter()   # its listening sockets are added once the server has started (watch_listeners)
+    shares = _Shares(max_per_address)   # its filter watches the listening sockets once started
 
     class GuardedProtocol(base):   # type: ignore[misc, valid-type]
         _header_timer: asyncio.TimerHandle | None = None
@@ -145,36 +186,24 @@ def guarded_protocol(header_timeout_s: float, max_connections: int,
         _served = 0
         _address: str | None = None
         _refused = False
-        syn_filter = syn
+        syn_filter = shares.syn
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            peer = transport.get_extra_info("peername")
-            address = peer[0] if isinstance(peer, tuple) else None
-            if max_per_address and address is not None and per_address.get(address, 0) >= max_per_address:
-                # Refused before uvicorn's own setup: the accept and this close are all it costs.
+            address = _peer_address(transport)
+            if not shares.admit(address, transport):   # before uvicorn's setup: an accept and a close
                 self._refused = True
-                refused.note(address, max_per_address)
-                transport.write(_REFUSAL_ADDRESS)
-                transport.close()
                 return
-            if address is not None:
-                self._address = address
-                per_address[address] = held = per_address.get(address, 0) + 1
-                if held == max_per_address:
-                    syn.block(address)
+            self._address = address
             super().connection_made(transport)
             self._opened = time.monotonic()
             unserved[self] = None
-            if len(self.connections) > max_connections and not self._evict_idle():
+            if len(self.connections) > max_connections and not _evict_one(unserved, self.connections, self):
                 log.warning("connection refused: every connection is busy",
                             extra={"connections": len(self.connections), "max_connections": max_connections})
                 transport.write(_REFUSAL)
                 transport.close()
                 return
             self._arm()   # a new connection must send a request head within the bound
-
-        def _evict_idle(self) -> bool:
-            return _evict_one(unserved, self.connections, self)
 
         def _arm(self) -> None:
             self._disarm()
@@ -206,20 +235,11 @@ def guarded_protocol(header_timeout_s: float, max_connections: int,
         def connection_lost(self, exc: Exception | None) -> None:
             if self._refused:
                 return   # uvicorn never saw it
-            if self._address is not None:
-                left = per_address[self._address] - 1
-                if left == max_per_address - 1:
-                    syn.unblock(self._address)
-                if left:
-                    per_address[self._address] = left
-                else:
-                    del per_address[self._address]
+            shares.release(self._address)
             self._disarm()
             unserved.pop(self, None)
             super().connection_lost(exc)
 
-    _REFUSAL = _refusal()
-    _REFUSAL_ADDRESS = _refusal("too many open connections from this address")
     GuardedProtocol.__name__ = GuardedProtocol.__qualname__ = f"Guarded{base.__name__}"
     return GuardedProtocol
 
