@@ -5,8 +5,10 @@ with its default limits, over a writable copy of the benchmark index (the demo c
 synthetic vectors in the model's space, as in ``qswap bench serving``) plus two ~1.9 MB
 documents (metadata ``section: huge``). Normal clients send single-query searches at a steady
 rate on keep-alive connections (the raw asyncio client, :mod:`qswap.bench.loadgen`). For each
-attack, a window without the attacker is followed by one with it; the attacker loops, one
-request at a time:
+attack, a window without the attacker is followed by one with it. The attacker is one client:
+its own process (its Python never holds the load generator's GIL) and its own address
+(``ATTACKER_HOST``, another loopback address, as a client on another machine would be). It
+loops, one request at a time:
 
 - ``long_queries``: 64 queries of ~300 words in one request (~130 kB, the issue's item 7);
 - ``huge_answers``: 64 queries x k 100 over the two huge documents (the 973-byte request of
@@ -29,6 +31,8 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import multiprocessing
+import os
 import random
 import selectors
 import shlex
@@ -61,6 +65,8 @@ ATTACKS = ("long_queries", "huge_answers", "big_upsert", "slow_connections", "do
            "abandoned_requests", "feedback_flood")
 ABANDON_AFTER_S = 0.5               # an abandoning attacker closes its connection this long after sending
 FLOOD_CONNECTIONS = 8
+IP_BIND_ADDRESS_NO_PORT = 24       # Linux: many connections from one bound address
+ATTACKER_HOST = "127.0.0.2"          # the attacker's source address (any 127/8 address reaches LOAD_HOST)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,7 +84,10 @@ class _Http:
 
     def __init__(self, port: int) -> None:
         self.port = port
-        self.conn = http.client.HTTPConnection(LOAD_HOST, port, timeout=600)
+        self.conn = self._new()
+
+    def _new(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(LOAD_HOST, self.port, timeout=600, source_address=(ATTACKER_HOST, 0))
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
         data = json.dumps(body).encode() if body is not None else None
@@ -89,7 +98,7 @@ class _Http:
             return r.status, r.read()
         except (OSError, http.client.HTTPException):
             self.conn.close()
-            self.conn = http.client.HTTPConnection(LOAD_HOST, self.port, timeout=600)
+            self.conn = self._new()
             return 0, b""
 
     def close(self) -> None:
@@ -97,25 +106,49 @@ class _Http:
 
 
 class Attacker:
-    """Loops one attack on its own thread until stopped; counts what the server answered."""
+    """Loops one attack in a process of its own until stopped; counts what the server answered.
+
+    A process, not a thread: an attacker busy in Python would otherwise hold the load
+    generator's GIL and add its waits to the normal clients' measured latency."""
 
     def __init__(self, name: str, port: int, payloads: dict[str, Any], slow: int) -> None:
         self.name, self.port, self.payloads, self.slow = name, port, payloads, slow
-        self.stop = threading.Event()
+        ctx = multiprocessing.get_context("fork")   # the payloads travel without pickling
+        self.stop = ctx.Event()
         self.statuses: Counter[str] = Counter()
         self.answer_bytes: list[int] = []
         self.jobs_done = 0
         self.closed_by_server = 0
         self.admin_ms: dict[str, list[float]] = {"before": [], "during": []}
-        self.thread = threading.Thread(target=self._run, name=f"attack-{name}", daemon=True)
+        self._results, self._report = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=self._child, name=f"attack-{name}", daemon=True)
 
     def start(self) -> None:
-        self.thread.start()
+        self.proc.start()
 
     def finish(self) -> None:
-        """Stop sending; a running upsert job is waited for (it must not spill into the next window)."""
+        """Stop sending and collect the counts; a running upsert job is waited for (it must not
+        spill into the next window)."""
         self.stop.set()
-        self.thread.join(900)
+        if self._results.poll(900):
+            got = self._results.recv()
+            self.statuses, self.answer_bytes = Counter(got["statuses"]), got["answer_bytes"]
+            self.jobs_done, self.closed_by_server = got["jobs_done"], got["closed_by_server"]
+            self.admin_ms = got["admin_ms"]
+        else:
+            self.statuses["attacker_lost"] += 1
+        self.proc.join(60)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+    def _child(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._report.send({"statuses": dict(self.statuses), "answer_bytes": self.answer_bytes,
+                               "jobs_done": self.jobs_done, "closed_by_server": self.closed_by_server,
+                               "admin_ms": self.admin_ms})
 
     def _run(self) -> None:
         {"long_queries": self._requests, "huge_answers": self._requests, "big_upsert": self._upserts,
@@ -212,6 +245,8 @@ class Attacker:
             s = socket.socket()
             s.setblocking(False)
             try:
+                s.setsockopt(socket.IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, 1)   # the port is picked at connect
+                s.bind((ATTACKER_HOST, 0))
                 s.connect_ex((LOAD_HOST, self.port))
             except OSError:
                 s.close()
@@ -300,7 +335,7 @@ def send_raw(port: int, path: str, body: Any, headers: dict[str, str] | None = N
     """Send one JSON POST on a new connection and return the socket, unread (to abandon it)."""
     data = json.dumps(body).encode()
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    s = socket.create_connection((LOAD_HOST, port), timeout=60)
+    s = socket.create_connection((LOAD_HOST, port), timeout=60, source_address=(ATTACKER_HOST, 0))
     s.sendall(f"POST {path} HTTP/1.1\r\nHost: {LOAD_HOST}\r\nContent-Type: application/json\r\n{extra}"
               f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return s
@@ -418,7 +453,8 @@ def run(args: argparse.Namespace) -> int:
                            "connections": CONNECTIONS, "nofile": NOFILE, "slow_connections": slow,
                            "upsert_documents": len(payloads["big_upsert"]["documents"]), "attacks": {}}
     with srv:
-        res["server"] = {"command": srv.command, "start_s": srv.start_seconds}
+        res["server"] = {"command": srv.command, "start_s": srv.start_seconds,
+                         "env": {k: v for k, v in os.environ.items() if k.startswith("QSWAP_")}}
         try:
             res["server"]["shared_runtime_wait_s"] = wait_for_runtime(srv, ["base"], "onnx-shared", 900)
         except InvalidInputError as e:   # torch serves meanwhile: recorded, the run goes on
@@ -483,10 +519,13 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
                      ", ".join(f"{k}: {v}" for k, v in sorted(a["attacker"]["answers"].items()))
                      + "".join(f"; admin PUT p99 {k} {v:.1f} ms"
                                for k, v in a["attacker"].get("admin_p99_ms", {}).items())])
-    md = (f"Server: `qswap serve` with its default limits under `ulimit -n {res['nofile']}`; workload "
+    env = " ".join(f"{k}={v}" for k, v in sorted(res["server"].get("env", {}).items()))
+    md = (f"Server: `qswap serve` with its default limits{f' (environment: `{env}`)' if env else ''} under "
+          f"`ulimit -n {res['nofile']}`; workload "
           f"{res['workload']} plus two {HUGE_CHARS / 1e6:.1f} MB documents. Normal clients: "
           f"{res['rate_per_s']:g} single-query searches/s (k 10) on {res['connections']} keep-alive "
-          f"connections; each window {res['phase_s']:g} s, without then with the attacker. Slow connections: "
+          f"connections from {LOAD_HOST}; the attacker, a process of its own, from {ATTACKER_HOST}; each window "
+          f"{res['phase_s']:g} s, without then with the attacker. Slow connections: "
           f"{res['slow_connections']}; upsert: {res['upsert_documents']} documents. The RSS baseline is taken "
           f"after a warm-up that includes one legitimate 64-query request (buffers grown once by normal use). "
           f"Latency is measured from each request's actual send: when the server falls behind, the normal "

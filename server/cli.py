@@ -26,8 +26,10 @@ _FLAG_FIELDS = {
     "encoder_memory_mb": "encoder_memory_bytes", "sentinels": "sentinels", "guard_alpha": "guard_alpha",
     "guard_min_queries": "guard_min_queries",
     "feedback_dir": "feedback_dir", "feedback_max_mb": "feedback_max_bytes", "feedback_max_days": "feedback_max_age_s",
+    "feedback_rate": "feedback_rate",
     "max_request_tokens": "max_request_tokens", "max_batch_tokens": "max_batch_tokens", "slice_tokens": "slice_tokens",
     "max_response_bytes": "max_response_bytes", "max_connections": "max_connections",
+    "max_connections_per_address": "max_connections_per_address",
     "header_timeout": "header_timeout_s", "shutdown_timeout": "shutdown_timeout_s",
 }
 _SCALE = {"encoder_memory_mb": 1 << 20, "feedback_max_mb": 1 << 20, "feedback_max_days": 86400}
@@ -107,6 +109,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     lim.add_argument("--max-response-bytes", type=int, metavar="N", help="one search answer at most (default 16 MiB)")
     lim.add_argument("--max-connections", type=int, metavar="N",
                      help="open client connections (default: the open-file limit minus max(128, a quarter))")
+    lim.add_argument("--max-connections-per-address", type=int, metavar="N",
+                     help="open connections from one client address (default: a quarter of --max-connections; "
+                          "0: no limit, e.g. behind a reverse proxy)")
     lim.add_argument("--header-timeout", type=float, metavar="S",
                      help="seconds to deliver a request head (default 10)")
     lim.add_argument("--shutdown-timeout", type=float, metavar="S",
@@ -118,6 +123,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--feedback-max-mb", type=int, metavar="MB", help="capture store size bound (default 1024)")
     f.add_argument("--feedback-max-days", type=float, metavar="D", help="captured impressions kept at most "
                    "this long (default 30)")
+    f.add_argument("--feedback-rate", type=float, metavar="N", help="feedback requests per second from one client "
+                   "(bearer token, or address); beyond: 429 (default 20; 0: no limit)")
     r = p.add_argument_group("scale-out on Ray (pip install 'qswap[ray]'; see docs/ray.md)")
     r.add_argument("--ray", action="store_true", help="serve with Ray Serve: replicas share the registry "
                    "(--state-dir) and the index (--index), encoders are multiplexed models")

@@ -111,6 +111,10 @@ class ServerSettings(BaseSettings):
                                         "open-file limit minus max(128, a quarter of it)); at the cap a new "
                                         "connection closes an idle one (one never served first, then the oldest), or gets 429 "
                                         "when none is idle")
+    max_connections_per_address: int | None = Field(
+        None, ge=0, description="open connections from one client address at most (default: a quarter of "
+        "max_connections, at least 8; 0: no limit; behind a reverse proxy every client has the proxy's "
+        "address); beyond: 429 and closed at once")
     backlog: int = Field(2048, ge=1, description="listen backlog (the kernel caps it at net.core.somaxconn)")
     # -- limits
     max_queries: int = Field(64, ge=1, description="queries per search request")
@@ -147,6 +151,9 @@ class ServerSettings(BaseSettings):
                                               "key kept in the feedback directory, impression.key)")
     max_pending_feedback: int = Field(64, ge=1, description="feedback requests admitted (queued or running) at "
                                       "most; beyond: 429 with Retry-After (they never queue behind admin or search)")
+    feedback_rate: float = Field(20.0, ge=0, description="feedback requests per second from one client (its "
+                                 "bearer token, or its address without one; bursts of one second's worth; 0: no "
+                                 "limit); beyond: 429 with Retry-After, answered after that pause (at most 1 s)")
     sync_upsert_documents: int = Field(32, ge=0, description="an upsert of more documents answers 202 at once with a "
                                        "job to poll (GET /v1/documents/jobs/ID); smaller ones answer when written "
                                        "(or 202 once their deadline passes)")

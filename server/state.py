@@ -54,6 +54,7 @@ class ServerState:
         self.feedback: Any = None       # qswap.feedback.store.FeedbackStore with --feedback-dir
         self.impressions: Any = None    # qswap.server.traffic.impressions.ImpressionSigner, with capture
         self.feedback_admission: Any = None   # qswap.server.traffic.admission.Admission, with capture
+        self.feedback_limit: Any = None        # qswap.server.traffic.ratelimit.ClientRateLimit, with capture
         self.experiments: Any = None    # qswap.server.traffic.experiments.Experiments with --feedback-dir
         self.jobs = DocumentJobs(self)  # document upserts (qswap.server.serving.jobs)
         self._closed = False
@@ -131,10 +132,12 @@ class ServerState:
             from qswap.server.traffic.admission import Admission
             from qswap.server.traffic.experiments import Experiments
             from qswap.server.traffic.impressions import ImpressionSigner
+            from qswap.server.traffic.ratelimit import ClientRateLimit
             self.feedback = FeedbackStore(s.feedback_dir, max_bytes=s.feedback_max_bytes,
                                           max_age_s=s.feedback_max_age_s)
             self.impressions = ImpressionSigner.for_directory(s.feedback_dir, s.feedback_secret)
             self.feedback_admission = Admission("feedback", s.max_pending_feedback)
+            self.feedback_limit = ClientRateLimit("feedback", s.feedback_rate)
             self.experiments = Experiments(self.feedback, registry, self.metrics)
             self.metrics.capture_dropped.set_function(lambda: self.feedback.dropped)
             log.info("feedback capture on", extra={"dir": s.feedback_dir.name})

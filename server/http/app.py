@@ -25,6 +25,7 @@ from qswap.server.config import ServerSettings
 from qswap.server.http.errors import install_error_handlers
 from qswap.server.http.logs import RequestContextMiddleware
 from qswap.server.http.models import METADATA_VALUE_SCHEMA
+from qswap.server.http.synfilter import watch_listeners
 from qswap.server.state import ServerState
 
 OPENAPI_FILE = Path(__file__).parents[1] / "openapi.json"   # the committed copy: server/openapi.json
@@ -140,6 +141,10 @@ class DrainingServer(uvicorn.Server):
         if state is not None:
             state.begin_drain()
         super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        watch_listeners(self)   # the kernel drops connection attempts over an address's share
 
     async def shutdown(self, sockets: Any = None) -> None:
         state = self._state()

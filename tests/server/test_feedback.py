@@ -256,3 +256,42 @@ def test_a_feedback_flood_gets_429_and_never_holds_admin_or_search(anon, admin, 
     assert codes == [200, 200]
     # The refused one changed nothing: it can be sent again.
     assert anon.post("/v1/feedback", json={"impression": rid, "clicks": [res[0]["hits"][0]["id"]]}).status_code == 200
+
+
+def test_each_client_is_held_to_the_feedback_rate(anon, fb_live):
+    """Over feedback_rate, a client's feedback is 429 with Retry-After (before its id is even
+    checked) and changes nothing; another client keeps its own rate meanwhile."""
+    import httpx
+
+    from qswap.server.traffic.ratelimit import ClientRateLimit
+
+    qs = fb_live.app.state.qs
+    original = qs.feedback_limit
+    qs.feedback_limit = ClientRateLimit("feedback", 1.0)   # one a second, a burst of one
+    try:
+        with httpx.Client(base_url=fb_live.url, timeout=30,
+                          transport=httpx.HTTPTransport(local_address="127.0.0.3")) as flooder:
+            rid, res = _search(flooder, query="chess game")
+            assert flooder.post("/v1/feedback", json={"impression": FORGED, "clicks": []}).status_code == 404
+            r = flooder.post("/v1/feedback", json={"impression": rid, "clicks": [res[0]["hits"][0]["id"]]})
+            assert r.status_code == 429 and r.json()["error"] == "overloaded", r.text
+            assert r.headers["retry-after"] == "1"
+            # another address has its own bucket
+            assert anon.post("/v1/feedback", json={"impression": FORGED, "clicks": []}).status_code == 404
+            # the refused feedback changed nothing, and a second later (the pause) it counts
+            r = flooder.post("/v1/feedback", json={"impression": rid, "clicks": [res[0]["hits"][0]["id"]]})
+            assert r.status_code == 200, r.text
+    finally:
+        qs.feedback_limit = original
+
+
+def test_rate_buckets_refill_at_the_rate_and_stay_bounded():
+    from qswap.server.traffic.ratelimit import ClientRateLimit
+
+    lim = ClientRateLimit("feedback", 2.0, max_clients=2)
+    assert [lim.take("a", 0.0) for _ in range(2)] == [0.0, 0.0]   # a burst of one second's worth
+    assert lim.take("a", 0.0) == pytest.approx(0.5)                # refused: nothing taken
+    assert lim.take("a", 0.5) == 0.0
+    assert lim.take("b", 1.0) == 0.0 and lim.take("c", 1.0) == 0.0
+    assert len(lim._buckets) == 2 and "a" not in lim._buckets     # the least recently seen is forgotten
+    assert ClientRateLimit("feedback", 0.0).take("a", 0.0) == 0.0  # 0: no limit

@@ -2,7 +2,8 @@
 
 Both need capture on (``--feedback-dir``). Feedback names the ``impression`` id the search
 answered with and must come from the client it was issued to (the same bearer token, or the
-same address without one: :mod:`qswap.server.traffic.impressions`); starting, stopping,
+same address without one: :mod:`qswap.server.traffic.impressions`), at most ``feedback_rate``
+a second per client (:mod:`qswap.server.traffic.ratelimit`); starting, stopping,
 promoting and rolling back experiments are admin routes. Feedback and experiment reads run on
 their own bounded admission (429 beyond it), never on the event loop or the threads admin
 routes use (:mod:`qswap.server.traffic.admission`).
@@ -48,8 +49,23 @@ def capturing_state(state: ServerState = Depends(ready_state)) -> ServerState:
     return state
 
 
+async def feedback_rate(request: Request, state: ServerState = Depends(capturing_state)) -> None:
+    """Hold each client to ``feedback_rate`` (a dependency of ``POST /v1/feedback``: it runs before
+    the body is validated and the impression id checked, so a flood is refused for less).
+
+    Raises:
+        OverloadedError: (429, after a pause of its Retry-After) the client is over its rate.
+    """
+    try:
+        await state.feedback_limit.admit(client_of(request, state.settings))
+    except Exception:
+        state.metrics.feedback.labels(result="refused").inc()
+        raise
+
+
 @router.post("/v1/feedback", response_model=FeedbackRecorded, responses=ERRORS,
-             dependencies=[Depends(require_search)], summary="Report clicks or judgements on a search")
+             dependencies=[Depends(require_search), Depends(feedback_rate)],
+             summary="Report clicks or judgements on a search")
 async def feedback(body: FeedbackRequest, request: Request,
                    state: ServerState = Depends(capturing_state)) -> FeedbackRecorded:
     """Record what the user did with one captured search's results.
@@ -58,7 +74,8 @@ async def feedback(body: FeedbackRequest, request: Request,
     same bearer token, or without one the same address). ``clicks`` (ids clicked; ``[]``: seen,
     nothing clicked) or ``grades`` (id -> grade); every id must be among the hits that search
     showed. Neither is 400; an unknown, expired or foreign impression is 404; a second feedback
-    on the same result list is 409; too many feedback requests at once are 429. On an
+    on the same result list is 409; more than the server's ``feedback_rate`` a second from one
+client, or too many feedback requests at once, are 429. On an
     interleaved search the clicks credit the encoder that contributed the clicked documents,
     and the answer says which won.
     """
