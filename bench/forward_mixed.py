@@ -9,6 +9,10 @@ For each batch size (``--mixed-batches``) the arms run side by side, interleaved
   encoder group, side by side on the single-threaded second session (``mix="groups"``);
 - ``gathered k=K``: the same batch as ONE call of the gathered graph, each row's factors taken
   from the table (``mix="gathered"``);
+- ``segments k=K``: the same batch as ONE call of the segment graph, each encoder's factors
+  copied once into the call's buffers (``mix="segments"``; an encoder still in its slot from the
+  last call is not copied again, which is what a fixed mix measures) and ``segments k=K cold``,
+  the same with every slot emptied before each call (what a call whose encoders all changed pays);
 - ``auto k=K``: ``mix="auto"``, gathered only when the groups average under two rows.
 
 Every encoder is a LoRA of ``--adapter-rank`` on every Linear layer with factors in the server's
@@ -57,10 +61,12 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
         raise RuntimeError(f"shared export failed: {groups.error(keys[0])}")
     # Built after the export is cached, so the two backends do not export it at once.
     gathered = SharedBackend(pool, cache, threads=threads, spin=spin, mix="gathered")
+    segments = SharedBackend(pool, cache, threads=threads, spin=spin, mix="segments")
     auto = SharedBackend(pool, cache, threads=threads, spin=spin, mix="auto")
     merged = OnnxBackend(pool, cache, threads=threads, spin=spin)
     for k in keys:
         gathered.prepare(k)
+        segments.prepare(k)
     if not gathered.wait(keys[0], timeout=1800):
         raise RuntimeError(f"shared export failed: {gathered.error(keys[0])}")
     for k in keys:
@@ -77,8 +83,9 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
     if big > 1:   # build every backend's mixed-batch machinery before timing
         groups.encode(texts, mixes[big])        # the second session
         gathered.encode(texts, mixes[big])      # the gathered graph
-        if not gathered.gathered_ready(wait=1800):   # exported once; auto's build then loads it
-            raise RuntimeError("the gathered graph was not built")
+        segments.encode(texts, mixes[big])      # the segment graph
+        if not gathered.gathered_ready(wait=1800) or not segments.gathered_ready(wait=1800):
+            raise RuntimeError("the gathered or segment graph was not built")
         auto.encode(texts[:2], keys[:2])                              # tiny groups: gathered
         auto.encode(texts[:4], [keys[0], keys[0], keys[1], keys[1]])  # bigger ones: side by side
         side_by_side = groups.groups_side_by_side(wait=1800)   # never with one thread: groups run in turn
@@ -87,9 +94,19 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
             raise RuntimeError("the side-by-side session or the gathered graph was not built")
     per_group = groups.encode(texts, mixes[big])
     one_call = gathered.encode(texts, mixes[big])
+    by_encoder = segments.encode(texts, mixes[big])
     torch_ref = pool.encode(texts, mixes[big])
     cosine = {"gathered vs groups": _cos(one_call, per_group), "gathered vs torch": _cos(one_call, torch_ref),
+              "segments vs groups": _cos(by_encoder, per_group), "segments vs torch": _cos(by_encoder, torch_ref),
               "groups vs torch": _cos(per_group, torch_ref)}
+
+    def cold(ks: list[str]) -> Callable[[list[str]], np.ndarray]:
+        def fn(t: list[str]) -> np.ndarray:
+            runner = segments._gathered[1] if segments._gathered is not None else None
+            for k in keys if runner is not None else ():
+                runner.discard(k)   # every slot emptied: each encoder's factors copied again
+            return segments.encode(t, ks[:len(t)])
+        return fn
 
     def arm(backend: Any, ks: list[str]) -> Callable[[list[str]], np.ndarray]:
         return lambda t: backend.encode(t, ks[:len(t)])
@@ -100,6 +117,9 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
         if k > 1:
             fns[f"groups k={k}"] = arm(groups, mixes[k])
             fns[f"gathered k={k}"] = arm(gathered, mixes[k])
+            fns[f"segments k={k}"] = arm(segments, mixes[k])
+            if k == big:
+                fns[f"segments k={k} cold"] = cold(mixes[k])
             fns[f"auto k={k}"] = arm(auto, mixes[k])
     out: dict[str, Any] = {"rank": rank, "factors": SERVING_FACTORS, "encoders": encoders, "threads": threads,
                            "cosine": cosine, "ms": {}, "ratios": {}}
@@ -118,13 +138,19 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
                 r[f"gathered k={k} / groups k={k}"] = ratio(f"gathered k={k}", f"groups k={k}")
                 r[f"groups k={k} / shared 1-encoder"] = ratio(f"groups k={k}", "shared 1-encoder")
                 r[f"gathered k={k} / shared 1-encoder"] = ratio(f"gathered k={k}", "shared 1-encoder")
+                r[f"segments k={k} / groups k={k}"] = ratio(f"segments k={k}", f"groups k={k}")
+                r[f"segments k={k} / shared 1-encoder"] = ratio(f"segments k={k}", "shared 1-encoder")
+                if k == big:
+                    r[f"segments k={k} cold / groups k={k}"] = ratio(f"segments k={k} cold", f"groups k={k}")
                 r[f"auto k={k} / groups k={k}"] = ratio(f"auto k={k}", f"groups k={k}")
         out["ratios"][str(n)] = r
     bar.close()
     table = gathered._gathered[1] if gathered._gathered is not None else None
     out["gathered_table_mb"] = round(table.nbytes() / 2**20, 1) if table is not None else 0.0
     out["gathered_table_slots"] = table.capacity if table is not None else 0
-    for b in (groups, gathered, auto, merged):
+    runner = segments._gathered[1] if segments._gathered is not None else None
+    out["segment_buffers_mb"] = round(runner.nbytes() / 2**20, 1) if runner is not None else 0.0
+    for b in (groups, gathered, segments, auto, merged):
         b.close()
     tmp.cleanup()
     return out
@@ -146,7 +172,8 @@ def summary_lines(m: dict[str, Any]) -> list[str]:
                             for k, v in m["ratios"][n].items()])]
     lines += ["Min cosine per row on the largest mix: " + ", ".join(f"{k} {v:.7f}" for k, v in m["cosine"].items())
               + f". Gathered table and call buffers after the runs: {m['gathered_table_mb']} MB "
-              f"({m['gathered_table_slots']} slots).", "", "## Goals (this run)", ""]
+              f"({m['gathered_table_slots']} slots); segment call buffers: {m.get('segment_buffers_mb', 0.0)} MB.",
+              "", "## Goals (this run)", ""]
     lines += [f"- {k}: {'yes' if v else '**no**'}" for k, v in goals(m).items()]
     return lines + [""]
 
@@ -159,4 +186,6 @@ def goals(m: dict[str, Any]) -> dict[str, bool]:
             if name.endswith("/ shared 1-encoder"):
                 out[f"{n} queries, {name.split(' /')[0]} <= 1.10x shared 1-encoder"] = v["median"] <= 1.10
     out["gathered equals groups per row (cosine >= 0.9999)"] = m["cosine"]["gathered vs groups"] >= 0.9999
+    if "segments vs groups" in m["cosine"]:
+        out["segments equal groups per row (cosine >= 0.9999)"] = m["cosine"]["segments vs groups"] >= 0.9999
     return out

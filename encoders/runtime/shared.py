@@ -38,9 +38,11 @@ from qswap.encoders.runtime.export_cache import cached_dir
 from qswap.encoders.embedding import length_buckets
 from qswap.encoders.runtime.onnx import OnnxBackend, available_providers, make_session
 from qswap.encoders.pool import FACTOR_DTYPES, EncoderPool
-from qswap.encoders.runtime.shared_export import (GATHERED_MODEL_FILE, UNREACHED, SHARED_MODEL_FILE, Slots, export_shared,
-                                                  find_slots, ort_input, release_freed_memory, shared_digest)
+from qswap.encoders.runtime.shared_export import (GATHERED_MODEL_FILE, SEGMENTS_MODEL_FILE, UNREACHED, SHARED_MODEL_FILE,
+                                                  Slots, export_shared, find_slots, ort_input, release_freed_memory,
+                                                  shared_digest)
 from qswap.encoders.runtime.shared_gathered import GatheredTable
+from qswap.encoders.runtime.shared_segments import MAX_SEGMENTS, SegmentRunner
 from qswap.encoders.runtime.shared_run import BoundFeed, gather_groups, spread_groups
 from qswap.errors import InvalidInputError, NotFoundError
 
@@ -54,7 +56,7 @@ SHARED_DIR = "_shared"
 #: a second, single-threaded session); ``gathered``, one call for all its rows, each row's adapter
 #: gathered from a table (:mod:`qswap.encoders.runtime.shared_gathered`); ``auto``, gathered only
 #: for batches of tiny groups (:func:`qswap.encoders.runtime.shared_run.gather_groups`).
-MIXES = ("groups", "gathered", "auto")
+MIXES = ("groups", "gathered", "segments", "auto")
 # Not "auto": a gathered call pays only for batches of 1-2 rows per encoder, and its table holds
 # a second copy of every encoder that ran gathered (bench/results/forward_mixed/), against the
 # memory budget that counts each encoder's adapter bytes once.
@@ -145,7 +147,7 @@ class SharedBackend:
         self._group_future: Future[None] | None = None
         self._workers = ThreadPoolExecutor(max_workers=self._group_workers, thread_name_prefix="qswap-shared-group")
         # The gathered graph's session and table (mix="gathered"), built at the first mixed batch.
-        self._gathered: tuple[Any, GatheredTable] | None = None
+        self._gathered: tuple[Any, GatheredTable | SegmentRunner] | None = None
         self._gathered_future: Future[None] | None = None
         # Merged per-encoder exports: encoders the shared graph cannot express, and pinned ones.
         self.merged = OnnxBackend(pool, cache_dir, threads=threads, providers=self.providers, spin=spin,
@@ -195,23 +197,23 @@ class SharedBackend:
                 return
             self._retried.notify_all()
 
-    def _load_or_export(self, gathered: bool = False) -> Any:
+    def _load_or_export(self, gathered: bool = False, segments: bool = False) -> Any:
         target = self.directory()
-        if gathered:
-            target = target.with_name(target.name + "-gathered")
-        digest = shared_digest(self.base, self._variant, self.factors, gathered=gathered)
-        model_file = GATHERED_MODEL_FILE if gathered else SHARED_MODEL_FILE
+        if gathered or segments:
+            target = target.with_name(target.name + ("-segments" if segments else "-gathered"))
+        digest = shared_digest(self.base, self._variant, self.factors, gathered=gathered, segments=segments)
+        model_file = SEGMENTS_MODEL_FILE if segments else GATHERED_MODEL_FILE if gathered else SHARED_MODEL_FILE
 
         def export(staging: Path) -> dict[str, Any]:
             facts = export_shared(self.base, staging, factors=self.factors, optimize_for=self._variant,
-                                  gathered=gathered)
+                                  gathered=gathered, segments=segments)
             release_freed_memory()
             return {"digest": digest, "variant": self._variant, "space": self.base.space.fingerprint,
                     "base": self.base.name, **facts}
 
         meta, exported = cached_dir(target, digest, model_file, export)
         if exported:
-            log.info("exported the %s base graph in %.1fs (probe cosine %.7f)", "gathered" if gathered else "shared",
+            log.info("exported the %s base graph in %.1fs (probe cosine %.7f)", model_file.split(".")[0],
                      meta["export_seconds"], meta["probe_min_cosine"])
         return make_session(target / model_file, self._threads, self.providers, self.spin)
 
@@ -223,13 +225,16 @@ class SharedBackend:
             if self._gathered_future is not None:
                 return
 
+            segments = self.mix != "gathered"
+
             def build() -> None:
                 try:
-                    sess = self._load_or_export(gathered=True)
+                    sess = self._load_or_export(gathered=not segments, segments=segments)
                 except Exception as e:   # mixed batches keep running per group
                     log.warning("gathered ONNX export failed; mixed batches run one call per encoder: %s", e)
                     raise
-                table = GatheredTable(self.slots, self._base_inputs, FACTOR_DTYPES[self.factors])
+                kind = SegmentRunner if segments else GatheredTable
+                table = kind(self.slots, self._base_inputs, FACTOR_DTYPES[self.factors])
                 with self._lock:
                     self._gathered = (sess, table)
             self._gathered_future = self._executor.submit(build)
@@ -426,9 +431,11 @@ class SharedBackend:
                 raise NotFoundError(f"encoder {k} is not loaded", "register it or use a loaded encoder")
         rows = sum(len(r) for r in groups.values())
         # Never for the bulk lane: the gathered session is multi-threaded, the bulk lane holds one core.
-        if len(groups) > 1 and not bulk and (self.mix == "gathered" or self.mix == "auto"
+        if len(groups) > 1 and not bulk and (self.mix in ("gathered", "segments") or self.mix == "auto"
                                              and gather_groups(rows, len(groups))):
-            if gathered is not None:
+            if gathered is not None and isinstance(gathered[1], SegmentRunner):
+                groups = self._encode_segments(gathered, groups, texts, encs, out)
+            elif gathered is not None:
                 self._encode_gathered(gathered, groups, texts, encs, out)
                 groups = {}
             else:
@@ -482,6 +489,32 @@ class SharedBackend:
             slots = np.array([row_slot[i] for i in picked], dtype=np.int64)
             out[picked] = table.run(session, np.take(self._table, ids, axis=0), mask, slots)
 
+    def _encode_segments(self, gathered: tuple[Any, SegmentRunner], groups: dict[str, list[int]], texts: list[str],
+                         encs: list[Any], out: np.ndarray) -> dict[str, list[int]]:
+        """The rows of ``groups`` (key -> its rows) whose encoders the segment graph runs, in one
+        call per length bucket (and per :data:`MAX_SEGMENTS` encoders), each row routed to its
+        encoder's factors; returns the groups left to run per group (encoders with biases of
+        their own: the segment graph takes the base's)."""
+        session, runner = gathered
+        keys = [k for k in groups if runner.accepts(k, self._own)]
+        if len(keys) < 2:
+            return groups
+        for start in range(0, len(keys), MAX_SEGMENTS):
+            key_of = {i: k for k in keys[start:start + MAX_SEGMENTS] for i in groups[k]}
+            rows = list(key_of)
+            for idx, ids, mask in length_buckets(self.base.tokenizer, [texts[i] for i in rows],
+                                                 self.base.spec.query_prefix, self.batch_size,
+                                                 encodings=[encs[i] for i in rows], call_tokens=CALL_TOKENS):
+                picked = [rows[j] for j in idx]
+                out[picked] = runner.run(session, np.take(self._table, ids, axis=0), mask, [key_of[i] for i in picked])
+        return {k: r for k, r in groups.items() if k not in keys}
+
+    def _own(self, key: str) -> dict[str, torch.Tensor]:
+        own = adapter_inputs(self.pool, key, self.slots)
+        if own is None:   # cannot happen for a key with a shared feed; refuse rather than guess
+            raise InvalidInputError(f"encoder {key} cannot run on the shared graph")
+        return own
+
     def _call(self, session: Any, feed: BoundFeed, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """One ONNX Runtime call: the rows' word embeddings gathered here, the adapter bound."""
         return feed.run(session, np.take(self._table, ids, axis=0), mask)
@@ -496,3 +529,4 @@ def _await_build(future: Any, wait: float | None) -> None:
         future.result(timeout=wait)
     except Exception:  # noqa: BLE001 - the caller reads whether the build produced its session
         pass
+

@@ -58,6 +58,9 @@ from qswap.errors import IntegrityError, InvalidInputError
 SHARED_FORMAT = 2
 SHARED_MODEL_FILE = "shared.onnx"
 GATHERED_MODEL_FILE = "gathered.onnx"
+SEGMENTS_MODEL_FILE = "segments.onnx"
+# The segment graph's row-routing inputs (:mod:`qswap.encoders.runtime.shared_segments`).
+SEGMENT_INDEX = ("segment_tokens", "token_positions")
 # Layers a query's pooled embedding never depends on (mean/CLS pooling of last_hidden_state).
 UNREACHED = ("pooler",)
 
@@ -75,6 +78,11 @@ class Slots:
             names += [f"{m}.lora_A", f"{m}.lora_B", f"{m}.bias"]
         names += [f"{m}.bias" for m, _ in self.norm]
         return names
+
+    def segment_names(self) -> list[str]:
+        """The segment graph's inputs after the token embeddings and mask: the token routing,
+        then the shared graph's (the factors with an encoder axis in front)."""
+        return [*SEGMENT_INDEX, *self.input_names()]
 
     def base_inputs(self, model: torch.nn.Module, dtype: torch.dtype = torch.float32,
                     rank: int = 0) -> dict[str, torch.Tensor]:
@@ -102,6 +110,19 @@ class Slots:
         return out
 
 
+    def segment_inputs(self, model: torch.nn.Module, rows: int, length: int, dtype: torch.dtype = torch.float32,
+                       rank: int = 0, segments: int = 1) -> dict[str, torch.Tensor]:
+        """:meth:`base_inputs` in the segment graph's layout, ``rows`` rows of ``length`` tokens dealt
+        over ``segments`` encoders (all the base): factors (E, rank, in) / (E, out, rank), the base's biases."""
+        from qswap.encoders.runtime.shared_segments import routing
+
+        out: dict[str, torch.Tensor] = {k: torch.from_numpy(v) for k, v in
+                                        routing(np.arange(rows) * segments // rows, segments, length).items()}
+        for name, t in self.base_inputs(model, dtype, rank).items():
+            out[name] = t.unsqueeze(0).expand(segments, *t.shape).contiguous() if ".lora_" in name else t
+        return out
+
+
 def find_slots(model: torch.nn.Module) -> Slots:
     """Every Linear and LayerNorm of ``model`` a query's embedding depends on."""
     lin, norm = [], []
@@ -119,8 +140,24 @@ class _Inputs:
     """The graph inputs of the forward being traced, read by the adapted layers and attention."""
 
     gathered = False   # adapter inputs per row (the gathered graph)
+    segments = False   # adapter inputs per encoder, rows routed by SEGMENT_INDEX (the segment graph)
     values: dict[str, torch.Tensor] = {}
     mask: torch.Tensor | None = None     # (n, L) int32 key padding mask, cast once per forward
+    # id(activation) -> (it, its rows per segment): query/key/value share one Gather; the
+    # activation is kept so that its id is not reused within the forward
+    taken: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def segment(self, x: torch.Tensor, width: int) -> torch.Tensor:
+        """(n, L, width) -> (E, m*L, width): each encoder's tokens (its rows padded to the largest
+        group) as one matrix; one Gather, and reshapes of constant shape."""
+        if id(x) not in self.taken:
+            self.taken[id(x)] = x, x.reshape(-1, width)[self.values["segment_tokens"]]
+        return self.taken[id(x)][1]
+
+    def unsegment(self, y: torch.Tensor, width: int, like: torch.Tensor) -> torch.Tensor:
+        """(E, m*L, width) -> ``like``'s (n, L, width), in token order: each token's own product,
+        padding dropped."""
+        return y.reshape(-1, width)[self.values["token_positions"]].reshape_as(like)
 
 
 class _AdaptedLinear(torch.nn.Module):
@@ -137,6 +174,12 @@ class _AdaptedLinear(torch.nn.Module):
         if self.inputs.gathered:   # per row: a (n, r, in), b (n, r, out), bias (n, 1, out)
             y = torch.matmul(x, self.weight.t()) + torch.matmul(torch.matmul(x, a.transpose(1, 2)), b)
             return y + v[f"{self.name}.bias"]
+        if self.inputs.segments:   # per encoder: a (E, r, in), b (E, out, r); the base's bias
+            xs = self.inputs.segment(x, self.weight.shape[1])
+            low = torch.matmul(torch.matmul(xs, a.transpose(1, 2)), b.transpose(1, 2))
+            y = torch.matmul(x, self.weight.t())
+            y = y + self.inputs.unsegment(low, self.weight.shape[0], y)
+            return y if self.bias_in_attention else y + v[f"{self.name}.bias"]
         # Projection, then the rank-r path, then the bias: the bias Add comes last so that
         # fold_biases finds it right before the Gelu / residual Add it belongs to.
         y = torch.matmul(x, self.weight.t()) + torch.matmul(torch.matmul(x, a.t()), b.t())
@@ -224,12 +267,13 @@ def _is_self_attention(mod: torch.nn.Module) -> bool:
 class SharedEncoder(torch.nn.Module):
     """``(inputs_embeds, attention_mask, *adapter inputs) -> pooled embedding``."""
 
-    def __init__(self, pooled: PooledEncoder, slots: Slots, gathered: bool = False) -> None:
+    def __init__(self, pooled: PooledEncoder, slots: Slots, gathered: bool = False, segments: bool = False) -> None:
         super().__init__()
-        self.pooled, self.slots, self.names = pooled, slots, slots.input_names()
+        self.pooled, self.slots = pooled, slots
+        self.names = slots.segment_names() if segments else slots.input_names()
         self.inputs = _Inputs()
-        self.inputs.values = {}
-        self.inputs.gathered = gathered
+        self.inputs.values, self.inputs.taken = {}, {}
+        self.inputs.gathered, self.inputs.segments = gathered, segments
         model = pooled.model
         adapted: dict[str, _AdaptedLinear] = {}
         for name, _, _ in slots.linear:
@@ -250,7 +294,7 @@ class SharedEncoder(torch.nn.Module):
         try:
             return self.pooled(inputs_embeds, attention_mask)
         finally:
-            self.inputs.values, self.inputs.mask = {}, None
+            self.inputs.values, self.inputs.mask, self.inputs.taken = {}, None, {}
 
 
 def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
@@ -259,10 +303,11 @@ def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
-def shared_digest(base: BaseEncoder, variant: str, factors: str = "float32", gathered: bool = False) -> str:
+def shared_digest(base: BaseEncoder, variant: str, factors: str = "float32", gathered: bool = False,
+                  segments: bool = False) -> str:
     """Content key of a shared export: format, opset, variant (cpu/cuda), factor dtype, base
-    space, and whether adapter inputs are per row."""
-    kind = "gathered" if gathered else "shared"
+    space, and whether adapter inputs are per row or per encoder."""
+    kind = "segments" if segments else "gathered" if gathered else "shared"
     return hashlib.sha256(f"{kind}|{SHARED_FORMAT}|{OPSET}|{variant}|{factors}|{base.space.fingerprint}"
                           .encode()).hexdigest()
 
@@ -329,8 +374,9 @@ def fold_biases(path: Path) -> dict[str, int]:
 
 
 def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
-                  optimize_for: str | None = "cpu", gathered: bool = False) -> dict[str, Any]:
-    """Write ``shared.onnx`` (``gathered.onnx``) to ``out_dir``; checked against the torch base on probe texts.
+                  optimize_for: str | None = "cpu", gathered: bool = False, segments: bool = False) -> dict[str, Any]:
+    """Write ``shared.onnx`` (``gathered.onnx``, ``segments.onnx``) to ``out_dir``; checked against the torch base
+    on probe texts.
 
     Args:
         base: the base model (never changed: the graph is traced from a storage-sharing copy).
@@ -340,6 +386,7 @@ def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
             norm, GELU) and :func:`fold_biases`; ``None`` keeps the graph as exported (attention is
             a ``MultiHeadAttention`` node either way).
         gathered: adapter inputs per row (module docstring).
+        segments: adapter inputs per encoder, rows routed to them (module docstring).
 
     Returns:
         Facts for the cache record: probe cosine, fused node counts, export seconds, slot counts.
@@ -352,50 +399,64 @@ def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
     out_dir.mkdir(parents=True, exist_ok=True)
     pooled = build_module(base, {})
     slots = find_slots(pooled.model)
-    module = SharedEncoder(pooled, slots, gathered).eval()
+    module = SharedEncoder(pooled, slots, gathered, segments).eval()
+    names = slots.segment_names() if segments else slots.input_names()
     table = base.model.get_input_embeddings().weight.detach().float().cpu().numpy()
     emb, mask = probe_inputs(base, table)
-    feed = (slots.gathered_inputs(base.model, len(mask), dtype, rank=2) if gathered
-            else slots.base_inputs(base.model, dtype, rank=2))
+
+    def inputs(rows: int, rank: int, length: int = mask.shape[1]) -> dict[str, torch.Tensor]:
+        if segments:   # two encoders when tracing, so no shape is specialised to one
+            return slots.segment_inputs(base.model, rows, length, dtype, rank, segments=2 if rank else 1)
+        if gathered:
+            return slots.gathered_inputs(base.model, rows, dtype, rank)
+        return slots.base_inputs(base.model, dtype, rank)
+    feed = inputs(len(mask), 2)
     dev = base.device
     # Trace with rank 2 so no shape is specialised to the rank, then check rank 0 below.
-    args = (torch.from_numpy(emb).to(dev), torch.from_numpy(mask).to(dev),
-            *[feed[n].to(dev) for n in slots.input_names()])
-    axes: dict[str, dict[int, str]] = {"inputs_embeds": {0: "batch", 1: "sequence"},
-                                       "attention_mask": {0: "batch", 1: "sequence"}, OUTPUT: {0: "batch"}}
-    for i, (m, _, _) in enumerate(slots.linear):
-        if gathered:   # one rank per call (the batch's), and the batch axis of every input
-            axes[f"{m}.lora_A"] = {0: "batch", 1: "rank"}
-            axes[f"{m}.lora_B"] = {0: "batch", 1: "rank"}
-        else:
-            axes[f"{m}.lora_A"] = {0: f"r{i}"}
-            axes[f"{m}.lora_B"] = {1: f"r{i}"}
-    if gathered:
-        axes.update({n: {0: "batch"} for n in slots.input_names() if n.endswith(".bias")})
-    path = out_dir / (GATHERED_MODEL_FILE if gathered else SHARED_MODEL_FILE)
+    args = (torch.from_numpy(emb).to(dev), torch.from_numpy(mask).to(dev), *[feed[n].to(dev) for n in names])
+    path = out_dir / (SEGMENTS_MODEL_FILE if segments else GATHERED_MODEL_FILE if gathered else SHARED_MODEL_FILE)
     with EXPORT_LOCK, warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, args, str(path), input_names=["inputs_embeds", "attention_mask", *slots.input_names()],
-                          output_names=[OUTPUT], dynamic_axes=axes, opset_version=OPSET,
-                          do_constant_folding=True, dynamo=False, custom_opsets={"com.microsoft": 1})
+        torch.onnx.export(module, args, str(path), input_names=["inputs_embeds", "attention_mask", *names],
+                          output_names=[OUTPUT], dynamic_axes=_dynamic_axes(slots, gathered, segments),
+                          opset_version=OPSET, do_constant_folding=True, dynamo=False,
+                          custom_opsets={"com.microsoft": 1})
         ref = module(*args).float().cpu().numpy()
     if optimize_for is not None:
         _fuse(path, base, use_gpu=optimize_for == "cuda")
         if not gathered:   # per-row biases cannot go into the fused nodes' bias inputs
             fold_biases(path)
     fused = _fused_ops(path)
-
-    def check(rows: int) -> dict[str, Any]:
-        inputs = (slots.gathered_inputs(base.model, rows, dtype, rank=0) if gathered
-                  else slots.base_inputs(base.model, dtype, rank=0))
-        return {n: ort_input(t) for n, t in inputs.items()}
-    cos = probe_cosine(path, emb, mask, ref, extra=check)
+    cos = probe_cosine(path, emb, mask, ref,
+                       extra=lambda rows, length: {n: ort_input(t) for n, t in inputs(rows, 0, length).items()})
     if cos < 0.99999:
         raise IntegrityError(f"shared ONNX export disagrees with torch (probe cosine {cos:.7f})",
                              "encoders keep running on torch; report this base model")
     return {"probe_min_cosine": cos, "fused": fused, "factors": factors,
             "export_seconds": round(time.perf_counter() - t0, 3),
             "linear_slots": len(slots.linear), "norm_slots": len(slots.norm)}
+
+
+def _dynamic_axes(slots: Slots, gathered: bool, segments: bool) -> dict[str, dict[int, str]]:
+    """The export's dynamic axes: batch and sequence, each layer's rank, and per layout the
+    axis of rows (gathered) or of encoders (segments) of every adapter input."""
+    axes: dict[str, dict[int, str]] = {"inputs_embeds": {0: "batch", 1: "sequence"},
+                                       "attention_mask": {0: "batch", 1: "sequence"}, OUTPUT: {0: "batch"}}
+    for i, (m, _, _) in enumerate(slots.linear):
+        if gathered:   # one rank per call (the batch's), and the batch axis of every input
+            axes[f"{m}.lora_A"] = {0: "batch", 1: "rank"}
+            axes[f"{m}.lora_B"] = {0: "batch", 1: "rank"}
+        elif segments:   # one rank per layer (the batch's encoders' largest), one row per encoder
+            axes[f"{m}.lora_A"] = {0: "segments", 1: f"r{i}"}
+            axes[f"{m}.lora_B"] = {0: "segments", 2: f"r{i}"}
+        else:
+            axes[f"{m}.lora_A"] = {0: f"r{i}"}
+            axes[f"{m}.lora_B"] = {1: f"r{i}"}
+    if gathered:
+        axes.update({n: {0: "batch"} for n in slots.input_names() if n.endswith(".bias")})
+    if segments:
+        axes.update({"segment_tokens": {0: "segments", 1: "segment_tokens"}, "token_positions": {0: "tokens"}})
+    return axes
 
 
 def release_freed_memory() -> None:

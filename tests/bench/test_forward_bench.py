@@ -56,7 +56,9 @@ def test_mixed_only_arms_run_and_gathered_answers_equal_groups(tiny_model_dir, t
                      "--out", str(out)])
     assert rc == 0
     m = json.loads((out / "results.json").read_text())["results"]["mixed"]
-    assert set(m["ms"]["6"]) == {"merged 1-encoder", "shared 1-encoder", "groups k=3", "gathered k=3", "auto k=3"}
+    assert set(m["ms"]["6"]) == {"merged 1-encoder", "shared 1-encoder", "groups k=3", "gathered k=3", "auto k=3",
+                                 "segments k=3", "segments k=3 cold"}
     assert m["cosine"]["gathered vs groups"] >= 0.99999 and m["cosine"]["gathered vs torch"] >= 0.99999
+    assert m["cosine"]["segments vs groups"] >= 0.99999 and m["cosine"]["segments vs torch"] >= 0.99999
     assert "gathered k=3 / groups k=3" in m["ratios"]["6"]
     assert "## Mixed batches" in (out / "README.md").read_text()
