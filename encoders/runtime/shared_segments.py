@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from qswap.encoders.runtime.onnx_export import OUTPUT
-from qswap.encoders.runtime.shared_export import Slots, ort_input
+from qswap.encoders.runtime.shared_export import Slots, ort_input, routing
 
 #: The most encoders one segment call holds: bounds the call buffers (~5.3 MB per encoder at
 #: LoRA r=32 on every Linear of multilingual-e5-small, float16).
@@ -189,21 +189,3 @@ class SegmentRunner:
         self._held[name] = (shape, held)
         return out
 
-
-def routing(segment: np.ndarray, segments: int, length: int) -> dict[str, np.ndarray]:
-    """The segment graph's routing inputs for rows of ``length`` tokens, row ``i`` with encoder
-    ``segment[i]`` of ``segments``: ``segment_tokens`` (E, m * L), the tokens of each encoder's
-    rows, padded to the largest group by repeating its first row; ``token_positions`` (n * L,),
-    where each token's product sits in that padded order."""
-    segment = np.asarray(segment, dtype=np.int64)
-    groups = [np.flatnonzero(segment == e) for e in range(segments)]
-    width = max(len(g) for g in groups)
-    rows = np.empty((segments, width), dtype=np.int64)
-    pos = np.empty(len(segment), dtype=np.int64)
-    for e, g in enumerate(groups):
-        rows[e, :len(g)] = g
-        rows[e, len(g):] = g[0] if len(g) else 0   # padding: its product is never read
-        pos[g] = e * width + np.arange(len(g))
-    tokens = np.arange(length, dtype=np.int64)
-    return {"segment_tokens": (rows[:, :, None] * length + tokens).reshape(segments, -1),
-            "token_positions": (pos[:, None] * length + tokens).reshape(-1)}
