@@ -55,7 +55,10 @@ SHARED_DIR = "_shared"
 #: and the base (:mod:`qswap.encoders.runtime.shared_segments`); ``auto``, segments only for
 #: batches of small groups (:func:`qswap.encoders.runtime.shared_run.segment_groups`).
 MIXES = ("groups", "segments", "auto")
-DEFAULT_MIX = "groups"
+# "auto": the fastest at every batch shape measured (bench/results/forward_mixed/). What it holds
+# beyond the shared session is fixed, not per encoder: the segment graph's session (as much as
+# the side-by-side one) and the call buffers (at most MAX_SEGMENTS encoders' factors).
+DEFAULT_MIX = "auto"
 
 
 def adapter_inputs(pool: EncoderPool, key: str, slots: Slots) -> dict[str, torch.Tensor] | None:
