@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
@@ -58,11 +58,60 @@ def local_cluster(**env: str) -> Iterator[None]:
                     os.environ[k] = v
 
 
+class Clusters:
+    """The session's one Ray cluster at a time: modules that need a plain local cluster share one
+    (a start and a stop cost ~10 s each on a 2-core machine); a module that needs another kind
+    (direct ingress, two nodes) closes it first, and the next plain module starts it again."""
+
+    def __init__(self) -> None:
+        self.kind: str | None = None
+        self._stack: ExitStack | None = None
+
+    def use(self, kind: str, start: Callable[[], AbstractContextManager[Any]]) -> None:
+        """Make ``kind`` the running cluster (``start()`` enters it), closing another kind first."""
+        if self.kind == kind:
+            return
+        self.close()
+        stack = ExitStack()
+        stack.enter_context(start())
+        self._stack, self.kind = stack, kind
+
+    def close(self) -> None:
+        """Stop the running cluster, if any."""
+        stack, self._stack, self.kind = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+
+@pytest.fixture(scope="session")
+def ray_clusters() -> Iterator[Clusters]:
+    clusters = Clusters()
+    try:
+        yield clusters
+    finally:
+        clusters.close()
+
+
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A local Ray cluster for this module."""
-    with local_cluster():
+def ray_cluster(ray_clusters: Clusters) -> Iterator[None]:
+    """A plain local Ray cluster, shared by the modules that ask for one (Serve, with what a
+    module deployed, is shut down after each)."""
+    from ray import serve
+    ray_clusters.use("local", local_cluster)
+    try:
         yield
+    finally:
+        serve.shutdown()   # the next module starts Serve on its own port
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules on the shared plain cluster run one after another (after those that need another
+    kind of cluster), so the plain one starts once."""
+    own = ("test_direct_ingress.py", "test_multinode.py")
+    here = [i for i, item in enumerate(items) if Path(str(item.path)).parent == Path(__file__).parent]
+    ordered = sorted((items[i] for i in here), key=lambda item: Path(str(item.path)).name not in own)
+    for i, item in zip(here, ordered):
+        items[i] = item
 
 
 @pytest.fixture(scope="module")

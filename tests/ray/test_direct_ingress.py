@@ -20,10 +20,13 @@ from .conftest import local_cluster, ray_settings, wait_ready
 
 
 @pytest.fixture(scope="module")
-def direct_cluster() -> Iterator[None]:
+def direct_cluster(ray_clusters) -> Iterator[None]:
     """A local Ray cluster started with direct ingress on (its processes inherit the flag)."""
-    with local_cluster(RAY_SERVE_ENABLE_DIRECT_INGRESS="1"):
+    ray_clusters.use("direct", lambda: local_cluster(RAY_SERVE_ENABLE_DIRECT_INGRESS="1"))
+    try:
         yield
+    finally:
+        ray_clusters.close()   # the flag must not outlive this module
 
 
 def ingress_ports(app_name: str = "qswap", want: int = 1, timeout_s: float = 60.0) -> list[int]:

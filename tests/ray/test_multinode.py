@@ -48,8 +48,9 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, ray_clusters) -> Iterator[Cluster]:
     import ray
+    ray_clusters.close()   # this driver connects to the two nodes below instead
     c = Cluster(tmp_path_factory.mktemp("rn"))
     old = {k: os.environ.get(k) for k in NODE_ENV}
     os.environ.update(NODE_ENV)
@@ -64,7 +65,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             ray.shutdown()
         finally:
             for node in reversed(c.nodes):
-                node.stop()
+                node.stop(timeout=2.0)   # the module's cluster is discarded: no graceful wait
             for k, v in old.items():
                 if v is None:
                     os.environ.pop(k, None)
