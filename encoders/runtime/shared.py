@@ -55,9 +55,8 @@ SHARED_DIR = "_shared"
 #: and the base (:mod:`qswap.encoders.runtime.shared_segments`); ``auto``, segments only for
 #: batches of small groups (:func:`qswap.encoders.runtime.shared_run.segment_groups`).
 MIXES = ("groups", "segments", "auto")
-# "auto": the fastest at every batch shape measured (bench/results/forward_mixed/). What it holds
-# beyond the shared session is fixed, not per encoder: the segment graph's session (as much as
-# the side-by-side one) and the call buffers (at most MAX_SEGMENTS encoders' factors).
+# "auto": the fastest at every batch shape measured (bench/results/forward_mixed/); what it holds
+# beyond the shared session is fixed, not per encoder (docs/serving.md, "Mixed batches").
 DEFAULT_MIX = "auto"
 
 
@@ -479,8 +478,7 @@ class SharedBackend:
         return {k: r for k, r in groups.items() if k not in keys}
 
     def _own(self, key: str) -> dict[str, torch.Tensor]:
-        own = adapter_inputs(self.pool, key, self.slots)
-        if own is None:   # cannot happen for a key with a shared feed; refuse rather than guess
+        if (own := adapter_inputs(self.pool, key, self.slots)) is None:   # not for a key with a shared feed
             raise InvalidInputError(f"encoder {key} cannot run on the shared graph")
         return own
 
