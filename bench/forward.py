@@ -95,7 +95,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="extra LoRA encoders loaded for the memory figure (default: %(default)s)")
     p.add_argument("--mixed-only", action="store_true",
                    help="run only the mixed-batch arms (qswap.bench.forward_mixed: per encoder group vs one "
-                        "gathered call); results under bench/results/forward_mixed/")
+                        "segment call); results under bench/results/forward_mixed/")
     p.add_argument("--mixed-encoders", default="1,4,8,20",
                    help="encoders mixed in one batch, round-robin over its rows (default: %(default)s)")
     p.add_argument("--mixed-batches", default="8,32", help="queries per mixed batch (default: %(default)s)")

@@ -1,4 +1,4 @@
-"""``qswap bench forward --mixed-only``: batches of queries that mix encoders, per group vs gathered.
+"""``qswap bench forward --mixed-only``: batches of queries that mix encoders, per group vs one segment call.
 
 For each batch size (``--mixed-batches``) the arms run side by side, interleaved per round:
 
@@ -7,13 +7,16 @@ For each batch size (``--mixed-batches``) the arms run side by side, interleaved
 - ``shared 1-encoder``: the same rows on the shared graph (one bound call);
 - ``groups k=K``: rows spread round-robin over K LoRA encoders, one ONNX Runtime call per
   encoder group, side by side on the single-threaded second session (``mix="groups"``);
-- ``gathered k=K``: the same batch as ONE call of the gathered graph, each row's factors taken
-  from the table (``mix="gathered"``);
-- ``auto k=K``: ``mix="auto"``, gathered only when the groups average under two rows.
+- ``segments k=K``: the same batch as ONE call of the segment graph, each encoder's factors
+  copied once into the call's buffers (``mix="segments"``; an encoder still in its slot from the
+  last call is not copied again, which is what a fixed mix measures) and ``segments k=K cold``,
+  the same with every slot emptied before each call (what a call whose encoders all changed pays);
+- ``auto k=K``: ``mix="auto"``, segments only when the groups are small
+  (:func:`qswap.encoders.runtime.shared_run.segment_groups`).
 
 Every encoder is a LoRA of ``--adapter-rank`` on every Linear layer with factors in the server's
 storage type; the queries are the benchmark's fixed-length ones (one length bucket per batch).
-Answers: per-row cosine of gathered against per group and against the torch pool.
+Answers: per-row cosine of segments against per group and against the torch pool.
 """
 
 from __future__ import annotations
@@ -56,13 +59,13 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
     if not groups.wait(keys[0], timeout=1800):
         raise RuntimeError(f"shared export failed: {groups.error(keys[0])}")
     # Built after the export is cached, so the two backends do not export it at once.
-    gathered = SharedBackend(pool, cache, threads=threads, spin=spin, mix="gathered")
+    segments = SharedBackend(pool, cache, threads=threads, spin=spin, mix="segments")
     auto = SharedBackend(pool, cache, threads=threads, spin=spin, mix="auto")
     merged = OnnxBackend(pool, cache, threads=threads, spin=spin)
     for k in keys:
-        gathered.prepare(k)
-    if not gathered.wait(keys[0], timeout=1800):
-        raise RuntimeError(f"shared export failed: {gathered.error(keys[0])}")
+        segments.prepare(k)
+    if not segments.wait(keys[0], timeout=1800):
+        raise RuntimeError(f"shared export failed: {segments.error(keys[0])}")
     for k in keys:
         auto.prepare(k)
     merged.prepare(keys[0])
@@ -76,20 +79,28 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
     big = max(encoders)
     if big > 1:   # build every backend's mixed-batch machinery before timing
         groups.encode(texts, mixes[big])        # the second session
-        gathered.encode(texts, mixes[big])      # the gathered graph
-        if not gathered.gathered_ready(wait=1800):   # exported once; auto's build then loads it
-            raise RuntimeError("the gathered graph was not built")
-        auto.encode(texts[:2], keys[:2])                              # tiny groups: gathered
+        segments.encode(texts, mixes[big])      # the segment graph
+        if not segments.segments_ready(wait=1800):   # exported once; auto's build then loads it
+            raise RuntimeError("the segment graph was not built")
+        auto.encode(texts[:2], keys[:2])                              # tiny groups: segments
         auto.encode(texts[:4], [keys[0], keys[0], keys[1], keys[1]])  # bigger ones: side by side
         side_by_side = groups.groups_side_by_side(wait=1800)   # never with one thread: groups run in turn
         if (threads > 1 and not (side_by_side and auto.groups_side_by_side(wait=1800))
-                or not auto.gathered_ready(wait=1800)):
-            raise RuntimeError("the side-by-side session or the gathered graph was not built")
+                or not auto.segments_ready(wait=1800)):
+            raise RuntimeError("the side-by-side session or the segment graph was not built")
     per_group = groups.encode(texts, mixes[big])
-    one_call = gathered.encode(texts, mixes[big])
+    by_encoder = segments.encode(texts, mixes[big])
     torch_ref = pool.encode(texts, mixes[big])
-    cosine = {"gathered vs groups": _cos(one_call, per_group), "gathered vs torch": _cos(one_call, torch_ref),
+    cosine = {"segments vs groups": _cos(by_encoder, per_group), "segments vs torch": _cos(by_encoder, torch_ref),
               "groups vs torch": _cos(per_group, torch_ref)}
+
+    def cold(ks: list[str]) -> Callable[[list[str]], np.ndarray]:
+        def fn(t: list[str]) -> np.ndarray:
+            runner = segments._segments[1] if segments._segments is not None else None
+            for k in keys if runner is not None else ():
+                runner.discard(k)   # every slot emptied: each encoder's factors copied again
+            return segments.encode(t, ks[:len(t)])
+        return fn
 
     def arm(backend: Any, ks: list[str]) -> Callable[[list[str]], np.ndarray]:
         return lambda t: backend.encode(t, ks[:len(t)])
@@ -99,7 +110,9 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
     for k in encoders:
         if k > 1:
             fns[f"groups k={k}"] = arm(groups, mixes[k])
-            fns[f"gathered k={k}"] = arm(gathered, mixes[k])
+            fns[f"segments k={k}"] = arm(segments, mixes[k])
+            if k == big:
+                fns[f"segments k={k} cold"] = cold(mixes[k])
             fns[f"auto k={k}"] = arm(auto, mixes[k])
     out: dict[str, Any] = {"rank": rank, "factors": SERVING_FACTORS, "encoders": encoders, "threads": threads,
                            "cosine": cosine, "ms": {}, "ratios": {}}
@@ -115,16 +128,17 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
         r: dict[str, Any] = {"shared 1-encoder / merged 1-encoder": ratio("shared 1-encoder", "merged 1-encoder")}
         for k in encoders:
             if k > 1:
-                r[f"gathered k={k} / groups k={k}"] = ratio(f"gathered k={k}", f"groups k={k}")
                 r[f"groups k={k} / shared 1-encoder"] = ratio(f"groups k={k}", "shared 1-encoder")
-                r[f"gathered k={k} / shared 1-encoder"] = ratio(f"gathered k={k}", "shared 1-encoder")
+                r[f"segments k={k} / groups k={k}"] = ratio(f"segments k={k}", f"groups k={k}")
+                r[f"segments k={k} / shared 1-encoder"] = ratio(f"segments k={k}", "shared 1-encoder")
+                if k == big:
+                    r[f"segments k={k} cold / groups k={k}"] = ratio(f"segments k={k} cold", f"groups k={k}")
                 r[f"auto k={k} / groups k={k}"] = ratio(f"auto k={k}", f"groups k={k}")
         out["ratios"][str(n)] = r
     bar.close()
-    table = gathered._gathered[1] if gathered._gathered is not None else None
-    out["gathered_table_mb"] = round(table.nbytes() / 2**20, 1) if table is not None else 0.0
-    out["gathered_table_slots"] = table.capacity if table is not None else 0
-    for b in (groups, gathered, auto, merged):
+    runner = segments._segments[1] if segments._segments is not None else None
+    out["segment_buffers_mb"] = round(runner.nbytes() / 2**20, 1) if runner is not None else 0.0
+    for b in (groups, segments, auto, merged):
         b.close()
     tmp.cleanup()
     return out
@@ -145,8 +159,8 @@ def summary_lines(m: dict[str, Any]) -> list[str]:
                            [[k, f"{v['median']:.3f}", f"{v['p10']:.3f}", f"{v['p90']:.3f}", v["n"]]
                             for k, v in m["ratios"][n].items()])]
     lines += ["Min cosine per row on the largest mix: " + ", ".join(f"{k} {v:.7f}" for k, v in m["cosine"].items())
-              + f". Gathered table and call buffers after the runs: {m['gathered_table_mb']} MB "
-              f"({m['gathered_table_slots']} slots).", "", "## Goals (this run)", ""]
+              + f". Segment call buffers after the runs: {m['segment_buffers_mb']} MB.",
+              "", "## Goals (this run)", ""]
     lines += [f"- {k}: {'yes' if v else '**no**'}" for k, v in goals(m).items()]
     return lines + [""]
 
@@ -158,5 +172,5 @@ def goals(m: dict[str, Any]) -> dict[str, bool]:
         for name, v in r.items():
             if name.endswith("/ shared 1-encoder"):
                 out[f"{n} queries, {name.split(' /')[0]} <= 1.10x shared 1-encoder"] = v["median"] <= 1.10
-    out["gathered equals groups per row (cosine >= 0.9999)"] = m["cosine"]["gathered vs groups"] >= 0.9999
+    out["segments equal groups per row (cosine >= 0.9999)"] = m["cosine"]["segments vs groups"] >= 0.9999
     return out

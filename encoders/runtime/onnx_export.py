@@ -216,12 +216,12 @@ def _quiet_optimizer_logs() -> None:
 
 
 def probe_cosine(path: Path, emb: np.ndarray, mask: np.ndarray, ref: np.ndarray,
-                 extra: dict[str, Any] | Callable[[int], dict[str, Any]] | None = None) -> float:
+                 extra: dict[str, Any] | Callable[[int, int], dict[str, Any]] | None = None) -> float:
     """Minimum row cosine between the graph at ``path`` (CPU) and ``ref`` on the probe batch.
 
     Runs the batch whole and row by row at each row's own length, so a graph whose batch or
     sequence size was frozen at trace time fails here. ``extra``: more graph inputs (adapters),
-    or a function of the batch size giving them (per-row adapter inputs).
+    or a function of the batch size and sequence length giving them (per-row or per-token inputs).
     """
     import onnxruntime as ort
 
@@ -229,13 +229,13 @@ def probe_cosine(path: Path, emb: np.ndarray, mask: np.ndarray, ref: np.ndarray,
     so.intra_op_num_threads = 1
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     fixed = extra or {}
-    feed = extra if callable(extra) else lambda n: fixed
-    outs = [sess.run(None, {"inputs_embeds": emb, "attention_mask": mask, **feed(len(mask))})[0]]
+    feed = extra if callable(extra) else lambda rows, length: fixed
+    outs = [sess.run(None, {"inputs_embeds": emb, "attention_mask": mask, **feed(*mask.shape)})[0]]
     rows = []
     for i in range(len(mask)):
         n = int(mask[i].sum())
         rows.append(sess.run(None, {"inputs_embeds": emb[i:i + 1, :n], "attention_mask": mask[i:i + 1, :n],
-                              **feed(1)})[0])
+                              **feed(1, n)})[0])
     outs.append(np.concatenate(rows))
     return min(float(_cosine(o, ref).min()) for o in outs)
 

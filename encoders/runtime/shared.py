@@ -10,9 +10,9 @@ length, each encoder's inputs bound once (:class:`qswap.encoders.runtime.shared_
 of several encoder groups runs its calls side by side on a second, single-threaded session of
 the same graph, one worker per core (:func:`qswap.encoders.runtime.shared_run.spread_groups` says when);
 that session is built when the first such batch comes, so a server whose batches never mix
-encoders does not hold its weights. With ``mix="gathered"`` (or ``"auto"`` for batches of tiny
-groups) a mixed batch is instead ONE call of a second graph that takes each row's adapter
-(:mod:`qswap.encoders.runtime.shared_gathered`).
+encoders does not hold its weights. With ``mix="segments"`` (or ``"auto"`` for batches of small
+groups) a mixed batch is instead ONE call of a second graph that takes the LoRA factors of each
+of its encoders once and routes each row to its own (:mod:`qswap.encoders.runtime.shared_segments`).
 
 Encoders the shared graph cannot express (``partial`` tensors other than biases), and encoders
 pinned with :meth:`SharedBackend.pin` (one that serves most of the traffic may run a little
@@ -38,10 +38,10 @@ from qswap.encoders.runtime.export_cache import cached_dir
 from qswap.encoders.embedding import length_buckets
 from qswap.encoders.runtime.onnx import OnnxBackend, available_providers, make_session
 from qswap.encoders.pool import FACTOR_DTYPES, EncoderPool
-from qswap.encoders.runtime.shared_export import (GATHERED_MODEL_FILE, UNREACHED, SHARED_MODEL_FILE, Slots, export_shared,
+from qswap.encoders.runtime.shared_export import (SEGMENTS_MODEL_FILE, UNREACHED, SHARED_MODEL_FILE, Slots, export_shared,
                                                   find_slots, ort_input, release_freed_memory, shared_digest)
-from qswap.encoders.runtime.shared_gathered import GatheredTable
-from qswap.encoders.runtime.shared_run import BoundFeed, gather_groups, spread_groups
+from qswap.encoders.runtime.shared_segments import MAX_SEGMENTS, SegmentRunner
+from qswap.encoders.runtime.shared_run import BoundFeed, segment_groups, spread_groups
 from qswap.errors import InvalidInputError, NotFoundError
 
 log = logging.getLogger(__name__)
@@ -51,14 +51,13 @@ RETRY_MAX_S = 300.0   # the longest wait between two export attempts
 CALL_TOKENS = 16
 SHARED_DIR = "_shared"
 #: How a batch that mixes encoders runs: ``groups``, one call per encoder group (side by side on
-#: a second, single-threaded session); ``gathered``, one call for all its rows, each row's adapter
-#: gathered from a table (:mod:`qswap.encoders.runtime.shared_gathered`); ``auto``, gathered only
-#: for batches of tiny groups (:func:`qswap.encoders.runtime.shared_run.gather_groups`).
-MIXES = ("groups", "gathered", "auto")
-# Not "auto": a gathered call pays only for batches of 1-2 rows per encoder, and its table holds
-# a second copy of every encoder that ran gathered (bench/results/forward_mixed/), against the
-# memory budget that counts each encoder's adapter bytes once.
-DEFAULT_MIX = "groups"
+#: a second, single-threaded session); ``segments``, one call for all its rows of LoRA encoders
+#: and the base (:mod:`qswap.encoders.runtime.shared_segments`); ``auto``, segments only for
+#: batches of small groups (:func:`qswap.encoders.runtime.shared_run.segment_groups`).
+MIXES = ("groups", "segments", "auto")
+# "auto": the fastest at every batch shape measured (bench/results/forward_mixed/); what it holds
+# beyond the shared session is fixed, not per encoder (docs/serving.md, "Mixed batches").
+DEFAULT_MIX = "auto"
 
 
 def adapter_inputs(pool: EncoderPool, key: str, slots: Slots) -> dict[str, torch.Tensor] | None:
@@ -144,9 +143,9 @@ class SharedBackend:
         self._group_session: Any = None
         self._group_future: Future[None] | None = None
         self._workers = ThreadPoolExecutor(max_workers=self._group_workers, thread_name_prefix="qswap-shared-group")
-        # The gathered graph's session and table (mix="gathered"), built at the first mixed batch.
-        self._gathered: tuple[Any, GatheredTable] | None = None
-        self._gathered_future: Future[None] | None = None
+        # The segment graph's session and runner (mix="segments"/"auto"), built at the first mixed batch.
+        self._segments: tuple[Any, SegmentRunner] | None = None
+        self._segments_future: Future[None] | None = None
         # Merged per-encoder exports: encoders the shared graph cannot express, and pinned ones.
         self.merged = OnnxBackend(pool, cache_dir, threads=threads, providers=self.providers, spin=spin,
                                   batch_size=batch_size)
@@ -195,44 +194,44 @@ class SharedBackend:
                 return
             self._retried.notify_all()
 
-    def _load_or_export(self, gathered: bool = False) -> Any:
+    def _load_or_export(self, segments: bool = False) -> Any:
         target = self.directory()
-        if gathered:
-            target = target.with_name(target.name + "-gathered")
-        digest = shared_digest(self.base, self._variant, self.factors, gathered=gathered)
-        model_file = GATHERED_MODEL_FILE if gathered else SHARED_MODEL_FILE
+        if segments:
+            target = target.with_name(target.name + "-segments")
+        digest = shared_digest(self.base, self._variant, self.factors, segments=segments)
+        model_file = SEGMENTS_MODEL_FILE if segments else SHARED_MODEL_FILE
 
         def export(staging: Path) -> dict[str, Any]:
             facts = export_shared(self.base, staging, factors=self.factors, optimize_for=self._variant,
-                                  gathered=gathered)
+                                  segments=segments)
             release_freed_memory()
             return {"digest": digest, "variant": self._variant, "space": self.base.space.fingerprint,
                     "base": self.base.name, **facts}
 
         meta, exported = cached_dir(target, digest, model_file, export)
         if exported:
-            log.info("exported the %s base graph in %.1fs (probe cosine %.7f)", "gathered" if gathered else "shared",
+            log.info("exported the %s base graph in %.1fs (probe cosine %.7f)", model_file.split(".")[0],
                      meta["export_seconds"], meta["probe_min_cosine"])
         return make_session(target / model_file, self._threads, self.providers, self.spin)
 
-    def _start_gathered(self) -> None:
-        """Export (or load) the gathered graph and build its session and table in the background,
+    def _start_segments(self) -> None:
+        """Export (or load) the segment graph and build its session and runner in the background,
         once: only when a batch mixes encoders, so a server whose batches never do holds neither.
         Until it is ready, or if it fails, mixed batches run per group."""
         with self._lock:
-            if self._gathered_future is not None:
+            if self._segments_future is not None:
                 return
 
             def build() -> None:
                 try:
-                    sess = self._load_or_export(gathered=True)
+                    sess = self._load_or_export(segments=True)
                 except Exception as e:   # mixed batches keep running per group
-                    log.warning("gathered ONNX export failed; mixed batches run one call per encoder: %s", e)
+                    log.warning("segment ONNX export failed; mixed batches run one call per encoder: %s", e)
                     raise
-                table = GatheredTable(self.slots, self._base_inputs, FACTOR_DTYPES[self.factors])
+                runner = SegmentRunner(self.slots, self._base_inputs, FACTOR_DTYPES[self.factors])
                 with self._lock:
-                    self._gathered = (sess, table)
-            self._gathered_future = self._executor.submit(build)
+                    self._segments = (sess, runner)
+            self._segments_future = self._executor.submit(build)
 
     def _feed(self, tensors: dict[str, torch.Tensor]) -> BoundFeed:
         """Pre-built OrtValues, bound once per session: a run copies nothing of the adapter
@@ -273,9 +272,9 @@ class SharedBackend:
         full = {**self._base_inputs, **own}
         with self._lock:
             self._inputs[key] = self._feed(full) if self._session is not None else full
-            gathered = self._gathered
-        if gathered is not None:   # a re-prepared key is written again when it next runs gathered
-            gathered[1].discard(key)
+            segments = self._segments
+        if segments is not None:   # a re-prepared key's factors are copied again when it next runs
+            segments[1].discard(key)
 
     def pin(self, key: str) -> None:
         """Serve ``key`` from its own merged export (for an encoder with most of the traffic);
@@ -283,9 +282,9 @@ class SharedBackend:
         with self._lock:
             self._pinned.add(key)
             self._inputs.pop(key, None)
-            gathered = self._gathered
-        if gathered is not None:
-            gathered[1].discard(key)
+            segments = self._segments
+        if segments is not None:
+            segments[1].discard(key)
         self.merged.prepare(key)
 
     def ready(self, key: str) -> bool:
@@ -351,19 +350,19 @@ class SharedBackend:
         _await_build(self._group_future, wait)   # a timeout or a failed build: groups run in turn
         return self._group_session is not None
 
-    def gathered_ready(self, wait: float | None = 0) -> bool:
-        """Whether batches mixing encoders run as one gathered call now (``mix="gathered"``, its
+    def segments_ready(self, wait: float | None = 0) -> bool:
+        """Whether batches mixing encoders run as one segment call now (``mix="segments"``, its
         graph built); ``wait``: seconds to wait for it if it is being built."""
-        _await_build(self._gathered_future, wait)   # a timeout or a failed build: mixed batches run per group
-        return self._gathered is not None
+        _await_build(self._segments_future, wait)   # a timeout or a failed build: mixed batches run per group
+        return self._segments is not None
 
     def discard(self, key: str) -> None:
         with self._lock:
             self._inputs.pop(key, None)
             self._pinned.discard(key)
-            gathered = self._gathered
-        if gathered is not None:
-            gathered[1].discard(key)
+            segments = self._segments
+        if segments is not None:
+            segments[1].discard(key)
         self.merged.discard(key)
 
     def close(self) -> None:
@@ -379,7 +378,7 @@ class SharedBackend:
         with self._lock:
             self._session = None
             self._group_session = None
-            self._gathered = None
+            self._segments = None
             self._inputs.clear()
 
     # -- encoding -------------------------------------------------------------------------------
@@ -414,7 +413,7 @@ class SharedBackend:
         groups: dict[str, list[int]] = {}
         merged: list[int] = []
         with self._lock:
-            session, group_session, gathered = self._session, self._group_session, self._gathered
+            session, group_session, segments = self._session, self._group_session, self._segments
             feeds = {k: f for k, f in self._inputs.items() if isinstance(f, BoundFeed)} if session is not None else {}
         for i, k in enumerate(keys):
             if k in feeds:
@@ -425,14 +424,13 @@ class SharedBackend:
             if k not in self.pool:
                 raise NotFoundError(f"encoder {k} is not loaded", "register it or use a loaded encoder")
         rows = sum(len(r) for r in groups.values())
-        # Never for the bulk lane: the gathered session is multi-threaded, the bulk lane holds one core.
-        if len(groups) > 1 and not bulk and (self.mix == "gathered" or self.mix == "auto"
-                                             and gather_groups(rows, len(groups))):
-            if gathered is not None:
-                self._encode_gathered(gathered, groups, texts, encs, out)
-                groups = {}
+        # Never for the bulk lane: the segment session is multi-threaded, the bulk lane holds one core.
+        if len(groups) > 1 and not bulk and (self.mix == "segments" or self.mix == "auto"
+                                             and segment_groups(rows, len(groups))):
+            if segments is not None:
+                groups = self._encode_segments(segments, groups, texts, encs, out)
             else:
-                self._start_gathered()
+                self._start_segments()
         calls: list[tuple[BoundFeed, list[int], np.ndarray, np.ndarray]] = []   # (feed, rows, ids, mask)
         for k, rows in groups.items():
             for idx, ids, mask in length_buckets(self.base.tokenizer, [texts[i] for i in rows],
@@ -459,28 +457,30 @@ class SharedBackend:
                                              encodings=[encs[i] for i in merged])
         return out, flags
 
-    def _encode_gathered(self, gathered: tuple[Any, GatheredTable], groups: dict[str, list[int]], texts: list[str],
-                         encs: list[Any], out: np.ndarray) -> None:
-        """Every row of ``groups`` (key -> its rows) in one call per length bucket, each row's
-        adapter gathered from the table (an encoder is written into it the first time it runs)."""
-        session, table = gathered
-        slot_of: dict[str, int] = {}
-        for k in groups:
-            s = table.slot(k)
-            if s is None:
-                own = adapter_inputs(self.pool, k, self.slots)
-                if own is None:   # cannot happen for a key with a shared feed; refuse rather than guess
-                    raise InvalidInputError(f"encoder {k} cannot run on the shared graph")
-                s = table.put(k, {**self._base_inputs, **own})
-            slot_of[k] = s
-        rows = [i for r in groups.values() for i in r]
-        row_slot = {i: slot_of[k] for k, r in groups.items() for i in r}
-        for idx, ids, mask in length_buckets(self.base.tokenizer, [texts[i] for i in rows],
-                                             self.base.spec.query_prefix, self.batch_size,
-                                             encodings=[encs[i] for i in rows], call_tokens=CALL_TOKENS):
-            picked = [rows[j] for j in idx]
-            slots = np.array([row_slot[i] for i in picked], dtype=np.int64)
-            out[picked] = table.run(session, np.take(self._table, ids, axis=0), mask, slots)
+    def _encode_segments(self, segments: tuple[Any, SegmentRunner], groups: dict[str, list[int]], texts: list[str],
+                         encs: list[Any], out: np.ndarray) -> dict[str, list[int]]:
+        """The rows of ``groups`` (key -> its rows) whose encoders the segment graph runs, in one
+        call per length bucket (and per :data:`MAX_SEGMENTS` encoders), each row routed to its
+        encoder's factors; returns the groups left to run per group (encoders with biases of
+        their own: the segment graph takes the base's)."""
+        session, runner = segments
+        keys = [k for k in groups if runner.accepts(k, self._own)]
+        if len(keys) < 2:
+            return groups
+        for start in range(0, len(keys), MAX_SEGMENTS):
+            key_of = {i: k for k in keys[start:start + MAX_SEGMENTS] for i in groups[k]}
+            rows = list(key_of)
+            for idx, ids, mask in length_buckets(self.base.tokenizer, [texts[i] for i in rows],
+                                                 self.base.spec.query_prefix, self.batch_size,
+                                                 encodings=[encs[i] for i in rows], call_tokens=CALL_TOKENS):
+                picked = [rows[j] for j in idx]
+                out[picked] = runner.run(session, np.take(self._table, ids, axis=0), mask, [key_of[i] for i in picked])
+        return {k: r for k, r in groups.items() if k not in keys}
+
+    def _own(self, key: str) -> dict[str, torch.Tensor]:
+        if (own := adapter_inputs(self.pool, key, self.slots)) is None:   # not for a key with a shared feed
+            raise InvalidInputError(f"encoder {key} cannot run on the shared graph")
+        return own
 
     def _call(self, session: Any, feed: BoundFeed, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """One ONNX Runtime call: the rows' word embeddings gathered here, the adapter bound."""
@@ -496,3 +496,4 @@ def _await_build(future: Any, wait: float | None) -> None:
         future.result(timeout=wait)
     except Exception:  # noqa: BLE001 - the caller reads whether the build produced its session
         pass
+

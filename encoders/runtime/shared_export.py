@@ -25,13 +25,11 @@ which the optimiser's own matchers only do for constant biases.
 So one session holds the base weights once, and an encoder is only its adapter tensors
 (:mod:`qswap.encoders.runtime.shared`).
 
-The *gathered* variant (``gathered=True``, file ``gathered.onnx``) takes every adapter input
-per row instead, so one call serves rows of any mix of encoders
-(:mod:`qswap.encoders.runtime.shared_gathered`): ``<m>.lora_A`` (n, r, in), ``<m>.lora_B``
-(n, r, out) and ``<m>.bias`` (n, 1, out) / (n, 1, d), and each Linear computes
-``x @ W.T + (x @ A_row.T) @ B_row + bias_row`` with batched MatMuls. Per-row biases cannot go
-into the fused nodes (their bias inputs are one vector for the whole batch): they stay Adds, and
-MultiHeadAttention gets a zero bias. Word embeddings stay outside, as for merged exports
+The *segment* variant (``segments=True``, file ``segments.onnx``) takes the LoRA factors of
+several encoders at once, ``<m>.lora_A`` (E, r, in) and ``<m>.lora_B`` (E, out, r), and routes
+each row's tokens to its encoder's (:func:`routing`), so one call serves rows of any mix of LoRA
+encoders (:mod:`qswap.encoders.runtime.shared_segments`); the biases are the base's, fused as
+above. Word embeddings stay outside, as for merged exports
 (:mod:`qswap.encoders.runtime.onnx_export`): the caller gathers rows of the base matrix.
 """
 
@@ -57,7 +55,9 @@ from qswap.errors import IntegrityError, InvalidInputError
 # Bump when the shared graph changes, so cached exports are rebuilt.
 SHARED_FORMAT = 2
 SHARED_MODEL_FILE = "shared.onnx"
-GATHERED_MODEL_FILE = "gathered.onnx"
+SEGMENTS_MODEL_FILE = "segments.onnx"
+# The segment graph's token-routing inputs (:func:`routing`).
+SEGMENT_INDEX = ("segment_tokens", "token_positions")
 # Layers a query's pooled embedding never depends on (mean/CLS pooling of last_hidden_state).
 UNREACHED = ("pooler",)
 
@@ -76,6 +76,11 @@ class Slots:
         names += [f"{m}.bias" for m, _ in self.norm]
         return names
 
+    def segment_names(self) -> list[str]:
+        """The segment graph's inputs after the token embeddings and mask: the token routing,
+        then the shared graph's (the factors with an encoder axis in front)."""
+        return [*SEGMENT_INDEX, *self.input_names()]
+
     def base_inputs(self, model: torch.nn.Module, dtype: torch.dtype = torch.float32,
                     rank: int = 0) -> dict[str, torch.Tensor]:
         """Inputs that compute the base itself (the identity encoder): rank-``rank`` zero factors
@@ -90,16 +95,34 @@ class Slots:
             out[f"{m}.bias"] = model.get_submodule(m).bias.detach()
         return out
 
-    def gathered_inputs(self, model: torch.nn.Module, rows: int, dtype: torch.dtype = torch.float32,
-                        rank: int = 0) -> dict[str, torch.Tensor]:
-        """:meth:`base_inputs` in the gathered graph's per-row layout, for ``rows`` rows:
-        factors (rows, rank, in) / (rows, rank, out), biases (rows, 1, width)."""
-        out: dict[str, torch.Tensor] = {}
+    def segment_inputs(self, model: torch.nn.Module, rows: int, length: int, dtype: torch.dtype = torch.float32,
+                       rank: int = 0, segments: int = 1) -> dict[str, torch.Tensor]:
+        """:meth:`base_inputs` in the segment graph's layout, ``rows`` rows of ``length`` tokens dealt
+        over ``segments`` encoders (all the base): factors (E, rank, in) / (E, out, rank), the base's biases."""
+        out: dict[str, torch.Tensor] = {k: torch.from_numpy(v) for k, v in
+                                        routing(np.arange(rows) * segments // rows, segments, length).items()}
         for name, t in self.base_inputs(model, dtype, rank).items():
-            if name.endswith(".lora_B"):
-                t = t.t()
-            out[name] = t.unsqueeze(0).expand(rows, *([1] if t.dim() == 1 else []), *t.shape).contiguous()
+            out[name] = t.unsqueeze(0).expand(segments, *t.shape).contiguous() if ".lora_" in name else t
         return out
+
+
+def routing(segment: np.ndarray, segments: int, length: int) -> dict[str, np.ndarray]:
+    """The segment graph's routing inputs for rows of ``length`` tokens, row ``i`` with encoder
+    ``segment[i]`` of ``segments``: ``segment_tokens`` (E, m * L), the tokens of each encoder's
+    rows, padded to the largest group by repeating its first row; ``token_positions`` (n * L,),
+    where each token's product sits in that padded order."""
+    segment = np.asarray(segment, dtype=np.int64)
+    groups = [np.flatnonzero(segment == e) for e in range(segments)]
+    width = max(len(g) for g in groups)
+    rows = np.empty((segments, width), dtype=np.int64)
+    pos = np.empty(len(segment), dtype=np.int64)
+    for e, g in enumerate(groups):
+        rows[e, :len(g)] = g
+        rows[e, len(g):] = g[0] if len(g) else 0   # padding: its product is never read
+        pos[g] = e * width + np.arange(len(g))
+    tokens = np.arange(length, dtype=np.int64)
+    return {"segment_tokens": (rows[:, :, None] * length + tokens).reshape(segments, -1),
+            "token_positions": (pos[:, None] * length + tokens).reshape(-1)}
 
 
 def find_slots(model: torch.nn.Module) -> Slots:
@@ -118,9 +141,24 @@ def find_slots(model: torch.nn.Module) -> Slots:
 class _Inputs:
     """The graph inputs of the forward being traced, read by the adapted layers and attention."""
 
-    gathered = False   # adapter inputs per row (the gathered graph)
+    segments = False   # adapter inputs per encoder, rows routed by SEGMENT_INDEX (the segment graph)
     values: dict[str, torch.Tensor] = {}
     mask: torch.Tensor | None = None     # (n, L) int32 key padding mask, cast once per forward
+    # id(activation) -> (it, its rows per segment): query/key/value share one Gather; the
+    # activation is kept so that its id is not reused within the forward
+    taken: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def segment(self, x: torch.Tensor, width: int) -> torch.Tensor:
+        """(n, L, width) -> (E, m*L, width): each encoder's tokens (its rows padded to the largest
+        group) as one matrix; one Gather, and reshapes of constant shape."""
+        if id(x) not in self.taken:
+            self.taken[id(x)] = x, x.reshape(-1, width)[self.values["segment_tokens"]]
+        return self.taken[id(x)][1]
+
+    def unsegment(self, y: torch.Tensor, width: int, like: torch.Tensor) -> torch.Tensor:
+        """(E, m*L, width) -> ``like``'s (n, L, width), in token order: each token's own product,
+        padding dropped."""
+        return y.reshape(-1, width)[self.values["token_positions"]].reshape_as(like)
 
 
 class _AdaptedLinear(torch.nn.Module):
@@ -134,9 +172,12 @@ class _AdaptedLinear(torch.nn.Module):
         a, b = v[f"{self.name}.lora_A"], v[f"{self.name}.lora_B"]
         if a.dtype != torch.float32:   # half-precision storage, float32 compute (a Cast in the graph)
             a, b = a.float(), b.float()
-        if self.inputs.gathered:   # per row: a (n, r, in), b (n, r, out), bias (n, 1, out)
-            y = torch.matmul(x, self.weight.t()) + torch.matmul(torch.matmul(x, a.transpose(1, 2)), b)
-            return y + v[f"{self.name}.bias"]
+        if self.inputs.segments:   # per encoder: a (E, r, in), b (E, out, r); the base's bias
+            xs = self.inputs.segment(x, self.weight.shape[1])
+            low = torch.matmul(torch.matmul(xs, a.transpose(1, 2)), b.transpose(1, 2))
+            y = torch.matmul(x, self.weight.t())
+            y = y + self.inputs.unsegment(low, self.weight.shape[0], y)
+            return y if self.bias_in_attention else y + v[f"{self.name}.bias"]
         # Projection, then the rank-r path, then the bias: the bias Add comes last so that
         # fold_biases finds it right before the Gelu / residual Add it belongs to.
         y = torch.matmul(x, self.weight.t()) + torch.matmul(torch.matmul(x, a.t()), b.t())
@@ -153,8 +194,6 @@ class _AdaptedNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ln, bias = self.ln, self.inputs.values[f"{self.name}.bias"]
-        if self.inputs.gathered:   # (n, 1, d): each row's own LayerNorm bias
-            return torch.nn.functional.layer_norm(x, ln.normalized_shape, ln.weight, None, ln.eps) + bias
         return torch.nn.functional.layer_norm(x, ln.normalized_shape, ln.weight, bias, ln.eps)
 
 
@@ -199,15 +238,11 @@ class _FusedSelfAttention(torch.nn.Module):
         self.query, self.key, self.value, self.inputs = attn.query, attn.key, attn.value, inputs
         self.heads = int(attn.num_attention_heads)
         self.scale = float(getattr(attn, "scaling", attn.attention_head_size ** -0.5))
-        self.width = 3 * int(self.query.weight.shape[0])
         for m in (self.query, self.key, self.value):
-            m.bias_in_attention = not inputs.gathered   # per-row biases: added by the projections
+            m.bias_in_attention = True
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        if self.inputs.gathered:
-            bias = torch.zeros(self.width, dtype=hidden_states.dtype, device=hidden_states.device)
-        else:
-            bias = torch.cat([m.bias_input() for m in (self.query, self.key, self.value)])
+        bias = torch.cat([m.bias_input() for m in (self.query, self.key, self.value)])
         out = torch.ops.qswap.multi_head_attention(self.query(hidden_states), self.key(hidden_states),
                                                    self.value(hidden_states), bias, self.inputs.mask,
                                                    self.heads, self.scale)
@@ -224,12 +259,13 @@ def _is_self_attention(mod: torch.nn.Module) -> bool:
 class SharedEncoder(torch.nn.Module):
     """``(inputs_embeds, attention_mask, *adapter inputs) -> pooled embedding``."""
 
-    def __init__(self, pooled: PooledEncoder, slots: Slots, gathered: bool = False) -> None:
+    def __init__(self, pooled: PooledEncoder, slots: Slots, segments: bool = False) -> None:
         super().__init__()
-        self.pooled, self.slots, self.names = pooled, slots, slots.input_names()
+        self.pooled, self.slots = pooled, slots
+        self.names = slots.segment_names() if segments else slots.input_names()
         self.inputs = _Inputs()
-        self.inputs.values = {}
-        self.inputs.gathered = gathered
+        self.inputs.values, self.inputs.taken = {}, {}
+        self.inputs.segments = segments
         model = pooled.model
         adapted: dict[str, _AdaptedLinear] = {}
         for name, _, _ in slots.linear:
@@ -250,7 +286,7 @@ class SharedEncoder(torch.nn.Module):
         try:
             return self.pooled(inputs_embeds, attention_mask)
         finally:
-            self.inputs.values, self.inputs.mask = {}, None
+            self.inputs.values, self.inputs.mask, self.inputs.taken = {}, None, {}
 
 
 def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
@@ -259,10 +295,10 @@ def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
-def shared_digest(base: BaseEncoder, variant: str, factors: str = "float32", gathered: bool = False) -> str:
+def shared_digest(base: BaseEncoder, variant: str, factors: str = "float32", segments: bool = False) -> str:
     """Content key of a shared export: format, opset, variant (cpu/cuda), factor dtype, base
-    space, and whether adapter inputs are per row."""
-    kind = "gathered" if gathered else "shared"
+    space, and whether it is the segment graph."""
+    kind = "segments" if segments else "shared"
     return hashlib.sha256(f"{kind}|{SHARED_FORMAT}|{OPSET}|{variant}|{factors}|{base.space.fingerprint}"
                           .encode()).hexdigest()
 
@@ -329,8 +365,8 @@ def fold_biases(path: Path) -> dict[str, int]:
 
 
 def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
-                  optimize_for: str | None = "cpu", gathered: bool = False) -> dict[str, Any]:
-    """Write ``shared.onnx`` (``gathered.onnx``) to ``out_dir``; checked against the torch base on probe texts.
+                  optimize_for: str | None = "cpu", segments: bool = False) -> dict[str, Any]:
+    """Write ``shared.onnx`` (``segments.onnx``) to ``out_dir``; checked against the torch base on probe texts.
 
     Args:
         base: the base model (never changed: the graph is traced from a storage-sharing copy).
@@ -339,7 +375,7 @@ def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
         optimize_for: ``"cpu"`` / ``"cuda"`` runs ONNX Runtime's transformer optimiser (skip layer
             norm, GELU) and :func:`fold_biases`; ``None`` keeps the graph as exported (attention is
             a ``MultiHeadAttention`` node either way).
-        gathered: adapter inputs per row (module docstring).
+        segments: LoRA factors per encoder, tokens routed to them (module docstring).
 
     Returns:
         Facts for the cache record: probe cosine, fused node counts, export seconds, slot counts.
@@ -352,50 +388,56 @@ def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
     out_dir.mkdir(parents=True, exist_ok=True)
     pooled = build_module(base, {})
     slots = find_slots(pooled.model)
-    module = SharedEncoder(pooled, slots, gathered).eval()
+    module = SharedEncoder(pooled, slots, segments).eval()
+    names = slots.segment_names() if segments else slots.input_names()
     table = base.model.get_input_embeddings().weight.detach().float().cpu().numpy()
     emb, mask = probe_inputs(base, table)
-    feed = (slots.gathered_inputs(base.model, len(mask), dtype, rank=2) if gathered
-            else slots.base_inputs(base.model, dtype, rank=2))
+
+    def inputs(rows: int, rank: int, length: int = mask.shape[1]) -> dict[str, torch.Tensor]:
+        if segments:   # two encoders when tracing, so no shape is specialised to one
+            return slots.segment_inputs(base.model, rows, length, dtype, rank, segments=2 if rank else 1)
+        return slots.base_inputs(base.model, dtype, rank)
+    feed = inputs(len(mask), 2)
     dev = base.device
     # Trace with rank 2 so no shape is specialised to the rank, then check rank 0 below.
-    args = (torch.from_numpy(emb).to(dev), torch.from_numpy(mask).to(dev),
-            *[feed[n].to(dev) for n in slots.input_names()])
-    axes: dict[str, dict[int, str]] = {"inputs_embeds": {0: "batch", 1: "sequence"},
-                                       "attention_mask": {0: "batch", 1: "sequence"}, OUTPUT: {0: "batch"}}
-    for i, (m, _, _) in enumerate(slots.linear):
-        if gathered:   # one rank per call (the batch's), and the batch axis of every input
-            axes[f"{m}.lora_A"] = {0: "batch", 1: "rank"}
-            axes[f"{m}.lora_B"] = {0: "batch", 1: "rank"}
-        else:
-            axes[f"{m}.lora_A"] = {0: f"r{i}"}
-            axes[f"{m}.lora_B"] = {1: f"r{i}"}
-    if gathered:
-        axes.update({n: {0: "batch"} for n in slots.input_names() if n.endswith(".bias")})
-    path = out_dir / (GATHERED_MODEL_FILE if gathered else SHARED_MODEL_FILE)
+    args = (torch.from_numpy(emb).to(dev), torch.from_numpy(mask).to(dev), *[feed[n].to(dev) for n in names])
+    path = out_dir / (SEGMENTS_MODEL_FILE if segments else SHARED_MODEL_FILE)
     with EXPORT_LOCK, warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, args, str(path), input_names=["inputs_embeds", "attention_mask", *slots.input_names()],
-                          output_names=[OUTPUT], dynamic_axes=axes, opset_version=OPSET,
-                          do_constant_folding=True, dynamo=False, custom_opsets={"com.microsoft": 1})
+        torch.onnx.export(module, args, str(path), input_names=["inputs_embeds", "attention_mask", *names],
+                          output_names=[OUTPUT], dynamic_axes=_dynamic_axes(slots, segments),
+                          opset_version=OPSET, do_constant_folding=True, dynamo=False,
+                          custom_opsets={"com.microsoft": 1})
         ref = module(*args).float().cpu().numpy()
     if optimize_for is not None:
         _fuse(path, base, use_gpu=optimize_for == "cuda")
-        if not gathered:   # per-row biases cannot go into the fused nodes' bias inputs
-            fold_biases(path)
+        fold_biases(path)
     fused = _fused_ops(path)
-
-    def check(rows: int) -> dict[str, Any]:
-        inputs = (slots.gathered_inputs(base.model, rows, dtype, rank=0) if gathered
-                  else slots.base_inputs(base.model, dtype, rank=0))
-        return {n: ort_input(t) for n, t in inputs.items()}
-    cos = probe_cosine(path, emb, mask, ref, extra=check)
+    cos = probe_cosine(path, emb, mask, ref,
+                       extra=lambda rows, length: {n: ort_input(t) for n, t in inputs(rows, 0, length).items()})
     if cos < 0.99999:
         raise IntegrityError(f"shared ONNX export disagrees with torch (probe cosine {cos:.7f})",
                              "encoders keep running on torch; report this base model")
     return {"probe_min_cosine": cos, "fused": fused, "factors": factors,
             "export_seconds": round(time.perf_counter() - t0, 3),
             "linear_slots": len(slots.linear), "norm_slots": len(slots.norm)}
+
+
+def _dynamic_axes(slots: Slots, segments: bool) -> dict[str, dict[int, str]]:
+    """The export's dynamic axes: batch and sequence, each layer's rank, and for the segment
+    graph the encoder axis of the factors and the routing's."""
+    axes: dict[str, dict[int, str]] = {"inputs_embeds": {0: "batch", 1: "sequence"},
+                                       "attention_mask": {0: "batch", 1: "sequence"}, OUTPUT: {0: "batch"}}
+    for i, (m, _, _) in enumerate(slots.linear):
+        if segments:   # one rank per layer (the batch's encoders' largest), one row per encoder
+            axes[f"{m}.lora_A"] = {0: "segments", 1: f"r{i}"}
+            axes[f"{m}.lora_B"] = {0: "segments", 2: f"r{i}"}
+        else:
+            axes[f"{m}.lora_A"] = {0: f"r{i}"}
+            axes[f"{m}.lora_B"] = {1: f"r{i}"}
+    if segments:
+        axes.update({"segment_tokens": {0: "segments", 1: "segment_tokens"}, "token_positions": {0: "tokens"}})
+    return axes
 
 
 def release_freed_memory() -> None:

@@ -6,10 +6,10 @@ every Linear, 2 cores; README "Fast query path"):
 - Passing an encoder's ~240 adapter inputs as a feed dict costs ~2.5 ms per ONNX Runtime call
   (14.4 vs 11.9 ms for one 16-token query): :class:`BoundFeed` binds them once per session in an
   ``IOBinding``, so a call binds only the token embeddings and the mask.
-- A batch still runs one call per encoder group (one graph call cannot take two encoders'
-  inputs without copying or computing every encoder's factors for every row: both measured
-  slower than the calls they replace). Those calls are small, and on one multi-threaded session
-  they run one after another with poor use of the cores; spread over as many single-threaded
+- A batch runs one call per encoder group on this graph (it takes one encoder's inputs; the
+  segment graph, :mod:`qswap.encoders.runtime.shared_segments`, takes several). Those calls are
+  small, and on one multi-threaded session they run one after another with poor use of the
+  cores; spread over as many single-threaded
   sessions' runs as there are cores (:func:`spread_groups`), 8 encoders' rows cost what one
   call for a single encoder's 8 rows costs.
 """
@@ -76,14 +76,14 @@ def spread_groups(call_tokens: list[int], groups: int, workers: int) -> bool:
     return workers > 1 and groups > 1 and len(call_tokens) > 1 and 2 * max(call_tokens) <= sum(call_tokens)
 
 
-#: ``mix="auto"`` runs a mixed batch as one gathered call when its encoder groups average fewer
-#: rows than this (bench/results/forward_mixed/: one gathered call was faster than the groups
-#: with 1-1.6 rows per encoder, slower with 2 or more).
-GATHER_BELOW_ROWS_PER_GROUP = 2
+#: ``mix="auto"`` runs a mixed batch as one segment call when its encoder groups average fewer
+#: rows than this (bench/results/forward_mixed/: one segment call was faster than the groups
+#: with 1 to 2 rows per encoder, level at 4, slower at 8).
+SEGMENTS_BELOW_ROWS_PER_GROUP = 4
 
 
-def gather_groups(rows: int, groups: int) -> bool:
-    """Whether a batch of ``rows`` rows over ``groups`` encoders runs as one gathered call under
-    ``mix="auto"``: only when it mixes encoders and its groups are tiny, where one call per group
-    costs more in calls than the gathered call costs in copying each row's factors."""
-    return groups > 1 and rows < GATHER_BELOW_ROWS_PER_GROUP * groups
+def segment_groups(rows: int, groups: int) -> bool:
+    """Whether a batch of ``rows`` rows over ``groups`` encoders runs as one segment call under
+    ``mix="auto"``: only when it mixes encoders and its groups are small, where one call per
+    group costs more in calls than the segment call costs in routing tokens and copying factors."""
+    return groups > 1 and rows < SEGMENTS_BELOW_ROWS_PER_GROUP * groups

@@ -49,14 +49,15 @@ def test_backends_must_include_the_reference(tiny_model_dir, tmp_path):
     assert forward.BACKENDS[0] == "torch-fp32"
 
 
-def test_mixed_only_arms_run_and_gathered_answers_equal_groups(tiny_model_dir, tmp_path):
+def test_mixed_only_arms_run_and_segment_answers_equal_groups(tiny_model_dir, tmp_path):
     out = tmp_path / "mixed"
     rc = qswap_main(["bench", "forward", "--mixed-only", "--quick", "--model", str(tiny_model_dir), "--threads", "1",
                      "--query-tokens", "8", "--adapter-rank", "4", "--mixed-encoders", "1,3", "--mixed-batches", "6",
                      "--out", str(out)])
     assert rc == 0
     m = json.loads((out / "results.json").read_text())["results"]["mixed"]
-    assert set(m["ms"]["6"]) == {"merged 1-encoder", "shared 1-encoder", "groups k=3", "gathered k=3", "auto k=3"}
-    assert m["cosine"]["gathered vs groups"] >= 0.99999 and m["cosine"]["gathered vs torch"] >= 0.99999
-    assert "gathered k=3 / groups k=3" in m["ratios"]["6"]
+    assert set(m["ms"]["6"]) == {"merged 1-encoder", "shared 1-encoder", "groups k=3", "auto k=3", "segments k=3",
+                                 "segments k=3 cold"}
+    assert m["cosine"]["segments vs groups"] >= 0.99999 and m["cosine"]["segments vs torch"] >= 0.99999
+    assert "segments k=3 / groups k=3" in m["ratios"]["6"] and "segment_buffers_mb" in m
     assert "## Mixed batches" in (out / "README.md").read_text()

@@ -1,0 +1,191 @@
+"""One ONNX Runtime call for a batch of any mix of encoders: rows routed to their encoder's factors.
+
+The CPU analogue of punica's SGMV (segment-gathered matrix-vector products): the segment graph
+(:func:`qswap.encoders.runtime.shared_export.export_shared` with ``segments=True``) takes each
+adapted Linear's LoRA factors once per encoder of the batch, ``<m>.lora_A`` (E, r, in) and
+``<m>.lora_B`` (E, out, r), and three routing inputs (:func:`routing`): which tokens each encoder
+takes, where each token's product comes back from, and each row's encoder. Every Linear then
+computes ``x @ W.T`` for the whole batch (one GEMM, as for one encoder), takes each encoder's
+tokens (one Gather, shared by query/key/value), runs ``[E, m*L, in] @ [E, in, r] @ [E, r, out]``
+(m: the largest group's rows) and routes the products back (one Gather). So a call copies each encoder's factors once,
+not each row's, and the base's weights are read once for the whole batch.
+
+Ranks are zero-padded to the batch's largest per layer (exact), so rows of LoRA encoders of any
+rank and of the base itself share one call. The biases are the base's, graph inputs fused into
+SkipLayerNormalization / BiasGelu / MultiHeadAttention as in the shared graph: an encoder with
+biases of its own (the bias kind) does not run here (:meth:`SegmentRunner.accepts`) but in its
+own bound call. Per-row biases would cost an Add per layer on every row for every batch (the
+gathered graph's way), ~6 % of a call, for a kind that has its own cheap path.
+
+Memory: :class:`SegmentRunner` holds no table of encoders. Its call buffers hold the factors of
+at most :data:`MAX_SEGMENTS` encoders at the batch's rank (a batch with more encoders runs as
+several calls), so what they cost is fixed (:meth:`SegmentRunner.nbytes`), whatever the number
+of loaded encoders; an encoder already in its slot from the last call is not copied again.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from qswap.encoders.runtime.onnx_export import OUTPUT
+from qswap.encoders.runtime.shared_export import Slots, ort_input, routing
+
+#: The most encoders one segment call holds: bounds the call buffers (~5.3 MB per encoder at
+#: LoRA r=32 on every Linear of multilingual-e5-small, float16).
+MAX_SEGMENTS = 32
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as numpy (bfloat16 as its int16 bits: numpy has no bfloat16)."""
+    t = t.detach().cpu()
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+class _Source:
+    """What one encoder puts in a call: its factors per Linear (views of the pool's tensors), and
+    whether it has biases of its own (then it does not run here)."""
+
+    def __init__(self, own: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> None:
+        self.factors = {name[:-len(".lora_A")]: (_array(t), _array(own[name[:-1] + "B"]))
+                        for name, t in own.items() if name.endswith(".lora_A")}
+        self.biased = any(name.endswith(".bias") and not torch.equal(t, base[name]) for name, t in own.items())
+
+    def rank(self, module: str) -> int:
+        f = self.factors.get(module)
+        return 0 if f is None else f[0].shape[0]
+
+
+class SegmentRunner:
+    """Runs batches of any encoder mix on the segment graph; thread-safe (one call at a time).
+
+    Args:
+        slots: the graph's adapter slots.
+        base: the base's own inputs (:meth:`Slots.base_inputs`): the biases bound to every call.
+        factor_dtype: the storage type of the LoRA factor inputs (float32, float16, bfloat16).
+    """
+
+    def __init__(self, slots: Slots, base: dict[str, torch.Tensor], factor_dtype: torch.dtype) -> None:
+        from onnx import TensorProto
+
+        self.linear = slots.linear
+        self.norm = slots.norm
+        self._base = base
+        self._fixed = {n: ort_input(t) for n, t in base.items() if n.endswith(".bias")}
+        self._factor_np = _array(torch.zeros(1, dtype=factor_dtype)).dtype
+        self._onnx_type = TensorProto.BFLOAT16 if factor_dtype == torch.bfloat16 else None
+        self._sources: dict[str, _Source] = {}
+        self._buffers: dict[str, np.ndarray] = {}
+        # per input: (shape it was last filled at, the key each slot holds), so a slot still holding
+        # its key at the same shape is not copied again
+        self._held: dict[str, tuple[tuple[int, ...], list[str | None]]] = {}
+        self._order: list[str] = []   # the keys of the last call, in slot order
+        self._lock = threading.Lock()
+
+    def accepts(self, key: str, own: Callable[[str], dict[str, torch.Tensor]]) -> bool:
+        """Whether ``key`` runs here (no biases of its own); ``own`` gives its adapter tensors
+        (the shared graph's names) the first time it is asked."""
+        with self._lock:
+            if key not in self._sources:
+                self._sources[key] = _Source(own(key), self._base)
+            return not self._sources[key].biased
+
+    def discard(self, key: str) -> None:
+        """Drop what is held for ``key`` (discarded, or prepared again with new tensors)."""
+        with self._lock:
+            self._sources.pop(key, None)
+            for _, keys in self._held.values():
+                for i, k in enumerate(keys):
+                    if k == key:
+                        keys[i] = None
+
+    def nbytes(self) -> int:
+        """Bytes of the call buffers (at most :data:`MAX_SEGMENTS` encoders at the largest rank run)."""
+        return sum(b.nbytes for b in self._buffers.values())
+
+    def run(self, session: Any, emb: np.ndarray, mask: np.ndarray, keys: list[str]) -> np.ndarray:
+        """Pooled embeddings of one padded batch, row ``i`` with encoder ``keys[i]`` (at most
+        :data:`MAX_SEGMENTS` distinct, each one :meth:`accepts`): ``emb`` (n, L, d) float32,
+        ``mask`` (n, L) int64."""
+        import onnxruntime as ort
+
+        with self._lock:
+            order = self._slots(keys)
+            if len(order) > MAX_SEGMENTS:
+                raise ValueError(f"{len(order)} encoders in one segment call (at most {MAX_SEGMENTS})")
+            sources = [self._sources[k] for k in order]
+            binding = session.io_binding()
+            for name, value in self._fixed.items():
+                binding.bind_ortvalue_input(name, value)
+            slot = {k: e for e, k in enumerate(order)}
+            segment = np.fromiter((slot[k] for k in keys), dtype=np.int64, count=len(keys))
+            for name, value in routing(segment, len(order), mask.shape[1]).items():
+                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
+            for m, i, o in self.linear:
+                rank = max(s.rank(m) for s in sources)
+                a = self._fill(f"{m}.lora_A", (rank, i), order, lambda s: s.factors.get(m, (None,))[0])
+                b = self._fill(f"{m}.lora_B", (o, rank), order, lambda s: s.factors.get(m, (None, None))[1])
+                for name, value in ((f"{m}.lora_A", a), (f"{m}.lora_B", b)):
+                    binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                        value, self._onnx_type) if self._onnx_type is not None else ort.OrtValue.ortvalue_from_numpy(value))
+            binding.bind_ortvalue_input("inputs_embeds", ort.OrtValue.ortvalue_from_numpy(emb))
+            binding.bind_ortvalue_input("attention_mask", ort.OrtValue.ortvalue_from_numpy(mask))
+            binding.bind_output(OUTPUT)
+            session.run_with_iobinding(binding)
+            return binding.copy_outputs_to_cpu()[0]
+
+    def _slots(self, keys: list[str]) -> list[str]:
+        """The call's encoders in slot order: one that held a slot in the last call keeps it if
+        it fits, so its factors are still in the buffers."""
+        distinct = list(dict.fromkeys(keys))
+        n = len(distinct)
+        order: list[str | None] = [None] * n
+        rest = []
+        for k in distinct:
+            try:
+                i = self._order.index(k)
+            except ValueError:
+                i = n
+            if i < n and order[i] is None:
+                order[i] = k
+            else:
+                rest.append(k)
+        it = iter(rest)
+        final = [k if k is not None else next(it) for k in order]
+        self._order = final + [k for k in self._order[n:] if k not in final]
+        return final
+
+    def _fill(self, name: str, shape: tuple[int, int], order: list[str],
+              pick: Callable[[_Source], np.ndarray | None]) -> np.ndarray:
+        """The (E, *shape) factor ``name`` in its buffer: each slot's tensor zero-padded (ranks
+        to the batch's largest), slots that hold their key at this shape left as they are."""
+        size = len(order) * shape[0] * shape[1]
+        buf = self._buffers.get(name)
+        if buf is None or buf.size < size:
+            old = buf
+            buf = self._buffers[name] = np.zeros(max(size, 0 if old is None else old.size), dtype=self._factor_np)
+            self._held.pop(name, None)
+        out = buf[:size].reshape(len(order), *shape)
+        held_shape, held = self._held.get(name, ((), []))
+        if held_shape != shape:
+            held = []
+        held += [None] * (len(order) - len(held))
+        for e, k in enumerate(order):
+            if held[e] == k:
+                continue
+            t = pick(self._sources[k])
+            if t is None:
+                out[e] = 0
+            elif name.endswith(".lora_B"):   # (out, r): rank on the last axis
+                out[e, :, :t.shape[1]] = t
+                out[e, :, t.shape[1]:] = 0
+            else:                            # A (r, in)
+                out[e, :t.shape[0]] = t
+                out[e, t.shape[0]:] = 0
+            held[e] = k
+        self._held[name] = (shape, held)
+        return out
+

@@ -1,0 +1,240 @@
+"""Mixed batches as ONE segment call (``SharedBackend(mix="segments")``): each LoRA encoder's
+factors once per call, each row's tokens routed to its own; the same answers per row as the
+per-group calls and as torch, for batches of 1, 4 and 20 encoders with mixed ranks, base rows and
+bias rows (the bias kind runs in its own bound call beside the segment call)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
+from qswap.encoders.runtime import shared, shared_export
+from qswap.encoders.runtime.shared import SharedBackend
+from qswap.encoders.runtime.shared_export import routing
+from qswap.encoders.runtime.shared_segments import SegmentRunner
+from qswap.errors import InvalidInputError
+
+from .adapters import make_lora
+from .test_shared import MIN_COSINE, TEXTS, _pool, _ready_backend, cosine, encoder_dirs, pool  # noqa: F401 (fixtures)
+
+# LoRA r=4 and r=8 on different layers, bias, base, and a partial encoder (merged export), interleaved.
+MIXED = ["l1@1", BASE_KEY, "l2@1", "b1@1", "p1@1", "l2@1", "l1@1", "b1@1", BASE_KEY]
+# What each rank/target set of the 20-encoder pool adapts.
+SHAPES = [(2, ("query", "value")), (4, ("key", "intermediate.dense")), (8, ("query", "key", "value", "dense")),
+          (16, ("value", "output.dense"))]
+
+
+@pytest.fixture(scope="module")
+def segmented(pool, tmp_path_factory):
+    b = _ready_backend(pool, tmp_path_factory.mktemp("segments"), mix="segments")
+    yield b
+    b.close()
+
+
+class _Spy:
+    """Counts the rows of each segment call and the per-group calls of a backend (the real ones run)."""
+
+    def __init__(self, backend: SharedBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.segments: list[int] = []
+        self.encoders: list[set[str]] = []
+        self.groups = 0
+        run, call = SegmentRunner.run, backend._call
+
+        def spy_run(runner, session, emb, mask, keys):
+            self.segments.append(len(keys))
+            self.encoders.append(set(keys))
+            return run(runner, session, emb, mask, keys)
+
+        def spy_call(*a):
+            self.groups += 1
+            return call(*a)
+        monkeypatch.setattr(SegmentRunner, "run", spy_run)
+        monkeypatch.setattr(backend, "_call", spy_call)
+
+
+def _alone(pool, texts, keys) -> np.ndarray:
+    """Torch, row by row: each row with its own encoder only."""
+    return np.stack([pool.encode([t], [k])[0] for t, k in zip(texts, keys)])
+
+
+def test_routing_sends_every_token_back_to_its_place():
+    r = routing(np.array([0, 1, 0, 2, 0]), 3, 2)
+    tokens, back = r["segment_tokens"], r["token_positions"]
+    assert tokens.shape == (3, 3 * 2)                        # three encoders, the largest has three rows
+    assert (tokens.reshape(-1)[back] == np.arange(10)).all()  # each token's product comes back to it
+    assert set(tokens[1]) == {2, 3} and set(tokens[0]) == {0, 1, 4, 5, 8, 9}
+
+
+def test_mixed_batch_is_one_segment_call_equal_to_groups_and_torch(segmented, pool, tmp_path, monkeypatch):
+    assert not segmented.segments_ready()               # built only once a batch mixes encoders
+    first = segmented.encode(TEXTS, MIXED)              # per group meanwhile
+    assert segmented.segments_ready(wait=120)
+    spy = _Spy(segmented, monkeypatch)
+    got = segmented.encode(TEXTS, MIXED)
+    lora_or_base = sum(k in ("l1@1", "l2@1", BASE_KEY) for k in MIXED)
+    assert sum(spy.segments) == lora_or_base and len(spy.segments) <= 2   # one call, or two length buckets
+    assert spy.groups >= 1                              # the bias encoder: its own bound call
+    groups = _ready_backend(pool, tmp_path / "groups", mix="groups")
+    try:
+        per_group = groups.encode(TEXTS, MIXED)
+    finally:
+        groups.close()
+    alone = _alone(pool, TEXTS, MIXED)
+    assert cosine(got, per_group).min() >= MIN_COSINE
+    assert cosine(got, alone).min() >= MIN_COSINE
+    assert cosine(first, alone).min() >= MIN_COSINE
+    # Each row carries its own encoder: the same text under three encoders differs.
+    same = segmented.encode([TEXTS[0]] * 3, ["l1@1", "l2@1", BASE_KEY])
+    assert cosine(same[:2], same[2:].repeat(2, 0)).max() < 0.999
+
+
+@pytest.fixture(scope="module")
+def twenty(tiny_base, tmp_path_factory):
+    """20 LoRA encoders of four ranks and target sets, the bias encoder, in one pool; a segment
+    and a per-group backend over it."""
+    tmp = tmp_path_factory.mktemp("twenty")
+    pool = EncoderPool(tiny_base)
+    keys = []
+    for i in range(20):
+        r, targets = SHAPES[i % len(SHAPES)]
+        pool.add(load_encoder(make_lora(tiny_base, tmp / f"e{i}", f"e{i}", seed=10 + i, r=r, targets=targets),
+                              tiny_base.space))
+        keys.append(f"e{i}@1")
+    backends = {}
+    for mix in ("segments", "groups"):
+        b = SharedBackend(pool, tmp / mix, threads=1, mix=mix)
+        for k in [*keys, BASE_KEY]:
+            b.prepare(k)
+        assert b.wait(keys[0], timeout=120), b.error(keys[0])
+        backends[mix] = b
+    yield pool, keys, backends
+    for b in backends.values():
+        b.close()
+
+
+@pytest.mark.parametrize("k", [1, 4, 20])
+def test_batches_of_1_4_and_20_encoders_equal_torch(twenty, k, monkeypatch):
+    pool, keys, backends = twenty
+    seg = backends["segments"]
+    texts = [TEXTS[i % len(TEXTS)] for i in range(24)]
+    mix = [keys[(i * 7) % k] for i in range(23)] + [BASE_KEY]   # uneven groups, the base's row last
+    seg.encode(texts[:2], keys[:2])                              # builds the segment graph
+    assert seg.segments_ready(wait=120)
+    spy = _Spy(seg, monkeypatch)
+    seg.encode(texts, [keys[0]] * len(texts))                    # one encoder: one call per length bucket
+    buckets, spy.groups = spy.groups, 0
+    got = seg.encode(texts, mix)
+    assert len(spy.segments) == buckets and spy.groups == 0      # as many calls as for one encoder
+    assert sum(spy.segments) == len(texts) and set().union(*spy.encoders) == set(mix)   # every row, every encoder
+    assert cosine(got, _alone(pool, texts, mix)).min() >= MIN_COSINE
+    assert cosine(got, backends["groups"].encode(texts, mix)).min() >= MIN_COSINE
+
+
+def test_one_encoder_keeps_its_bound_call(segmented, monkeypatch):
+    assert segmented.segments_ready(wait=120)
+    spy = _Spy(segmented, monkeypatch)
+    segmented.encode(TEXTS, ["l2@1"] * len(TEXTS))
+    assert spy.groups >= 1 and not spy.segments
+
+
+def test_factors_stay_in_their_slots_until_discarded(tiny_base, encoder_dirs, tmp_path, monkeypatch):
+    pool = _pool(tiny_base, encoder_dirs)   # its own pool: discard below must not touch the module's
+    b = _ready_backend(pool, tmp_path, mix="segments")
+    try:
+        b.encode(TEXTS[:2], ["l1@1", BASE_KEY])          # starts the segment build
+        assert b.segments_ready(wait=120)
+        runner = b._segments[1]
+        first = b.encode(TEXTS[:3], ["l1@1", BASE_KEY, "l2@1"])
+        copies: list[str] = []
+        fill = SegmentRunner._fill
+
+        def spy_fill(self, name, shape, order, pick):
+            held = self._held.get(name, ((), []))
+            copies.extend(k for e, k in enumerate(order) if held[0] != shape or e >= len(held[1]) or held[1][e] != k)
+            return fill(self, name, shape, order, pick)
+        monkeypatch.setattr(SegmentRunner, "_fill", spy_fill)
+        again = b.encode([TEXTS[2], TEXTS[0], TEXTS[1]], ["l2@1", "l1@1", BASE_KEY])   # other order: nothing copied
+        assert not copies
+        assert cosine(first[[2, 0, 1]], again).min() >= MIN_COSINE
+        b.discard("l2@1")
+        assert all("l2@1" not in keys for _, keys in runner._held.values()) and "l2@1" not in runner._sources
+        assert runner.nbytes() > 0
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_factors_segments_equal_groups(tiny_base, encoder_dirs, tmp_path, dtype):
+    hpool = _pool(tiny_base, encoder_dirs, dtype)
+    g, p = _ready_backend(hpool, tmp_path / "g", mix="segments"), _ready_backend(hpool, tmp_path / "p", mix="groups")
+    try:
+        g.encode(TEXTS, MIXED)
+        assert g.segments_ready(wait=120)
+        assert cosine(g.encode(TEXTS, MIXED), p.encode(TEXTS, MIXED)).min() >= MIN_COSINE
+    finally:
+        g.close()
+        p.close()
+
+
+def test_more_encoders_than_a_call_holds_run_as_several_calls(segmented, pool, monkeypatch):
+    assert segmented.segments_ready(wait=120)
+    monkeypatch.setattr(shared, "MAX_SEGMENTS", 2)
+    spy = _Spy(segmented, monkeypatch)
+    keys = ["l1@1", "l2@1", BASE_KEY, "l1@1"]
+    got = segmented.encode(TEXTS[:4], keys)
+    assert len(spy.segments) >= 2 and max(len(e) for e in spy.encoders) <= 2 and sum(spy.segments) == 4
+    assert cosine(got, _alone(pool, TEXTS[:4], keys)).min() >= MIN_COSINE
+
+
+def test_a_failed_segment_export_leaves_mixed_batches_per_group(pool, tmp_path, monkeypatch):
+    real = shared_export.export_shared
+
+    def broken(*a, segments=False, **kw):
+        if segments:
+            raise OSError("disk full")
+        return real(*a, segments=segments, **kw)
+    monkeypatch.setattr("qswap.encoders.runtime.shared.export_shared", broken)
+    b = _ready_backend(pool, tmp_path, mix="segments")
+    try:
+        first = b.encode(TEXTS, MIXED)
+        assert not b.segments_ready(wait=120)
+        ref = _alone(pool, TEXTS, MIXED)
+        assert cosine(b.encode(TEXTS, MIXED), ref).min() >= MIN_COSINE
+        assert cosine(first, ref).min() >= MIN_COSINE
+    finally:
+        b.close()
+
+
+def test_unknown_mix_is_refused(pool, tmp_path):
+    with pytest.raises(InvalidInputError, match="mix"):
+        SharedBackend(pool, tmp_path, mix="gathered")
+
+
+def test_auto_runs_segments_only_for_small_groups(pool, tmp_path, monkeypatch):
+    from qswap.encoders.runtime.shared_run import SEGMENTS_BELOW_ROWS_PER_GROUP as below, segment_groups
+
+    assert segment_groups(2 * below - 1, 2) and not segment_groups(2 * below, 2) and not segment_groups(8, 1)
+    b = _ready_backend(pool, tmp_path, mix="auto")
+    try:
+        small = ["l1@1", "l2@1", BASE_KEY]                  # one row per encoder: one segment call
+        b.encode(TEXTS[:3], small)
+        assert b.segments_ready(wait=120)
+        spy = _Spy(b, monkeypatch)
+        got = b.encode(TEXTS[:3], small)
+        assert sum(spy.segments) == 3 and spy.groups == 0
+        spy.segments.clear()
+        big = ["l1@1"] * below + ["l2@1"] * below           # groups of the threshold's size: per group
+        b.encode([TEXTS[i % len(TEXTS)] for i in range(2 * below)], big)
+        assert not spy.segments and spy.groups >= 2
+        assert cosine(got, _alone(pool, TEXTS[:3], small)).min() >= MIN_COSINE
+    finally:
+        b.close()
+
+
+def test_the_bulk_lane_never_runs_segments(segmented, pool, monkeypatch):
+    assert segmented.segments_ready(wait=120)
+    spy = _Spy(segmented, monkeypatch)
+    got, _ = segmented.encode_flagged_bulk(TEXTS, MIXED)   # one core, per group, in this thread
+    assert not spy.segments and spy.groups >= 4
+    assert cosine(got, _alone(pool, TEXTS, MIXED)).min() >= MIN_COSINE
