@@ -151,9 +151,9 @@ class ServerSettings(BaseSettings):
                                               "key kept in the feedback directory, impression.key)")
     max_pending_feedback: int = Field(64, ge=1, description="feedback requests admitted (queued or running) at "
                                       "most; beyond: 429 with Retry-After (they never queue behind admin or search)")
-    feedback_rate: float = Field(20.0, ge=0, description="feedback requests per second from one client (its "
-                                 "bearer token, or its address without one; bursts of one second's worth; 0: no "
-                                 "limit); beyond: 429 with Retry-After, answered after that pause (at most 1 s)")
+    feedback_rate: float = Field(20.0, ge=0, description="feedback requests per second from one anonymous "
+                                 "address (a bearer token's application is not limited: it relays its users'; "
+                                 "bursts of one second's worth; 0: no limit); beyond: 429 with Retry-After, answered after that pause (at most 1 s)")
     sync_upsert_documents: int = Field(32, ge=0, description="an upsert of more documents answers 202 at once with a "
                                        "job to poll (GET /v1/documents/jobs/ID); smaller ones answer when written "
                                        "(or 202 once their deadline passes)")

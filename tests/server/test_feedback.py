@@ -259,8 +259,9 @@ def test_a_feedback_flood_gets_429_and_never_holds_admin_or_search(anon, admin, 
 
 
 def test_each_client_is_held_to_the_feedback_rate(anon, fb_live):
-    """Over feedback_rate, a client's feedback is 429 with Retry-After (before its id is even
-    checked) and changes nothing; another client keeps its own rate meanwhile."""
+    """Over feedback_rate, an address's feedback is 429 with Retry-After (before its id is even
+    checked) and changes nothing; another address keeps its own rate meanwhile; a token's
+    application is not held to it."""
     import httpx
 
     from qswap.server.traffic.ratelimit import ClientRateLimit
@@ -281,6 +282,11 @@ def test_each_client_is_held_to_the_feedback_rate(anon, fb_live):
             # the refused feedback changed nothing, and a second later (the pause) it counts
             r = flooder.post("/v1/feedback", json={"impression": rid, "clicks": [res[0]["hits"][0]["id"]]})
             assert r.status_code == 200, r.text
+        # an application with a token relays its users' feedback: not held to one client's rate
+        with fb_live.client(ADMIN) as app:
+            codes = [app.post("/v1/feedback", json={"impression": FORGED, "clicks": []}).status_code
+                     for _ in range(4)]
+            assert codes == [404] * 4, codes
     finally:
         qs.feedback_limit = original
 

@@ -3,7 +3,7 @@
 Both need capture on (``--feedback-dir``). Feedback names the ``impression`` id the search
 answered with and must come from the client it was issued to (the same bearer token, or the
 same address without one: :mod:`qswap.server.traffic.impressions`), at most ``feedback_rate``
-a second per client (:mod:`qswap.server.traffic.ratelimit`); starting, stopping,
+a second per anonymous address (:mod:`qswap.server.traffic.ratelimit`); starting, stopping,
 promoting and rolling back experiments are admin routes. Feedback and experiment reads run on
 their own bounded admission (429 beyond it), never on the event loop or the threads admin
 routes use (:mod:`qswap.server.traffic.admission`).
@@ -50,14 +50,19 @@ def capturing_state(state: ServerState = Depends(ready_state)) -> ServerState:
 
 
 async def feedback_rate(request: Request, state: ServerState = Depends(capturing_state)) -> None:
-    """Hold each client to ``feedback_rate`` (a dependency of ``POST /v1/feedback``: it runs before
-    the body is validated and the impression id checked, so a flood is refused for less).
+    """Hold each anonymous client (an address) to ``feedback_rate`` (a dependency of ``POST
+    /v1/feedback``: it runs before the body is validated and the impression id checked, so a flood
+    is refused for less). A bearer token is an application the operator trusts, relaying its
+    users' feedback (each its own ``session``): its rate is the application's to bound.
 
     Raises:
         OverloadedError: (429, after a pause of its Retry-After) the client is over its rate.
     """
+    client = client_of(request, state.settings)
+    if client.startswith("token:"):
+        return
     try:
-        await state.feedback_limit.admit(client_of(request, state.settings))
+        await state.feedback_limit.admit(client)
     except Exception:
         state.metrics.feedback.labels(result="refused").inc()
         raise
@@ -75,7 +80,7 @@ async def feedback(body: FeedbackRequest, request: Request,
     nothing clicked) or ``grades`` (id -> grade); every id must be among the hits that search
     showed. Neither is 400; an unknown, expired or foreign impression is 404; a second feedback
     on the same result list is 409; more than the server's ``feedback_rate`` a second from one
-client, or too many feedback requests at once, are 429. On an
+anonymous address, or too many feedback requests at once, are 429. On an
     interleaved search the clicks credit the encoder that contributed the clicked documents,
     and the answer says which won.
     """
