@@ -123,8 +123,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--feedback-max-mb", type=int, metavar="MB", help="capture store size bound (default 1024)")
     f.add_argument("--feedback-max-days", type=float, metavar="D", help="captured impressions kept at most "
                    "this long (default 30)")
-    f.add_argument("--feedback-rate", type=float, metavar="N", help="feedback requests per second from one client "
-                   "(bearer token, or address); beyond: 429 (default 20; 0: no limit)")
+    f.add_argument("--feedback-rate", type=float, metavar="N", help="feedback requests per second from one anonymous "
+                   "address (a bearer token's application is not limited); beyond: 429 (default 20; 0: no limit)")
     r = p.add_argument_group("scale-out on Ray (pip install 'qswap[ray]'; see docs/ray.md)")
     r.add_argument("--ray", action="store_true", help="serve with Ray Serve: replicas share the registry "
                    "(--state-dir) and the index (--index), encoders are multiplexed models")
