@@ -28,7 +28,7 @@ debian-lists:
 	else echo "run as root: apt-get -o Acquire::Languages=en,de,fr,it update && apt-get install -y lz4"; exit 1; fi
 
 test: setup debian-lists
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The documentation site (docs/, mkdocs.yml) into site/; strict: broken links and references fail.
 docs: setup
