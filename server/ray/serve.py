@@ -24,10 +24,9 @@ import logging
 import os
 import signal
 import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from qswap.encoders import BASE_KEY
 from qswap.errors import InvalidInputError
@@ -40,14 +39,13 @@ from qswap.server.ray.index import SharedIndex, get_or_create_writer, qswap_erro
 from qswap.server.ray.placement import cluster_nodes, fit_layout, groups
 from qswap.server.ray.registry import SharedRegistry
 from qswap.server.state import ServerState
+from qswap.server.ray.stats import replica_id, start_stats
 
 log = logging.getLogger("qswap.server")
 
 APP_NAME = "qswap"
 INGRESS = "QswapIngress"
 ENCODER = "QswapEncoder"
-REPLICA_STATS_DIR = "replicas"
-STATS_EVERY_S = 0.5
 #: How long an ingress batch waits for the encoder deployment at most: the longest deadline a
 #: request can ask for (its own deadline answers it earlier; this only frees the batch thread).
 ENCODE_TIMEOUT_S = 600.0
@@ -149,33 +147,6 @@ def deployment_options(settings: ServerSettings, opts: RayOptions) -> dict[str, 
     else:
         encoder["num_replicas"] = opts.replicas if opts.encoder_replicas is None else opts.encoder_replicas
     return {INGRESS: ingress, ENCODER: encoder}
-
-
-def _write_stats_loop(state_dir: Path, stats: Callable[[], dict[str, Any]], stop: threading.Event,
-                      every_s: float = STATS_EVERY_S) -> None:
-    """A replica's counters as ``<state dir>/replicas/<replica id>.json`` (atomic, every
-    ``every_s``), so that operators and benchmarks read every replica without the router."""
-    from qswap.atomic import atomic_write_json
-    folder = Path(state_dir) / REPLICA_STATS_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    while not stop.wait(every_s):
-        try:
-            st = stats()
-            atomic_write_json(folder / f"{st['replica']}.json", {**st, "written_at": time.time()})
-        except Exception:  # noqa: BLE001 - observability must not take the replica down
-            log.exception("writing replica stats failed")
-
-
-def _start_stats(state_dir: Path, stats: Callable[[], dict[str, Any]]) -> threading.Event:
-    stop = threading.Event()
-    threading.Thread(target=_write_stats_loop, args=(state_dir, stats, stop), name="qswap-replica-stats",
-                     daemon=True).start()
-    return stop
-
-
-def _replica_id() -> str:
-    from ray import serve
-    return serve.get_replica_context().replica_id.unique_id
 
 
 class RayIngressState(ServerState):
@@ -281,7 +252,7 @@ class RayIngressState(ServerState):
     def replica_stats(self) -> dict[str, Any]:
         """This replica's counters, registry view and index generation."""
         reg = self.registry
-        return {"replica": _replica_id(), "deployment": "ingress", "pid": os.getpid(), **self.stats,
+        return {"replica": replica_id(), "deployment": "ingress", "pid": os.getpid(), **self.stats,
                 "aliases": reg.aliases() if reg else {}, "registered": reg.keys() if reg else None,
                 "registry_reloads": getattr(reg, "reloads", 0),
                 "index_generation": getattr(self.index, "generation", None) if self.index is not None else None,
@@ -301,7 +272,7 @@ def _ingress_class() -> Any:
             set_threads(threads)
             self.state = RayIngressState(settings, encoder, fanout)
             self.state.load()
-            self._stop = _start_stats(settings.state_dir, self.state.replica_stats)
+            self._stop = start_stats(settings.state_dir, self.state.replica_stats)
 
         def __serve_build_asgi_app__(self) -> Any:
             return create_app(self.state.settings, state=self.state)
@@ -319,7 +290,7 @@ def _encoder_class(max_encoders: int, max_batch: int) -> Any:
     class QswapEncoder:
         def __init__(self, settings: ServerSettings, threads: int | None = None) -> None:
             self.core = EncoderCore(settings, threads)
-            self._stop = _start_stats(settings.state_dir, lambda: self.core.replica_stats(_replica_id()))
+            self._stop = start_stats(settings.state_dir, lambda: self.core.replica_stats(replica_id()))
 
         @serve.multiplexed(max_num_models_per_replica=max_encoders)
         async def get_encoder(self, key: str) -> Any:
@@ -358,7 +329,7 @@ def _encoder_class(max_encoders: int, max_batch: int) -> Any:
             return res
 
         def replica_stats(self) -> dict[str, Any]:
-            return self.core.replica_stats(_replica_id())
+            return self.core.replica_stats(replica_id())
 
     return QswapEncoder
 

@@ -186,7 +186,7 @@ def replica_stats(state_dir: Path, deployment: str = "ingress", want: int = 2,
     written after this call: values are current, and a killed replica (it writes no more) drops
     out. A deployment handle would not do: its router may send every call to the same replica.
     Returns once ``want`` replicas have written (or after ``timeout``, with those that did)."""
-    from qswap.server.ray.serve import REPLICA_STATS_DIR
+    from qswap.server.ray.stats import REPLICA_STATS_DIR
     folder = Path(state_dir) / REPLICA_STATS_DIR
     since = time.time()
     deadline = time.monotonic() + timeout
