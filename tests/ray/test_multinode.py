@@ -248,9 +248,12 @@ def test_serving_survives_losing_the_worker_node(cluster, served, ray_index):
     # Every failure is fast and is either qswap's 503 with Retry-After, or a request that was on the
     # lost node when Ray declared it dead: Ray's proxy's 500 for one on a replica there (no replica
     # code runs), or a dropped connection for one through that node's own proxy (both nodes'
-    # proxies share the port on this one machine). Never a 4xx.
+    # proxies share the port on this one machine), or, rarely, a body Ray's proxy relayed broken
+    # from the dying node (400 "error parsing the body": qswap cannot tell it from a client's bad
+    # JSON; seen once in ~10 runs, at the instant of death). No other 4xx.
     assert all(o.end - o.start < FAIL_FAST_S for o in failed), failed
-    lost = [o for o in failed if (o.status == 500 and o.detail == "Internal Server Error") or o.status == -1]
+    lost = [o for o in failed if (o.status == 500 and o.detail == "Internal Server Error") or o.status == -1
+            or (o.status == 400 and "error parsing the body" in o.detail)]
     assert all(o.start < t_dead + IN_FLIGHT_S for o in lost), lost
     assert all(o.status == 503 and o.retry_after for o in failed if o not in lost), failed
     # None in the steady state: from just after the node was declared dead, through the worker
