@@ -40,7 +40,6 @@ class ClientRateLimit:
         self.rate = rate
         self.burst = max(1.0, rate)
         self.max_clients = max_clients
-        self.refused = 0
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()   # key -> (tokens, at)
 
     def take(self, key: str, now: float | None = None) -> float:
@@ -78,7 +77,6 @@ class ClientRateLimit:
         wait = self.take(key)
         if wait == 0.0:
             return
-        self.refused += 1
         retry_after = max(1, math.ceil(wait))
         await asyncio.sleep(min(retry_after, MAX_PAUSE_S))
         raise OverloadedError(f"more than {self.rate:g} {self.name} requests a second from this client",

@@ -116,9 +116,7 @@ def test_one_address_holds_at_most_its_share_of_connections(tmp_path, tiny_model
             extra.close()
             assert head.startswith(b"HTTP/1.1 429") and b"retry-after: 1" in head.lower()
             assert json.loads(body)["error"] == "overloaded" and "this address" in json.loads(body)["detail"]
-            other = httpx.HTTPTransport(local_address="127.0.0.2")
-            with httpx.Client(base_url=srv.url, transport=other, timeout=30) as c:
-                assert c.get("/healthz").status_code == 200
+            _served_from_another_address(srv)
         finally:
             for sock in held:
                 sock.close()
@@ -152,9 +150,7 @@ def test_the_kernel_drops_connection_attempts_from_an_address_at_its_share(tmp_p
             assert syn.blocked == ["127.0.0.1"]
             with pytest.raises(TimeoutError):   # the SYN is dropped: no connection, nothing accepted
                 socket.create_connection(("127.0.0.1", srv.port), timeout=0.5).close()
-            other = httpx.HTTPTransport(local_address="127.0.0.2")
-            with httpx.Client(base_url=srv.url, transport=other, timeout=30) as c:
-                assert c.get("/healthz").status_code == 200
+            _served_from_another_address(srv)
         finally:
             for sock in held:
                 sock.close()
@@ -164,3 +160,10 @@ def test_the_kernel_drops_connection_attempts_from_an_address_at_its_share(tmp_p
         assert syn.blocked == []
         with srv.client() as c:
             assert c.get("/healthz").status_code == 200
+
+
+def _served_from_another_address(srv: LiveServer) -> None:
+    """A client at 127.0.0.2 (another address than the tests' 127.0.0.1) is served meanwhile."""
+    other = httpx.HTTPTransport(local_address="127.0.0.2")
+    with httpx.Client(base_url=srv.url, transport=other, timeout=30) as c:
+        assert c.get("/healthz").status_code == 200
