@@ -81,12 +81,33 @@ def token_lengths(encodings: list[Any]) -> list[int]:
     return [sum(e.attention_mask) for e in encodings]
 
 
+def pad_id(tokenizer: Tokenizer) -> int:
+    """The id the tokenizer pads with (0 when it has no padding set)."""
+    padding = tokenizer.padding
+    return int(padding["pad_id"]) if padding else 0
+
+
+def padded_rows(encodings: list[Any], rows: list[int], width: int, pad: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``(input_ids, attention_mask)`` int64 arrays of ``encodings[rows]``, each row cut or padded
+    to ``width``. Encodings tokenised apart (each request on its own, in the server's tokens stage)
+    are not padded to one another's length, so every row is written into a ``pad``-filled array."""
+    ids = np.full((len(rows), width), pad, dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
+    for r, i in enumerate(rows):
+        e = encodings[i]
+        n = min(len(e.ids), width)
+        ids[r, :n] = e.ids[:n]
+        mask[r, :n] = e.attention_mask[:n]
+    return ids, mask
+
+
 def length_buckets(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_size: int,
                    encodings: list[Any] | None = None, lengths_out: list[int] | None = None,
                    call_tokens: int | None = None) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
     """Tokenise once, then yield ``(indices, input_ids, attention_mask)`` int64 numpy batches
     grouped by real token length, longest first; each batch is cut to its own longest row.
-    ``encodings``: the texts' encodings when the caller already has them (then not re-tokenised).
+    ``encodings``: the texts' encodings when the caller already has them (then not re-tokenised;
+    they need not be padded to one another).
     ``lengths_out`` receives every text's token count once tokenised (before the first batch).
     ``call_tokens``: split where padding would cost more than another call (:func:`padded_splits`);
     None: batches of ``batch_size``."""
@@ -94,12 +115,11 @@ def length_buckets(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_si
     lengths = token_lengths(encs)
     if lengths_out is not None:
         lengths_out.extend(lengths)
+    pad = pad_id(tokenizer)
     order = sorted(range(len(texts)), key=lambda i: -lengths[i])
     for lo, hi in padded_splits([lengths[i] for i in order], batch_size, call_tokens):
         idx = order[lo:hi]
-        width = max(lengths[i] for i in idx)
-        ids = np.array([encs[i].ids[:width] for i in idx], dtype=np.int64)
-        mask = np.array([encs[i].attention_mask[:width] for i in idx], dtype=np.int64)
+        ids, mask = padded_rows(encs, idx, max(lengths[i] for i in idx), pad)
         yield idx, ids, mask
 
 

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from qswap.encoders.base import BaseEncoder
+from qswap.encoders.embedding import pad_id, padded_rows
 from qswap.encoders.runtime.token_batches import DEFAULT_MAX_TOKENS, token_budget_batches
 from qswap.errors import InvalidInputError
 from qswap.throughput import Throughput
@@ -340,9 +341,7 @@ def _batches(enc: DocumentEncoder, texts: list[str], start: int) -> list[Batch]:
     lengths = [sum(e.attention_mask) for e in encs]
     out = []
     for b in token_budget_batches(lengths, enc.max_tokens):
-        width = lengths[b[0]]   # longest first
-        ids = np.array([encs[i].ids[:width] for i in b], dtype=np.int64)
-        mask = np.array([encs[i].attention_mask[:width] for i in b], dtype=np.int64)
+        ids, mask = padded_rows(encs, b, lengths[b[0]], pad_id(enc.base.tokenizer))   # longest first
         out.append(([start + i for i in b], ids, mask, None if out else (len(texts), sum(lengths))))
     return out
 

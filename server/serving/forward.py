@@ -17,6 +17,7 @@ thread itself, and what happens to a job before and after, is
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from typing import Any, Callable
@@ -27,6 +28,8 @@ from qswap.encoders.embedding import token_lengths
 from qswap.server.serving.admission import token_slices
 from qswap.server.serving.answers import post
 from qswap.server.serving.work import Job, Slice
+
+log = logging.getLogger("qswap.server")
 
 EncodeFn = Callable[[list[str], list[str]], np.ndarray]
 EncodeFlagged = Callable[[list[str], list[str]], tuple[np.ndarray, list[bool]]]
@@ -172,7 +175,10 @@ class ForwardStage:
             emb, trunc = self._vectors(slices, texts, keys, bulk)
         except Exception as e:
             if len(slices) > 1:
-                # One bad row must not fail its neighbours: retry each request alone.
+                # One bad row must not fail its neighbours: retry each request alone. Said in the
+                # log: a batch that fails for every mix of requests costs one pass per request.
+                log.warning("a forward pass of %d requests failed (%s: %s); each runs alone",
+                            len(slices), type(e).__name__, e)
                 return all([self.encode([sl], bulk) for sl in slices])
             post(slices[0].job.loop, slices[0].job.future, exc=e)
             slices[0].job.failed = True

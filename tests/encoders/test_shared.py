@@ -220,6 +220,37 @@ def test_given_encodings_are_encoded_without_tokenising_again(backend, pool, mon
     assert cosine(got, expected).min() >= MIN_COSINE and cosine(by_torch, expected).min() >= MIN_COSINE
 
 
+
+def test_requests_tokenised_apart_share_one_forward_pass(backend, pool):
+    """The server's tokens stage tokenises each request on its own, so rows of one batch are not
+    padded to one another: the batch is still one forward pass (not one per request after a
+    failed batch), with each row's own answer."""
+    import asyncio
+
+    from qswap.server.serving.admission import Ticket
+    from qswap.server.serving.batching import MicroBatcher
+
+    passes: list[int] = []
+
+    def encode(texts, keys, encodings=None):
+        passes.append(len(texts))
+        return backend.encode(texts, keys, encodings=encodings)
+
+    prefix = pool.base.spec.query_prefix
+    b = MicroBatcher(encode=encode, search=lambda *a: [], window_s=0.5, adaptive=False,
+                     tokenize=lambda texts: pool.base.tokenizer.encode_batch([prefix + t for t in texts]))
+    b.start()
+    try:
+        async def main():
+            return await asyncio.gather(*[b.embed([t], "l1@1", ticket=Ticket()) for t in TEXTS])
+        outs = asyncio.run(main())
+    finally:
+        b.stop()
+    assert passes == [len(TEXTS)]
+    got = np.concatenate([o.vectors for o in outs])
+    assert cosine(got, pool.encode(TEXTS, ["l1@1"] * len(TEXTS))).min() >= MIN_COSINE
+
+
 @pytest.fixture(scope="module")
 def two_workers(pool, tmp_path_factory):
     """A backend that runs a mixed batch's encoder groups side by side (two workers)."""

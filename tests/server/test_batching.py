@@ -83,7 +83,7 @@ def test_batcher_adaptive_window_skips_the_wait_when_idle():
     assert all(o.batch_requests == 5 for o in outs)   # the window collected the whole burst
 
 
-def test_batcher_isolates_failures():
+def test_batcher_isolates_failures(caplog):
     calls: list = []
     enc, srch = _fake(calls, fail_key="bad")
     done: list[str] = []
@@ -99,6 +99,7 @@ def test_batcher_isolates_failures():
     assert isinstance(outs[1], InvalidInputError)
     assert [o.hits[0][0] for o in (outs[0], outs[2], outs[3])] == ["1:0", "3:0", "1:0"]
     assert sorted(done) == ["1", "2", "3", "4"]                 # every reference released once
+    assert "a forward pass of 4 requests failed (InvalidInputError" in caplog.text   # said, not silent
 
 
 def test_batcher_one_search_per_distinct_filter():
