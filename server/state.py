@@ -25,7 +25,6 @@ from qswap.encoders.runtime.protocol import Backend
 from qswap.server.serving.batching import MicroBatcher
 from qswap.server.config import ServerSettings
 from qswap.server.serving.jobs import DocumentJobs
-from qswap.server.serving.lowprio import serial_tokenizers
 from qswap.server.http.metrics import Metrics
 from qswap.server.registry.facade import EncoderRegistry
 from qswap.server.registry.records import EncoderRecord
@@ -119,8 +118,6 @@ class ServerState:
             except QswapError as e:   # the alias still resolves; its requests will get this error
                 log.error("aliased encoder failed to load", extra={"domain": domain, "encoder": key,
                                                                    "error": str(e)})
-        if s.bulk_lane:   # the bulk lane's tokenising runs at its priority, not in the tokenizer's pool
-            serial_tokenizers()
         batcher = self.make_batcher(encode=self.backend.encode, search=index.search, tokenize=self.tokenize,
                                     window_s=s.batch_window_ms / 1000.0, max_batch=s.max_batch,
                                     max_pending=s.max_pending, max_pending_per_encoder=s.max_pending_per_encoder,

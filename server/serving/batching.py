@@ -35,9 +35,10 @@ priority (a nice value of :data:`~qswap.server.serving.lowprio.BULK_NICE` on tha
 Interactive searches keep the first lane to themselves: one of them waits for no slice of a
 large request at all, instead of one slice (a 512-token row is a ~120 ms forward pass on two
 cores, ten times a short query's). A large request still to be tokenised (more than
-:data:`INLINE_CHARS` characters) is tokenised at the same low priority
+:data:`INLINE_CHARS` characters) is tokenised on a low-priority thread of the bulk lane
 (:class:`~qswap.server.serving.lowprio.LowPriority`), not in the tokens stage, where every
-one-query search would wait behind it.
+one-query search would wait behind it. A bulk pass whose request ends meanwhile (client gone,
+deadline passed) is stopped in the middle (:mod:`qswap.encoders.runtime.cancel`), not at its end.
 
 Admission is bounded: at most ``max_pending`` requests wait or run overall and at most
 ``max_pending_per_encoder`` for one encoder; beyond that a request is refused at once with
@@ -57,6 +58,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from qswap.encoders.runtime.cancel import Cancel, cancellable
 from qswap.errors import DeadlineExceededError, NotReadyError, OverloadedError
 from qswap.server.serving.admission import Ticket
 from qswap.server.serving.answers import EmbedOutcome, SearchFn, SearchOutcome, answer_batch, post
@@ -70,6 +72,12 @@ log = logging.getLogger("qswap.server")
 #: low-priority thread (with the bulk lane on). ~1,000 tokens of English text, ~2 ms of tokenizer
 #: time: what a one-query search may wait for behind another request in the tokens stage.
 INLINE_CHARS = 4096
+
+
+def _stop_when_done(fut: asyncio.Future, cancel: Cancel) -> None:
+    """Stop the bulk lane's pass when its request's future ends before it (event loop side): a
+    future answered normally ends after its last pass, when stopping changes nothing."""
+    fut.add_done_callback(lambda _: cancel.stop())
 
 
 class MicroBatcher:
@@ -333,14 +341,20 @@ class MicroBatcher:
 
     def _bulk_loop(self) -> None:
         """The bulk lane: one slice of a large request per pass, at a lower CPU priority; the
-        remainder goes back through the intake like any split request."""
+        remainder goes back through the intake like any split request. A pass whose request
+        ends meanwhile (client gone, deadline passed, server stopping) is stopped in the middle."""
         lower_priority()
         while True:
             item = self._bulk.get()
             if item is STOP:
                 return
             try:
-                self._process([self.forward.first_slice(item)], bulk=True)
+                with cancellable() as cancel:
+                    try:
+                        item.loop.call_soon_threadsafe(_stop_when_done, item.future, cancel)
+                    except RuntimeError:   # the loop is closed: the pass runs to its end
+                        pass
+                    self._process([self.forward.first_slice(item)], bulk=True)
             except Exception:   # never let the lane die: requests would hang
                 log.exception("bulk lane error")
 

@@ -1,15 +1,12 @@
 """Work for large requests at the lowest CPU priority: the bulk lane's passes and their tokenising.
 
 A large request (a long query list, a long embedding input, an upsert's documents) costs
-tokenising as well as forward passes: 64 texts of 512 tokens are ~80 ms of tokenizer CPU.
-Run at normal priority, in the tokens stage or a default executor thread, that time is
-taken from the interactive lane (a one-query search waits behind it, or shares a core with
-it). :class:`LowPriority` is one worker thread at :data:`BULK_NICE` that tokenises large
-requests; the bulk lane's forward thread takes the same nice value (:func:`lower_priority`).
-
-The tokenizer's own thread pool (``tokenizers`` parallelism, a Rayon pool at normal priority)
-would undo that: :func:`serial_tokenizers` turns it off for the server process, so a text is
-tokenised on the thread that asked, at that thread's priority.
+tokenising as well as forward passes: 64 texts of 512 tokens are 30-80 ms of tokenizer time.
+Done in the batch worker's tokens stage, every one-query search queued behind it waits that
+long; done on a default executor thread, it runs beside the interactive lane at its priority.
+:class:`LowPriority` is one worker thread at :data:`BULK_NICE` on which large requests are
+tokenised one after another (the tokenizer's own thread pool, when it uses one, does the
+work); the bulk lane's forward thread takes the same nice value (:func:`lower_priority`).
 """
 
 from __future__ import annotations
@@ -38,12 +35,6 @@ def lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BULK_NICE)
     except (AttributeError, OSError):
         pass
-
-
-def serial_tokenizers() -> None:
-    """Tokenise on the calling thread (``TOKENIZERS_PARALLELISM=false``, unless the operator set
-    it): the Rayon pool of ``tokenizers`` runs at normal priority whoever asks."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 class LowPriority:
