@@ -39,8 +39,6 @@ cores, ten times a short query's). A large request still to be tokenised (more t
 (:class:`~qswap.server.serving.lowprio.LowPriority`), not in the tokens stage, where every
 one-query search would wait behind it. A bulk pass whose request ends meanwhile (client gone,
 deadline passed) is stopped in the middle (:mod:`qswap.encoders.runtime.cancel`), not at its end.
-The bulk lane answers the requests it completes itself (searches, hits), so the answer stage
-never waits behind a large request's searches either.
 
 Admission is bounded: at most ``max_pending`` requests wait or run overall and at most
 ``max_pending_per_encoder`` for one encoder; beyond that a request is refused at once with
@@ -395,19 +393,16 @@ class MicroBatcher:
             item = self._answers.get()
             if item is STOP:
                 return
-            self._answer(*item)
-
-    def _answer(self, jobs: list[Job], batch_requests: int, start: float) -> None:
-        """Search (or hand back the vectors of) requests whose rows are all encoded, and finish them."""
-        try:
-            answer_batch(jobs, batch_requests, start, self._search, self.metrics)
-        except Exception as e:   # never leave a caller waiting
-            log.exception("answer stage error")
-            for j in jobs:
-                post(j.loop, j.future, exc=e)
-        finally:
-            for j in jobs:
-                self._finish(j)
+            jobs, batch_requests, start = item
+            try:
+                answer_batch(jobs, batch_requests, start, self._search, self.metrics)
+            except Exception as e:   # never leave a caller waiting
+                log.exception("answer stage error")
+                for j in jobs:
+                    post(j.loop, j.future, exc=e)
+            finally:
+                for j in jobs:
+                    self._finish(j)
 
     def _drain(self) -> None:
         # The tokens stage and the bulk lane have ended: nothing moves between these queues.
@@ -491,8 +486,4 @@ class MicroBatcher:
         if jobs:
             for j in jobs:
                 j.answering = True
-            if bulk:   # answered on the bulk lane, at its priority: the answer stage never waits for a
-                # large request's searches and hits (64 queries x k 100 over megabyte documents)
-                self._answer(jobs, len(slices), start)
-            else:
-                self._answers.put((jobs, len(slices), start))
+            self._answers.put((jobs, len(slices), start))
