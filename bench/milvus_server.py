@@ -35,8 +35,10 @@ def milvus_package_version() -> str | None:
 #: package's config, what replaces it). Milvus's defaults suit a long-lived server; with them a
 #: collection is created, flushed and loaded in ~6.5 s on a 2-core machine (a 2 s segment
 #: allocation expiry before a flush seals, 1 s checker ticks before a load reports done), ~3.5 s
-#: with these. Benchmarks keep the defaults.
+#: with these. A server started again after a SIGKILL serves only once its dead predecessor's
+#: sessions expire (their lease: 30 s by default; 10 s here). Benchmarks keep the defaults.
 SHORT_INTERVALS: tuple[tuple[str, str], ...] = (
+    ("session:\n    ttl: 30 ", "session:\n    ttl: 10 "),
     ("assignmentExpiration: 2000", "assignmentExpiration: 200"),
     ("checkInterval: 1000", "checkInterval: 100"),
     ("distPullInterval: 500", "distPullInterval: 100"),

@@ -21,8 +21,13 @@ from .conftest import local_cluster, ray_settings, stop_serve, wait_ready
 
 @pytest.fixture(scope="module")
 def direct_cluster(ray_clusters) -> Iterator[None]:
-    """A local Ray cluster started with direct ingress on (its processes inherit the flag)."""
-    ray_clusters.use("direct", lambda: local_cluster(RAY_SERVE_ENABLE_DIRECT_INGRESS="1"))
+    """A local Ray cluster started with direct ingress on (its processes inherit the flag).
+
+    Without a load balancer to deregister from, an ingress replica need not hold itself open
+    for Ray's minimum draining period (30 s, for external load balancers) when Serve stops: a
+    replica still drains its in-flight requests."""
+    ray_clusters.use("direct", lambda: local_cluster(RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
+                                                     RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0"))
     try:
         yield
     finally:

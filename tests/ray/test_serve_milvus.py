@@ -27,7 +27,9 @@ def milvus_ray_url(ray_cluster, milvus_server, tmp_path_factory, tiny_model_dir,
                      progress=False, replace=True).close()
     tmp = tmp_path_factory.mktemp("raymilvus")
     s = ray_settings(tmp, tiny_model_dir, f"{milvus_server.uri}?collection={COLLECTION}")
-    url = deploy(s, RayOptions(replicas=2, max_encoders=2, replica_cpus=0.5))
+    # Two ingress replicas, each with its own Milvus connection (the point here); the encoder
+    # deployment behind them is the default layout's, and one replica of it is enough.
+    url = deploy(s, RayOptions(replicas=2, encoder_replicas=1, max_encoders=2, replica_cpus=0.5))
     try:
         wait_ready(url, 2)
         yield url, s.state_dir
