@@ -42,6 +42,7 @@ import numpy as np
 
 from qswap.encoders.base import BaseEncoder
 from qswap.encoders.embedding import pad_id, padded_rows
+from qswap.encoders.runtime.cancel import run_options
 from qswap.encoders.runtime.token_batches import DEFAULT_MAX_TOKENS, token_budget_batches
 from qswap.errors import InvalidInputError
 from qswap.throughput import Throughput
@@ -212,7 +213,7 @@ class DocumentEncoder:
     def _forward(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         if self.runtime == "onnx":
             emb = np.take(self._table, ids, axis=0)
-            return self._session.run(None, {"inputs_embeds": emb, "attention_mask": mask})[0]
+            return self._session.run(None, {"inputs_embeds": emb, "attention_mask": mask}, run_options())[0]
         import torch
 
         from qswap.encoders.embedding import embed_batch

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from qswap.encoders.runtime.cancel import run_options
 from qswap.encoders.runtime.onnx_export import OUTPUT
 
 
@@ -54,7 +55,7 @@ class BoundFeed:
             # Rebound every run: an output left bound keeps the last run's shape, and ONNX
             # Runtime refuses a run whose batch size differs from it.
             binding.bind_output(OUTPUT)
-            session.run_with_iobinding(binding)
+            session.run_with_iobinding(binding, run_options())   # a bulk pass can be stopped (cancel.py)
             return binding.copy_outputs_to_cpu()[0]
         finally:
             binding.clear_binding_outputs()

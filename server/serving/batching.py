@@ -30,10 +30,15 @@ deadline (or whose caller went away) stops between slices instead of holding the
 **Two lanes.** With ``bulk=True``, a request too large for one slice (more than
 ``slice_tokens`` tokens: a long query list, a 512-token embedding input, document rows) runs
 its slices on a second forward thread, the *bulk lane*, one slice at a time and at a lower CPU
-priority (a nice value of :data:`BULK_NICE` on that thread; ``encode_bulk`` runs it on a
-single-threaded ONNX Runtime session where the backend has one). Interactive searches keep the
-first lane to themselves: one of them waits for no slice of a large request at all, instead of
-one slice (a 512-token row is a ~120 ms forward pass on two cores, ten times a short query's).
+priority (a nice value of :data:`~qswap.server.serving.lowprio.BULK_NICE` on that thread;
+``encode_bulk`` runs it on a single-threaded ONNX Runtime session where the backend has one).
+Interactive searches keep the first lane to themselves: one of them waits for no slice of a
+large request at all, instead of one slice (a 512-token row is a ~120 ms forward pass on two
+cores, ten times a short query's). A large request still to be tokenised (more than
+:data:`INLINE_CHARS` characters) is tokenised on a low-priority thread of the bulk lane
+(:class:`~qswap.server.serving.lowprio.LowPriority`), not in the tokens stage, where every
+one-query search would wait behind it. A bulk pass whose request ends meanwhile (client gone,
+deadline passed) is stopped in the middle (:mod:`qswap.encoders.runtime.cancel`), not at its end.
 
 Admission is bounded: at most ``max_pending`` requests wait or run overall and at most
 ``max_pending_per_encoder`` for one encoder; beyond that a request is refused at once with
@@ -46,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
@@ -54,19 +58,26 @@ from typing import Any, Callable
 
 import numpy as np
 
+from qswap.encoders.runtime.cancel import Cancel, cancellable
 from qswap.errors import DeadlineExceededError, NotReadyError, OverloadedError
 from qswap.server.serving.admission import Ticket
 from qswap.server.serving.answers import EmbedOutcome, SearchFn, SearchOutcome, answer_batch, post
 from qswap.server.serving.forward import EncodeFlagged, EncodeFn, ForwardStage
+from qswap.server.serving.lowprio import LowPriority, lower_priority
 from qswap.server.serving.work import STOP, Call, Job, Slice
 
 log = logging.getLogger("qswap.server")
 
-#: Nice value of the bulk lane's thread (the lowest priority): under contention the interactive
-#: lane's threads get ~99 % of a shared core (CFS weights 1024 vs 15); alone, the bulk lane runs
-#: at full speed. Measured with nice 10 (~90 %): normal-client p99 still ~2x under a long-query
-#: attacker (bench adversarial, shared machine).
-BULK_NICE = 19
+#: A request with more characters than this, not yet tokenised, is tokenised on the bulk lane's
+#: low-priority thread (with the bulk lane on). ~1,000 tokens of English text, ~2 ms of tokenizer
+#: time: what a one-query search may wait for behind another request in the tokens stage.
+INLINE_CHARS = 4096
+
+
+def _stop_when_done(fut: asyncio.Future, cancel: Cancel) -> None:
+    """Stop the bulk lane's pass when its request's future ends before it (event loop side): a
+    future answered normally ends after its last pass, when stopping changes nothing."""
+    fut.add_done_callback(lambda _: cancel.stop())
 
 
 class MicroBatcher:
@@ -106,6 +117,7 @@ class MicroBatcher:
         self._bulk: queue.Queue = queue.Queue()     # large requests' next slices: the bulk lane's input
         self._bulk_thread = (threading.Thread(target=self._bulk_loop, name=f"{name}-bulk", daemon=True)
                              if bulk else None)
+        self.low = LowPriority(f"{name}-bulk-tokens") if bulk else None   # large requests' tokenising
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stages = [threading.Thread(target=self._count_loop, name=f"{name}-tokens", daemon=True),
                         threading.Thread(target=self._answer_loop, name=f"{name}-answers", daemon=True)]
@@ -287,6 +299,13 @@ class MicroBatcher:
         self._q.put(c)
         return await self._wait(c.future, deadline)
 
+    async def low_priority(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` off the event loop: on the bulk lane's low-priority thread (a large
+        request's tokenising, in its route), or a default executor thread without the bulk lane."""
+        if self.low is None:
+            return await asyncio.to_thread(fn, *args)
+        return await self.low.run(fn, *args)
+
     # -- worker thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -312,6 +331,8 @@ class MicroBatcher:
                 self._process(batch)
             except Exception:   # never let the worker die: requests would hang
                 log.exception("batch worker error")
+        if self.low is not None:
+            self.low.close()   # a request it was tokenising is in the intake now: refused below
         if self._bulk_thread is not None and self._bulk_thread.is_alive():
             self._bulk.put(STOP)   # it ends its slice in progress; what is queued is refused below
             self._bulk_thread.join()
@@ -320,17 +341,20 @@ class MicroBatcher:
 
     def _bulk_loop(self) -> None:
         """The bulk lane: one slice of a large request per pass, at a lower CPU priority; the
-        remainder goes back through the intake like any split request."""
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BULK_NICE)
-        except (AttributeError, OSError):   # not Linux, or not allowed: same priority as the rest
-            pass
+        remainder goes back through the intake like any split request. A pass whose request
+        ends meanwhile (client gone, deadline passed, server stopping) is stopped in the middle."""
+        lower_priority()
         while True:
             item = self._bulk.get()
             if item is STOP:
                 return
             try:
-                self._process([self.forward.first_slice(item)], bulk=True)
+                with cancellable() as cancel:
+                    try:
+                        item.loop.call_soon_threadsafe(_stop_when_done, item.future, cancel)
+                    except RuntimeError:   # the loop is closed: the pass runs to its end
+                        pass
+                    self._process([self.forward.first_slice(item)], bulk=True)
             except Exception:   # never let the lane die: requests would hang
                 log.exception("bulk lane error")
 
@@ -341,13 +365,27 @@ class MicroBatcher:
         while True:
             item = self._q.get()
             if isinstance(item, Job):
-                try:
-                    self.forward.counted(item)
-                except Exception:   # a tokenizer failure: every row costs one; the encode reports the error
-                    item.tokens = [1] * len(item.texts)
-            self._ready.put(item)
+                if self.low is not None and self._large(item):
+                    self.low.submit(self._count, item)   # queued for the forward thread from there
+                    continue
+                self._count(item)
+            else:
+                self._ready.put(item)
             if item is STOP:
                 return
+
+    def _large(self, job: Job) -> bool:
+        """A request still to be tokenised that is too large for the tokens stage (INLINE_CHARS)."""
+        todo = job.tokens is None or (self.forward.tokenize is not None and not job.documents
+                                      and job.encodings is None)
+        return todo and sum(len(t) for t in job.texts) > INLINE_CHARS
+
+    def _count(self, job: Job) -> None:
+        try:
+            self.forward.counted(job)
+        except Exception:   # a tokenizer failure: every row costs one; the encode reports the error
+            job.tokens = [1] * len(job.texts)
+        self._ready.put(job)
 
     def _answer_loop(self) -> None:
         """Stage 3: search and answer the requests each forward pass completed."""

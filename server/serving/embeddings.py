@@ -11,7 +11,6 @@ away, with the same 422/429/504 answers as search.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -104,8 +103,9 @@ async def embed_texts(adm: Admission, texts: list[str], model: str, *, dimension
     encodings = await adm.bound_tokens(texts, documents=documents)
     if encodings is None:
         encodings = state.tokenize(texts, documents) if len(texts) < _TOKENIZE_INLINE else \
-            await asyncio.to_thread(state.tokenize, texts, documents)
-    tokens, cut = _read(encodings)
+            await state.batcher.low_priority(state.tokenize, texts, documents)
+    tokens, cut = _read(encodings) if len(texts) < _TOKENIZE_INLINE else \
+        await state.batcher.low_priority(_read, encodings)
     if refuse_truncated and any(cut):
         raise LimitExceededError(f"input {cut.index(True)} is longer than the model's max tokens",
                                  "shorten it, or send truncate=true")

@@ -95,7 +95,7 @@ class Admission(Ticket):
         at_least = sum(min(len(t.split()) + 2, most) for t in texts)   # words, [CLS] and [SEP]
         encodings = tokens = None
         if at_least <= limit:
-            encodings = await asyncio.to_thread(state.tokenize, texts, documents)
+            encodings = await state.batcher.low_priority(state.tokenize, texts, documents)   # a large request
             tokens = token_lengths(encodings)
         if tokens is None or sum(tokens) > limit:
             n = f"at least {at_least}" if tokens is None else str(sum(tokens))

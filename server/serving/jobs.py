@@ -106,7 +106,7 @@ class DocumentJobs:
     async def _run(self, job: DocumentJob, docs: list[Any]) -> None:
         state = self.state
         try:
-            counts = await asyncio.to_thread(state.token_counts, [d.text for d in docs], True)
+            counts = await state.batcher.low_priority(state.token_counts, [d.text for d in docs], True)
             job.status = "running"
             parts = []
             for lo, hi in token_slices(counts, state.settings.slice_tokens):

@@ -12,6 +12,7 @@ import pytest
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
 from qswap.encoders.runtime import shared as shared_mod
 from qswap.encoders.runtime.backend import BACKENDS, make_backend
+from qswap.encoders.runtime.cancel import cancellable, run_options
 from qswap.encoders.embedding import length_buckets, padded_splits
 from qswap.encoders.runtime.shared import SharedBackend, adapter_inputs
 from qswap.encoders.runtime.shared_export import SHARED_MODEL_FILE
@@ -305,6 +306,22 @@ def test_bulk_encode_runs_in_the_calling_thread_on_the_single_threaded_session(t
     assert {name for _, name in used} == {threading.current_thread().name}
     alone = np.stack([pool.encode([t], [k])[0] for t, k in zip(texts, keys)])
     assert cosine(vecs, alone).min() >= MIN_COSINE and flags == [False] * 4
+
+
+def test_a_stopped_bulk_pass_raises_and_the_session_serves_on(two_workers, pool):
+    # The bulk lane stops a pass whose client left (RunOptions.terminate): the ONNX Runtime call
+    # raises instead of finishing; calls outside the block, and the next block, run as before.
+    keys, texts = ["l1@1", BASE_KEY], TEXTS[:2]
+    with cancellable() as cancel:
+        assert two_workers.encode_flagged_bulk(texts, keys)[0].shape == (2, pool.base.dim)
+        cancel.stop()
+        with pytest.raises(Exception, match="terminate"):
+            two_workers.encode_flagged_bulk(texts, keys)
+    assert run_options() is None
+    vecs, _ = two_workers.encode_flagged_bulk(texts, keys)
+    with cancellable():
+        again, _ = two_workers.encode_flagged_bulk(texts, keys)
+    assert cosine(vecs, again).min() >= MIN_COSINE
 
 
 def test_bound_inputs_survive_batch_sizes_and_concurrent_runs(two_workers, pool):

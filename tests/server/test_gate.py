@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 
+from qswap.server.serving.batching import INLINE_CHARS
+
 from ..counting import CountingTokenizer
 from .conftest import ADMIN, LiveServer, server_settings
 
@@ -239,3 +241,24 @@ def test_a_request_is_tokenised_once(gated, path, field, n, filler, extra):
     assert r.status_code == 200, r.text
     for m in marks:
         assert sum(m in t for t in counting.texts) == 1, (m, counting.texts)
+
+
+def test_a_large_request_is_tokenised_off_the_tokens_stage(gated):
+    """A request over INLINE_CHARS is tokenised on the bulk lane's low-priority thread, where
+    one-query searches never queue behind it; a short query still is in the tokens stage."""
+    state = gated.app.state.qs
+    real = state.base.tokenizer
+    counting = CountingTokenizer(real)
+    big = [f"{i} {LONG}" * (INLINE_CHARS // len(LONG) // 2) for i in range(3)]
+    assert sum(map(len, big)) > INLINE_CHARS
+    state.base.tokenizer = counting
+    try:
+        with gated.client() as c:
+            assert c.post("/v1/search", json={"queries": big, "k": 3}).status_code == 200
+            low = list(counting.threads)
+            assert c.post("/v1/search", json={"query": "chess"}).status_code == 200
+    finally:
+        state.base.tokenizer = real
+    assert low and all("bulk-tokens" in t for t in low), low
+    assert counting.threads[len(low):] and all(t.endswith("-tokens") and "bulk" not in t
+                                               for t in counting.threads[len(low):]), counting.threads
