@@ -22,8 +22,9 @@ from qswap.matryoshka import truncate
 from qswap.server.http.compat_models import DOCUMENTS_MODEL, token_ids_given
 from qswap.server.serving.gate import Admission
 
-# Tokenising this many inputs or more leaves the event loop (a thread does it).
-_TOKENIZE_INLINE = 64
+#: Tokenising this many inputs or more leaves the event loop (the bulk lane's low-priority thread
+#: does it; /v1/embeddings and the TEI routes).
+TOKENIZE_INLINE = 64
 
 
 @dataclass
@@ -102,9 +103,9 @@ async def embed_texts(adm: Admission, texts: list[str], model: str, *, dimension
     # Bounded before the tokenizer reads a huge request; tokenised once: the job reuses them.
     encodings = await adm.bound_tokens(texts, documents=documents)
     if encodings is None:
-        encodings = state.tokenize(texts, documents) if len(texts) < _TOKENIZE_INLINE else \
+        encodings = state.tokenize(texts, documents) if len(texts) < TOKENIZE_INLINE else \
             await state.batcher.low_priority(state.tokenize, texts, documents)
-    tokens, cut = _read(encodings) if len(texts) < _TOKENIZE_INLINE else \
+    tokens, cut = _read(encodings) if len(texts) < TOKENIZE_INLINE else \
         await state.batcher.low_priority(_read, encodings)
     if refuse_truncated and any(cut):
         raise LimitExceededError(f"input {cut.index(True)} is longer than the model's max tokens",

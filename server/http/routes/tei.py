@@ -11,7 +11,6 @@ Text Embeddings Inference clients (``huggingface_hub.InferenceClient``, LlamaInd
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 from fastapi import APIRouter, Depends, Path, Request, Response
@@ -24,15 +23,13 @@ from qswap.answers import TeiInfo, TeiToken
 from qswap.server.http.compat_models import DOCUMENTS_MODEL, TeiDecodeRequest, TeiEmbedRequest, TeiTokenizeRequest
 from qswap.server.http.models import REF_PATTERN
 from qswap.server.http.responses import TEI_ERRORS, ready_state
-from qswap.server.serving.embeddings import embed_texts, model_ref, texts_of
+from qswap.server.serving.embeddings import TOKENIZE_INLINE, embed_texts, model_ref, texts_of
 from qswap.server.serving.gate import Admission, admission
 from qswap.server.state import ServerState
 
 router = APIRouter(tags=["tei"])
 
 _ENCODER = Path(pattern=REF_PATTERN, description="a domain alias or an encoder reference")
-# Tokenising this many texts or more leaves the event loop (a thread does it).
-_TOKENIZE_INLINE = 64
 
 
 def _max_tokens(tok: Tokenizer, fallback: int) -> int:
@@ -76,7 +73,7 @@ async def tei_embed(body: TeiEmbedRequest, request: Request, encoder: str = _ENC
         base = state.base
         prefix = base.spec.document_prefix if body.documents else base.spec.query_prefix
         limit = _max_tokens(base.tokenizer, base.spec.max_length)
-        texts = await asyncio.to_thread(keep_tail, base.tokenizer, texts, prefix, limit)
+        texts = await state.batcher.low_priority(keep_tail, base.tokenizer, texts, prefix, limit)
     out = await embed_texts(adm, texts, DOCUMENTS_MODEL if body.documents else encoder,
                             dimensions=body.dimensions, on_key=lambda key: setattr(request.state, "encoder", key),
                             refuse_truncated=not body.truncate)
@@ -144,9 +141,9 @@ async def tei_tokenize(body: TeiTokenizeRequest, encoder: str = _ENCODER,
         spec.query_prefix if body.prompt_name == "query" else spec.document_prefix)
     texts = [prefix + t for t in texts]
     tok = state.base.tokenizer
-    if len(texts) < _TOKENIZE_INLINE:
+    if len(texts) < TOKENIZE_INLINE:
         return _tokens(tok, texts, body.add_special_tokens)
-    return await asyncio.to_thread(_tokens, tok, texts, body.add_special_tokens)
+    return await state.batcher.low_priority(_tokens, tok, texts, body.add_special_tokens)
 
 
 @router.post("/tei/{encoder}/decode", response_model=list[str], responses=TEI_ERRORS,
