@@ -16,7 +16,8 @@ work on the next:
 
 The event loop never runs model code. Texts for the frozen document tower (``documents=True``: upserts, and
 embeddings of ``qswap/documents``) are jobs of the same queue, sliced the same way, in batches
-of their own; index writes are serialised on the forward thread through :meth:`MicroBatcher.call`.
+of their own; index writes are serialised on a thread of their own through :meth:`MicroBatcher.call`
+(:mod:`qswap.server.serving.writes`), so that a commit does not hold up the forward pass.
 Every job carries its request's :class:`~qswap.server.serving.admission.Ticket` (deadline,
 client still there): the one admission path that every route reaching the model goes through.
 
@@ -65,6 +66,7 @@ from qswap.server.serving.answers import EmbedOutcome, SearchFn, SearchOutcome, 
 from qswap.server.serving.forward import EncodeFlagged, EncodeFn, ForwardStage
 from qswap.server.serving.lowprio import LowPriority, lower_priority
 from qswap.server.serving.work import STOP, Call, Job, Slice
+from qswap.server.serving.writes import WriteLane
 
 log = logging.getLogger("qswap.server")
 
@@ -119,6 +121,7 @@ class MicroBatcher:
                              if bulk else None)
         self.low = LowPriority(f"{name}-bulk-tokens") if bulk else None   # large requests' tokenising
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._writes = WriteLane(self._do_call, f"{name}-writes")   # index writes, in order
         self._stages = [threading.Thread(target=self._count_loop, name=f"{name}-tokens", daemon=True),
                         threading.Thread(target=self._answer_loop, name=f"{name}-answers", daemon=True)]
         self._stopped = False
@@ -132,6 +135,7 @@ class MicroBatcher:
             t.start()
         if self._bulk_thread is not None:
             self._bulk_thread.start()
+        self._writes.start()
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -286,7 +290,7 @@ class MicroBatcher:
 
     async def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
                    **kwargs: Any) -> Any:
-        """Run ``fn(*args)`` on the worker thread (between batches) and return its result.
+        """Run ``fn(*args)`` on the writes thread (after the writes queued before it) and return its result.
 
         A call still queued at its deadline is dropped; one that has started runs to its end
         (a write is never cut in the middle), its caller answered 504 meanwhile."""
@@ -296,7 +300,7 @@ class MicroBatcher:
         c = Call(fn, args, loop.create_future(), loop, kwargs, deadline)
         with self._count_lock:
             self._live.add(c)
-        self._q.put(c)
+        self._writes.put(c)
         return await self._wait(c.future, deadline)
 
     async def low_priority(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -316,9 +320,6 @@ class MicroBatcher:
             if item is STOP:
                 break
             try:
-                if isinstance(item, Call):
-                    self._do_call(item)
-                    continue
                 if self._bulk_thread is not None and self.forward.is_bulk(item):
                     self._bulk.put(item)
                     continue
@@ -336,7 +337,7 @@ class MicroBatcher:
         if self._bulk_thread is not None and self._bulk_thread.is_alive():
             self._bulk.put(STOP)   # it ends its slice in progress; what is queued is refused below
             self._bulk_thread.join()
-        self._drain()
+        self._drain(self._writes.stop(10.0))
         self._answers.put(STOP)
 
     def _bulk_loop(self) -> None:
@@ -404,17 +405,20 @@ class MicroBatcher:
                 for j in jobs:
                     self._finish(j)
 
-    def _drain(self) -> None:
-        # The tokens stage and the bulk lane have ended: nothing moves between these queues.
+    def _drain(self, writes: list[Call]) -> None:
+        # The tokens stage, the bulk lane and the writes thread have ended: nothing moves between
+        # these queues. ``writes``: the index writes that were still queued.
+        left: list[Any] = list(writes)
         for q in (self._bulk, self._ready, self._q):
             while True:
                 try:
-                    item = q.get_nowait()
+                    left.append(q.get_nowait())
                 except queue.Empty:
                     break
-                if isinstance(item, (Job, Call)):
-                    post(item.loop, item.future, exc=NotReadyError("the server is shutting down", "retry"))
-                    self._finish(item)
+        for item in left:
+            if isinstance(item, (Job, Call)):
+                post(item.loop, item.future, exc=NotReadyError("the server is shutting down", "retry"))
+                self._finish(item)
 
     def _do_call(self, c: Call) -> None:
         try:

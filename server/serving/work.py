@@ -59,7 +59,7 @@ class Slice:
 
 @dataclass(eq=False)
 class Call:
-    """``fn(*args, **kwargs)`` run on the forward thread between batches (an index write)."""
+    """``fn(*args, **kwargs)`` run on the writes thread (an index write; :mod:`qswap.server.serving.writes`)."""
 
     fn: Callable[..., Any]
     args: tuple[Any, ...]

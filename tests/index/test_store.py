@@ -307,6 +307,51 @@ def test_delete_everything_then_add_again(make, embed, config, monkeypatch, tmp_
         assert again.count == 5
 
 
+@pytest.mark.parametrize("config", [IndexConfig(kind="flat"), IndexConfig(kind="hnsw")], ids=["flat", "hnsw"])
+def test_a_search_is_answered_while_a_change_writes_its_generation(make, embed, config, monkeypatch):
+    """A commit writes its files, rows and manifest while searches go on over the open generation
+    (which shows none of it until the swap); a second change waits for the first."""
+    idx = make(config, n=120)
+    inside, release, searched = threading.Event(), threading.Event(), threading.Event()
+    reached: list[tuple[str, bool]] = []   # (change, whether the first had been let go) at its manifest
+    real = store_mod.write_manifest
+
+    def held(path, m):
+        name = threading.current_thread().name
+        reached.append((name, release.is_set()))
+        if name == "first":
+            inside.set()
+            assert release.wait(60)
+        real(path, m)
+
+    monkeypatch.setattr(store_mod, "write_manifest", held)
+    new = docs_for(3, start=900, prefix="n")
+    first = threading.Thread(target=idx.upsert, args=(new, embed([d.text for d in new])), name="first")
+    second = threading.Thread(target=idx.delete, args=(["d5"],), name="second")
+    seen: list = []
+
+    def search():
+        seen.append(([h.id for h in idx.search(embed(["text 900"]), 5)[0]], idx.count, idx.get(["n900", "d5"])))
+        searched.set()
+
+    first.start()
+    try:
+        assert inside.wait(60)                     # the first change has written all but its manifest
+        second.start()
+        threading.Thread(target=search, daemon=True).start()
+        assert searched.wait(30), "the search waited for the change"
+    finally:
+        release.set()
+        first.join(60)
+        second.join(60)
+    ids, count, got = seen[0]
+    assert "n900" not in ids and count == 120 and got[0] is None and got[1].id == "d5"   # the open generation
+    assert reached == [("first", False), ("second", True)]   # the second change waited for the first
+    assert idx.count == 122 and idx.get(["n900", "d5"])[1] is None
+    assert idx.search(embed(["text 900"]), 1)[0][0].id == "n900"
+    idx.close()
+
+
 def test_searches_continue_while_reindexing(make, embed):
     idx = make(IndexConfig(kind="flat"), n=1000)
     done = threading.Event()

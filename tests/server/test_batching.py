@@ -116,7 +116,7 @@ def test_batcher_one_search_per_distinct_filter():
     assert [len(o.hits[0]) for o in outs] == [1, 3, 2]
 
 
-def test_batcher_respects_max_batch_and_runs_calls_on_worker():
+def test_batcher_respects_max_batch_and_runs_calls_on_the_writes_thread():
     calls: list = []
     enc, srch = _fake(calls)
     with running(encode=enc, search=srch, window_s=0.2, max_batch=4, adaptive=False) as b:
@@ -125,9 +125,41 @@ def test_batcher_respects_max_batch_and_runs_calls_on_worker():
             name = await b.call(lambda: threading.current_thread().name)
             return outs, name
         outs, name = _run(main())
-    assert name == "qswap-batcher"
+    assert name == "qswap-batcher-writes"
     assert all(len(c[1]) <= 4 for c in calls if c[0] == "encode")
     assert sum(len(c[1]) for c in calls if c[0] == "encode") == 12 and len(outs) == 4
+
+
+def test_a_search_is_answered_while_an_index_write_runs():
+    """An index write (an upsert's commit) holds neither the forward pass nor the answers: a
+    search submitted while one runs is answered before it ends; writes run one at a time, in order."""
+    calls: list = []
+    enc, srch = _fake(calls)
+    inside, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def write(name: str) -> str:
+        order.append(f"{name} start")
+        if name == "first":
+            inside.set()
+            assert release.wait(60)
+        order.append(f"{name} end")
+        return name
+
+    with running(encode=enc, search=srch, window_s=0.0, max_batch=4) as b:
+        async def main():
+            first = asyncio.ensure_future(b.call(write, "first"))
+            try:
+                assert await asyncio.to_thread(inside.wait, 30)          # the write is running
+                second = asyncio.ensure_future(b.call(write, "second"))
+                out = await asyncio.wait_for(b.search(["q"], "k", 1, ticket=Ticket()), 10)
+                assert not first.done() and not second.done()
+            finally:
+                release.set()
+            return out, await first, await second
+        out, *names = _run(main())
+    assert out.hits and names == ["first", "second"]
+    assert order == ["first start", "first end", "second start", "second end"]
 
 
 def test_batcher_admission_limits_and_deadlines():

@@ -154,6 +154,11 @@ def remove(index: faiss.Index, rows: np.ndarray) -> int:
     return int(index.remove_ids(faiss.IDSelectorBatch(rows)))
 
 
+def clone(index: faiss.Index) -> faiss.Index:
+    """A deep copy of ``index`` (what a commit changes while searches go on over the original)."""
+    return faiss.clone_index(index)
+
+
 def add(index: faiss.Index, rows: np.ndarray, vectors: np.ndarray, dim: int) -> None:
     if len(rows):
         index.add_with_ids(truncate(vectors, dim), np.asarray(rows, dtype=np.int64))

@@ -11,8 +11,10 @@ The FAISS file is a snapshot: it is rewritten only when enough rows changed sinc
 one (or on :meth:`DocumentIndex.save`), and opening an index replays the difference between
 the snapshot's ids and the live rows, reading vectors from the float16 log.
 
-Thread safety: searches share a read lock, changes take the write lock; a batch of queries
-is one batched FAISS call.
+Thread safety: changes take the change lock one at a time and write their generation while
+searches go on; searches share a read lock that a change takes for writing only to swap the
+new generation in (:mod:`qswap.index.backends.faiss.commit`). A batch of queries is one
+batched FAISS call.
 
 The class is split by concern: opening, verifying and state here; search in
 :mod:`qswap.index.backends.faiss.search`; the commit/undo engine in :mod:`qswap.index.backends.faiss.commit`; re-indexing in
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +61,8 @@ class DocumentIndex(BackendCommon, SearchMixin, CommitMixin, ReindexMixin):
     # (CommitMixin, SearchMixin); set them on this class to tune one process.
 
     def __init__(self) -> None:  # use open(), build_index() or create_index()
-        self._lock = RWLock()
+        self._lock = RWLock()            # searches share it; a commit holds it only to swap generations
+        self._change_lock = threading.Lock()   # one change at a time, held for a whole commit
         self._gpu_lock = threading.Lock()
         self._gpu: faiss_index.GpuIndex | None = None
         self._gpu_tried = False
@@ -304,8 +309,10 @@ class DocumentIndex(BackendCommon, SearchMixin, CommitMixin, ReindexMixin):
             }
 
     # ------------------------------------------------------------------ lifetime
-    def _closing(self) -> Any:
-        return self._lock.write()   # in-flight searches finish first
+    @contextmanager
+    def _closing(self) -> Iterator[None]:
+        with self._change_lock, self._lock.write():   # a running change and in-flight searches finish first
+            yield
 
     def _release(self) -> None:
         """The writer lock and the document store."""

@@ -1,7 +1,7 @@
 """Re-indexing a FAISS-backed DocumentIndex from its stored vectors (no re-embedding).
 
 Options merge as given (:meth:`IndexConfig.merged_into`); a change of shape rebuilds FAISS
-off the write lock and swaps it in as one commit; search-time options only rewrite the
+while searches go on and swaps it in as one commit; search-time options only rewrite the
 manifest. :meth:`ReindexMixin.with_config` makes an in-memory variant for evaluation.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import faiss
 import numpy as np
 
 import qswap.index.backends.faiss.faiss_index as faiss_index
@@ -33,19 +32,10 @@ class ReindexMixin:
         only search-time options (nprobe, ef_search, rescore, oversample, use_gpu) change,
         the manifest is updated and FAISS kept.
         """
-        with self._lock.read():
-            self._check_writable()
+        with self._changing():
             new = self._merge_config(config)
             shape_changed = any(getattr(new, f) != getattr(self._config, f) for f in SHAPE_FIELDS)
-            prebuilt = self._prebuild(new, progress) if shape_changed else None
-        with self._lock.write():
-            self._check_writable()
-            self._commit(config=new, rebuild=shape_changed, snapshot=shape_changed, prebuilt=prebuilt)
-
-    def _prebuild(self, config: IndexConfig, progress: bool = False) -> tuple[int, faiss.Index, dict[str, Any]]:
-        """A FAISS index of the live rows, built under the read lock; valid for this generation."""
-        index, plan = faiss_index.build(config, self._store, self._docs.live_rows(self._gen), progress=progress)
-        return self._gen, index, plan.to_dict()
+            self._commit(config=new, rebuild=shape_changed, snapshot=shape_changed, progress=progress)
 
     def _merge_config(self, config: IndexConfig) -> IndexConfig:
         """Options set in ``config`` (not ``None``) override the current ones."""
