@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 #: int8 schemes of :func:`quantized_graph`: (weight scales per channel, which MatMuls are quantised).
-#: ``dynamic``: per-tensor scales, every MatMul (the fused Attention nodes stay fp32);
+#: ``dynamic``: per-tensor scales, every op the quantiser knows (MatMul, the fused Attention nodes);
 #: ``selective``: per-tensor, only the feed-forward up-projections; ``per-channel``: per-channel
 #: scales, every MatMul and the fused Attention nodes' projections (QAttention); ``per-channel-ffn-out-fp32``:
 #: the same with the feed-forward down-projections (whose inputs, after GELU, have the widest range) kept fp32.
@@ -34,7 +34,7 @@ def quantized_graph(fp32_graph: Path, out_dir: Path, scheme: str) -> Path:
     if out.exists():
         return out
     per_channel = scheme.startswith("per-channel")
-    kw: dict[str, Any] = {"op_types_to_quantize": ["MatMul", "Attention"] if per_channel else ["MatMul"]}
+    kw: dict[str, Any] = {"op_types_to_quantize": ["MatMul", "Attention"]} if per_channel else {}
     if scheme in ("selective", "per-channel-ffn-out-fp32"):
         model = onnx.load(str(fp32_graph), load_external_data=False)
         inits = {i.name: tuple(i.dims) for i in model.graph.initializer}
