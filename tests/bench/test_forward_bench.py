@@ -61,3 +61,23 @@ def test_mixed_only_arms_run_and_segment_answers_equal_groups(tiny_model_dir, tm
     assert m["cosine"]["segments vs groups"] >= 0.99999 and m["cosine"]["segments vs torch"] >= 0.99999
     assert "segments k=3 / groups k=3" in m["ratios"]["6"] and "segment_buffers_mb" in m
     assert "## Mixed batches" in (out / "README.md").read_text()
+
+
+def test_int8_arms_quantise_the_ort_graph(tiny_model_dir, tmp_path):
+    out = tmp_path / "int8"
+    rc = qswap_main(["bench", "forward", "--quick", "--model", str(tiny_model_dir), "--threads", "1", "--reps", "3",
+                     "--query-tokens", "8", "--passage-tokens", "16", "--adapter-rank", "0", "--query-batches", "8",
+                     "--backends", "torch-fp32,ort-fp32,ort-int8,ort-int8-ffn32", "--out", str(out)])
+    assert rc == 0
+    r = json.loads((out / "results.json").read_text())["results"]
+    for arm in ("ort-int8", "ort-int8-ffn32"):
+        c = r["quality_vs_torch_fp32"][arm]["single_query_cosine"]
+        assert c["min"] >= 0.99, (arm, c)
+        assert r["query_batch_ms"]["8"]["int8_speedup"][arm]["n"] == 1
+        assert f"{arm} batch of 8 >= 1.3x ort-fp32" in r["goals"]
+    g, fp32 = r["int8_graphs"], r["onnx_export"]["model_file_bytes"]
+    assert fp32 > g["ort-int8-ffn32"]["model_file_bytes"] > g["ort-int8"]["model_file_bytes"] > 0   # int8 weights
+    assert "ort-int8 / ort-fp32 speed-up" in (out / "README.md").read_text()
+    rc = qswap_main(["bench", "forward", "--quick", "--model", str(tiny_model_dir), "--backends", "torch-fp32,ort-int8",
+                     "--out", str(tmp_path / "x")])
+    assert rc == 2   # the int8 arms quantise the ort-fp32 graph: refused without it
