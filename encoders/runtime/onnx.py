@@ -136,6 +136,9 @@ class OnnxBackend:
         """Cache directory of ``key``'s export for this base space."""
         return self.cache_dir / key / self.base.space.fingerprint
 
+    def count_rows(self, keys: list[str]) -> None:
+        """Every encoder runs merged already: nothing to adapt."""
+
     def prepare(self, key: str) -> None:
         """Start exporting ``key`` in the background (idempotent; returns at once).
 
