@@ -40,19 +40,17 @@ import torch
 from qswap.encoders.runtime.export_cache import cached_dir
 from qswap.encoders.embedding import length_buckets
 from qswap.encoders.runtime.hot import DEFAULT_HOT, HOT_SHARE, HOT_WINDOW_ROWS, HotEncoders
-from qswap.encoders.runtime.onnx import OnnxBackend, available_providers, make_session
+from qswap.encoders.runtime.onnx_export import release_freed_memory
+from qswap.encoders.runtime.onnx import CALL_TOKENS, OnnxBackend, available_providers, make_session
 from qswap.encoders.pool import FACTOR_DTYPES, EncoderPool
 from qswap.encoders.runtime.shared_export import (SEGMENTS_MODEL_FILE, UNREACHED, SHARED_MODEL_FILE, Slots, export_shared,
-                                                  find_slots, ort_input, release_freed_memory, shared_digest)
+                                                  find_slots, ort_input, shared_digest)
 from qswap.encoders.runtime.shared_segments import MAX_SEGMENTS, SegmentRunner
 from qswap.encoders.runtime.shared_run import BoundFeed, segment_groups, spread_groups
 from qswap.errors import InvalidInputError, NotFoundError
 
 log = logging.getLogger(__name__)
 RETRY_MAX_S = 300.0   # the longest wait between two export attempts
-# What one more ONNX Runtime call costs, in tokens of forward compute: a batch's rows (longest
-# first) are cut into calls where the padding saved outweighs it (encoders.embedding.padded_splits).
-CALL_TOKENS = 16
 SHARED_DIR = "_shared"
 #: How a batch that mixes encoders runs: ``groups``, one call per encoder group (side by side on
 #: a second, single-threaded session); ``segments``, one call for all its rows of LoRA encoders
