@@ -19,6 +19,12 @@ three arms run alternately (order reversed every round): qswap's search route (`
 embeddings routes), with the raw asyncio keep-alive client in closed loop, requests spread
 round-robin over the domains. Reported per point: QPS, p50, p99, failures and the load average;
 per scenario: both servers' RSS. ``--no-infinity`` runs qswap's arms alone.
+
+With one domain, that encoder serves every row, so the shared backend makes it *hot*
+(:mod:`qswap.encoders.runtime.hot`: its rows run on a merged graph of their own): timing starts
+once it is. ``--hot-off-arm`` adds a fourth arm in that scenario, qswap's search route on a
+second server started with ``--hot-encoders 0``, to show what hot encoders change side by side.
+``--scenarios`` runs one of the two scenarios only.
 """
 
 from __future__ import annotations
@@ -41,12 +47,17 @@ LOAD = LoadDefaults(levels=ByMode((1, 8, 32), (1, 4)), seconds=ByMode(15.0, 1.0)
                     rounds=ByMode(2, 1), rounds_help="alternating rounds per arm and level")
 DOMAINS = ByMode(4, 2)
 RANK = 16
+#: Searches sent before timing the one-domain scenario: more than a hot-encoder window
+#: (qswap.encoders.runtime.hot.HOT_WINDOW_ROWS), so that its encoder runs merged.
+HOT_WARM_ROWS = 640
 #: Minimum cosine between the two servers' query embeddings for the comparison to count.
 AGREEMENT_BAR = 0.9999
 #: QPS ratio qswap / Infinity asked for (one domain, with p99 <= Infinity's; several domains).
 TARGETS = {"one": 1.2, "many": 2.0}
 _HDR = (("Content-Type", "application/json"),)
-ARMS = ("qswap search", "qswap embeddings", "infinity embeddings")
+HOT_OFF = "qswap search, hot off"
+ARMS = ("qswap search", "qswap embeddings", HOT_OFF, "infinity embeddings")
+SCENARIOS = ("one", "many")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("shared", "onnx"), default="shared",
                    help="qswap's query backend (default shared, the server's default: one session, adapters as "
                         "inputs; onnx: one merged export per encoder); timing starts once every encoder runs on it")
+    p.add_argument("--hot-off-arm", action="store_true",
+                   help="one domain: also time qswap's search on a second server with --hot-encoders 0")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help="comma-separated scenarios to run: one (one domain), many (--domains) (default both)")
     p.add_argument("--no-infinity", action="store_true",
                    help="run qswap's arms only (where Infinity cannot be installed)")
     add_model_argument(p, MODEL)
@@ -138,7 +153,7 @@ def _infinity_models(py: Path, base: Any, enc_root: Path, keys: list[tuple[str, 
 
 def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: Path, enc_root: Path,
               model: str, backend: str, py: Path | None, inf_root: Path | None, prefix: str,
-              tmp: Path) -> dict[str, Any]:
+              tmp: Path, hot_off_arm: bool = False) -> dict[str, Any]:
     """Start both servers for ``n_dom`` domains, check agreement, measure every arm at every level."""
     from qswap.bench.fixtures import qswap_server, register, search_requests, wait_for_runtime
     from qswap.bench.infinity_peer import server_command, server_env
@@ -159,6 +174,17 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
             "qswap search": (qs.port, search_requests(work.queries, keys)),
             "qswap embeddings": (qs.port, embedding_requests(work.queries, keys))}
         servers = {"qswap": {"command": qs.command, "start_s": qs.start_seconds}}
+        hot = n_dom == 1 and backend == "shared"
+        if hot:   # its one encoder serves every row: it runs merged once a window of rows says so
+            warm_up(qs.port, arms["qswap search"][1], concurrency=4, requests=HOT_WARM_ROWS, duration_s=120)
+            out["qswap_hot_wait_s"] = wait_for_runtime(qs, keys, "onnx")
+        if hot and hot_off_arm:
+            off = stack.enter_context(qswap_server(idx_dir, enc_root, tmp / "state-hot-off", tmp / "qswap-hot-off.log",
+                                                   model=model, extra=["--backend", backend, "--hot-encoders", "0"]))
+            register(off, f"{domains[0]}-1")
+            wait_for_runtime(off, ["base", *keys], "onnx-shared")
+            arms[HOT_OFF] = (off.port, search_requests(work.queries, keys))
+            servers["qswap, hot off"] = {"command": off.command, "start_s": off.start_seconds}
         inf = None
         if py is not None and inf_root is not None:
             port = free_port()
@@ -194,6 +220,11 @@ def run(args: argparse.Namespace) -> int:
 
     opts = LoadOptions.from_args(args, LOAD)
     n_many = args.domains or DOMAINS.pick(opts.quick)
+    bad = [t for t in args.scenarios.split(",") if t.strip() and t.strip() not in SCENARIOS]
+    if bad or not args.scenarios.strip():
+        print(f"qswap bench peer: unknown scenario {','.join(bad) or '(none)'}: use {', '.join(SCENARIOS)}",
+              file=sys.stderr)
+        return 2
     if n_many < 2:
         print("qswap bench peer: --domains must be at least 2 (the second scenario serves several domains)",
               file=sys.stderr)
@@ -230,11 +261,14 @@ def run(args: argparse.Namespace) -> int:
                                "pooling": "mean", "models": "each domain's LoRA merged into the base, optimum export"}
     del base
     res["scenarios"] = {}
+    wanted = [t.strip() for t in args.scenarios.split(",") if t.strip()]
     for tag, n in (("one", 1), ("many", n_many)):
+        if tag not in wanted:
+            continue
         label = "one domain" if n == 1 else f"{n} domains"
         res["scenarios"][tag] = _scenario(label, n, opts=opts, work=work, idx_dir=idx_dir, enc_root=enc_root,
                                           model=args.model, backend=args.backend, py=py, inf_root=inf_root,
-                                          prefix=prefix, tmp=dirs.tmp)
+                                          prefix=prefix, tmp=dirs.tmp, hot_off_arm=args.hot_off_arm)
     _summarise(res)
     _write(dirs, res)
     dirs.clean_scratch()
@@ -253,11 +287,16 @@ def _summarise(res: dict[str, Any]) -> None:
     for tag, sc in res["scenarios"].items():
         sc["vs_infinity"] = {}
         for c, arms in sc["levels"].items():
+            if HOT_OFF in arms:   # what hot encoders change: the same route, hot on / off
+                sc.setdefault("hot_over_off", {})[c] = ratio_summary([x["qps"] for x in arms["qswap search"]],
+                                                                     [x["qps"] for x in arms[HOT_OFF]]).to_dict()
             inf = arms.get("infinity embeddings")
             if inf is None:
                 continue
             per = {}
-            for route in ("qswap search", "qswap embeddings"):
+            for route in ("qswap search", "qswap embeddings", HOT_OFF):
+                if route not in arms:
+                    continue
                 q = arms[route]
                 qps = ratio_summary([x["qps"] for x in q], [x["qps"] for x in inf]).to_dict()
                 p99 = _median([x["p99_ms"] for x in q]) / _median([x["p99_ms"] for x in inf])
@@ -299,10 +338,15 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
                              sum(x["failed"] for x in pts),
                              "/".join(f"{x['loadavg'][0]:.1f}" for x in pts if x["loadavg"])])
             for a, vs in sc.get("vs_infinity", {}).get(str(c), {}).items():
+                if a == HOT_OFF:
+                    continue   # a comparison arm, not the product's figure
                 want = f">= {TARGETS[tag]}x QPS" + (" and p99 <= Infinity's" if tag == "one" else "")
                 goals.append(f"- {sc['label']}, c={c}, {a}: {vs['qps_ratio']['median']:.2f}x QPS, p99 "
                              f"{vs['p99_ratio_qswap_over_infinity']:.2f}x ({want}: "
                              f"{'met' if vs['target_met'] else '**missed**'})")
+        for c, r in sc.get("hot_over_off", {}).items():
+            goals.append(f"- {sc['label']}, c={c}: qswap search, hot encoder on / off: {r['median']:.2f}x QPS "
+                         f"({r['min']:.2f}-{r['max']:.2f}; not a target)")
         rss = sc["rss_bytes"]
         mem.append([sc["label"], rss["qswap"] / mib, rss["infinity"] / mib if "infinity" in rss else ""])
         if "agreement" in sc:
@@ -315,7 +359,9 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
             f"pooling; models: {inf['models']}.") + " qswap: " + (
         "its default backend (one shared ONNX Runtime session, adapters bound per run)"
         if res["qswap_backend"] == "shared" else "`--backend onnx` (one merged, fused ONNX export per encoder)") + (
-        f"; encoders: {res['encoders']}.")
+        f"; encoders: {res['encoders']}." + "".join(
+            f" One domain: its encoder ran hot (its own merged graph) {sc['qswap_hot_wait_s']:.1f} s after the "
+            f"warm-up, before timing." for sc in res["scenarios"].values() if "qswap_hot_wait_s" in sc))
     md = (f"{head}\n\nWorkload: {res['workload']}; search over {res['index']['documents']:,} documents (k=10). "
           f"One query per call; requests round-robin over the domains; arms alternate at each level "
           f"({res['rounds']} round(s), order reversed every round), each run at most {res['seconds_per_run']:g} s "

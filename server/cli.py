@@ -20,7 +20,7 @@ _FLAG_FIELDS = {
     "encoders_root": "encoders_root", "state_dir": "state_dir", "token": "admin_token",
     "search_token": "search_token", "metrics_token": "metrics_token", "insecure": "insecure", "backend": "backend",
     "query_precision": "query_precision", "lora_factors": "lora_factors",
-    "onnx_threads": "onnx_threads", "onnx_spin": "onnx_spin", "bulk_lane": "bulk_lane",
+    "onnx_threads": "onnx_threads", "onnx_spin": "onnx_spin", "hot_encoders": "hot_encoders", "bulk_lane": "bulk_lane",
     "batch_window_ms": "batch_window_ms", "max_batch": "max_batch", "default_encoder": "default_encoder",
     "read_only_index": "read_only_index", "max_k": "max_k", "max_queries": "max_queries",
     "encoder_memory_mb": "encoder_memory_bytes", "sentinels": "sentinels", "guard_alpha": "guard_alpha",
@@ -91,6 +91,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="ONNX Runtime intra-op threads per forward (default: all cores)")
     p.add_argument("--onnx-spin", choices=("on", "off"), default=None,
                    help="ONNX Runtime's workers busy-wait inside a forward (default on; docs/serving.md)")
+    p.add_argument("--hot-encoders", type=int, metavar="N",
+                   help="shared backend: an encoder serving at least half of the recent rows runs on its own merged "
+                        "graph; at most N such (default 1; 0: never; docs/query-path.md)")
     p.add_argument("--bulk-lane", choices=("on", "off"), default=None,
                    help="requests larger than one slice run on a second, lower-priority forward thread (default on; "
                         "docs/serving.md)")

@@ -81,6 +81,9 @@ class ServerSettings(BaseSettings):
                                      "all cores)")
     onnx_spin: bool = Field(True, description="ONNX Runtime's workers busy-wait inside a forward (its default); off: "
                             "they sleep, leaving the cores to the event loop and the index (see docs/serving.md)")
+    hot_encoders: int = Field(1, ge=0, le=16, description="shared backend: merged sessions kept for the encoders "
+                              "with most of the served rows (~85 MB each for multilingual-e5-small; 0: none; "
+                              "see docs/query-path.md)")
     export_retry_s: float = Field(10.0, gt=0, description="a failed background ONNX export (EMFILE, full disk) is "
                                   "tried again after this, doubling up to 5 minutes; torch serves meanwhile")
     query_precision: Literal["fp32", "bf16", "fp16"] = Field(

@@ -21,7 +21,7 @@ from qswap.encoders.embedding import token_lengths
 from qswap.errors import NotReadyError, QswapError
 from qswap.server.registry.intake import extract_encoder_archive
 from qswap.encoders.runtime.backend import make_backend
-from qswap.encoders.runtime.protocol import Backend
+from qswap.encoders.runtime.protocol import Backend, served
 from qswap.server.serving.batching import MicroBatcher
 from qswap.server.config import ServerSettings
 from qswap.server.serving.jobs import DocumentJobs
@@ -94,7 +94,8 @@ class ServerState:
         pool = EncoderPool(base, factor_dtype=s.lora_factors)
         self.pool = pool
         self.backend = make_backend(s.backend, pool, s.state_dir / "onnx", s.onnx_threads,
-                                    s.query_precision, retry_s=s.export_retry_s, spin=s.onnx_spin)
+                                    s.query_precision, retry_s=s.export_retry_s, spin=s.onnx_spin,
+                                    hot=s.hot_encoders)
         guard = None
         if s.sentinels is not None:
             from qswap.guard.evaluator import GuardEvaluator
@@ -118,7 +119,7 @@ class ServerState:
             except QswapError as e:   # the alias still resolves; its requests will get this error
                 log.error("aliased encoder failed to load", extra={"domain": domain, "encoder": key,
                                                                    "error": str(e)})
-        batcher = self.make_batcher(encode=self.backend.encode, search=index.search, tokenize=self.tokenize,
+        batcher = self.make_batcher(encode=served(self.backend), search=index.search, tokenize=self.tokenize,
                                     window_s=s.batch_window_ms / 1000.0, max_batch=s.max_batch,
                                     max_pending=s.max_pending, max_pending_per_encoder=s.max_pending_per_encoder,
                                     metrics=self.metrics, count_tokens=self.token_counts,

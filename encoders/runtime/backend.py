@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from qswap.encoders.pool import EncoderPool
+from qswap.encoders.runtime.hot import DEFAULT_HOT
 from qswap.encoders.precision import BF16_MIN_QUERY_BATCH, autocast_context, check_precision
 from qswap.encoders.runtime.protocol import Backend, EncodeFlagged
 from qswap.errors import InvalidInputError
@@ -63,6 +64,9 @@ class TorchBackend:
         with autocast_context(self.pool.base.device, precision):
             return self.pool.encode(texts, keys, encodings=encodings)
 
+    def count_rows(self, keys: list[str]) -> None:
+        """Every encoder runs in the same pool: nothing to adapt."""
+
     def prepare(self, key: str) -> None:
         """Nothing to prepare: the pool already holds the encoder."""
 
@@ -89,14 +93,16 @@ class TorchBackend:
 
 
 def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | None = None,
-                 precision: str = "fp32", retry_s: float | None = None, spin: bool = True) -> Backend:
+                 precision: str = "fp32", retry_s: float | None = None, spin: bool = True,
+                 hot: int = DEFAULT_HOT) -> Backend:
     """The configured backend (:data:`BACKENDS`); ONNX Runtime is imported only when asked for.
 
     ``precision`` is the torch and cuda backends' query precision (cuda also takes ``fp16``); the
     ONNX graphs are fp32 only.
     ``retry_s``: the shared backend tries a failed export again after this many seconds
     (doubling); None: never. ``spin``: ONNX Runtime's intra-op workers busy-wait inside a
-    forward (:func:`qswap.encoders.runtime.onnx.make_session`).
+    forward (:func:`qswap.encoders.runtime.onnx.make_session`). ``hot``: the shared backend's
+    merged sessions for the encoders with most of the traffic (:mod:`qswap.encoders.runtime.hot`).
     """
     if kind == "torch":
         return TorchBackend(pool, precision)
@@ -114,6 +120,6 @@ def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | N
             raise InvalidInputError(f"the {kind} backend is not available: {e}",
                                     "install onnxruntime and onnx, or use --backend torch") from None
         if kind == "shared":
-            return SharedBackend(pool, cache_dir, threads=threads, retry_s=retry_s, spin=spin)
+            return SharedBackend(pool, cache_dir, threads=threads, retry_s=retry_s, spin=spin, hot=hot)
         return OnnxBackend(pool, cache_dir, threads=threads, spin=spin)
     raise InvalidInputError(f"unknown backend {kind!r}", f"use one of {', '.join(BACKENDS)}")

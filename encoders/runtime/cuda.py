@@ -86,6 +86,9 @@ class CudaBackend:
             self._rank[key] = max((f.a.shape[0] for f in att.low_rank.values()), default=0)
         return self._why[key]
 
+    def count_rows(self, keys: list[str]) -> None:
+        """Every encoder runs in the same gathered forward: nothing to adapt."""
+
     def prepare(self, key: str) -> None:
         """Write ``key``'s slot now (no graph is captured); an encoder the table cannot hold
         runs on the torch pool."""

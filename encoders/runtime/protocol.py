@@ -27,6 +27,10 @@ class Backend(Protocol):
         """Row ``i`` embedded as a query by encoder ``keys[i]``: (n, dim) float32, input order.
         ``encodings``: the texts' tokenizer encodings (query prefix included) when the caller
         has them (the server's tokens stage): then the backend does not tokenise again."""
+    def count_rows(self, keys: list[str]) -> None:
+        """The encoders of rows a server served to its users (one key per row; not guard or tuning
+        passes): the shared backend runs an encoder with most of them on a merged graph
+        (:mod:`qswap.encoders.runtime.hot`); the others ignore it."""
     def prepare(self, key: str) -> None: ...
     def discard(self, key: str) -> None: ...
     def ready(self, key: str) -> bool: ...
@@ -36,3 +40,12 @@ class Backend(Protocol):
         """What runs ``key`` now: ``torch``, ``onnx-merged`` (its own export), ``onnx-shared``, or on the
         cuda backend ``cuda-graph`` / ``gathered`` (the same buckets run eagerly)."""
     def close(self) -> None: ...
+
+
+def served(backend: Backend) -> Callable[..., np.ndarray]:
+    """``backend.encode`` for a server's batches: each batch's rows are counted first
+    (:meth:`Backend.count_rows`), so what a server serves decides which encoders are hot."""
+    def encode(texts: list[str], keys: list[str], encodings: list[Any] | None = None) -> np.ndarray:
+        backend.count_rows(keys)
+        return backend.encode(texts, keys, encodings=encodings)
+    return encode

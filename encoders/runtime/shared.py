@@ -15,9 +15,12 @@ groups) a mixed batch is instead ONE call of a second graph that takes the LoRA 
 of its encoders once and routes each row to its own (:mod:`qswap.encoders.runtime.shared_segments`).
 
 Encoders the shared graph cannot express (``partial`` tensors other than biases), and encoders
-pinned with :meth:`SharedBackend.pin` (one that serves most of the traffic may run a little
-faster merged), go to a merged per-encoder export (:class:`qswap.encoders.runtime.onnx.OnnxBackend`),
-whose bytes count in the memory budget. Until the shared export is ready, or if it fails, every
+pinned with :meth:`SharedBackend.pin`, go to a merged per-encoder export
+(:class:`qswap.encoders.runtime.onnx.OnnxBackend`), whose bytes count in the memory budget. An
+encoder that serves most of a server's rows (:meth:`SharedBackend.count_rows`) is *hot*: it also
+gets a merged export, built in the background, and its rows of interactive batches run there
+(:mod:`qswap.encoders.runtime.hot`); when its share of the traffic falls, it goes back to the
+shared graph and its session is freed. Until the shared export is ready, or if it fails, every
 row runs on the torch pool, so answers never wait on an export.
 """
 
@@ -36,19 +39,18 @@ import torch
 
 from qswap.encoders.runtime.export_cache import cached_dir
 from qswap.encoders.embedding import length_buckets
-from qswap.encoders.runtime.onnx import OnnxBackend, available_providers, make_session
+from qswap.encoders.runtime.hot import DEFAULT_HOT, HOT_SHARE, HOT_WINDOW_ROWS, HotEncoders
+from qswap.encoders.runtime.onnx_export import release_freed_memory
+from qswap.encoders.runtime.onnx import CALL_TOKENS, OnnxBackend, available_providers, make_session
 from qswap.encoders.pool import FACTOR_DTYPES, EncoderPool
 from qswap.encoders.runtime.shared_export import (SEGMENTS_MODEL_FILE, UNREACHED, SHARED_MODEL_FILE, Slots, export_shared,
-                                                  find_slots, ort_input, release_freed_memory, shared_digest)
+                                                  find_slots, ort_input, shared_digest)
 from qswap.encoders.runtime.shared_segments import MAX_SEGMENTS, SegmentRunner
 from qswap.encoders.runtime.shared_run import BoundFeed, segment_groups, spread_groups
 from qswap.errors import InvalidInputError, NotFoundError
 
 log = logging.getLogger(__name__)
 RETRY_MAX_S = 300.0   # the longest wait between two export attempts
-# What one more ONNX Runtime call costs, in tokens of forward compute: a batch's rows (longest
-# first) are cut into calls where the padding saved outweighs it (encoders.embedding.padded_splits).
-CALL_TOKENS = 16
 SHARED_DIR = "_shared"
 #: How a batch that mixes encoders runs: ``groups``, one call per encoder group (side by side on
 #: a second, single-threaded session); ``segments``, one call for all its rows of LoRA encoders
@@ -96,14 +98,16 @@ class SharedBackend:
     (default :func:`available_providers`: CUDA first where present); ``batch_size``: rows per
     ONNX Runtime call; ``group_workers``: how many encoder groups of one batch run side by side
     (default: ``threads``; 1 runs them one after another; on CPU only); ``mix``: how a batch that
-    mixes encoders runs (:data:`MIXES`).
+    mixes encoders runs (:data:`MIXES`); ``hot``: merged sessions kept for the encoders with most
+    of the served rows (:meth:`count_rows`; 0: none); ``hot_window``: served rows per decision.
     """
 
     name = "shared"
 
     def __init__(self, pool: EncoderPool, cache_dir: Path, threads: int | None = None,
                  providers: list[str] | None = None, spin: bool = True, batch_size: int = 64,
-                 group_workers: int | None = None, retry_s: float | None = None, mix: str = DEFAULT_MIX) -> None:
+                 group_workers: int | None = None, retry_s: float | None = None, mix: str = DEFAULT_MIX,
+                 hot: int = DEFAULT_HOT, hot_window: int = HOT_WINDOW_ROWS) -> None:
         if threads is not None and threads < 1:
             raise InvalidInputError(f"threads must be >= 1, got {threads}", "omit it to use all cores")
         if mix not in MIXES:
@@ -129,6 +133,8 @@ class SharedBackend:
         # key -> its adapter's full feed: tensors until the session exists, then bound OrtValues
         self._inputs: dict[str, dict[str, torch.Tensor] | BoundFeed] = {}
         self._pinned: set[str] = set()
+        # Keys whose rows run on their merged session once it is ready (they keep their shared feed meanwhile).
+        self._hot = HotEncoders(hot, hot_window)
         self._lock = threading.RLock()
         # A failed export (EMFILE, a full disk) is tried again after retry_s, doubling up to
         # RETRY_MAX_S, instead of leaving every encoder on torch until a restart.
@@ -273,8 +279,35 @@ class SharedBackend:
         with self._lock:
             self._inputs[key] = self._feed(full) if self._session is not None else full
             segments = self._segments
+        was_hot = self._hot.discard(key)
         if segments is not None:   # a re-prepared key's factors are copied again when it next runs
             segments[1].discard(key)
+        if was_hot:   # its merged session holds the weights it had: it becomes hot again from its traffic
+            self.merged.discard(key)
+
+    def count_rows(self, keys: list[str]) -> None:
+        """Count the encoders of rows a server served to its users (not guard or tuning passes);
+        every ``hot_window`` rows, decide which encoders are hot (:data:`HOT_SHARE`).
+
+        A new hot encoder's merged export starts in the background (cached on disk like any
+        merged export); its rows stay on the shared graph until the session is ready. An encoder
+        that is no longer hot goes back to the shared graph at once and its session is freed.
+        """
+        promoted, demoted = self._hot.count(keys, lambda k: k in self._inputs and k in self.pool)
+        for k in demoted:
+            log.info("encoder %s is no longer hot: back on the shared graph", k)
+            self.merged.discard(k)
+        for k in promoted:
+            log.info("encoder %s is hot (at least %.0f%% of the last %d rows): exporting its merged graph",
+                     k, 100 * HOT_SHARE, self._hot.window)
+            try:
+                self.merged.prepare(k)
+            except NotFoundError:   # removed meanwhile
+                self._hot.discard(k)
+
+    def hot(self) -> list[str]:
+        """The hot encoders whose rows run merged now (their sessions are ready)."""
+        return [k for k in sorted(self._hot.keys()) if self.merged.ready(k)]
 
     def pin(self, key: str) -> None:
         """Serve ``key`` from its own merged export (for an encoder with most of the traffic);
@@ -320,8 +353,11 @@ class SharedBackend:
     def runtime(self, key: str) -> str:
         """``onnx-shared``, ``onnx-merged`` or ``torch``: what runs ``key``'s forwards now."""
         with self._lock:
-            if key in self._inputs:
-                return "onnx-shared" if self._session is not None else "torch"
+            shared, session = key in self._inputs, self._session
+        if key in self._hot and self.merged.ready(key):
+            return "onnx-merged"
+        if shared:
+            return "onnx-shared" if session is not None else "torch"
         return "onnx-merged" if self.merged.ready(key) else "torch"
 
     def error(self, key: str) -> str | None:
@@ -361,6 +397,7 @@ class SharedBackend:
             self._inputs.pop(key, None)
             self._pinned.discard(key)
             segments = self._segments
+        self._hot.discard(key)
         if segments is not None:
             segments[1].discard(key)
         self.merged.discard(key)
@@ -415,6 +452,10 @@ class SharedBackend:
         with self._lock:
             session, group_session, segments = self._session, self._group_session, self._segments
             feeds = {k: f for k, f in self._inputs.items() if isinstance(f, BoundFeed)} if session is not None else {}
+        hot = self._hot.keys() if not bulk else set()   # the bulk lane holds one core: never the merged session
+        for k in hot:
+            if self.merged.ready(k):
+                feeds.pop(k, None)   # its rows run merged
         for i, k in enumerate(keys):
             if k in feeds:
                 groups.setdefault(k, []).append(i)

@@ -440,28 +440,6 @@ def _dynamic_axes(slots: Slots, segments: bool) -> dict[str, dict[int, str]]:
     return axes
 
 
-def release_freed_memory() -> None:
-    """Hand the heap an export freed back to the OS (glibc keeps it otherwise); call it after
-    :func:`export_shared` returns.
-
-    The optimiser's passes hold several copies of the graph; in a server, whose export runs
-    in-process, ~500 MB of them stayed resident after the export of multilingual-e5-small
-    (1,377 vs 881 MB RSS after ``malloc_trim``). No-op where glibc is absent.
-    """
-    import ctypes
-    import ctypes.util
-    import gc
-
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-    except OSError:   # no loadable C library: nothing to trim
-        pass
-
-
 def _fused_ops(path: Path) -> dict[str, int]:
     """How many nodes of each fused (``com.microsoft``) op the graph at ``path`` holds."""
     import onnx

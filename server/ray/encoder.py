@@ -74,7 +74,7 @@ class EncoderCore:
         self.pool = EncoderPool(base)
         self.backend = make_backend(settings.backend, self.pool, settings.state_dir / "onnx",
                                     settings.onnx_threads, settings.query_precision,
-                                    spin=settings.onnx_spin)
+                                    spin=settings.onnx_spin, hot=settings.hot_encoders)
         self.registry = SharedRegistry(state_dir=settings.state_dir, pool=self.pool, space=base.space,
                                        backend=self.backend, default_encoder=settings.default_encoder,
                                        memory_budget=settings.encoder_memory_bytes)
@@ -123,6 +123,7 @@ class EncoderCore:
                 self.registry.ensure_loaded(key)
         self.stats["batches"] += 1
         self.stats["rows"] += len(texts)
+        self.backend.count_rows(keys)   # what this replica serves decides its hot encoders
         # Tokenised once here: the backend encodes these encodings, the flags are read from them.
         encs = self.base.tokenizer.encode_batch([self.base.spec.query_prefix + t for t in texts])
         return (np.asarray(self.backend.encode(texts, keys, encodings=encs), dtype=np.float32),

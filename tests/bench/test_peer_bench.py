@@ -48,6 +48,8 @@ def test_qswap_arms_run_and_infinity_is_skipped_with_a_reason(tiny_model_dir, tm
                 assert 0 < p["p50_ms"] <= p["p99_ms"] and len(p["loadavg"]) == 3
         assert res["scenarios"][sc]["rss_bytes"]["qswap"] > 0
         assert "agreement" not in res["scenarios"][sc] and res["scenarios"][sc]["vs_infinity"] == {}
+    # One domain: its encoder serves every row, so it ran hot (merged) before timing; not so with two.
+    assert res["scenarios"]["one"]["qswap_hot_wait_s"] >= 0 and "qswap_hot_wait_s" not in res["scenarios"]["many"]
     md = (out / "README.md").read_text()
     assert "Infinity skipped: cannot create" in md and "| one domain | 4 | qswap embeddings |" in md
     assert (out / "qps.png").stat().st_size > 0 and (out / "p99.png").stat().st_size > 0
@@ -58,6 +60,25 @@ def test_one_domain_only_is_refused_in_one_line(tiny_model_dir, tmp_path, capsys
     err = capsys.readouterr().err
     assert err.strip() == "qswap bench peer: --domains must be at least 2 (the second scenario serves several domains)"
     assert not (tmp_path / "x" / "results.json").exists()
+
+
+def test_hot_off_arm_runs_beside_the_hot_server(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("QSWAP_DATA_DIR", str(tmp_path / "data"))
+    out = tmp_path / "peer"
+    assert _quick(tiny_model_dir, out, "--no-infinity", "--scenarios", "one", "--hot-off-arm") == 0
+    res = json.loads((out / "results.json").read_text())["results"]
+    assert set(res["scenarios"]) == {"one"}
+    sc = res["scenarios"]["one"]
+    for c in ("1", "4"):
+        assert set(sc["levels"][c]) == {"qswap search", "qswap embeddings", peer.HOT_OFF}
+        assert sc["levels"][c][peer.HOT_OFF][0]["failed"] == 0
+        assert sc["hot_over_off"][c]["median"] > 0
+    assert "hot encoder on / off" in (out / "README.md").read_text()
+
+
+def test_an_unknown_scenario_is_refused_in_one_line(tiny_model_dir, tmp_path, capsys):
+    assert _quick(tiny_model_dir, tmp_path / "x", "--scenarios", "one,both", "--no-infinity") == 2
+    assert capsys.readouterr().err.strip() == "qswap bench peer: unknown scenario both: use one, many"
 
 
 def test_against_infinity_same_answers_and_ratios(tiny_model_dir, tmp_path, monkeypatch):

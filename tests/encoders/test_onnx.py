@@ -99,6 +99,19 @@ def test_batches_longer_than_batch_size_and_ragged_lengths(pool, backend, tmp_pa
         small.close()
 
 
+def test_a_batch_of_ragged_lengths_is_cut_where_padding_costs_more_than_a_call(backend, pool, monkeypatch):
+    # 8 one-word queries and one of ~40 tokens: padding all nine to the long one would compute
+    # ~4x their real tokens, so the long row runs in a call of its own; answers unchanged.
+    texts = ["a"] * 8 + [" ".join(["science"] * 36)]
+    widths: list[tuple[int, int]] = []
+    session = backend._sessions["l1@1"].session
+    run = session.run
+    monkeypatch.setattr(session, "run", lambda out, feed: (widths.append(feed["attention_mask"].shape), run(out, feed))[1])
+    got = backend.encode(texts, ["l1@1"] * len(texts))
+    assert sorted(widths) == sorted([(1, max(w for _, w in widths)), (8, min(w for _, w in widths))])
+    assert cosine(got, pool.encode(texts, ["l1@1"] * len(texts))).min() >= MIN_COSINE
+
+
 def test_graph_holds_no_word_embedding_matrix(backend, tiny_base):
     import onnx
 

@@ -1,0 +1,92 @@
+"""Hot encoders: the few encoders that serve most of a server's rows, run on merged graphs.
+
+The shared graph (:mod:`qswap.encoders.runtime.shared`) serves any number of encoders from one
+session, but an encoder's rows cost more there than on its own merged export: the shared graph
+takes the adapter as inputs and keeps Q, K and V apart, while a merged graph packs them into one
+attention op (``bench/results/forward_mixed/``: a batch of 8 queries of one LoRA r=32 encoder,
+1.25x the merged graph's time). When one encoder carries most of the traffic (a server with one
+domain, or one domain far ahead of the others), it is worth a merged session of its own.
+
+:class:`HotEncoders` only decides which encoders those are, from the rows a server served; the
+backend builds and frees the sessions.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Callable
+
+from qswap.errors import InvalidInputError
+
+#: An encoder with at least this share of a window's served rows becomes hot (runs merged); a hot
+#: one goes back to the shared graph below half of it, so that a share near the line does not
+#: export and free a session window after window.
+HOT_SHARE = 0.5
+#: Served rows per decision: a few seconds of a loaded server, long enough that a burst of one
+#: encoder's requests does not export a graph it will not keep.
+HOT_WINDOW_ROWS = 512
+#: Merged sessions kept for hot encoders (each holds the base's transformer weights again: ~85 MB
+#: for multilingual-e5-small); 0 turns hot encoders off.
+DEFAULT_HOT = 1
+
+
+class HotEncoders:
+    """Which encoders are hot, from the rows served (thread-safe).
+
+    ``slots``: hot encoders at most (0: none, ever); ``window``: served rows per decision.
+    """
+
+    def __init__(self, slots: int = DEFAULT_HOT, window: int = HOT_WINDOW_ROWS) -> None:
+        if slots < 0 or window < 1:
+            raise InvalidInputError(f"hot slots must be >= 0 and the window >= 1 row, got {slots}, {window}",
+                                    "0 slots turn hot encoders off")
+        self.slots = slots
+        self.window = window
+        self._recent: Counter[str] = Counter()
+        self._hot: set[str] = set()
+        self._lock = threading.Lock()
+
+    def count(self, keys: list[str], eligible: Callable[[str], bool]) -> tuple[list[str], list[str]]:
+        """Count served rows (one key per row); at the end of a window, decide.
+
+        ``eligible(key)``: whether ``key`` may run merged (loaded, on the shared graph). Returns
+        ``(promoted, demoted)``: keys that just became hot, and keys that no longer are (both
+        empty between decisions).
+        """
+        if self.slots == 0:
+            return [], []
+        with self._lock:
+            self._recent.update(keys)
+            rows = sum(self._recent.values())
+            if rows < self.window:
+                return [], []
+            share = {k: n / rows for k, n in self._recent.items()}
+            self._recent.clear()
+            demoted = sorted(k for k in self._hot if share.get(k, 0.0) < HOT_SHARE / 2 or not eligible(k))
+            self._hot.difference_update(demoted)
+            promoted = []
+            for k, s in sorted(share.items(), key=lambda kv: -kv[1]):
+                if s < HOT_SHARE or len(self._hot) >= self.slots:
+                    break
+                if k not in self._hot and eligible(k):
+                    self._hot.add(k)
+                    promoted.append(k)
+            return promoted, demoted
+
+    def discard(self, key: str) -> bool:
+        """Forget ``key`` (removed, or its weights changed); whether it was hot."""
+        with self._lock:
+            self._recent.pop(key, None)
+            was = key in self._hot
+            self._hot.discard(key)
+            return was
+
+    def keys(self) -> set[str]:
+        """The hot encoders now (their merged sessions may still be building)."""
+        with self._lock:
+            return set(self._hot)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._hot

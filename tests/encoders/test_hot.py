@@ -1,0 +1,147 @@
+"""Hot encoders: an encoder serving most of a server's rows runs on its own merged graph, with
+the same answers, and goes back to the shared graph (its session freed) when its traffic falls."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
+from qswap.encoders.runtime.hot import HOT_SHARE, HotEncoders
+from qswap.encoders.runtime.protocol import served
+from qswap.encoders.runtime.shared import SharedBackend
+from qswap.errors import InvalidInputError
+
+from .adapters import make_lora
+from .test_shared import MIN_COSINE, TEXTS, cosine
+
+ALL = lambda key: True   # noqa: E731 - every key may run merged
+
+
+def test_an_encoder_with_most_rows_becomes_hot_at_the_end_of_a_window():
+    hot = HotEncoders(slots=1, window=10)
+    assert hot.count(["a"] * 6, ALL) == ([], [])          # the window is not full yet
+    assert hot.count(["b"] * 4, ALL) == (["a"], [])       # a: 60 % of 10 rows
+    assert "a" in hot and hot.keys() == {"a"}
+
+
+def test_even_traffic_makes_no_encoder_hot():
+    hot = HotEncoders(slots=2, window=8)
+    assert hot.count(["a", "b", "c", "d"] * 2, ALL) == ([], [])
+    assert hot.keys() == set()
+
+
+def test_a_hot_encoder_stays_hot_above_half_the_share_and_leaves_below():
+    hot = HotEncoders(slots=1, window=10)
+    hot.count(["a"] * 10, ALL)
+    assert hot.count(["a"] * 3 + ["b"] * 7, ALL) == ([], [])      # 30 % >= HOT_SHARE / 2: kept
+    assert HOT_SHARE / 2 <= 0.3 < HOT_SHARE
+    assert hot.count(["a"] * 2 + ["b"] * 8, ALL) == (["b"], ["a"])  # 20 %: gone, b takes the slot
+
+
+def test_no_slot_no_hot_encoder_and_ineligible_keys_are_skipped():
+    off = HotEncoders(slots=0, window=1)
+    assert off.count(["a"] * 5, ALL) == ([], []) and off.keys() == set()
+    hot = HotEncoders(slots=1, window=4)
+    assert hot.count(["partial"] * 4, lambda k: k != "partial") == ([], [])
+    hot.count(["a"] * 4, ALL)
+    assert hot.count(["a"] * 4, lambda k: False) == ([], ["a"])    # removed from the shared graph: not hot
+
+
+def test_discard_forgets_the_key_and_its_rows():
+    hot = HotEncoders(slots=1, window=4)
+    hot.count(["a"] * 4, ALL)
+    hot.count(["a"] * 3, ALL)
+    assert hot.discard("a") and not hot.discard("a")
+    assert hot.count(["b"], ALL) == ([], [])   # a's 3 rows no longer count towards the window
+
+
+@pytest.mark.parametrize("slots, window", [(-1, 4), (1, 0)])
+def test_bad_settings_are_refused(slots, window):
+    with pytest.raises(InvalidInputError):
+        HotEncoders(slots=slots, window=window)
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_base, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hot-enc")
+    pool = EncoderPool(tiny_base, factor_dtype="float32")
+    for name, seed in (("h1", 1), ("h2", 2)):
+        pool.add(load_encoder(make_lora(tiny_base, tmp / name, name, seed=seed, r=4,
+                                        targets=("query", "value", "dense")), tiny_base.space))
+    return pool
+
+
+@pytest.fixture
+def backend(pool, tmp_path):
+    b = SharedBackend(pool, tmp_path, threads=1, hot=1, hot_window=len(TEXTS))
+    for key in ("h1@1", "h2@1", BASE_KEY):
+        b.prepare(key)
+    assert b.wait(timeout=120), b.error("h1@1")
+    yield b
+    b.close()
+
+
+def _spy_merged(backend, monkeypatch) -> list[list[str]]:
+    """The keys of every batch the merged sessions encode (the real method runs)."""
+    calls: list[list[str]] = []
+    encode = backend.merged.encode
+    monkeypatch.setattr(backend.merged, "encode", lambda texts, keys, **kw: (calls.append(list(keys)),
+                                                                             encode(texts, keys, **kw))[1])
+    return calls
+
+
+def test_served_rows_make_an_encoder_hot_and_its_rows_run_merged(backend, pool, monkeypatch):
+    encode = served(backend)
+    assert backend.runtime("h1@1") == "onnx-shared"
+    encode(TEXTS, ["h1@1"] * len(TEXTS))                  # one window, all h1: hot
+    assert backend.merged.wait("h1@1", timeout=120), backend.merged.error("h1@1")
+    assert backend.runtime("h1@1") == "onnx-merged" and backend.hot() == ["h1@1"]
+    assert backend.runtime("h2@1") == "onnx-shared"
+    calls = _spy_merged(backend, monkeypatch)
+    keys = ["h1@1", "h2@1", "h1@1", BASE_KEY, "h1@1", "h2@1", "h1@1", "h1@1", BASE_KEY]
+    got = encode(TEXTS, keys)
+    assert calls == [["h1@1"] * 5]                        # h1's rows, and only they, ran merged
+    ref = np.stack([pool.encode([t], [k])[0] for t, k in zip(TEXTS, keys)])
+    assert cosine(got, ref).min() >= MIN_COSINE
+
+
+def test_the_bulk_lane_and_unserved_passes_never_use_the_merged_session(backend, monkeypatch):
+    served(backend)(TEXTS, ["h1@1"] * len(TEXTS))
+    assert backend.merged.wait("h1@1", timeout=120)
+    calls = _spy_merged(backend, monkeypatch)
+    backend.encode_flagged_bulk(TEXTS, ["h1@1"] * len(TEXTS))   # holds one core: the single-threaded session
+    assert calls == []
+    for _ in range(3):   # a guard or tuning pass: not counted, h1 stays the hot one
+        backend.encode(TEXTS, ["h2@1"] * len(TEXTS))
+    assert backend.hot() == ["h1@1"]
+
+
+def test_a_cold_encoder_goes_back_to_the_shared_graph_and_frees_its_session(backend):
+    encode = served(backend)
+    encode(TEXTS, ["h1@1"] * len(TEXTS))
+    assert backend.merged.wait("h1@1", timeout=120)
+    encode(TEXTS, ["h2@1"] * len(TEXTS))                  # the next window is all h2
+    assert backend.runtime("h1@1") == "onnx-shared" and not backend.merged.ready("h1@1")
+    assert backend.merged.wait("h2@1", timeout=120)
+    assert backend.hot() == ["h2@1"]
+
+
+def test_a_removed_hot_encoder_is_forgotten(backend):
+    served(backend)(TEXTS, ["h1@1"] * len(TEXTS))
+    assert backend.merged.wait("h1@1", timeout=120)
+    backend.discard("h1@1")
+    assert backend.hot() == [] and not backend.merged.ready("h1@1")
+    backend.prepare("h1@1")                               # registered again: shared until hot again
+    assert backend.runtime("h1@1") == "onnx-shared"
+
+
+def test_hot_off_keeps_every_encoder_on_the_shared_graph(pool, tmp_path):
+    b = SharedBackend(pool, tmp_path, threads=1, hot=0, hot_window=1)
+    try:
+        b.prepare("h1@1")
+        assert b.wait(timeout=120)
+        served(b)(TEXTS, ["h1@1"] * len(TEXTS))
+        assert b.hot() == [] and b.runtime("h1@1") == "onnx-shared"
+    finally:
+        b.close()
