@@ -83,6 +83,10 @@ def git_info(repo: Path = REPO) -> dict[str, Any]:
         return r.stdout.strip() if r.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD")
+    if commit is None and os.environ.get("QSWAP_COMMIT"):
+        # An installed wheel on a machine without the checkout (the GPU payload): the commit the
+        # wheel was built from, as its preparer recorded it.
+        return {"commit": os.environ["QSWAP_COMMIT"], "dirty": None}
     status = git("status", "--porcelain", "--untracked-files=no") if commit else None
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
