@@ -5,8 +5,16 @@ tokenising as well as forward passes: 64 texts of 512 tokens are 30-80 ms of tok
 Done in the batch worker's tokens stage, every one-query search queued behind it waits that
 long; done on a default executor thread, it runs beside the interactive lane at its priority.
 :class:`LowPriority` is one worker thread at :data:`BULK_NICE` on which large requests are
-tokenised one after another (the tokenizer's own thread pool, when it uses one, does the
-work); the bulk lane's forward thread takes the same nice value (:func:`lower_priority`).
+tokenised one after another, and the bulk lane's forward thread takes the same nice value
+(:func:`lower_priority`).
+
+The tokenizer must do that work on the thread that asks for it. ``tokenizers`` runs
+``encode_batch`` on a thread pool of its own (Rust's rayon) whose threads are made once, by
+the first thread that tokenises, and keep that thread's priority (normal: the server's loader):
+a large request tokenised "on" a nice-19 thread ran on every core at normal priority, beside
+the searches it was meant to yield to. :func:`tokenize_on_caller` turns that pool off for the
+process (each tokenisation then runs on the calling thread, at its priority; a one-query
+search is no slower: its encode_batch holds one text).
 """
 
 from __future__ import annotations
@@ -28,6 +36,17 @@ T = TypeVar("T")
 BULK_NICE = 19
 
 
+#: The ``tokenizers`` setting read at every ``encode_batch`` (false: on the calling thread).
+TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"
+
+
+def tokenize_on_caller() -> None:
+    """Make ``tokenizers`` tokenise on the calling thread, at its priority, from now on (the
+    library reads the setting at every call; see the module docstring). Process-wide: a server
+    chooses the priority of each thread that tokenises."""
+    os.environ[TOKENIZERS_PARALLELISM] = "false"
+
+
 def lower_priority() -> None:
     """Give the calling thread the nice value :data:`BULK_NICE` (Linux: per thread); elsewhere,
     or when not allowed, it keeps its priority."""
@@ -41,6 +60,7 @@ class LowPriority:
     """One worker thread at :data:`BULK_NICE` (see the module docstring)."""
 
     def __init__(self, name: str = "qswap-bulk-tokens") -> None:
+        tokenize_on_caller()   # else the tokenizer's own pool does this thread's work at normal priority
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=lower_priority)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> "Future[T]":

@@ -280,3 +280,31 @@ def test_bulk_lane_off_keeps_one_forward_thread():
                  count_tokens=lambda texts: [len(t) // 10 + 1 for t in texts]) as b:
         _run(b.search(["L" * 60] * 3, "k", k=1, ticket=Ticket()))
     assert {c[3] for c in calls if c[0] == "encode"} == {"qswap-batcher"}
+
+
+def test_a_large_request_is_tokenised_on_the_low_priority_thread_itself(monkeypatch):
+    # The bulk lane's tokenising thread runs at nice 19; the tokenizer's own thread pool (rayon,
+    # made by the first thread that tokenises, at its normal priority) must not do that work for
+    # it. Measured: the CPU time of the low thread against the whole process's during the call
+    # (without tokenize_on_caller the pool's threads take all of it and the thread ~none).
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    words = [f"w{i}" for i in range(1000)]
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    texts = [" ".join(words[(i + j) % 1000] for j in range(4000)) for i in range(64)]
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")   # as in a process that never turned it off
+    tok.encode_batch(texts[:2])                            # the pool is made here, on a normal thread
+
+    def tokenize() -> tuple[float, float]:
+        own, total = time.thread_time(), time.process_time()
+        tok.encode_batch(texts)
+        return time.thread_time() - own, time.process_time() - total
+
+    calls: list = []
+    enc, srch = _fake(calls)
+    with running(encode=enc, search=srch, bulk=True) as b:
+        own, total = _run(b.low_priority(tokenize))
+    assert total > 0 and own >= 0.7 * total, (own, total)
