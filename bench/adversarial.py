@@ -51,6 +51,7 @@ from qswap.bench.plots import plot_bars
 from qswap.bench.processes import ServerProcess, free_port, http_json
 from qswap.bench.results import md_table
 from qswap.bench.stats import percentile
+from qswap.encoders.runtime.hot import HOT_WINDOW_ROWS
 from qswap.errors import InvalidInputError
 
 NAME = "adversarial"
@@ -63,6 +64,8 @@ HUGE_CHARS = 1_900_000
 UPSERT_DOCS = ByMode(850, 100)
 ATTACKS = ("long_queries", "huge_answers", "big_upsert", "slow_connections", "document_embeddings",
            "abandoned_requests", "feedback_flood")
+#: Warm-up searches: more than a hot-encoder window (HOT_WINDOW_ROWS), so that the base runs merged.
+HOT_WARM_ROWS = HOT_WINDOW_ROWS + 128
 ABANDON_AFTER_S = 0.5               # an abandoning attacker closes its connection this long after sending
 FLOOD_CONNECTIONS = 8
 IP_BIND_ADDRESS_NO_PORT = 24       # Linux: many connections from one bound address
@@ -469,7 +472,14 @@ def run(args: argparse.Namespace) -> int:
                 {"id": f"huge-{i}", "text": huge + str(i), "metadata": {"section": "huge"}}]}, timeout=600)
             if st != 200:
                 raise InvalidInputError(f"adding a huge document failed ({st}): {body}", "see " + str(tmp))
-        warm_up(port, reqs, concurrency=CONNECTIONS, requests=8 * CONNECTIONS, duration_s=30)
+        # More rows than a hot-encoder window, then wait for its merged session: the base serves
+        # every row, so it becomes hot (qswap.encoders.runtime.hot) and its session is built here,
+        # not inside whichever attack's window the server's row count reaches the window in.
+        warm_up(port, reqs, concurrency=CONNECTIONS, requests=HOT_WARM_ROWS, duration_s=120)
+        try:
+            res["server"]["hot_wait_s"] = wait_for_runtime(srv, ["base"], "onnx", 300)
+        except InvalidInputError as e:   # hot encoders off, or its export failed: recorded, the run goes on
+            res["server"]["hot_error"] = str(e)
         # One legitimate request of the largest size grows the runtime's buffers once, before
         # the RSS baseline: a high-water mark of normal use, not something an attack leaves.
         st, body = http_json("POST", srv.url("/v1/search"), {"queries": work.queries[:64], "k": 100}, timeout=600)
