@@ -195,7 +195,7 @@ class Attacker:
                     self.statuses[f"job {job['status']}"] += 1
                     self.jobs_done += 1
                     break
-                self.stop.wait(0.2)
+                time.sleep(0.2)   # not stop.wait: once stopped, it would poll as fast as the server answers
         c.close()
 
     def _feedback_flood(self) -> None:
