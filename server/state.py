@@ -32,6 +32,8 @@ from qswap.server.http.rendering import ResponseLimits
 
 log = logging.getLogger("qswap.server")
 
+#: Compute threads of the document tower on the bulk lane (``ServerState.document_encoder``).
+DOCUMENT_THREADS_BULK = 1
 
 
 class ServerState:
@@ -324,14 +326,20 @@ class ServerState:
 
     def document_encoder(self) -> Any:
         """The document tower upserts embed with, at the precision of the index's documents
-        (so upserts never mix precisions in it); built on the first upsert. Worker thread."""
+        (so upserts never mix precisions in it); built on the first upsert. Worker thread.
+
+        With the bulk lane, document rows run there, on one thread (:data:`DOCUMENT_THREADS_BULK`):
+        the lane holds one core. A multi-threaded session's spinning workers, at the lane's low
+        priority, waited for each other on the one core the searches left them (an 850-document
+        upsert took minutes beside a busy event loop) and took the second core when it was free."""
         assert self.base is not None
         if self._documents is None:
             from qswap.encoders.runtime.documents import DocumentEncoder
             from qswap.index.manifest import documents_precision
             build = self.index.manifest.get("build", {})
             self._documents = DocumentEncoder(self.base, precision=documents_precision(build),
-                                              cache_dir=self.settings.state_dir / "onnx")
+                                              cache_dir=self.settings.state_dir / "onnx",
+                                              threads=DOCUMENT_THREADS_BULK if self.settings.bulk_lane else None)
         return self._documents
 
     def delete_documents(self, ids: list[str]) -> tuple[int, int]:

@@ -231,6 +231,11 @@ def test_a_large_upsert_is_a_job_and_searches_run_between_its_slices(tmp_path, t
             polled = admin.get(r.headers["location"]).json()
         assert polled["status"] == "done" and polled["result"] == {"upserted": 40, "count": 90}, polled
         assert polled["embedded"] == 40 and len(sizes) > 2 and max(sizes) < 40
+        # On the bulk lane the document tower holds one core: its ONNX Runtime session has no
+        # worker threads of its own (spinning beside the searches on the core they leave it).
+        from qswap.encoders.runtime.documents import machine_threads
+        threads = state.document_encoder()._session.get_session_options().intra_op_num_threads
+        assert threads == (1 if bulk_lane else machine_threads()), threads
         hits = anon.post("/v1/search", json={"query": "chess", "k": 40, "filter": {"job": True}}).json()
         assert len(hits["results"][0]["hits"]) == 40
         # A small upsert answers when written; an unknown job is a 404.
