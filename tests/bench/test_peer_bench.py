@@ -76,9 +76,27 @@ def test_hot_off_arm_runs_beside_the_hot_server(tiny_model_dir, tmp_path, monkey
     assert "hot encoder on / off" in (out / "README.md").read_text()
 
 
+def test_twenty_domains_time_a_settled_server(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("QSWAP_DATA_DIR", str(tmp_path / "data"))
+    out = tmp_path / "peer"
+    assert _quick(tiny_model_dir, out, "--no-infinity", "--scenarios", "twenty") == 0
+    res = json.loads((out / "results.json").read_text())["results"]
+    sc = res["scenarios"]["twenty"]
+    assert set(res["scenarios"]) == {"twenty"} and sc["domains"] == peer.TWENTY.quick
+    # Warmed at the highest level until /readyz listed no build: the segment graph, started by the
+    # first batches that mix encoders, was awaited before timing, and nothing was built during it.
+    for settled in sc["qswap_settled"].values():
+        assert settled["rounds"] >= 1 and settled["seconds"] > 0
+    assert "segment graph" in sc["qswap_settled"]["qswap search"]["waited_for"]
+    assert sc["qswap_warming_after"] == []
+    for c in ("1", "4"):
+        for pts in sc["levels"][c].values():
+            assert pts[0]["failed"] == 0 and pts[0]["qps"] > 0
+
+
 def test_an_unknown_scenario_is_refused_in_one_line(tiny_model_dir, tmp_path, capsys):
     assert _quick(tiny_model_dir, tmp_path / "x", "--scenarios", "one,both", "--no-infinity") == 2
-    assert capsys.readouterr().err.strip() == "qswap bench peer: unknown scenario both: use one, many"
+    assert capsys.readouterr().err.strip() == "qswap bench peer: unknown scenario both: use one, many, twenty"
 
 
 def test_against_infinity_same_answers_and_ratios(tiny_model_dir, tmp_path, monkeypatch):
