@@ -392,6 +392,17 @@ class SharedBackend:
         _await_build(self._segments_future, wait)   # a timeout or a failed build: mixed batches run per group
         return self._segments is not None
 
+    def building(self) -> list[str]:
+        """What is being built in the background now, by kind: ``shared graph`` (answers run on
+        torch meanwhile), ``mixed-batch session`` and ``segment graph`` (started by the first
+        batches that mix encoders; those run per group meanwhile), ``merged graph`` (a hot or
+        pinned encoder's; it runs on the shared graph meanwhile). Empty once every build started
+        has finished, whatever its outcome (a failure is in :meth:`error` and the log)."""
+        with self._lock:
+            pending = [("shared graph", self._future), ("mixed-batch session", self._group_future),
+                       ("segment graph", self._segments_future)]
+        return [name for name, f in pending if f is not None and not f.done()] + self.merged.building()
+
     def discard(self, key: str) -> None:
         with self._lock:
             self._inputs.pop(key, None)
