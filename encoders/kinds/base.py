@@ -132,10 +132,13 @@ class AdapterKind(ABC):
         """
 
     def nbytes(self, att: Attached) -> int:
-        """Bytes this encoder adds on top of the shared base."""
+        """Bytes this encoder adds on top of the shared base: the storages its tensors hold
+        (a view holds all of its storage; the pool packs LoRA factors into one page-rounded
+        block, :mod:`qswap.encoders.packed`), each counted once."""
         seen: dict[int, int] = {}
         for t in att.tensors():
-            seen[t.data_ptr()] = t.numel() * t.element_size()
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
         return sum(seen.values())
 
     def merge(self, att: Attached, base: BaseEncoder) -> dict[str, torch.Tensor]:

@@ -181,3 +181,17 @@ def test_detach_unbinds_only_that_encoder(pool_with_encoders, tiny_base):
     assert hooks() == 0 and sorted(pool.keys()) == sorted([BASE_KEY, "b1@1", "p1@1"])
     np.testing.assert_allclose(pool.encode(TEXTS, [BASE_KEY] * len(TEXTS)), tiny_base.encode_queries(TEXTS),
                                atol=1e-6)
+
+
+def test_lora_factors_packed_in_one_counted_block(tiny_base, tmp_path):
+    """A LoRA encoder's factors live in one block of their own, and that block is what is counted:
+    one storage for every factor, its bytes the encoder's count (no heap-scattered tensors)."""
+    import mmap
+    pool = EncoderPool(tiny_base, factor_dtype="float16")
+    pool.add(load_encoder(make_lora(tiny_base, tmp_path / "l1", "l1", seed=1), tiny_base.space))
+    factors = pool.runtime_tensors("l1@1").values()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in factors}
+    assert len(storages) == 1 and all(t.dtype == torch.float16 and t.is_contiguous() for t in factors)
+    own = sum(t.numel() * t.element_size() for t in factors)
+    assert pool.memory_bytes("l1@1") == next(iter(storages.values()))
+    assert own <= pool.memory_bytes("l1@1") < own + 64 * len(factors) + mmap.PAGESIZE

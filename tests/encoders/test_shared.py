@@ -418,7 +418,8 @@ def test_half_precision_factors_halve_the_memory(half, pool):
         tensors = hpool.runtime_tensors(key)
         assert {t.dtype for t in tensors.values()} == {getattr(torch, dtype)}
         assert hpool.attached(key).info["factors"] == dtype
-        assert 2 * hpool.memory_bytes(key) == pool.memory_bytes(key) > 0
+        # half the bytes, up to the page the packed block is rounded to (qswap.encoders.packed)
+        assert 0 < pool.memory_bytes(key) // 2 <= hpool.memory_bytes(key) <= pool.memory_bytes(key) // 2 + 4096
         assert b.memory_bytes(key) == 0 and _bound_in_place(hpool, key, b)
     assert hpool.memory_bytes("b1@1") == pool.memory_bytes("b1@1")   # biases stay float32
 
