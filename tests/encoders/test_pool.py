@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from qswap.encoders import BASE_KEY, EncoderPool, load_base, load_encoder, save_encoder
+from qswap.encoders.kinds.base import TENSOR_OBJECT_BYTES
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError, SpaceMismatchError
 
 from .adapters import make_lora, make_overrides
@@ -162,8 +163,9 @@ def test_runtime_tensors_reproduce_each_encoder(pool_with_encoders, tiny_base):
         with torch.no_grad():
             ref = embed_batch(m, ids, mask, tiny_base.spec).numpy()
         assert np.abs(ref - pool.encode(TEXTS, [key] * len(TEXTS))).max() <= 1e-5, key
-        # the bytes an encoder costs are those of the tensors it binds
-        assert pool.memory_bytes(key) == sum(t.numel() * t.element_size() for t in rt.values()), key
+        # the bytes an encoder costs are those of the tensors it binds, and their objects
+        assert pool.memory_bytes(key) == sum(t.numel() * t.element_size() for t in rt.values()) \
+            + TENSOR_OBJECT_BYTES * len(rt), key
 
 
 def test_detach_unbinds_only_that_encoder(pool_with_encoders, tiny_base):
@@ -193,5 +195,6 @@ def test_lora_factors_packed_in_one_counted_block(tiny_base, tmp_path):
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in factors}
     assert len(storages) == 1 and all(t.dtype == torch.float16 and t.is_contiguous() for t in factors)
     own = sum(t.numel() * t.element_size() for t in factors)
-    assert pool.memory_bytes("l1@1") == next(iter(storages.values()))
-    assert own <= pool.memory_bytes("l1@1") < own + 64 * len(factors) + mmap.PAGESIZE
+    block = pool.memory_bytes("l1@1") - TENSOR_OBJECT_BYTES * len(factors)   # the rest: the tensors' objects
+    assert block == next(iter(storages.values()))
+    assert own <= block < own + 64 * len(factors) + mmap.PAGESIZE
