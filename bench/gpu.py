@@ -14,6 +14,8 @@ or runs out of time leaves the others' figures):
   sentence-transformers on the same weights (fp32 and fp16), side by side in one run;
 - ``search``: ``qswap index build`` on the GPU, encode + search in process with 4 and 20 LoRA
   domains, exact flat top-k in torch on the GPU against FAISS on the CPU's cores;
+- ``serve``: ``POST /v1/search`` over HTTP on a real ``qswap serve --device cuda`` (4 and 20 LoRA
+  domains, concurrency 1 and 128, the GPU's busy share), beside the same server on the CPU;
 - ``tune``: ``qswap tune run`` end to end with the device's default recipe (phases, guard).
 
 Without a GPU it says so, runs ``env`` and the (small) ``twin`` phase, and exits 0. ``--e5-bin``
@@ -37,8 +39,8 @@ from qswap import DEFAULT_MODEL
 from qswap.bench.results import ResultWriter, md_table, results_dir_for
 
 # name -> (share of the budget, runs without a GPU)
-PHASES = {"env": (0.03, True), "twin": (0.10, True), "query": (0.17, False), "docs": (0.22, False),
-          "search": (0.23, False), "tune": (0.25, False)}
+PHASES = {"env": (0.03, True), "twin": (0.07, True), "query": (0.12, False), "docs": (0.15, False),
+          "search": (0.20, False), "serve": (0.25, False), "tune": (0.20, False)}
 GPU_ONLY_NOTE = "no GPU: measured on a CUDA device only"
 
 

@@ -178,6 +178,7 @@ BENCH_ALLOWED = {("qswap.bench.serving", "qswap.bench.ray_serving"),
                  ("qswap.bench.tuning_speed", "qswap.bench.tuning_phases"),
                  ("qswap.bench.tuning_speed", "qswap.bench.tuning_step"),   # modes of `qswap bench tuning`
                  ("qswap.bench.ray_embed", "qswap.bench.embed_arms"),
+                 ("qswap.bench.gpu_phases", "qswap.bench.gpu_serve"),   # the `serve` phase of `bench gpu`
                  # `bench index --backend LIST` in index_backends, its `--http` arm in index_http
                  ("qswap.bench.index_bench", "qswap.bench.index_backends"),
                  ("qswap.bench.index_backends", "qswap.bench.index_http"),

@@ -5,8 +5,8 @@ to a bucket: rows to the next of :data:`BATCH_BUCKETS` (padding rows use the bas
 attend to one token), tokens to the next of :data:`LENGTH_BUCKETS` (masked: they change no real
 row), the LoRA rank gathered to the next of :func:`rank_buckets` (zero factors: exact). Each
 bucket owns its input buffers (ids, mask, slots) and output, and is captured once, the first
-time a batch needs it, sharing one memory pool with the other buckets; a batch then costs three
-small copies in, one replay, one copy out. The table's tensors are read inside the graph, so a
+time a batch needs it, sharing one memory pool with the other buckets; a batch then costs one
+copy in (ids, mask and slots packed in one pinned host buffer), one replay, one copy out. The table's tensors are read inside the graph, so a
 newly written slot is served by every captured bucket without recapturing.
 
 Without a GPU (or with ``graphs=False``) the very same buckets, buffers and forward run eagerly:
@@ -55,7 +55,9 @@ def bucket_of(value: int, buckets: tuple[int, ...]) -> int:
 
 @dataclass
 class _Bucket:
-    ids: torch.Tensor
+    packed: torch.Tensor   # (2 * rows * length + rows,) int64 on the device: ids, mask, slots
+    host: torch.Tensor     # the same layout on the host (pinned on a GPU): one copy in per batch
+    ids: torch.Tensor      # views of ``packed``
     mask: torch.Tensor
     slots: torch.Tensor
     out: torch.Tensor | None = None
@@ -106,19 +108,22 @@ class BucketRunner:
         n, longest = len(ids), max(len(r) for r in ids)
         key = self.shape(n, longest, rank)
         b, length, _ = key
-        host_ids = np.full((b, length), self.pad_id, dtype=np.int64)
-        host_mask = np.zeros((b, length), dtype=np.int64)
+        bucket = self._buckets.get(key) or self._setup(key)
+        # The host buffer is reused: the previous batch's copy in has finished (its answer was read).
+        flat = bucket.host.numpy()
+        host_ids = flat[:b * length].reshape(b, length)
+        host_mask = flat[b * length:2 * b * length].reshape(b, length)
+        host_ids.fill(self.pad_id)
+        host_mask.fill(0)
         host_mask[n:, 0] = 1   # a padding row attends to one token: no empty softmax, no NaN
         for i, row in enumerate(ids):
             host_ids[i, :len(row)] = row
             host_mask[i, :len(row)] = 1
-        host_slots = np.zeros(b, dtype=np.int64)
+        host_slots = flat[2 * b * length:]
+        host_slots.fill(0)
         host_slots[:n] = slots
-        bucket = self._buckets.get(key) or self._setup(key)
         with torch.inference_mode():
-            bucket.ids.copy_(torch.from_numpy(host_ids))
-            bucket.mask.copy_(torch.from_numpy(host_mask))
-            bucket.slots.copy_(torch.from_numpy(host_slots))
+            bucket.packed.copy_(bucket.host, non_blocking=bucket.host.is_pinned())
             if bucket.graph is not None:
                 bucket.graph.replay()
             else:
@@ -129,9 +134,12 @@ class BucketRunner:
     def _setup(self, key: tuple[int, int, int]) -> _Bucket:
         b, length, rank = key
         dev = self.device
-        bucket = _Bucket(ids=torch.full((b, length), self.pad_id, dtype=torch.long, device=dev),
-                         mask=torch.zeros((b, length), dtype=torch.long, device=dev),
-                         slots=torch.zeros(b, dtype=torch.long, device=dev))
+        size = 2 * b * length + b
+        packed = torch.zeros(size, dtype=torch.long, device=dev)
+        host = torch.zeros(size, dtype=torch.long, pin_memory=dev.type == "cuda")
+        bucket = _Bucket(packed=packed, host=host, ids=packed[:b * length].view(b, length),
+                         mask=packed[b * length:2 * b * length].view(b, length), slots=packed[2 * b * length:])
+        bucket.ids.fill_(self.pad_id)
         bucket.mask[:, 0] = 1
         if self.graphs:
             try:
