@@ -40,7 +40,7 @@ from qswap.bench.results import ResultWriter, md_table, results_dir_for
 
 # name -> (share of the budget, runs without a GPU)
 PHASES = {"env": (0.03, True), "twin": (0.07, True), "query": (0.12, False), "docs": (0.15, False),
-          "search": (0.15, False), "serve": (0.25, False), "tune": (0.23, False)}
+          "search": (0.20, False), "serve": (0.25, False), "tune": (0.20, False)}
 GPU_ONLY_NOTE = "no GPU: measured on a CUDA device only"
 
 
