@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from qswap.bench import bf16_quality, e2e_latency, encoder_scale, forward, guard, quality, hotswap, index_bench, naive_baseline, serving, tuning_speed
+from qswap.bench import bf16_quality, e2e_latency, encoder_memory, encoder_scale, forward, guard, quality, hotswap, index_bench, naive_baseline, serving, tuning_speed
 from qswap.bench import adversarial, cycle, domains, gpu, loop, peer, ray_embed
 from qswap.bench.data import register as register_data
 
@@ -25,6 +25,7 @@ BENCHMARKS = (
     ("hotswap", hotswap, "registration-to-first-served time and failed requests during swaps under load"),
     ("embed", ray_embed, "document embedding: runtimes, precisions, roofline, Infinity; --ray: index build on Ray Data"),
     ("scale", encoder_scale, "server RSS with 1..50 LoRA encoders; end-to-end p50 vs encode with a LoRA encoder"),
+    ("encoder-memory", encoder_memory, "what a loaded LoRA encoder costs in one process, stage by stage, vs what is counted"),
     ("adversarial", adversarial, "normal clients' p50/p99 and server RSS while one attacker loops costly requests"),
     ("guard", guard, "the server's sentinel guard: registration time on a running server; false alarms and power"),
     ("peer", peer, "qswap vs Infinity (its own venv, same weights): one and four domains, search and embeddings routes"),

@@ -289,3 +289,55 @@ def wait_for_runtime(srv: ServerProcess, keys: list[str], runtime: str, timeout_
             raise InvalidInputError(f"{len(pending)} encoders not on {runtime} after {timeout_s:.0f} s "
                                     f"({', '.join(pending[:3])})", "see the server log")
         time.sleep(1.0)
+
+
+def warm_until_settled(srv: ServerProcess, make: Any, *, concurrency: int, requests: int,
+                       timeout_s: float = 900.0) -> dict[str, Any]:
+    """Warm-up traffic until the server builds nothing more in the background.
+
+    Some of qswap's runtimes are built only once traffic needs them (the segment graph and the
+    mixed-batch session at the first batches that mix encoders; a hot encoder's merged graph),
+    and answers run on a slower path meanwhile: timing must not start before they are ready.
+    Each round sends ``requests`` requests at ``concurrency`` (the traffic to be timed, at its
+    highest concurrency, so that every batch shape it makes comes up), then waits while ``GET
+    /readyz`` lists builds in ``warming``; a round that leaves nothing to wait for ends it.
+
+    Args:
+        srv: the server.
+        make: ``make(i) -> Request`` of the traffic to be timed.
+        concurrency: connections of the warm-up.
+        requests: requests per round.
+        timeout_s: the longest wait in all.
+
+    Returns:
+        ``{"seconds", "rounds", "waited_for": [kinds of builds seen]}``.
+
+    Raises:
+        InvalidInputError: a request failed, ``/readyz`` did not answer 200, or builds were still
+            running after ``timeout_s``.
+    """
+    from qswap.bench.load_options import warm_up
+    t0 = time.perf_counter()
+    seen: list[str] = []
+    rounds = 0
+    while True:
+        rounds += 1
+        res = warm_up(srv.port, make, concurrency=concurrency, requests=requests, duration_s=timeout_s)
+        if res.failed:
+            raise InvalidInputError(f"warm-up requests failed: {res.errors()} {res.statuses()}", "see the server log")
+        waited = False
+        while True:
+            status, body = http_json("GET", srv.url("/readyz"))
+            if status != 200:
+                raise InvalidInputError(f"GET /readyz answered {status}: {body}", "see the server log")
+            building = body.get("warming", [])
+            if not building:
+                break
+            waited = True
+            seen += [b for b in building if b not in seen]
+            if time.perf_counter() - t0 > timeout_s:
+                raise InvalidInputError(f"still building {', '.join(building)} after {timeout_s:.0f} s",
+                                        "see the server log")
+            time.sleep(0.5)
+        if not waited:
+            return {"seconds": time.perf_counter() - t0, "rounds": rounds, "waited_for": seen}

@@ -190,7 +190,7 @@ def export_onnx(py: Path, model_dir: Path, root: Path, name: str) -> str:
     import shutil
     root = root.resolve()
     dst, done = root / name, root / ".hf" / _OPTIMIZED / name
-    if (dst / "model.onnx").exists() and done.is_dir():
+    if exported(root, name):
         return ""
     root.mkdir(parents=True, exist_ok=True)
     if not (dst / "model.onnx").exists():
@@ -205,6 +205,12 @@ def export_onnx(py: Path, model_dir: Path, root: Path, name: str) -> str:
         return why
     os.replace(tmp, done)
     return ""
+
+
+def exported(root: Path, name: str) -> bool:
+    """Whether :func:`export_onnx` has made ``name`` in ``root`` (both its graphs are there)."""
+    root = Path(root).resolve()
+    return (root / name / "model.onnx").exists() and (root / ".hf" / _OPTIMIZED / name).is_dir()
 
 
 def server_env(root: Path) -> dict[str, str]:
@@ -294,3 +300,66 @@ def run_infinity(model_dir: Path, texts: list[str], work: Path, engines: list[st
         out[engine] = {**facts, "docs_per_s": facts["docs"] / facts["seconds"],
                        "vectors": np.load(work / f"{engine}.npy")}
     return out
+
+
+#: Memory left to the rest of the machine when choosing how many models an Infinity server may
+#: load (other processes, the page cache a search index reads through, the load generator).
+MEMORY_RESERVE = 4 * 2 ** 30
+
+
+def model_cost(py: Path, root: Path, models: list[str], texts: list[str], log_dir: Path) -> dict[str, Any]:
+    """What an Infinity server's memory costs per model, measured: the RSS of a server with one
+    model and of one with two (:func:`server_command`, over :func:`export_onnx` folders in
+    ``root``), each after embedding ``texts`` once with every model (so that ONNX Runtime's
+    buffers for a full batch are allocated), one server at a time.
+
+    Args:
+        py: the python of Infinity's venv.
+        root: folder of the exports.
+        models: two exported models.
+        texts: one batch of texts to embed (as Infinity gets them: prefix included).
+        log_dir: where the servers' logs go.
+
+    Returns:
+        ``{"rss_bytes": [one model, two models], "per_model_bytes", "fixed_bytes"}``.
+    """
+    from qswap.bench.processes import ServerProcess, free_port, http_json
+    rss = []
+    for m in (1, 2):
+        port = free_port()
+        with ServerProcess(server_command(py, models[:m], port), port, ready_path="/health",
+                           log_path=log_dir / f"infinity-probe-{m}.log", env=server_env(root), cwd=root,
+                           start_timeout_s=600) as srv:
+            for name in models[:m]:
+                status, body = http_json("POST", srv.url("/embeddings"), {"input": texts, "model": name})
+                if status != 200:
+                    raise RuntimeError(f"Infinity's probe answered {status}: {str(body)[:200]}")
+            rss.append(srv.rss())
+    per = max(rss[1] - rss[0], 1)
+    return {"rss_bytes": rss, "per_model_bytes": per, "fixed_bytes": max(rss[0] - per, 0)}
+
+
+def models_that_fit(wanted: int, cost: dict[str, Any], available: int | None,
+                    reserve: int = MEMORY_RESERVE) -> tuple[int, str]:
+    """How many of ``wanted`` models one Infinity server may load in the memory available now.
+
+    Args:
+        wanted: models asked for.
+        cost: :func:`model_cost`'s answer.
+        available: bytes available now (``MemAvailable``; None: unknown, all are loaded).
+        reserve: bytes left to the rest of the machine.
+
+    Returns:
+        ``(models, "")`` when all fit, else ``(as many as fit, one line saying where it stops)``.
+    """
+    if available is None:
+        return wanted, ""
+    fit = int((available - reserve - cost["fixed_bytes"]) // cost["per_model_bytes"])
+    if fit >= wanted:
+        return wanted, ""
+    mib = 2 ** 20
+    room = (f"{available / mib:,.0f} MiB were available less {reserve / mib:,.0f} MiB left to the rest of the machine"
+            if reserve else f"{available / mib:,.0f} MiB were allowed")
+    return max(fit, 0), (f"{wanted} models need ~{(cost['fixed_bytes'] + wanted * cost['per_model_bytes']) / mib:,.0f} "
+                         f"MiB ({cost['fixed_bytes'] / mib:,.0f} MiB + {cost['per_model_bytes'] / mib:,.0f} MiB per "
+                         f"model, measured); {room}: {max(fit, 0)} fit")

@@ -3,12 +3,19 @@
 Infinity (``infinity-emb``) is installed from the package index into its own virtualenv on
 first use (:mod:`qswap.bench.infinity_peer`; reused when present, ``--infinity-venv``) and
 serves the same weights on its fastest CPU engine (ONNX Runtime through optimum, its own graph
-optimisation, mean pooling). Two scenarios, each with its own pair of servers:
+optimisation, mean pooling). Three scenarios, each with its own pair of servers:
 
 - **one domain**: qswap with one LoRA encoder (rank 16) over the base vs Infinity serving that
   encoder merged into the base (the same function, one model);
 - **four domains** (``--domains``): qswap with four LoRA encoders over one shared base vs
-  Infinity serving the four merged models in one process, as it serves several models.
+  Infinity serving the four merged models in one process, as it serves several models;
+- **twenty domains**: the same with 20. One Infinity model costs about as much memory as the
+  whole qswap server, so before it starts, Infinity's memory per model is measured (a server
+  with one model, then two: :func:`qswap.bench.infinity_peer.model_cost`) and it loads as many
+  of the merged models as fit in the memory available then, less a reserve for the rest of the
+  machine (:func:`qswap.bench.infinity_peer.models_that_fit`). Where fewer than 20 fit, its
+  requests go round-robin over the ones it holds, and the results say where it stopped and why:
+  fewer models, fuller batches per model, so its figure is, if anything, in its favour.
 
 Before timing, agreement is checked: for every domain the same query texts are embedded by both
 servers (qswap adds the model's ``"query: "`` prefix itself; Infinity adds none, so it is sent
@@ -20,11 +27,15 @@ embeddings routes), with the raw asyncio keep-alive client in closed loop, reque
 round-robin over the domains. Reported per point: QPS, p50, p99, failures and the load average;
 per scenario: both servers' RSS. ``--no-infinity`` runs qswap's arms alone.
 
-With one domain, that encoder serves every row, so the shared backend makes it *hot*
+Timing starts once qswap builds nothing more in the background
+(:func:`qswap.bench.fixtures.warm_until_settled`: warm-up traffic at the highest concurrency, then
+``GET /readyz`` until its ``warming`` list is empty, again until a round starts no build): the
+segment graph and the mixed-batch session are built only once batches mix encoders. With one
+domain, that encoder serves every row, so the shared backend makes it *hot*
 (:mod:`qswap.encoders.runtime.hot`: its rows run on a merged graph of their own): timing starts
 once it is. ``--hot-off-arm`` adds a fourth arm in that scenario, qswap's search route on a
 second server started with ``--hot-encoders 0``, to show what hot encoders change side by side.
-``--scenarios`` runs one of the two scenarios only.
+``--scenarios`` picks the scenarios to run (default ``one,many``; ``twenty`` on request).
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import argparse
 import json
 import sys
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,11 +53,14 @@ import numpy as np
 from qswap.bench.load_options import (ByMode, LoadDefaults, LoadOptions, RunDirs, add_load_arguments, load_point,
                                       warm_up)
 from qswap.bench.loadgen import Request
+from qswap.bench.processes import http_json
 
 NAME = "peer"
 LOAD = LoadDefaults(levels=ByMode((1, 8, 32), (1, 4)), seconds=ByMode(15.0, 1.0), requests=ByMode(1_000_000, 40),
                     rounds=ByMode(2, 1), rounds_help="alternating rounds per arm and level")
 DOMAINS = ByMode(4, 2)
+#: Domains of the ``twenty`` scenario (``--quick``: a few, for the mechanics).
+TWENTY = ByMode(20, 3)
 RANK = 16
 #: Searches sent before timing the one-domain scenario: more than a hot-encoder window
 #: (qswap.encoders.runtime.hot.HOT_WINDOW_ROWS), so that its encoder runs merged.
@@ -53,11 +68,14 @@ HOT_WARM_ROWS = 640
 #: Minimum cosine between the two servers' query embeddings for the comparison to count.
 AGREEMENT_BAR = 0.9999
 #: QPS ratio qswap / Infinity asked for (one domain, with p99 <= Infinity's; several domains).
-TARGETS = {"one": 1.2, "many": 2.0}
+TARGETS = {"one": 1.2, "many": 2.0, "twenty": 3.0}
+#: Scenarios whose target also asks for a p99 no higher than Infinity's.
+P99_TARGETS = ("one", "twenty")
 _HDR = (("Content-Type", "application/json"),)
 HOT_OFF = "qswap search, hot off"
 ARMS = ("qswap search", "qswap embeddings", HOT_OFF, "infinity embeddings")
-SCENARIOS = ("one", "many")
+SCENARIOS = ("one", "many", "twenty")
+DEFAULT_SCENARIOS = ("one", "many")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,10 +90,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("shared", "onnx"), default="shared",
                    help="qswap's query backend (default shared, the server's default: one session, adapters as "
                         "inputs; onnx: one merged export per encoder); timing starts once every encoder runs on it")
+    p.add_argument("--infinity-memory", type=float, default=None, metavar="MIB",
+                   help="memory Infinity's models may take, in MiB (default: what is available when it starts, "
+                        "less a reserve for the rest of the machine); it loads as many as fit")
     p.add_argument("--hot-off-arm", action="store_true",
                    help="one domain: also time qswap's search on a second server with --hot-encoders 0")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS),
-                   help="comma-separated scenarios to run: one (one domain), many (--domains) (default both)")
+    p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
+                   help="comma-separated scenarios to run: one (one domain), many (--domains), twenty "
+                        f"(domains: {TWENTY.describe()}; Infinity loads as many merged models as fit in memory) "
+                        f"(default {','.join(DEFAULT_SCENARIOS)})")
     p.add_argument("--no-infinity", action="store_true",
                    help="run qswap's arms only (where Infinity cannot be installed)")
     add_model_argument(p, MODEL)
@@ -103,7 +126,6 @@ def embedding_requests(texts: list[str], models: list[str], prefix: str = "") ->
 
 def _vectors(url: str, texts: list[str], model: str) -> np.ndarray:
     """Float embeddings of ``texts`` from an OpenAI-style embeddings ``url``."""
-    from qswap.bench.processes import http_json
     status, body = http_json("POST", url, {"input": texts, "model": model, "encoding_format": "float"})
     if status != 200:
         raise RuntimeError(f"{url} answered {status}: {str(body)[:200]}")
@@ -134,28 +156,70 @@ def agreement(qs_url: str, inf_url: str, texts: list[str], domains: list[str], p
             "passes": low >= AGREEMENT_BAR}
 
 
-def _infinity_models(py: Path, base: Any, enc_root: Path, keys: list[tuple[str, str]]) -> tuple[Path, str]:
-    """Infinity's folders: each domain's merged model, exported to ONNX by optimum (cached).
+@dataclass
+class _Infinity:
+    """Infinity's side of a run: its python, where its exports live, what makes them, and its
+    memory per model once measured (:func:`qswap.bench.infinity_peer.model_cost`, once a run)."""
 
-    Returns:
-        (their parent folder, "") or (that folder, why an export failed).
-    """
-    from qswap.bench.fixtures import cache_dir, merged_models
-    from qswap.bench.infinity_peer import export_onnx
-    merged = merged_models(base, enc_root, keys, onnx=False)
-    root = cache_dir() / f"infinity-{enc_root.name}"
-    for name, _ in keys:
-        why = export_onnx(py, merged[name], root, name)
+    py: Path
+    enc_root: Path
+    model: str
+    memory: int | None = None   # bytes its models may take (None: what is available, less a reserve)
+    root: Path = field(init=False)
+    cost: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        from qswap.bench.fixtures import cache_dir
+        self.root = cache_dir() / f"infinity-{self.enc_root.name}"
+
+    def export(self, domains: list[str]) -> None:
+        """Each domain's merged model, exported for Infinity by optimum (cached; the base is
+        loaded only when one is missing)."""
+        from qswap.bench.fixtures import load_space_base, merged_models
+        from qswap.bench.infinity_peer import export_onnx, exported
+        todo = [d for d in domains if not exported(self.root, d)]
+        if not todo:
+            return
+        base = load_space_base(self.model)
+        merged = merged_models(base, self.enc_root, [(d, "1") for d in todo], onnx=False)
+        del base
+        for d in todo:
+            why = export_onnx(self.py, merged[d], self.root, d)
+            if why:
+                raise RuntimeError(why)
+
+    def plan(self, domains: list[str], texts: list[str], tmp: Path) -> tuple[list[str], dict[str, Any]]:
+        """The domains Infinity serves: all of them, or as many as fit in memory now (exported)."""
+        from qswap.bench.infinity_peer import model_cost, models_that_fit
+        from qswap.bench.processes import available_memory_bytes
+        if len(domains) < 2:
+            self.export(domains)
+            return domains, {"served": len(domains), "of": len(domains)}
+        self.export(domains[:2])
+        if self.cost is None:
+            self.cost = model_cost(self.py, self.root, domains[:2], texts, tmp)
+        def fit() -> tuple[int, str]:
+            if self.memory is not None:
+                return models_that_fit(len(domains), self.cost, self.memory, reserve=0)
+            return models_that_fit(len(domains), self.cost, available_memory_bytes())
+        k, why = fit()
+        if k >= 2:
+            self.export(domains[:k])
+            k2, why2 = fit()   # what the exports left
+            if k2 < k:
+                k, why = k2, why2
+        facts = {"served": k, "of": len(domains), "cost": self.cost, **({"why": why} if why else {})}
         if why:
-            return root, why
-    return root, ""
+            print(f"Infinity: {why}", file=sys.stderr)
+        return domains[:k], facts
 
 
 def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: Path, enc_root: Path,
-              model: str, backend: str, py: Path | None, inf_root: Path | None, prefix: str,
+              model: str, backend: str, infinity: _Infinity | None, prefix: str,
               tmp: Path, hot_off_arm: bool = False) -> dict[str, Any]:
     """Start both servers for ``n_dom`` domains, check agreement, measure every arm at every level."""
-    from qswap.bench.fixtures import qswap_server, register, search_requests, wait_for_runtime
+    from qswap.bench.fixtures import (qswap_server, register, search_requests, wait_for_runtime,
+                                      warm_until_settled)
     from qswap.bench.infinity_peer import server_command, server_env
     from qswap.bench.processes import ServerProcess, free_port
     from qswap.bench.stats import interleaved
@@ -163,6 +227,8 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
     domains = [f"d{i}" for i in range(n_dom)]
     keys = [f"{d}@1" for d in domains]
     out: dict[str, Any] = {"label": label, "domains": n_dom, "levels": {}}
+    top = max(opts.levels)
+    warm_n = 8 if opts.quick else max(64, 8 * top)
     with ExitStack() as stack:
         qs = stack.enter_context(qswap_server(idx_dir, enc_root, tmp / f"state-{n_dom}", tmp / f"qswap-{n_dom}.log",
                                               model=model, extra=["--backend", backend]))
@@ -178,6 +244,9 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
         if hot:   # its one encoder serves every row: it runs merged once a window of rows says so
             warm_up(qs.port, arms["qswap search"][1], concurrency=4, requests=HOT_WARM_ROWS, duration_s=120)
             out["qswap_hot_wait_s"] = wait_for_runtime(qs, keys, "onnx")
+        # Both routes, at the highest level: every batch shape the timed runs make has come up.
+        out["qswap_settled"] = {name: warm_until_settled(qs, make, concurrency=top, requests=warm_n)
+                                for name, (_, make) in arms.items()}
         if hot and hot_off_arm:
             off = stack.enter_context(qswap_server(idx_dir, enc_root, tmp / "state-hot-off", tmp / "qswap-hot-off.log",
                                                    model=model, extra=["--backend", backend, "--hot-encoders", "0"]))
@@ -185,23 +254,29 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
             wait_for_runtime(off, ["base", *keys], "onnx-shared")
             arms[HOT_OFF] = (off.port, search_requests(work.queries, keys))
             servers["qswap, hot off"] = {"command": off.command, "start_s": off.start_seconds}
-        inf = None
-        if py is not None and inf_root is not None:
+            warm_until_settled(off, arms[HOT_OFF][1], concurrency=top, requests=warm_n)
+        inf, served = None, []
+        if infinity is not None:
+            try:
+                served, out["infinity_models"] = infinity.plan(domains, [prefix + q for q in work.queries[:32]], tmp)
+            except RuntimeError as e:   # an export or the memory probe failed: qswap's arms run alone
+                out["infinity_models"] = {"served": 0, "of": n_dom, "why": str(e)}
+                print(f"{label}: Infinity skipped: {e}", file=sys.stderr)
+        if infinity is not None and served:
             port = free_port()
-            inf = stack.enter_context(ServerProcess(server_command(py, domains, port), port, ready_path="/health",
-                                                    log_path=tmp / f"infinity-{n_dom}.log", env=server_env(inf_root),
-                                                    cwd=inf_root,
+            inf = stack.enter_context(ServerProcess(server_command(infinity.py, served, port), port,
+                                                    ready_path="/health", log_path=tmp / f"infinity-{n_dom}.log",
+                                                    env=server_env(infinity.root), cwd=infinity.root,
                                                     start_timeout_s=600))
             servers["infinity"] = {"command": inf.command, "start_s": inf.start_seconds}
             out["agreement"] = agreement(qs.url("/v1/embeddings"), inf.url("/embeddings"), work.queries[:32],
-                                         domains, prefix)
+                                         served, prefix)
             print(f"{label}: agreement min cosine {out['agreement']['min_cosine']:.7f}", file=sys.stderr)
-            arms["infinity embeddings"] = (inf.port, embedding_requests(work.queries, domains, prefix))
-        out["servers"] = servers
-        for name, (port, make) in arms.items():
-            warm = warm_up(port, make, concurrency=4, requests=64 if not opts.quick else 8, duration_s=60)
+            arms["infinity embeddings"] = (inf.port, embedding_requests(work.queries, served, prefix))
+            warm = warm_up(inf.port, arms["infinity embeddings"][1], concurrency=4, requests=warm_n, duration_s=60)
             if warm.failed:
-                raise RuntimeError(f"{label}: warm-up of {name} failed: {warm.errors()} {warm.statuses()}")
+                raise RuntimeError(f"{label}: warm-up of Infinity failed: {warm.errors()} {warm.statuses()}")
+        out["servers"] = servers
         for c in opts.levels:
             got = interleaved({a: (lambda p=p, mk=mk, c=c: load_point(opts.run(p, mk, c))) for a, (p, mk) in arms.items()},
                               rounds=opts.rounds, warmup=0)
@@ -209,6 +284,8 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
             print(f"{label} c={c}: " + ", ".join(f"{a} {[round(x['qps'], 1) for x in v]}/s p99 "
                                                  f"{[round(x['p99_ms']) for x in v]} ms" for a, v in got.items()),
                   file=sys.stderr)
+        # Nothing may have been built while timing: the figures are the settled server's.
+        out["qswap_warming_after"] = http_json("GET", qs.url("/readyz"))[1].get("warming", [])
         out["rss_bytes"] = {"qswap": qs.rss(), **({"infinity": inf.rss()} if inf is not None else {})}
     return out
 
@@ -229,27 +306,34 @@ def run(args: argparse.Namespace) -> int:
         print("qswap bench peer: --domains must be at least 2 (the second scenario serves several domains)",
               file=sys.stderr)
         return 2
+    wanted = [t.strip() for t in args.scenarios.split(",") if t.strip()]
+    counts = {"one": 1, "many": n_many, "twenty": TWENTY.pick(opts.quick)}
     dirs = RunDirs.create(NAME, opts.quick, args.out)
     work = load_workload(opts.quick)
     base = load_space_base(args.model)
     prefix = base.spec.query_prefix
     idx_dir, _, _ = stamped_index(work, base, tag="default")
-    keys = [(f"d{i}", "1") for i in range(n_many)]
+    keys = [(f"d{i}", "1") for i in range(max(counts[t] for t in wanted))]
     enc_root = lora_encoders(base, keys, rank=RANK, tag="peer")
+    del base
     res: dict[str, Any] = {"workload": work.source, "index": index_meta(idx_dir), "model": args.model,
                            "encoders": f"random LoRA adapters, rank {RANK}, all dense layers", "levels": opts.levels,
                            "seconds_per_run": opts.seconds, "max_requests_per_run": opts.requests,
                            "rounds": opts.rounds, "query_prefix": prefix, "targets": TARGETS,
                            "qswap_backend": args.backend}
-    py, inf_root = None, None
+    infinity = None
     if args.no_infinity:
         res["infinity"] = {"skipped": "--no-infinity"}
     else:
         py, why = ensure_venv(dirs.tmp / "pip.log", args.infinity_venv)
         if py is not None:
-            inf_root, why = _infinity_models(py, base, enc_root, keys)
+            infinity = _Infinity(py, enc_root, args.model,
+                                 None if args.infinity_memory is None else int(args.infinity_memory * 2 ** 20))
+            try:
+                infinity.export(["d0"])
+            except RuntimeError as e:
+                why, infinity = str(e), None
         if why:
-            py = None
             res["infinity"] = {"skipped": why}
             print(f"qswap bench peer: Infinity skipped: {why}", file=sys.stderr)
         else:
@@ -259,15 +343,14 @@ def run(args: argparse.Namespace) -> int:
             res["infinity"] = {"version": v[0] if v else None, "onnxruntime": v[1] if len(v) > 1 else None,
                                "engine": "optimum (ONNX Runtime, Infinity's graph optimisation)",
                                "pooling": "mean", "models": "each domain's LoRA merged into the base, optimum export"}
-    del base
     res["scenarios"] = {}
-    wanted = [t.strip() for t in args.scenarios.split(",") if t.strip()]
-    for tag, n in (("one", 1), ("many", n_many)):
+    for tag in SCENARIOS:
         if tag not in wanted:
             continue
+        n = counts[tag]
         label = "one domain" if n == 1 else f"{n} domains"
         res["scenarios"][tag] = _scenario(label, n, opts=opts, work=work, idx_dir=idx_dir, enc_root=enc_root,
-                                          model=args.model, backend=args.backend, py=py, inf_root=inf_root,
+                                          model=args.model, backend=args.backend, infinity=infinity,
                                           prefix=prefix, tmp=dirs.tmp, hot_off_arm=args.hot_off_arm)
     _summarise(res)
     _write(dirs, res)
@@ -300,7 +383,7 @@ def _summarise(res: dict[str, Any]) -> None:
                 q = arms[route]
                 qps = ratio_summary([x["qps"] for x in q], [x["qps"] for x in inf]).to_dict()
                 p99 = _median([x["p99_ms"] for x in q]) / _median([x["p99_ms"] for x in inf])
-                met = qps["median"] >= TARGETS[tag] and (tag != "one" or p99 <= 1.0)
+                met = qps["median"] >= TARGETS[tag] and (tag not in P99_TARGETS or p99 <= 1.0)
                 per[route] = {"qps_ratio": qps, "p99_ratio_qswap_over_infinity": p99, "target_met": met}
             sc["vs_infinity"][c] = per
 
@@ -321,7 +404,7 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
     plot_lines(w.plot_path("p99.png"), levels, p99s, xlabel="concurrent connections", ylabel="p99 latency (ms)",
                title="p99 latency (median over rounds)", logx=True, logy=True)
     mib = 2.0 ** 20
-    rows, goals, mem, agree = [], [], [], []
+    rows, goals, mem, agree, stops = [], [], [], [], []
     for tag, sc in res["scenarios"].items():
         for c in levels:
             arms = sc["levels"][str(c)]
@@ -340,15 +423,20 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
             for a, vs in sc.get("vs_infinity", {}).get(str(c), {}).items():
                 if a == HOT_OFF:
                     continue   # a comparison arm, not the product's figure
-                want = f">= {TARGETS[tag]}x QPS" + (" and p99 <= Infinity's" if tag == "one" else "")
+                want = f">= {TARGETS[tag]}x QPS" + (" and p99 <= Infinity's" if tag in P99_TARGETS else "")
                 goals.append(f"- {sc['label']}, c={c}, {a}: {vs['qps_ratio']['median']:.2f}x QPS, p99 "
                              f"{vs['p99_ratio_qswap_over_infinity']:.2f}x ({want}: "
                              f"{'met' if vs['target_met'] else '**missed**'})")
         for c, r in sc.get("hot_over_off", {}).items():
             goals.append(f"- {sc['label']}, c={c}: qswap search, hot encoder on / off: {r['median']:.2f}x QPS "
                          f"({r['min']:.2f}-{r['max']:.2f}; not a target)")
+        im = sc.get("infinity_models", {})
+        if im.get("why"):
+            stops.append(f"- {sc['label']}: Infinity served {im['served']} of the {im['of']} merged models "
+                         f"({'its requests round-robin over those' if im['served'] else 'no row'}): {im['why']}.")
         rss = sc["rss_bytes"]
-        mem.append([sc["label"], rss["qswap"] / mib, rss["infinity"] / mib if "infinity" in rss else ""])
+        mem.append([sc["label"], rss["qswap"] / mib, rss["infinity"] / mib if "infinity" in rss else "",
+                    f"{im['served']} of {im['of']}" if im else ""])
         if "agreement" in sc:
             g = sc["agreement"]
             agree.append(f"{sc['label']}: min cosine {g['min_cosine']:.7f} over {g['queries']} queries x "
@@ -361,7 +449,12 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
         if res["qswap_backend"] == "shared" else "`--backend onnx` (one merged, fused ONNX export per encoder)") + (
         f"; encoders: {res['encoders']}." + "".join(
             f" One domain: its encoder ran hot (its own merged graph) {sc['qswap_hot_wait_s']:.1f} s after the "
-            f"warm-up, before timing." for sc in res["scenarios"].values() if "qswap_hot_wait_s" in sc))
+            f"warm-up, before timing." for sc in res["scenarios"].values() if "qswap_hot_wait_s" in sc) + "".join(
+            f" {sc['label']}: qswap built {', '.join(b)} after its warm-up traffic; timing began once done."
+            for sc in res["scenarios"].values()
+            if (b := sorted({k for r in sc.get("qswap_settled", {}).values() for k in r["waited_for"]}))) + "".join(
+            f" **{sc['label']}: qswap was building {', '.join(sc['qswap_warming_after'])} at the end of timing.**"
+            for sc in res["scenarios"].values() if sc.get("qswap_warming_after")))
     md = (f"{head}\n\nWorkload: {res['workload']}; search over {res['index']['documents']:,} documents (k=10). "
           f"One query per call; requests round-robin over the domains; arms alternate at each level "
           f"({res['rounds']} round(s), order reversed every round), each run at most {res['seconds_per_run']:g} s "
@@ -370,10 +463,11 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
           "end of each round's run.\n\n"
           + ("Agreement (query embeddings, same prefix, mean pooling, L2-normalised): " + "; ".join(agree) + ".\n\n"
              if agree else "")
+          + ("Where Infinity stopped (memory):\n\n" + "\n".join(stops) + "\n\n" if stops else "")
           + ("Targets:\n\n" + "\n".join(goals) + "\n\n" if goals else "")
           + md_table(["scenario", "conc.", "arm", "QPS", "p50 ms", "p99 ms", "QPS / Infinity (range)",
                       "p99 / Infinity", "failed", "load"], rows)
           + "\n### Memory (RSS at the end of each scenario, MiB)\n\n"
-          + md_table(["scenario", "qswap", "Infinity"], mem))
+          + md_table(["scenario", "qswap", "Infinity", "Infinity's models"], mem))
     print(md)
     w.write(res, md)

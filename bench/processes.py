@@ -36,6 +36,18 @@ def pss_bytes(pid: int) -> int | None:
     return None
 
 
+def available_memory_bytes() -> int | None:
+    """Memory the kernel can give new processes without swapping (Linux ``MemAvailable``), or
+    None where ``/proc/meminfo`` does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def free_port() -> int:
     """An unused TCP port on 127.0.0.1 (bound and released; tiny race accepted for benchmarks)."""
     import socket

@@ -213,6 +213,11 @@ class Ready(BaseModel):
     default_encoder: str | None = None
     index_documents: int | None = None
     encoders_loaded: int | None = None
+    warming: list[str] = Field(default_factory=list, description=(
+        "what the query backend still builds in the background, by kind (shared graph, segment graph, "
+        "mixed-batch session, merged graph): answers are served meanwhile, on a slower path; empty once "
+        "built. Some builds start only with the traffic that needs them (the first batches that mix "
+        "encoders): send that traffic, then wait until this is empty before timing the server"))
 
 
 # ----------------------------------------------------------------------------- feedback and experiments

@@ -30,6 +30,7 @@ from qswap.encoders.base import BaseEncoder
 from qswap.encoders.embedding import embed_batch, sorted_batches
 from qswap.encoders.kinds import AdapterKind, Attached, get_kind
 from qswap.encoders.lowrank import LowRankDeltas
+from qswap.encoders.packed import pack
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError
 from qswap.factors import FACTOR_NAMES
 
@@ -131,14 +132,17 @@ class EncoderPool:
 
     def _store(self, att: Attached) -> Attached:
         """``att`` with its LoRA factors in the pool's storage type, where every factor rounds
-        within tolerance (all or none: one encoder's factors share one type)."""
+        within tolerance (all or none: one encoder's factors share one type), packed into one
+        block of their own (:func:`~qswap.encoders.packed.pack`: what they cost is what is counted)."""
         dtype = FACTOR_DTYPES[self.factor_dtype]
-        if not att.low_rank or dtype == torch.float32:
+        if not att.low_rank:
             return att
+        if dtype == torch.float32:
+            return replace(att, low_rank=pack(att.low_rank))
         half = {m: f.stored_as(dtype) for m, f in att.low_rank.items()}
         if any(f is None for f in half.values()):
-            return replace(att, info={**att.info, "factors": "float32"})
-        return replace(att, low_rank=half, info={**att.info, "factors": self.factor_dtype})
+            return replace(att, low_rank=pack(att.low_rank), info={**att.info, "factors": "float32"})
+        return replace(att, low_rank=pack(half), info={**att.info, "factors": self.factor_dtype})
 
     def remove(self, key: str) -> None:
         """Detach an encoder and free its tensors."""

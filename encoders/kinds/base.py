@@ -87,6 +87,14 @@ class LowRank:
         return LowRank(a=out[0], b=out[1])
 
 
+#: What a pool holds per adapter tensor beyond its data, measured per loaded encoder (CPython
+#: 3.11, torch 2.13, glibc malloc; ``qswap bench encoder-memory``, bench/results/encoder_memory/):
+#: the tensor's Python object and TensorImpl, and for a LoRA factor its layer's entry in the
+#: forward hooks' tables. ~0.1 MiB for a LoRA adapter on every Linear of multilingual-e5-small,
+#: counted so the memory budget holds what it says.
+TENSOR_OBJECT_BYTES = 750
+
+
 @dataclass
 class Attached:
     """One encoder's adapter, validated against a base and held in its own tensors."""
@@ -132,11 +140,16 @@ class AdapterKind(ABC):
         """
 
     def nbytes(self, att: Attached) -> int:
-        """Bytes this encoder adds on top of the shared base."""
+        """Bytes this encoder adds on top of the shared base: the storages its tensors hold
+        (a view holds all of its storage; the pool packs LoRA factors into one page-rounded
+        block, :mod:`qswap.encoders.packed`), each counted once, and :data:`TENSOR_OBJECT_BYTES`
+        per tensor."""
         seen: dict[int, int] = {}
-        for t in att.tensors():
-            seen[t.data_ptr()] = t.numel() * t.element_size()
-        return sum(seen.values())
+        tensors = att.tensors()
+        for t in tensors:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        return sum(seen.values()) + TENSOR_OBJECT_BYTES * len(tensors)
 
     def merge(self, att: Attached, base: BaseEncoder) -> dict[str, torch.Tensor]:
         """Base state-dict entries this encoder changes, as new tensors (base + adapter merged)."""

@@ -174,6 +174,11 @@ class OnnxBackend:
                 pass
         return self.ready(key)
 
+    def building(self) -> list[str]:
+        """``["merged graph"]`` while any encoder's export (or session) is being built, else empty."""
+        with self._lock:
+            return ["merged graph"] if any(not f.done() for f in self._futures.values()) else []
+
     def runtime(self, key: str) -> str:
         """``onnx-merged`` once ``key``'s export serves, ``torch`` (the pool) until then."""
         return "onnx-merged" if self.ready(key) else "torch"

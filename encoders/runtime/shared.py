@@ -60,6 +60,15 @@ MIXES = ("groups", "segments", "auto")
 # "auto": the fastest at every batch shape measured (bench/results/forward_mixed/); what it holds
 # beyond the shared session is fixed, not per encoder (docs/serving.md, "Mixed batches").
 DEFAULT_MIX = "auto"
+#: What the shared runtime holds per loaded encoder beyond the pool's tensors, per object
+#: (CPython 3.11, ONNX Runtime 1.32, glibc malloc; ``qswap bench encoder-memory``,
+#: bench/results/encoder_memory/): an OrtValue over one of the encoder's own tensors (with the
+#: numpy view under it, and the segment runner's view of a factor), and one graph input bound in
+#: an IOBinding (each session that runs the encoder keeps one binding of all ~240 inputs: an
+#: unbound feed costs ~2.5 ms per call, shared_run.py). ~0.25 MiB for a LoRA adapter on every
+#: Linear of multilingual-e5-small, counted so the memory budget holds what it says.
+VALUE_BYTES = 800
+BOUND_BYTES = 310
 
 
 def adapter_inputs(pool: EncoderPool, key: str, slots: Slots) -> dict[str, torch.Tensor] | None:
@@ -128,9 +137,12 @@ class SharedBackend:
         self.factors = pool.factor_dtype
         # The base's own biases and rank-0 factors: every input an encoder does not set, shared by all.
         self._base_inputs = self.slots.base_inputs(self.base.model, FACTOR_DTYPES[self.factors])
+        # Their OrtValues, made once and put in every encoder's feed (each encoder's own are made
+        # for it): ~100 OrtValues per encoder fewer (~50 KB at LoRA on every Linear).
+        self._base_values: dict[str, Any] | None = None
         self._session: Any = None
         self._error: str | None = None
-        # key -> its adapter's full feed: tensors until the session exists, then bound OrtValues
+        # key -> its adapter's own inputs until the session exists, then its full feed (bound OrtValues)
         self._inputs: dict[str, dict[str, torch.Tensor] | BoundFeed] = {}
         self._pinned: set[str] = set()
         # Keys whose rows run on their merged session once it is ready (they keep their shared feed meanwhile).
@@ -239,10 +251,14 @@ class SharedBackend:
                     self._segments = (sess, runner)
             self._segments_future = self._executor.submit(build)
 
-    def _feed(self, tensors: dict[str, torch.Tensor]) -> BoundFeed:
-        """Pre-built OrtValues, bound once per session: a run copies nothing of the adapter
-        (zero-copy on CPU) and passes none of its inputs again."""
-        return BoundFeed({n: ort_input(t, cuda="CUDAExecutionProvider" in self.providers) for n, t in tensors.items()})
+    def _feed(self, own: dict[str, torch.Tensor]) -> BoundFeed:
+        """An encoder's full feed, pre-built OrtValues bound once per session: a run copies
+        nothing of the adapter (zero-copy on CPU) and passes none of its inputs again. The base's
+        inputs the encoder does not set are the values every feed shares (caller holds the lock)."""
+        cuda = "CUDAExecutionProvider" in self.providers
+        if self._base_values is None:
+            self._base_values = {n: ort_input(t, cuda=cuda) for n, t in self._base_inputs.items()}
+        return BoundFeed({**self._base_values, **{n: ort_input(t, cuda=cuda) for n, t in own.items()}})
 
     def _start_group_session(self) -> None:
         """Build the single-threaded session for side-by-side groups in the background, once.
@@ -275,9 +291,8 @@ class SharedBackend:
         if own is None:
             self.merged.prepare(key)
             return
-        full = {**self._base_inputs, **own}
         with self._lock:
-            self._inputs[key] = self._feed(full) if self._session is not None else full
+            self._inputs[key] = self._feed(own) if self._session is not None else own
             segments = self._segments
         was_hot = self._hot.discard(key)
         if segments is not None:   # a re-prepared key's factors are copied again when it next runs
@@ -367,18 +382,25 @@ class SharedBackend:
         return self.merged.error(key)
 
     def memory_bytes(self, key: str) -> int:
-        """Bytes beyond the pool's: 0 on the shared graph (every input is a pool tensor or a
-        base tensor, bound in place), or a merged session's weights."""
+        """Bytes beyond the pool's: on the shared graph, no tensor data (every input is a pool
+        tensor or a base tensor, bound in place) but the objects that bind them
+        (:data:`VALUE_BYTES` per input of its own, :data:`BOUND_BYTES` per graph input bound on
+        each session that runs it); or a merged session's weights."""
         with self._lock:
-            if key in self._inputs:
-                return 0
+            feed = self._inputs.get(key)
+            if feed is not None:
+                base = self._base_values or {}
+                own = len(feed) if not isinstance(feed, BoundFeed) else \
+                    sum(1 for n, v in feed.feed.items() if base.get(n) is not v)
+                sessions = 2 if self._group_workers > 1 else 1   # the group session binds it too
+                return own * VALUE_BYTES + sessions * (len(self._base_inputs) + 2) * BOUND_BYTES
         return self.merged.memory_bytes(key)
 
     def shared_bytes(self) -> int:
-        """The one shared session's weights (the base without word embeddings, fp32); the
-        single-threaded session for mixed batches holds as much again once it is built
-        (:meth:`groups_side_by_side`)."""
-        return sum(p.numel() * 4 for p in self.base.model.parameters()) - self._table.nbytes
+        """The one shared session's weights (:func:`session_weight_bytes`); the single-threaded
+        session for mixed batches, and the segment session, hold as much again each once built
+        (:meth:`groups_side_by_side`, :meth:`segments_ready`)."""
+        return session_weight_bytes(self.base)
 
     def groups_side_by_side(self, wait: float | None = 0) -> bool:
         """Whether batches mixing encoders can run their groups side by side now (the
@@ -391,6 +413,17 @@ class SharedBackend:
         graph built); ``wait``: seconds to wait for it if it is being built."""
         _await_build(self._segments_future, wait)   # a timeout or a failed build: mixed batches run per group
         return self._segments is not None
+
+    def building(self) -> list[str]:
+        """What is being built in the background now, by kind: ``shared graph`` (answers run on
+        torch meanwhile), ``mixed-batch session`` and ``segment graph`` (started by the first
+        batches that mix encoders; those run per group meanwhile), ``merged graph`` (a hot or
+        pinned encoder's; it runs on the shared graph meanwhile). Empty once every build started
+        has finished, whatever its outcome (a failure is in :meth:`error` and the log)."""
+        with self._lock:
+            pending = [("shared graph", self._future), ("mixed-batch session", self._group_future),
+                       ("segment graph", self._segments_future)]
+        return [name for name, f in pending if f is not None and not f.done()] + self.merged.building()
 
     def discard(self, key: str) -> None:
         with self._lock:
@@ -526,6 +559,13 @@ class SharedBackend:
     def _call(self, session: Any, feed: BoundFeed, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """One ONNX Runtime call: the rows' word embeddings gathered here, the adapter bound."""
         return feed.run(session, np.take(self._table, ids, axis=0), mask)
+
+
+def session_weight_bytes(base: Any) -> int:
+    """The weights one session of the shared (or segment) graph holds: the base without its word
+    embeddings (gathered outside the graph), float32."""
+    table = base.model.get_input_embeddings().weight
+    return sum(p.numel() * 4 for p in base.model.parameters()) - table.numel() * 4
 
 
 def _await_build(future: Any, wait: float | None) -> None:

@@ -31,7 +31,9 @@ def state_of(request: Request) -> ServerState:
     return request.app.state.qs
 
 
-def ready_state(request: Request) -> ServerState:
+# Dependencies are ``async def``: FastAPI runs a plain ``def`` one on its thread pool, a thread
+# hop per request that showed as the event loop's largest cost under load.
+async def ready_state(request: Request) -> ServerState:
     """The app's state once it serves: the one readiness check, a dependency of every route that
     needs the index or an encoder (route-level auth dependencies run before it).
 
@@ -49,7 +51,7 @@ def ready_state(request: Request) -> ServerState:
     return state
 
 
-def request_timeout(request: Request, x_request_timeout: float = Header(  # absent, not null
+async def request_timeout(request: Request, x_request_timeout: float = Header(  # absent, not null
         None, gt=0, le=600, description="seconds this request may take, queueing included; past it, queued "
                                         "work is dropped and the answer is 504 (default: the server's "
                                         "request_timeout_s)")) -> float:

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from qswap.bench import peer
-from qswap.bench.infinity_peer import usable_python, venv_dir
+from qswap.bench.infinity_peer import models_that_fit, usable_python, venv_dir
 from qswap.cli import main as qswap_main
 
 pytestmark = pytest.mark.slow
@@ -76,9 +76,27 @@ def test_hot_off_arm_runs_beside_the_hot_server(tiny_model_dir, tmp_path, monkey
     assert "hot encoder on / off" in (out / "README.md").read_text()
 
 
+def test_twenty_domains_time_a_settled_server(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("QSWAP_DATA_DIR", str(tmp_path / "data"))
+    out = tmp_path / "peer"
+    assert _quick(tiny_model_dir, out, "--no-infinity", "--scenarios", "twenty") == 0
+    res = json.loads((out / "results.json").read_text())["results"]
+    sc = res["scenarios"]["twenty"]
+    assert set(res["scenarios"]) == {"twenty"} and sc["domains"] == peer.TWENTY.quick
+    # Warmed at the highest level until /readyz listed no build: the segment graph, started by the
+    # first batches that mix encoders, was awaited before timing, and nothing was built during it.
+    for settled in sc["qswap_settled"].values():
+        assert settled["rounds"] >= 1 and settled["seconds"] > 0
+    assert "segment graph" in sc["qswap_settled"]["qswap search"]["waited_for"]
+    assert sc["qswap_warming_after"] == []
+    for c in ("1", "4"):
+        for pts in sc["levels"][c].values():
+            assert pts[0]["failed"] == 0 and pts[0]["qps"] > 0
+
+
 def test_an_unknown_scenario_is_refused_in_one_line(tiny_model_dir, tmp_path, capsys):
     assert _quick(tiny_model_dir, tmp_path / "x", "--scenarios", "one,both", "--no-infinity") == 2
-    assert capsys.readouterr().err.strip() == "qswap bench peer: unknown scenario both: use one, many"
+    assert capsys.readouterr().err.strip() == "qswap bench peer: unknown scenario both: use one, many, twenty"
 
 
 def test_against_infinity_same_answers_and_ratios(tiny_model_dir, tmp_path, monkeypatch):
@@ -87,10 +105,15 @@ def test_against_infinity_same_answers_and_ratios(tiny_model_dir, tmp_path, monk
         pytest.skip(f"Infinity is not installed in {venv_dir()} (qswap bench peer installs it on first use)")
     monkeypatch.setenv("QSWAP_DATA_DIR", str(tmp_path / "data"))
     out = tmp_path / "peer"
-    assert _quick(tiny_model_dir, out, "--infinity-venv", str(py.parent.parent)) == 0
+    assert _quick(tiny_model_dir, out, "--infinity-venv", str(py.parent.parent), "--scenarios", "one,many,twenty") == 0
     res = json.loads((out / "results.json").read_text())["results"]
     assert res["infinity"]["version"] and "skipped" not in res["infinity"]
-    for sc in ("one", "many"):
+    # Tiny models: every one fits; its memory per model was measured once, on two servers.
+    cost = res["scenarios"]["twenty"]["infinity_models"]["cost"]
+    assert cost["per_model_bytes"] > 0 and cost == res["scenarios"]["many"]["infinity_models"]["cost"]
+    for sc in ("one", "many", "twenty"):
+        assert res["scenarios"][sc]["infinity_models"]["served"] == res["scenarios"][sc]["domains"]
+    for sc in ("one", "many", "twenty"):
         s = res["scenarios"][sc]
         # Same weights, mean pooling, the same prefix: the two servers embed alike.
         assert s["agreement"]["min_cosine"] >= peer.AGREEMENT_BAR and s["agreement"]["passes"]
@@ -104,3 +127,15 @@ def test_against_infinity_same_answers_and_ratios(tiny_model_dir, tmp_path, monk
                 assert math.isfinite(vs["qps_ratio"]["median"]) and vs["p99_ratio_qswap_over_infinity"] > 0
                 assert isinstance(vs["target_met"], bool)
     assert "Agreement (query embeddings" in (out / "README.md").read_text()
+
+
+def test_infinity_loads_the_models_that_fit_and_says_where_it_stops():
+    mib = 2 ** 20
+    cost = {"fixed_bytes": 500 * mib, "per_model_bytes": 1000 * mib}
+    assert models_that_fit(20, cost, 30_000 * mib, reserve=4096 * mib) == (20, "")
+    assert models_that_fit(20, cost, None) == (20, "")   # memory unknown: all of them
+    k, why = models_that_fit(20, cost, 18_000 * mib, reserve=4096 * mib)
+    assert k == 13
+    assert why == ("20 models need ~20,500 MiB (500 MiB + 1,000 MiB per model, measured); 18,000 MiB were "
+                   "available less 4,096 MiB left to the rest of the machine: 13 fit")
+    assert models_that_fit(20, cost, 1000 * mib, reserve=0)[0] == 0

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from qswap.encoders import BASE_KEY, EncoderPool, load_base, load_encoder, save_encoder
+from qswap.encoders.kinds.base import TENSOR_OBJECT_BYTES
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError, SpaceMismatchError
 
 from .adapters import make_lora, make_overrides
@@ -162,8 +163,9 @@ def test_runtime_tensors_reproduce_each_encoder(pool_with_encoders, tiny_base):
         with torch.no_grad():
             ref = embed_batch(m, ids, mask, tiny_base.spec).numpy()
         assert np.abs(ref - pool.encode(TEXTS, [key] * len(TEXTS))).max() <= 1e-5, key
-        # the bytes an encoder costs are those of the tensors it binds
-        assert pool.memory_bytes(key) == sum(t.numel() * t.element_size() for t in rt.values()), key
+        # the bytes an encoder costs are those of the tensors it binds, and their objects
+        assert pool.memory_bytes(key) == sum(t.numel() * t.element_size() for t in rt.values()) \
+            + TENSOR_OBJECT_BYTES * len(rt), key
 
 
 def test_detach_unbinds_only_that_encoder(pool_with_encoders, tiny_base):
@@ -181,3 +183,18 @@ def test_detach_unbinds_only_that_encoder(pool_with_encoders, tiny_base):
     assert hooks() == 0 and sorted(pool.keys()) == sorted([BASE_KEY, "b1@1", "p1@1"])
     np.testing.assert_allclose(pool.encode(TEXTS, [BASE_KEY] * len(TEXTS)), tiny_base.encode_queries(TEXTS),
                                atol=1e-6)
+
+
+def test_lora_factors_packed_in_one_counted_block(tiny_base, tmp_path):
+    """A LoRA encoder's factors live in one block of their own, and that block is what is counted:
+    one storage for every factor, its bytes the encoder's count (no heap-scattered tensors)."""
+    import mmap
+    pool = EncoderPool(tiny_base, factor_dtype="float16")
+    pool.add(load_encoder(make_lora(tiny_base, tmp_path / "l1", "l1", seed=1), tiny_base.space))
+    factors = pool.runtime_tensors("l1@1").values()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in factors}
+    assert len(storages) == 1 and all(t.dtype == torch.float16 and t.is_contiguous() for t in factors)
+    own = sum(t.numel() * t.element_size() for t in factors)
+    block = pool.memory_bytes("l1@1") - TENSOR_OBJECT_BYTES * len(factors)   # the rest: the tensors' objects
+    assert block == next(iter(storages.values()))
+    assert own <= block < own + 64 * len(factors) + mmap.PAGESIZE

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
+from qswap.encoders.kinds.base import TENSOR_OBJECT_BYTES
 from qswap.encoders.runtime import shared as shared_mod
 from qswap.encoders.runtime.backend import BACKENDS, make_backend
 from qswap.encoders.runtime.cancel import cancellable, run_options
@@ -93,15 +94,30 @@ def _bound_in_place(pool, key, backend) -> bool:
 
 
 def test_one_session_and_adapter_bytes_only(backend, pool):
-    # LoRA factors and a bias encoder's biases are bound in place (the pool's tensors: no byte
-    # beyond the pool's); the partial encoder has a merged session.
-    assert backend.memory_bytes(BASE_KEY) == 0
+    # LoRA factors and a bias encoder's biases are bound in place (the pool's tensors: no tensor
+    # data beyond the pool's, only the objects that bind them); the partial encoder has a merged session.
+    binding = backend.memory_bytes(BASE_KEY)   # no input of its own: its binding only
+    assert 0 < binding < backend.memory_bytes("l1@1")
     for key in ("l1@1", "l2@1", "b1@1"):
-        assert backend.memory_bytes(key) == 0 and pool.memory_bytes(key) > 0
+        assert pool.memory_bytes(key) > 0
         assert _bound_in_place(pool, key, backend)
     assert backend.memory_bytes("p1@1") == backend.shared_bytes() > 0
     assert list(backend.merged._sessions) == ["p1@1"]
     assert (backend.directory() / SHARED_MODEL_FILE).exists()
+
+
+def test_feeds_share_the_base_values_and_count_their_own(backend, pool):
+    # The base's inputs an encoder does not set are one set of OrtValues in every feed (made
+    # once); its own are its own. What is counted beyond the pool's tensors is the binding every
+    # encoder has plus one OrtValue per input of its own.
+    shared = backend._base_values
+    binding = backend.memory_bytes(BASE_KEY)
+    for key in ("l1@1", "l2@1", "b1@1"):
+        own = adapter_inputs(pool, key, backend.slots)
+        feed = backend._inputs[key].feed
+        assert set(feed) == set(shared) | set(own)
+        assert all((feed[n] is shared[n]) == (n not in own) for n in feed), key
+        assert backend.memory_bytes(key) == binding + len(own) * shared_mod.VALUE_BYTES, key
 
 
 def test_mixed_batch_keeps_input_order(backend, pool):
@@ -418,8 +434,12 @@ def test_half_precision_factors_halve_the_memory(half, pool):
         tensors = hpool.runtime_tensors(key)
         assert {t.dtype for t in tensors.values()} == {getattr(torch, dtype)}
         assert hpool.attached(key).info["factors"] == dtype
-        assert 2 * hpool.memory_bytes(key) == pool.memory_bytes(key) > 0
-        assert b.memory_bytes(key) == 0 and _bound_in_place(hpool, key, b)
+        # half the bytes, up to the page the packed block is rounded to (qswap.encoders.packed)
+        objects = TENSOR_OBJECT_BYTES * len(tensors)   # the same in both pools
+        full, halved = pool.memory_bytes(key) - objects, hpool.memory_bytes(key) - objects
+        assert 0 < full // 2 <= halved <= full // 2 + 4096
+        assert b.memory_bytes(key) == b.memory_bytes(BASE_KEY) + len(tensors) * shared_mod.VALUE_BYTES
+        assert _bound_in_place(hpool, key, b)
     assert hpool.memory_bytes("b1@1") == pool.memory_bytes("b1@1")   # biases stay float32
 
 

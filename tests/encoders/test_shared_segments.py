@@ -5,11 +5,13 @@ bias rows (the bias kind runs in its own bound call beside the segment call)."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
-from qswap.encoders.runtime import shared, shared_export
+from qswap.encoders.runtime import onnx, shared, shared_export
 from qswap.encoders.runtime.shared import SharedBackend
 from qswap.encoders.runtime.shared_export import routing
 from qswap.encoders.runtime.shared_segments import SegmentRunner
@@ -238,3 +240,37 @@ def test_the_bulk_lane_never_runs_segments(segmented, pool, monkeypatch):
     got, _ = segmented.encode_flagged_bulk(TEXTS, MIXED)   # one core, per group, in this thread
     assert not spy.segments and spy.groups >= 4
     assert cosine(got, _alone(pool, TEXTS, MIXED)).min() >= MIN_COSINE
+
+
+def test_building_lists_what_runs_in_the_background_until_it_is_done(pool, tmp_path, monkeypatch):
+    # The segment graph (first mixed batch) and a pinned encoder's merged graph are built in the
+    # background: held here until released, so each is seen in flight, then done.
+    started = {"segment graph": threading.Event(), "merged graph": threading.Event()}
+    release = threading.Event()
+    real_shared, real_merged = shared_export.export_shared, onnx.cached_export
+
+    def held_shared(*a, segments=False, **kw):
+        if segments:
+            started["segment graph"].set()
+            assert release.wait(60)
+        return real_shared(*a, segments=segments, **kw)
+
+    def held_merged(*a, **kw):
+        started["merged graph"].set()
+        assert release.wait(60)
+        return real_merged(*a, **kw)
+    monkeypatch.setattr("qswap.encoders.runtime.shared.export_shared", held_shared)
+    b = _ready_backend(pool, tmp_path, mix="segments")
+    try:
+        assert b.building() == []                       # ready, and no batch has mixed encoders yet
+        monkeypatch.setattr("qswap.encoders.runtime.onnx.cached_export", held_merged)
+        b.encode(TEXTS, MIXED)                          # the first mixed batch starts the segment graph
+        b.pin("l2@1")
+        assert started["segment graph"].wait(60) and started["merged graph"].wait(60)
+        assert b.building() == ["segment graph", "merged graph"]
+        release.set()
+        assert b.segments_ready(wait=120) and b.wait("l2@1", timeout=120)
+        assert b.building() == []
+    finally:
+        release.set()
+        b.close()

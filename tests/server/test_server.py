@@ -67,6 +67,20 @@ def test_health_ready_request_id(anon):
     assert len(rid) == 32 and " " not in rid
 
 
+def test_readyz_says_what_the_backend_still_builds(anon, live, registered):
+    from qswap.encoders.runtime.backend import background_builds
+    backend = live.app.state.qs.backend
+    # Whatever was started in the background (the shared graph, part@1's merged export, the
+    # mixed-batch graphs if a batch mixed encoders): awaited, so nothing is in flight now.
+    for key in ("base", *registered):
+        assert backend.wait(key, timeout=120)
+        backend.merged.wait(key, timeout=120)
+    backend.segments_ready(wait=120)
+    backend.groups_side_by_side(wait=120)
+    assert background_builds(backend) == []
+    assert anon.get("/readyz").json()["warming"] == []
+
+
 def test_search_results_are_exact_for_every_encoder(anon, registered, reference_pool, doc_embeddings, ids):
     q = "chess puzzle game"
     r = anon.post("/v1/search", json={"query": q, "k": 5})

@@ -207,3 +207,28 @@ def test_bf16_query_precision_runs_large_batches_in_bf16(tmp_path, tiny_model_di
         one = c.post("/v1/search", json={"query": qs[0], "k": 5, "encoder": "ft@1"}).json()["results"][0]
         _assert_served_by(one["hits"], reference_pool, doc_embeddings, ids, "ft@1", qs[0], 5)
         assert seen == [(16, True), (1, False)]
+
+
+def test_no_dependency_of_a_route_hops_to_the_thread_pool():
+    """Every dependency of every route is ``async`` (or a class FastAPI awaits): a plain ``def``
+    runs on the thread pool, a hop per request that costs the event loop most under load."""
+    import inspect
+
+    from fastapi.routing import APIRoute
+
+    from qswap.server.http.routes import documents, embeddings, encoders, feedback, health, search, tei
+
+    def calls(dependant):
+        for dep in dependant.dependencies:
+            yield dep.call
+            yield from calls(dep)
+
+    routes = [r for m in (documents, embeddings, encoders, feedback, health, search, tei)
+              for r in m.router.routes if isinstance(r, APIRoute)]
+    sync = set()
+    for route in routes:
+        for call in calls(route.dependant):
+            fn = call if inspect.isfunction(call) else getattr(call, "__call__", call)
+            if not (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)):
+                sync.add(getattr(call, "__qualname__", repr(call)))
+    assert not sync, f"dependencies on the thread pool: {sorted(sync)}"

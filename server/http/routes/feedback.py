@@ -30,7 +30,7 @@ from qswap.server.state import ServerState
 router = APIRouter(tags=["feedback"])
 
 
-def capturing_state(state: ServerState = Depends(ready_state)) -> ServerState:
+async def capturing_state(state: ServerState = Depends(ready_state)) -> ServerState:
     """The ready state of a server that captures feedback (a dependency of the feedback and
     experiment routes).
 
