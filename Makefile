@@ -33,8 +33,16 @@ debian-lists:
 	  apt-get -q -o Acquire::Languages="en,de,fr,it" update >/dev/null && apt-get install -y -q lz4 >/dev/null; \
 	else echo "run as root: apt-get -o Acquire::Languages=en,de,fr,it update && apt-get install -y lz4"; exit 1; fi
 
+# Two pytest-xdist workers: many tests wait on servers and subprocesses, so two overlap on 2 cores.
+# A group of tests (a module, or all Ray and Milvus-server tests: tests/workers.py) runs on one
+# worker. Tests marked `serial` assert a wall-clock bound and run afterwards, alone. Both parts
+# always run; the target fails if either did.
+JOBS ?= 2
 test: setup debian-lists
-	$(BIN)/python -m pytest -q --durations=25
+	@rc=0; \
+	$(BIN)/python -m pytest -q -n $(JOBS) -m "not serial" --durations=25 || rc=$$?; \
+	$(BIN)/python -m pytest -q -m serial --durations=5 || rc=$$?; \
+	exit $$rc
 
 # The documentation site (docs/, mkdocs.yml) into site/; strict: broken links and references fail.
 docs: setup

@@ -8,17 +8,29 @@ import pytest
 
 from qswap.bench.tiny_model import make_tiny_model
 
+from .workers import check_services_modules, make_scheduler, order_for_workers
+
 # Per-test bound (pytest-timeout) of tests with real weights or a Ray cluster: their fixtures
 # (a cluster start with one retry, a model export) run inside the first test that uses them.
 SLOW_TIMEOUT_S = 900
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Give slow-marked and Ray tests the longer bound, unless a test sets its own."""
+    """Give slow-marked and Ray tests the longer bound, unless a test sets its own; on an xdist
+    worker, order the tests by group (tests/workers.py)."""
     for item in items:
         if item.get_closest_marker("timeout") is None and (
                 item.get_closest_marker("slow") is not None or "tests/ray/" in item.nodeid):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+    check_services_modules(items)
+    if hasattr(config, "workerinput"):   # every worker sorts alike: the scheduler checks they agree
+        order_for_workers(items)
+
+
+@pytest.hookimpl(optionalhook=True)   # a hook of pytest-xdist, a dev dependency
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under ``pytest -n N``, schedule whole groups (tests/workers.py), whatever ``--dist`` says."""
+    return make_scheduler(config, log)
 
 
 __all__ = ["make_tiny_model"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,10 +50,12 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, ray_clusters) -> Iterator[Cluster]:
+def cluster(ray_clusters) -> Iterator[Cluster]:
     import ray
     ray_clusters.close()   # this driver connects to the two nodes below instead
-    c = Cluster(tmp_path_factory.mktemp("rn"))
+    # Not under pytest's temp dir: an xdist worker's (.../popen-gw1/...) makes Ray's socket paths
+    # longer than the 107 bytes AF_UNIX allows.
+    c = Cluster(Path(tempfile.mkdtemp(prefix="qswap-rn-")))
     old = {k: os.environ.get(k) for k in NODE_ENV}
     os.environ.update(NODE_ENV)
     try:
@@ -66,6 +70,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, ray_clusters) -> Iterator[
         finally:
             for node in reversed(c.nodes):
                 node.stop(timeout=2.0)   # the module's cluster is discarded: no graceful wait
+            shutil.rmtree(c.root, ignore_errors=True)
             for k, v in old.items():
                 if v is None:
                     os.environ.pop(k, None)

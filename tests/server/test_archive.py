@@ -94,6 +94,7 @@ def _pax_bomb(declared: int) -> io.BytesIO:
     return raw
 
 
+@pytest.mark.serial
 def test_archive_huge_extended_header_refused_before_parsing(tmp_path):
     # 64 MB of PAX header compresses to ~64 KB; tarfile alone reads and parses all of it.
     buf = _pax_bomb(64 << 20)

@@ -66,6 +66,7 @@ def test_batcher_merges_concurrent_requests_into_one_pass():
         assert out.batch_requests == 10
 
 
+@pytest.mark.serial
 def test_batcher_adaptive_window_skips_the_wait_when_idle():
     """A lone request is not held for the window; under load the window batches again."""
     calls: list = []

@@ -182,6 +182,7 @@ def test_sigkill_during_registration_and_upsert_loses_no_acknowledged_write(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_sigterm_drains_in_flight_and_exits_within_its_bound(tmp_path, tiny_model_dir, private_index):
     srv = ServerProcess(tmp_path, tiny_model_dir, private_index, "--batch-window-ms", "50",
                         env={"QSWAP_SHUTDOWN_TIMEOUT_S": "5"}).wait_ready()
@@ -232,6 +233,7 @@ def test_sigterm_drains_in_flight_and_exits_within_its_bound(tmp_path, tiny_mode
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_overload_sheds_with_429_and_keeps_admitted_latency_bounded(tmp_path, tiny_model_dir, private_index):
     capacity = 8
     srv = ServerProcess(tmp_path, tiny_model_dir, private_index,
@@ -287,6 +289,7 @@ def test_unusable_settings_stop_the_start_with_one_line(tmp_path, tiny_model_dir
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_sigterm_answers_long_requests_503_json_and_exits_within_its_bound(tmp_path, tiny_model_dir, private_index):
     """Requests that cannot finish within the drain bound (searches, and document embeddings,
     with feedback capture on) get a 503 JSON (not a 500 from a cancelled task), the process
