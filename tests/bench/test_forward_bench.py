@@ -34,7 +34,9 @@ def test_forward_bench_runs_and_skips_emulated_bf16(tiny_model_dir, tmp_path, mo
     assert {"lora@1 float16", "lora@1 bfloat16", "lora@1 ort-adapter"} <= set(a["cosine_shared_vs_torch"])
     # Half-precision factors (the server's default) halve an encoder's bytes.
     m = a["memory"]
-    assert m["factors"] == "float16" and 2 * m["bytes_per_extra_encoder"] == m["float32_bytes_per_encoder"] > 0
+    # Half precision halves the factors; the per-encoder objects counted beside them do not shrink.
+    f16, f32 = m["bytes_per_extra_encoder"], m["float32_bytes_per_encoder"]
+    assert m["factors"] == "float16" and 0 < f16 < f32 <= 2 * f16
     assert m["bytes_per_extra_encoder"] <= m["adapter_file_bytes"] + 2**20
     assert "## Adapters" in (out / "README.md").read_text()
     md = (out / "README.md").read_text()
