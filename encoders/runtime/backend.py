@@ -33,16 +33,6 @@ def runtime_of(backend: Backend, key: str) -> dict[str, str | None]:
     return {"runtime": "onnx" if name == "onnx-merged" else name, "runtime_error": backend.error(key)}
 
 
-def background_builds(backend: Backend) -> list[str]:
-    """What ``backend`` is still building in the background (graphs, sessions), by kind: a
-    server answers meanwhile, on a slower path; ``GET /readyz`` says it as ``warming``, so a
-    client that times the server can wait until it is empty."""
-    # Not a Backend member: the cuda backend captures its graphs in line with the batches and
-    # has no background builds, hence no ``building``.
-    building = getattr(backend, "building", None)
-    return building() if building is not None else []
-
-
 class TorchBackend:
     """Forward passes in the shared-base pool (mixed LoRA rows in one pass).
 

@@ -114,6 +114,10 @@ class CudaBackend:
         """Nothing per encoder: the table is allocated once (:meth:`AdapterTable.nbytes`)."""
         return 0
 
+    def building(self) -> list[str]:
+        """Nothing in the background: a bucket is captured in line with the batch that needs it."""
+        return []
+
     def runtime(self, key: str) -> str:
         """``cuda-graph`` (captured buckets), ``gathered`` (the same buckets run eagerly) or ``torch``."""
         with self._lock:

@@ -36,6 +36,9 @@ class Backend(Protocol):
     def ready(self, key: str) -> bool: ...
     def error(self, key: str) -> str | None: ...
     def memory_bytes(self, key: str) -> int: ...
+    def building(self) -> list[str]:
+        """What is still built in the background (graphs, sessions), by kind; answers run on a
+        slower path meanwhile (``GET /readyz`` says it as ``warming``)."""
     def runtime(self, key: str) -> str:
         """What runs ``key`` now: ``torch``, ``onnx-merged`` (its own export), ``onnx-shared``, or on the
         cuda backend ``cuda-graph`` / ``gathered`` (the same buckets run eagerly)."""

@@ -68,7 +68,6 @@ def test_health_ready_request_id(anon):
 
 
 def test_readyz_says_what_the_backend_still_builds(anon, live, registered):
-    from qswap.encoders.runtime.backend import background_builds
     backend = live.app.state.qs.backend
     # Whatever was started in the background (the shared graph, part@1's merged export, the
     # mixed-batch graphs if a batch mixed encoders): awaited, so nothing is in flight now.
@@ -77,7 +76,7 @@ def test_readyz_says_what_the_backend_still_builds(anon, live, registered):
         backend.merged.wait(key, timeout=120)
     backend.segments_ready(wait=120)
     backend.groups_side_by_side(wait=120)
-    assert background_builds(backend) == []
+    assert backend.building() == []
     assert anon.get("/readyz").json()["warming"] == []
 
 

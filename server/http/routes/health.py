@@ -7,7 +7,6 @@ from fastapi.responses import JSONResponse
 
 from qswap import __version__
 from qswap.server.http.auth import require_metrics, require_search
-from qswap.encoders.runtime.backend import background_builds
 from qswap.errors import NotReadyError
 from qswap.server.http.errors import error_body_of
 from qswap.server.http.models import ErrorBody
@@ -37,7 +36,7 @@ async def readyz(request: Request) -> Ready | JSONResponse:
     reg = state.registry
     return Ready(ready=True, default_encoder=reg.default_key(), index_documents=state.index.count,
                  encoders_loaded=sum(1 for k in reg.keys() if reg.is_loaded(k)) + 1,
-                 warming=background_builds(state.backend) if state.backend is not None else [])
+                 warming=state.backend.building() if state.backend is not None else [])
 
 
 @router.get("/metrics", summary="Prometheus metrics", dependencies=[Depends(require_metrics)],
