@@ -5,7 +5,8 @@ with its default limits, over a writable copy of the benchmark index (the demo c
 synthetic vectors in the model's space, as in ``qswap bench serving``) plus two ~1.9 MB
 documents (metadata ``section: huge``). Normal clients send single-query searches at a steady
 rate on keep-alive connections (the raw asyncio client, :mod:`qswap.bench.loadgen`). For each
-attack, a window without the attacker is followed by one with it. The attacker is one client:
+attack, a window without the attacker is followed by one with it, for ``--rounds`` rounds; the
+figures are over every round's requests together. The attacker is one client:
 its own process (its Python never holds the load generator's GIL) and its own address
 (``ATTACKER_HOST``, another loopback address, as a client on another machine would be). It
 loops, one request at a time:
@@ -56,6 +57,11 @@ from qswap.errors import InvalidInputError
 
 NAME = "adversarial"
 PHASE_S = ByMode(20.0, 4.0)
+#: Rounds of (window without, window with the attacker) per attack. p99 of one 10 s window at
+#: 20 requests/s is its 2nd-3rd worst request and moved by about +-0.4x between runs; pooled
+#: over three rounds it is the 6th-7th worst of ~650, and alternating the windows spreads slow
+#: drifts of the machine's load over both sides.
+ROUNDS = ByMode(3, 1)
 RATE = ByMode(20.0, 10.0)          # normal requests per second
 CONNECTIONS = 16                    # normal clients' keep-alive connections (enough to hold the rate)
 SLOW = ByMode(1000, 100)
@@ -76,6 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``qswap bench adversarial``."""
     p.add_argument("--phase-seconds", type=float, default=None,
                    help=f"seconds of each window, with and without the attacker ({PHASE_S.describe()})")
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"windows without / with the attacker per attack, alternating ({ROUNDS.describe()})")
     p.add_argument("--rate", type=float, default=None, help=f"normal requests per second ({RATE.describe()})")
     p.add_argument("--slow-connections", type=int, default=None, help=f"stalled connections ({SLOW.describe()})")
     p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated subset of {', '.join(ATTACKS)}")
@@ -396,8 +404,9 @@ def _payloads(work: Any, quick: bool) -> dict[str, Any]:
 
 
 def _window(port: int, reqs: list[Request], seconds: float, rate: float,
-            attacker: Attacker | None) -> dict[str, Any]:
-    """Normal load for ``seconds`` (with ``attacker`` running meanwhile)."""
+            attacker: Attacker | None) -> tuple[dict[str, Any], list[float]]:
+    """Normal load for ``seconds`` (with ``attacker`` running meanwhile): its summary and the
+    normal requests' latencies (ms)."""
     with HealthProbe(port) as probe:
         if attacker is not None:
             attacker.start()
@@ -419,13 +428,61 @@ def _window(port: int, reqs: list[Request], seconds: float, rate: float,
                            **({"admin_p99_ms": {k: percentile(v, 99) for k, v in attacker.admin_ms.items() if v}}
                               if attacker.name == "feedback_flood" else {}),
                            "answer_bytes_max": max(attacker.answer_bytes) if attacker.answer_bytes else None}
+    return out, lat
+
+
+def pooled(windows: list[dict[str, Any]], lats: list[list[float]]) -> dict[str, Any]:
+    """One summary of several windows of the same kind: counts summed, p50/p99 over every
+    window's latencies together, worst /healthz; each window's own summary under ``rounds``.
+
+    Args:
+        windows: the windows' summaries (:func:`_window`).
+        lats: their latencies (ms), in the same order.
+
+    Returns:
+        The pooled summary (the same keys as one window's, plus ``rounds``).
+    """
+    every = [x for lat in lats for x in lat]
+    statuses: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    for w in windows:
+        statuses.update(w["statuses"])
+        errors.update(w["errors"])
+    worst = [w["healthz_max_ms"] for w in windows if w["healthz_max_ms"] is not None]
+    out: dict[str, Any] = {
+        "sent": sum(w["sent"] for w in windows), "ok": sum(w["ok"] for w in windows),
+        "failed": sum(w["failed"] for w in windows), "statuses": dict(statuses), "errors": dict(errors),
+        "p50_ms": percentile(every, 50) if every else None, "p99_ms": percentile(every, 99) if every else None,
+        "healthz_max_ms": max(worst) if worst else None,
+        "healthz_failed": sum(w["healthz_failed"] for w in windows), "rounds": windows}
+    attackers = [w["attacker"] for w in windows if "attacker" in w]
+    if attackers:
+        answers: Counter[str] = Counter()
+        for a in attackers:
+            answers.update(a["answers"])
+        admin: dict[str, float] = {}
+        for a in attackers:
+            for k, v in a.get("admin_p99_ms", {}).items():
+                admin[k] = max(admin.get(k, v), v)
+        sizes = [a["answer_bytes_max"] for a in attackers if a["answer_bytes_max"] is not None]
+        out["attacker"] = {"answers": dict(answers), "jobs_done": sum(a["jobs_done"] for a in attackers),
+                           "closed_by_server": sum(a["closed_by_server"] for a in attackers),
+                           **({"admin_p99_ms": admin} if admin else {}),
+                           "answer_bytes_max": max(sizes) if sizes else None}
     return out
+
+
+def round_ratios(quiet: dict[str, Any], attacked: dict[str, Any]) -> list[float | None]:
+    """Each round's p99 with / without the attacker (None where a window had no answer)."""
+    return [a["p99_ms"] / q["p99_ms"] if q["p99_ms"] and a["p99_ms"] else None
+            for q, a in zip(quiet["rounds"], attacked["rounds"])]
 
 
 def run(args: argparse.Namespace) -> int:
     """``qswap bench adversarial``."""
     quick = bool(args.quick)
     seconds = args.phase_seconds or PHASE_S.pick(quick)
+    rounds = args.rounds or ROUNDS.pick(quick)
     rate = args.rate or RATE.pick(quick)
     slow = args.slow_connections or SLOW.pick(quick)
     attacks = [a.strip() for a in args.attacks.split(",") if a.strip()]
@@ -433,8 +490,8 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not attacks:
         raise InvalidInputError(f"unknown attacks: {', '.join(unknown) or '(none given)'}",
                                 f"choose from {', '.join(ATTACKS)}")
-    if seconds <= 0 or rate <= 0 or slow < 1:
-        raise InvalidInputError("--phase-seconds, --rate and --slow-connections must be positive",
+    if seconds <= 0 or rate <= 0 or slow < 1 or rounds < 1:
+        raise InvalidInputError("--phase-seconds, --rounds, --rate and --slow-connections must be positive",
                                 "e.g. --phase-seconds 20 --rate 20")
     dirs = RunDirs.create(NAME, quick, args.out)
     tmp = dirs.tmp
@@ -456,7 +513,7 @@ def run(args: argparse.Namespace) -> int:
     srv = ServerProcess(cmd, port, ready_path="/readyz", log_path=tmp / "server.log")
     payloads = _payloads(work, quick)
     reqs = [Request.post_json("/v1/search", {"query": q, "k": 10}) for q in work.queries]
-    res: dict[str, Any] = {"workload": work.source, "phase_s": seconds, "rate_per_s": rate,
+    res: dict[str, Any] = {"workload": work.source, "phase_s": seconds, "rounds": rounds, "rate_per_s": rate,
                            "connections": CONNECTIONS, "nofile": NOFILE, "slow_connections": slow,
                            "upsert_documents": len(payloads["big_upsert"]["documents"]), "attacks": {}}
     with srv:
@@ -488,15 +545,22 @@ def run(args: argparse.Namespace) -> int:
         res["rss_start_bytes"] = srv.rss()
         for name in attacks:
             rss_before = srv.rss()
-            quiet = _window(port, reqs, seconds, rate, None)
-            attacked = _window(port, reqs, seconds, rate, Attacker(name, port, payloads, slow))
+            windows: dict[str, tuple[list[dict[str, Any]], list[list[float]]]] = {"quiet": ([], []),
+                                                                                 "attacked": ([], [])}
+            for _ in range(rounds):   # alternating: a drift of the machine's load falls on both sides
+                for side, attacker in (("quiet", None), ("attacked", Attacker(name, port, payloads, slow))):
+                    summary, lat = _window(port, reqs, seconds, rate, attacker)
+                    windows[side][0].append(summary)
+                    windows[side][1].append(lat)
             rss_after = srv.rss()
+            quiet, attacked = pooled(*windows["quiet"]), pooled(*windows["attacked"])
             ratio = (attacked["p99_ms"] / quiet["p99_ms"]) if quiet["p99_ms"] and attacked["p99_ms"] else None
             res["attacks"][name] = {"quiet": quiet, "attacked": attacked, "p99_ratio": ratio,
+                                    "round_ratios": round_ratios(quiet, attacked),
                                     "rss_before_bytes": rss_before, "rss_after_bytes": rss_after,
                                     "rss_change": rss_after / rss_before - 1}
             print(f"{name}: p99 {quiet['p99_ms']:.1f} -> {attacked['p99_ms'] or float('nan'):.1f} ms "
-                  f"(x{ratio or float('nan'):.2f}), failed {attacked['failed']}, RSS "
+                  f"(x{ratio or float('nan'):.2f}; rounds {res['attacks'][name]['round_ratios']}), failed {attacked['failed']}, RSS "
                   f"{rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB", file=sys.stderr)
         res["rss_end_bytes"] = srv.rss()
         if "abandoned_requests" in attacks:
@@ -526,7 +590,9 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
     rows = []
     for n in names:
         q, a = A[n]["quiet"], A[n]["attacked"]
+        per_round = " / ".join(f(r, 2) for r in A[n].get("round_ratios", []))
         rows.append([n, f(q["p50_ms"]), f(a["p50_ms"]), f(q["p99_ms"]), f(a["p99_ms"]), f(A[n]["p99_ratio"], 2),
+                     per_round,
                      f"{a['failed']} / {a['sent']}", f(a["healthz_max_ms"]),
                      f"{A[n]['rss_before_bytes'] / 2**20:.0f} -> {A[n]['rss_after_bytes'] / 2**20:.0f} "
                      f"({100 * A[n]['rss_change']:+.1f} %)",
@@ -539,13 +605,16 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
           f"{res['workload']} plus two {HUGE_CHARS / 1e6:.1f} MB documents. Normal clients: "
           f"{res['rate_per_s']:g} single-query searches/s (k 10) on {res['connections']} keep-alive "
           f"connections from {LOAD_HOST}; the attacker, a process of its own, from {ATTACKER_HOST}; each window "
-          f"{res['phase_s']:g} s, without then with the attacker. Slow connections: "
+          f"{res['phase_s']:g} s, without then with the attacker, {res.get('rounds', 1)} round(s) of the two "
+          f"alternating per attack; p50 / p99 and the p99 ratio are over every round's requests together "
+          f"(with ~200 requests per window, one window's p99 is its 2nd-3rd worst request and moves by about "
+          f"+-0.4x between runs), the ratio of each round beside it. Slow connections: "
           f"{res['slow_connections']}; upsert: {res['upsert_documents']} documents. The RSS baseline is taken "
           f"after a warm-up that includes one legitimate 64-query request (buffers grown once by normal use). "
           f"Latency is measured from each request's actual send: when the server falls behind, the normal "
           f"clients send fewer requests (see 'normal failed' for the count sent).\n\n"
           + md_table(["attack", "p50 ms (without)", "p50 ms (with)", "p99 ms (without)", "p99 ms (with)",
-                      "p99 ratio", "normal failed", "/healthz max ms (with)", "server RSS MiB",
+                      "p99 ratio", "p99 ratio per round", "normal failed", "/healthz max ms (with)", "server RSS MiB",
                       "attacker's answers"], rows)
           + f"\n\nTargets: p99 ratio <= 2, 0 failed, RSS within 10 %. Server RSS at start "
           f"{res['rss_start_bytes'] / 2**20:.0f} MiB, at the end {res['rss_end_bytes'] / 2**20:.0f} MiB.\n")
