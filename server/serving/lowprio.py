@@ -4,10 +4,9 @@ A large request (a long query list, a long embedding input, an upsert's document
 tokenising as well as forward passes: 64 texts of 512 tokens are 30-80 ms of tokenizer time.
 Done in the batch worker's tokens stage, every one-query search queued behind it waits that
 long; done on a default executor thread, it runs beside the interactive lane at its priority.
-:class:`LowPriority` is one worker thread at ``SCHED_IDLE`` (:func:`idle_priority`: tokenising
-holds the GIL for moments only, so the thread can yield the core to every other one) on which
-large requests are tokenised one after another; the bulk lane's forward thread takes the nice
-value :data:`BULK_NICE` (:func:`lower_priority`).
+:class:`LowPriority` is one worker thread at :data:`BULK_NICE` on which large requests are
+tokenised one after another, and the bulk lane's forward thread takes the same nice value
+(:func:`lower_priority`).
 
 The tokenizer must do that work on the thread that asks for it. ``tokenizers`` runs
 ``encode_batch`` on a thread pool of its own (Rust's rayon) whose threads are made once, by
@@ -57,28 +56,12 @@ def lower_priority() -> None:
         pass
 
 
-def idle_priority() -> None:
-    """Give the calling thread Linux's ``SCHED_IDLE`` policy (it runs only where no other thread
-    wants the core; a waking thread preempts it at once), after :func:`lower_priority` (what it
-    keeps where ``SCHED_IDLE`` is missing or refused).
-
-    Only for a thread that holds the GIL for moments: a ``SCHED_IDLE`` thread that holds it while
-    the cores are busy stalls every other thread until a core is free (the bulk forward thread,
-    which holds it between passes, stays at nice 19: ``SCHED_IDLE`` there measured a worse
-    ``big_upsert`` row)."""
-    lower_priority()
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # 0: the calling thread
-    except (AttributeError, OSError):
-        pass
-
-
 class LowPriority:
-    """One worker thread at ``SCHED_IDLE`` (:func:`idle_priority`; see the module docstring)."""
+    """One worker thread at :data:`BULK_NICE` (see the module docstring)."""
 
     def __init__(self, name: str = "qswap-bulk-tokens") -> None:
         tokenize_on_caller()   # else the tokenizer's own pool does this thread's work at normal priority
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=idle_priority)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=lower_priority)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> "Future[T]":
         """Run ``fn(*args)`` on the worker (any thread may ask)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 import threading
@@ -15,7 +14,6 @@ import pytest
 from qswap.errors import DeadlineExceededError, InvalidInputError, OverloadedError
 from qswap.server.serving.admission import Ticket
 from qswap.server.serving.batching import MicroBatcher
-from qswap.server.serving.lowprio import BULK_NICE
 
 
 def _fake(calls: list, fail_key: str | None = None):
@@ -311,15 +309,3 @@ def test_a_large_request_is_tokenised_on_the_low_priority_thread_itself(monkeypa
     with running(encode=enc, search=srch, bulk=True) as b:
         own, total = _run(b.low_priority(tokenize))
     assert total > 0 and own >= 0.7 * total, (own, total)
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
-def test_large_requests_are_tokenised_on_a_sched_idle_thread():
-    # A nice-19 thread keeps its core until its slice ends when a search's thread wakes; a
-    # SCHED_IDLE one gives it up at once. The tokenising thread holds the GIL for moments only.
-    calls: list = []
-    enc, srch = _fake(calls)
-    with running(encode=enc, search=srch, bulk=True) as b:
-        policy = _run(b.low_priority(lambda: os.sched_getscheduler(0)))
-        nice = _run(b.low_priority(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
-    assert policy == os.SCHED_IDLE and nice == BULK_NICE
