@@ -342,7 +342,7 @@ def _batches(enc: DocumentEncoder, texts: list[str], start: int) -> list[Batch]:
     lengths = [len(e) for e in encs]   # unpadded: each row's real tokens
     out = []
     for b in token_budget_batches(lengths, enc.max_tokens):
-        ids, mask = padded_rows(encs, b, lengths[b[0]], pad_id(enc.base.tokenizer))   # longest first
+        ids, mask = padded_rows(encs, b, lengths[b[0]], pad_id(enc.base.tokenizer), unpadded=True)   # longest first
         out.append(([start + i for i in b], ids, mask, None if out else (len(texts), sum(lengths))))
     return out
 

@@ -156,9 +156,11 @@ def test_padded_rows_equal_a_row_by_row_copy(tiny_base, width):
     from qswap.encoders.embedding import pad_id, padded_rows, unpadded
     docs = texts(40, seed=width)
     pad = pad_id(tiny_base.tokenizer)
-    for encs in (tiny_base.tokenizer.encode_batch(docs), unpadded(tiny_base.tokenizer).encode_batch(docs)):
+    for encs, bare in ((tiny_base.tokenizer.encode_batch(docs), False),
+                       (unpadded(tiny_base.tokenizer).encode_batch(docs), False),
+                       (unpadded(tiny_base.tokenizer).encode_batch(docs), True)):
         rows = [5, 0, 17, 39, 2]
-        ids, mask = padded_rows(encs, rows, width, pad)
+        ids, mask = padded_rows(encs, rows, width, pad, unpadded=bare)
         for r, i in enumerate(rows):
             n = min(len(encs[i].ids), width)
             want_ids = list(encs[i].ids[:n]) + [pad] * (width - n)
