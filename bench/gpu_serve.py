@@ -106,6 +106,8 @@ def phase_serve(rec: Any, cfg: dict[str, Any], root: Path, qs: list[str]) -> Non
              ["--device", "cuda" if gpu else "cpu", "--backend", "cuda", "--query-precision", "fp16" if gpu else "fp32"],
              DOMAINS, gpu),
             ("cpu (shared backend, every core)", ["--device", "cpu"], (4,), False)]
+    if gpu:   # the cuda worker thread waits one switch interval for the busy event loop after each sync
+        arms.insert(1, ("cuda fp16, --gil-switch-ms 0.5", arms[0][1] + ["--gil-switch-ms", "0.5"], (4,), True))
     for name, extra, domains, busy in arms:
         def arm(extra: list[str] = extra, domains: tuple[int, ...] = domains, busy: bool = busy) -> dict[str, Any]:
             tag = extra[-1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -87,18 +88,39 @@ def pad_id(tokenizer: Tokenizer) -> int:
     return int(padding["pad_id"]) if padding else 0
 
 
-def padded_rows(encodings: list[Any], rows: list[int], width: int, pad: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def padded_rows(encodings: list[Any], rows: list[int], width: int, pad: int = 0,
+                unpadded: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``(input_ids, attention_mask)`` int64 arrays of ``encodings[rows]``, each row cut or padded
     to ``width``. Encodings tokenised apart (each request on its own, in the server's tokens stage)
-    are not padded to one another's length, so every row is written into a ``pad``-filled array."""
+    are not padded to one another's length, so every row is written into a ``pad``-filled array.
+    ``unpadded``: the encodings carry no padding (:func:`unpadded`), so each row's mask is ones
+    over its length and is not copied from the encodings."""
     ids = np.full((len(rows), width), pad, dtype=np.int64)
     mask = np.zeros((len(rows), width), dtype=np.int64)
-    for r, i in enumerate(rows):
-        e = encodings[i]
-        n = min(len(e.ids), width)
-        ids[r, :n] = e.ids[:n]
-        mask[r, :n] = e.attention_mask[:n]
+    if not rows:
+        return ids, mask
+    # One flat copy and one scatter rather than a numpy assignment per row: a document window of
+    # thousands of rows spends its Python time here, on the thread beside the one launching kernels.
+    seqs = [encodings[i].ids for i in rows]
+    n = np.fromiter((min(len(x), width) for x in seqs), dtype=np.int64, count=len(rows))
+    total = int(n.sum())
+    at = np.arange(width) < n[:, None]
+    ids[at] = np.fromiter(chain.from_iterable(x[:width] for x in seqs), dtype=np.int64, count=total)
+    if unpadded:
+        mask[at] = 1
+    else:
+        masks = [encodings[i].attention_mask for i in rows]
+        mask[at] = np.fromiter(chain.from_iterable(x[:width] for x in masks), dtype=np.int64, count=total)
     return ids, mask
+
+
+def unpadded(tokenizer: Tokenizer) -> Tokenizer:
+    """A copy of ``tokenizer`` that truncates as it does but pads nothing: a window of documents
+    tokenised at once would otherwise be padded to its longest text, row by row, before being cut
+    into batches of similar lengths (each row's real length is then ``len(encoding)``)."""
+    copy = Tokenizer.from_str(tokenizer.to_str())
+    copy.no_padding()
+    return copy
 
 
 def length_buckets(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_size: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -21,7 +22,7 @@ _FLAG_FIELDS = {
     "search_token": "search_token", "metrics_token": "metrics_token", "insecure": "insecure", "backend": "backend",
     "query_precision": "query_precision", "lora_factors": "lora_factors",
     "onnx_threads": "onnx_threads", "onnx_spin": "onnx_spin", "hot_encoders": "hot_encoders", "bulk_lane": "bulk_lane",
-    "batch_window_ms": "batch_window_ms", "max_batch": "max_batch", "default_encoder": "default_encoder",
+    "batch_window_ms": "batch_window_ms", "gil_switch_ms": "gil_switch_ms", "max_batch": "max_batch", "default_encoder": "default_encoder",
     "read_only_index": "read_only_index", "max_k": "max_k", "max_queries": "max_queries",
     "encoder_memory_mb": "encoder_memory_bytes", "sentinels": "sentinels", "guard_alpha": "guard_alpha",
     "guard_min_queries": "guard_min_queries",
@@ -98,6 +99,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests larger than one slice run on a second, lower-priority forward thread (default on; "
                         "docs/serving.md)")
     p.add_argument("--batch-window-ms", type=float, help="micro-batch window (default 2)")
+    p.add_argument("--gil-switch-ms", type=float, metavar="MS",
+                   help="Python's thread switch interval in the server (default 5; docs/serving.md)")
     p.add_argument("--max-batch", type=int, help="queries per forward pass at most (default 64)")
     p.add_argument("--max-k", type=int, help="hits per query at most (default 100)")
     p.add_argument("--max-queries", type=int, help="queries per request at most (default 64)")
@@ -207,7 +210,12 @@ def _serve(args: argparse.Namespace) -> int:
         log.warning("--insecure: admin routes are open to loopback clients without a token")
     if getattr(args, "ray", False):
         return _serve_ray(args, settings)
+    # A forward thread back from ONNX Runtime or CUDA waits up to one switch interval for the
+    # event loop (busy with Python under load) to hand the interpreter over: the whole server
+    # process's setting, so it is set here, not by create_app (a library embedding the app keeps its own).
+    sys.setswitchinterval(settings.gil_switch_ms / 1000)
     app = create_app(settings, check=False)   # checked above
+    app.state.qs.freeze_when_loaded = True   # this process is the server's (qswap.server.state)
     log.info("starting", extra={"url": f"http://{settings.host}:{settings.port}", "admin": settings.admin_mode,
                                 "index": str(settings.index or "demo"), "model": settings.model})
     # One worker: the model, index and encoder pool live in this process; uvicorn's protocol

@@ -92,6 +92,10 @@ class ServerSettings(BaseSettings):
                             "cuda backend: every batch at this precision (fp16 on the cuda backend only)")
     lora_factors: Literal["float16", "bfloat16", "float32"] = Field(
         SERVING_FACTORS, description="storage type of loaded LoRA factors (compute stays float32; see docs/query-path.md)")
+    gil_switch_ms: float = Field(5.0, gt=0, le=100, description="the interpreter's thread switch interval in "
+                                 "`qswap serve` (Python's sys.setswitchinterval): how long a forward thread back "
+                                 "from ONNX Runtime or CUDA waits for the busy event loop to hand over (see "
+                                 "docs/serving.md)")
     batch_window_ms: float = Field(2.0, ge=0, le=1000, description="how long a batch waits for more requests")
     max_batch: int = Field(64, ge=1, le=4096, description="queries encoded in one forward pass at most")
     encoder_memory_bytes: int = Field(1 << 30, ge=0, description="budget for loaded adapters (LRU beyond it)")

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from qswap.encoders.base import BaseEncoder
-from qswap.encoders.embedding import pad_id, padded_rows
+from qswap.encoders.embedding import pad_id, padded_rows, unpadded
 from qswap.encoders.runtime.cancel import run_options
 from qswap.encoders.runtime.token_batches import DEFAULT_MAX_TOKENS, token_budget_batches
 from qswap.errors import InvalidInputError
@@ -174,6 +174,7 @@ class DocumentEncoder:
         self._model: Any = None   # the torch module documents run through (bf16: a bf16-Linear copy)
         self._gpu: Any = None     # the cuda runtime's GpuDocuments
         self._lock = threading.Lock()
+        self._tokenizer = unpadded(base.tokenizer)   # the producer thread's own: windows are cut, not padded
 
     @property
     def record(self) -> dict[str, Any]:
@@ -337,12 +338,11 @@ Batch = tuple[list[int], np.ndarray, np.ndarray, "tuple[int, int] | None"]
 def _batches(enc: DocumentEncoder, texts: list[str], start: int) -> list[Batch]:
     """Tokenise one window and cut it into token-budget batches: (global indices, ids, mask,
     window); the first batch's ``window`` is the window's (documents, tokens), the others' None."""
-    encs = enc.base.tokenizer.encode_batch([enc.base.spec.document_prefix + t for t in texts])
-    # attention_mask, not ids: the tokenizer pads every row to the window's longest.
-    lengths = [sum(e.attention_mask) for e in encs]
+    encs = enc._tokenizer.encode_batch([enc.base.spec.document_prefix + t for t in texts])
+    lengths = [len(e) for e in encs]   # unpadded: each row's real tokens
     out = []
     for b in token_budget_batches(lengths, enc.max_tokens):
-        ids, mask = padded_rows(encs, b, lengths[b[0]], pad_id(enc.base.tokenizer))   # longest first
+        ids, mask = padded_rows(encs, b, lengths[b[0]], pad_id(enc.base.tokenizer), unpadded=True)   # longest first
         out.append(([start + i for i in b], ids, mask, None if out else (len(texts), sum(lengths))))
     return out
 

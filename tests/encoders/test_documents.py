@@ -147,3 +147,37 @@ def test_cuda_runtime_twin_equals_the_torch_reference(tiny_base, caplog):
     assert cosines(fp16.encode(docs[:40]), ref[:40]).min() > 0.99   # a random tiny model: loose
     with pytest.raises(InvalidInputError, match="cuda runtime only"):
         DocumentEncoder(tiny_base, precision="fp16", runtime="torch")
+
+
+@pytest.mark.parametrize("width", [3, 9, 64])
+def test_padded_rows_equal_a_row_by_row_copy(tiny_base, width):
+    """The scatter copy of encodings into (ids, mask) equals a row-by-row copy, for encodings padded
+    to one another (one call) and tokenised apart (unpadded), cut at ``width`` or padded to it."""
+    from qswap.encoders.embedding import pad_id, padded_rows, unpadded
+    docs = texts(40, seed=width)
+    pad = pad_id(tiny_base.tokenizer)
+    for encs, bare in ((tiny_base.tokenizer.encode_batch(docs), False),
+                       (unpadded(tiny_base.tokenizer).encode_batch(docs), False),
+                       (unpadded(tiny_base.tokenizer).encode_batch(docs), True)):
+        rows = [5, 0, 17, 39, 2]
+        ids, mask = padded_rows(encs, rows, width, pad, unpadded=bare)
+        for r, i in enumerate(rows):
+            n = min(len(encs[i].ids), width)
+            want_ids = list(encs[i].ids[:n]) + [pad] * (width - n)
+            want_mask = list(encs[i].attention_mask[:n]) + [0] * (width - n)
+            assert ids[r].tolist() == want_ids and mask[r].tolist() == want_mask
+    assert padded_rows(encs, [], width, pad)[0].shape == (0, width)
+
+
+def test_document_windows_are_tokenised_without_padding(tiny_base):
+    """A window of documents is tokenised by an unpadded copy of the base's tokenizer (each row its
+    own length, cut into batches afterwards); the base's own tokenizer keeps padding."""
+    from qswap.encoders.runtime.documents import _batches
+    enc = DocumentEncoder(tiny_base, runtime="torch", max_tokens=256)
+    docs = texts(50)
+    assert enc._tokenizer.padding is None and tiny_base.tokenizer.padding is not None
+    lengths = [sum(e.attention_mask) for e in tiny_base.tokenizer.encode_batch(["passage: " + t for t in docs])]
+    batches = _batches(enc, docs, 0)
+    assert sorted(i for b in batches for i in b[0]) == list(range(50))
+    for idx, ids, mask, _ in batches:
+        assert mask.sum(1).tolist() == [lengths[i] for i in idx] and ids.shape[1] == max(lengths[i] for i in idx)
