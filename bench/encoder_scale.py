@@ -32,7 +32,7 @@ mix encoders and what a loaded encoder costs beyond its factors:
 
 - **RSS bound**: RSS at the largest count <= RSS(1) + the fixed per-server costs that come with
   the first batches mixing encoders (the group session and the segment session: the base's
-  weights again each, :func:`~qswap.encoders.runtime.shared.session_weight_bytes`; the segment
+  weights again each, :func:`~qswap.encoders.runtime.shared_adapters.session_weight_bytes`; the segment
   call buffers: :data:`~qswap.encoders.runtime.shared_segments.MAX_SEGMENTS` adapters' factors)
   + loaded x the counted bytes per encoder;
 - **count**: the RSS each encoder adds while every encoder is loaded (the slope between the two
@@ -126,7 +126,7 @@ def _fixed_bytes(base: Any, half: int) -> dict[str, int]:
     """What a server holds once its batches mix encoders, whatever the number of encoders: two
     more sessions of the shared graph's weights (the single-threaded group session and the
     segment session) and the segment call buffers (MAX_SEGMENTS adapters' factors)."""
-    from qswap.encoders.runtime.shared import session_weight_bytes
+    from qswap.encoders.runtime.shared_adapters import session_weight_bytes
     from qswap.encoders.runtime.shared_segments import MAX_SEGMENTS
     return {"group_session": session_weight_bytes(base), "segment_session": session_weight_bytes(base),
             "segment_buffers": MAX_SEGMENTS * half}

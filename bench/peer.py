@@ -468,6 +468,9 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
           + md_table(["scenario", "conc.", "arm", "QPS", "p50 ms", "p99 ms", "QPS / Infinity (range)",
                       "p99 / Infinity", "failed", "load"], rows)
           + "\n### Memory (RSS at the end of each scenario, MiB)\n\n"
-          + md_table(["scenario", "qswap", "Infinity", "Infinity's models"], mem))
+          + md_table(["scenario", "qswap", "Infinity", "Infinity's models"], mem)
+          + ("\n### The serving loop's profile\n\nWhere the one-domain server's interpreter spends its time under "
+             "load, before and after the last changes to the serving loop: [profile.md](profile.md).\n"
+             if (dirs.out / "profile.md").exists() else ""))
     print(md)
     w.write(res, md)

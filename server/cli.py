@@ -215,6 +215,7 @@ def _serve(args: argparse.Namespace) -> int:
     # process's setting, so it is set here, not by create_app (a library embedding the app keeps its own).
     sys.setswitchinterval(settings.gil_switch_ms / 1000)
     app = create_app(settings, check=False)   # checked above
+    app.state.qs.freeze_when_loaded = True   # this process is the server's (qswap.server.state)
     log.info("starting", extra={"url": f"http://{settings.host}:{settings.port}", "admin": settings.admin_mode,
                                 "index": str(settings.index or "demo"), "model": settings.model})
     # One worker: the model, index and encoder pool live in this process; uvicorn's protocol

@@ -8,6 +8,7 @@ once and ``/readyz`` turns 200 when everything is in place.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -36,6 +37,19 @@ log = logging.getLogger("qswap.server")
 DOCUMENT_THREADS_BULK = 1
 
 
+def freeze_loaded_objects() -> None:
+    """Move every object alive now (the index's documents, the tokenizer, the registry: about
+    half a million) out of the cyclic garbage collector's reach, once, before serving.
+
+    A full collection otherwise walks them all: ~0.3 s with the GIL held on two cores, in which
+    the event loop, the tokens stage and the answers stage stop, several times a minute under
+    load (the p99 of a closed loop at c=32). What is loaded later is collected as usual; what is
+    frozen is still freed by reference counting, only a reference cycle among it is never freed.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 class ServerState:
     """The live objects behind one app; attributes are ``None`` until :meth:`load` is done."""
 
@@ -44,6 +58,9 @@ class ServerState:
         self.metrics = Metrics()
         self.ready = False
         self.draining = False
+        # Set by ``qswap serve``, whose process this state owns: freeze_loaded_objects() once
+        # loaded (a library or a test embedding the app keeps its own collector as it is).
+        self.freeze_when_loaded = False
         self.load_error: str | None = None
         self.base: BaseEncoder | None = None
         self._documents: Any = None   # DocumentEncoder, see document_encoder()
@@ -157,6 +174,8 @@ class ServerState:
                 # not a second forward pass beside the worker's; see serving/background.py.
                 from qswap.server.serving.background import GatedEncode
                 guard.encode = GatedEncode(batcher, closing=guard.closing)
+            if self.freeze_when_loaded:
+                freeze_loaded_objects()
             self.ready = True
             self.metrics.ready.set(1)
 

@@ -3,7 +3,7 @@
 The base is exported once (:mod:`qswap.encoders.runtime.shared_export`), fused (MultiHeadAttention,
 SkipLayerNormalization, BiasGelu), with every adapted layer's LoRA factors and biases as graph
 inputs. Each encoder served this way is only its adapter tensors (LoRA factors in the pool's
-storage type: float16 in a server), bound in place (:func:`adapter_inputs`): N LoRA encoders
+storage type: float16 in a server), bound in place (:func:`qswap.encoders.runtime.shared_adapters.adapter_inputs`): N LoRA encoders
 cost the base once plus N x their adapter bytes. A batch runs one ONNX Runtime
 call per encoder group (rows of one encoder share its inputs), rows bucketed by real token
 length, each encoder's inputs bound once (:class:`qswap.encoders.runtime.shared_run.BoundFeed`). A batch
@@ -37,16 +37,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from qswap.encoders.runtime.export_cache import cached_dir
 from qswap.encoders.embedding import length_buckets
 from qswap.encoders.runtime.hot import DEFAULT_HOT, HOT_SHARE, HOT_WINDOW_ROWS, HotEncoders
-from qswap.encoders.runtime.onnx_export import release_freed_memory
 from qswap.encoders.runtime.onnx import CALL_TOKENS, OnnxBackend, available_providers, make_session
 from qswap.encoders.pool import FACTOR_DTYPES, EncoderPool
-from qswap.encoders.runtime.shared_export import (SEGMENTS_MODEL_FILE, UNREACHED, SHARED_MODEL_FILE, Slots, export_shared,
-                                                  find_slots, ort_input, shared_digest)
-from qswap.encoders.runtime.shared_segments import MAX_SEGMENTS, SegmentRunner
-from qswap.encoders.runtime.shared_run import BoundFeed, segment_groups, spread_groups
+from qswap.encoders.runtime.shared_export import SHARED_MODEL_FILE, cached_shared, find_slots, ort_input
+from qswap.encoders.runtime.shared_segments import SegmentRunner, encode_segments
+from qswap.encoders.runtime.shared_run import BoundFeed, await_build, segment_groups, spread_groups
+from qswap.encoders.runtime.shared_adapters import BOUND_BYTES, VALUE_BYTES, adapter_inputs, session_weight_bytes  # noqa: F401 (re-exported)
 from qswap.errors import InvalidInputError, NotFoundError
 
 log = logging.getLogger(__name__)
@@ -60,43 +58,6 @@ MIXES = ("groups", "segments", "auto")
 # "auto": the fastest at every batch shape measured (bench/results/forward_mixed/); what it holds
 # beyond the shared session is fixed, not per encoder (docs/serving.md, "Mixed batches").
 DEFAULT_MIX = "auto"
-#: What the shared runtime holds per loaded encoder beyond the pool's tensors, per object
-#: (CPython 3.11, ONNX Runtime 1.32, glibc malloc; ``qswap bench encoder-memory``,
-#: bench/results/encoder_memory/): an OrtValue over one of the encoder's own tensors (with the
-#: numpy view under it, and the segment runner's view of a factor), and one graph input bound in
-#: an IOBinding (each session that runs the encoder keeps one binding of all ~240 inputs: an
-#: unbound feed costs ~2.5 ms per call, shared_run.py). ~0.25 MiB for a LoRA adapter on every
-#: Linear of multilingual-e5-small, counted so the memory budget holds what it says.
-VALUE_BYTES = 800
-BOUND_BYTES = 310
-
-
-def adapter_inputs(pool: EncoderPool, key: str, slots: Slots) -> dict[str, torch.Tensor] | None:
-    """The shared graph's adapter inputs for encoder ``key``, or ``None`` if it cannot express it.
-
-    The one place that reads an encoder's tensors for the shared runtime, through its kind's
-    ``runtime_tensors``: ``<module>.lora_A`` / ``.lora_B`` (scaling folded into B, in the pool's
-    factor storage type) and ``<param>.bias`` (the bias the encoder uses) are the pool's own
-    tensors, bound as they are (no copy). Anything else (a replaced weight matrix), or factors
-    kept in another type than the pool's (they did not round within tolerance), is not
-    expressible: ``None``.
-    """
-    tensors = pool.runtime_tensors(key)
-    lin = {m for m, _, _ in slots.linear}
-    norm = {m for m, _ in slots.norm}
-    dtype = FACTOR_DTYPES[pool.factor_dtype]
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        module, _, leaf = name.rpartition(".")
-        if module.split(".")[0] in UNREACHED:
-            continue   # the pooler never reaches a pooled query embedding ("dense" targets match it)
-        if leaf in ("lora_A", "lora_B") and module in lin and t.dtype == dtype:
-            out[name] = t.detach()
-        elif leaf == "bias" and (module in lin or module in norm) and t.dtype == torch.float32:
-            out[name] = t.detach()
-        else:
-            return None
-    return out
 
 
 class SharedBackend:
@@ -213,24 +174,8 @@ class SharedBackend:
             self._retried.notify_all()
 
     def _load_or_export(self, segments: bool = False) -> Any:
-        target = self.directory()
-        if segments:
-            target = target.with_name(target.name + "-segments")
-        digest = shared_digest(self.base, self._variant, self.factors, segments=segments)
-        model_file = SEGMENTS_MODEL_FILE if segments else SHARED_MODEL_FILE
-
-        def export(staging: Path) -> dict[str, Any]:
-            facts = export_shared(self.base, staging, factors=self.factors, optimize_for=self._variant,
-                                  segments=segments)
-            release_freed_memory()
-            return {"digest": digest, "variant": self._variant, "space": self.base.space.fingerprint,
-                    "base": self.base.name, **facts}
-
-        meta, exported = cached_dir(target, digest, model_file, export)
-        if exported:
-            log.info("exported the %s base graph in %.1fs (probe cosine %.7f)", model_file.split(".")[0],
-                     meta["export_seconds"], meta["probe_min_cosine"])
-        return make_session(target / model_file, self._threads, self.providers, self.spin)
+        path = cached_shared(self.base, self.directory(), self._variant, self.factors, segments=segments)
+        return make_session(path, self._threads, self.providers, self.spin)
 
     def _start_segments(self) -> None:
         """Export (or load) the segment graph and build its session and runner in the background,
@@ -405,13 +350,13 @@ class SharedBackend:
     def groups_side_by_side(self, wait: float | None = 0) -> bool:
         """Whether batches mixing encoders can run their groups side by side now (the
         single-threaded session is built); ``wait``: seconds to wait for it if it is being built."""
-        _await_build(self._group_future, wait)   # a timeout or a failed build: groups run in turn
+        await_build(self._group_future, wait)   # a timeout or a failed build: groups run in turn
         return self._group_session is not None
 
     def segments_ready(self, wait: float | None = 0) -> bool:
         """Whether batches mixing encoders run as one segment call now (``mix="segments"``, its
         graph built); ``wait``: seconds to wait for it if it is being built."""
-        _await_build(self._segments_future, wait)   # a timeout or a failed build: mixed batches run per group
+        await_build(self._segments_future, wait)   # a timeout or a failed build: mixed batches run per group
         return self._segments is not None
 
     def building(self) -> list[str]:
@@ -502,14 +447,12 @@ class SharedBackend:
         if len(groups) > 1 and not bulk and (self.mix == "segments" or self.mix == "auto"
                                              and segment_groups(rows, len(groups))):
             if segments is not None:
-                groups = self._encode_segments(segments, groups, texts, encs, out)
+                groups = encode_segments(*segments, groups, self._own, self._buckets, self._table, texts, encs, out)
             else:
                 self._start_segments()
         calls: list[tuple[BoundFeed, list[int], np.ndarray, np.ndarray]] = []   # (feed, rows, ids, mask)
         for k, rows in groups.items():
-            for idx, ids, mask in length_buckets(self.base.tokenizer, [texts[i] for i in rows],
-                                                 self.base.spec.query_prefix, self.batch_size,
-                                                 encodings=[encs[i] for i in rows], call_tokens=CALL_TOKENS):
+            for idx, ids, mask in self._buckets([texts[i] for i in rows], [encs[i] for i in rows]):
                 calls.append((feeds[k], [rows[j] for j in idx], ids, mask))
         if (len(groups) > 1 or bulk) and group_session is None:
             self._start_group_session()
@@ -531,25 +474,10 @@ class SharedBackend:
                                              encodings=[encs[i] for i in merged])
         return out, flags
 
-    def _encode_segments(self, segments: tuple[Any, SegmentRunner], groups: dict[str, list[int]], texts: list[str],
-                         encs: list[Any], out: np.ndarray) -> dict[str, list[int]]:
-        """The rows of ``groups`` (key -> its rows) whose encoders the segment graph runs, in one
-        call per length bucket (and per :data:`MAX_SEGMENTS` encoders), each row routed to its
-        encoder's factors; returns the groups left to run per group (encoders with biases of
-        their own: the segment graph takes the base's)."""
-        session, runner = segments
-        keys = [k for k in groups if runner.accepts(k, self._own)]
-        if len(keys) < 2:
-            return groups
-        for start in range(0, len(keys), MAX_SEGMENTS):
-            key_of = {i: k for k in keys[start:start + MAX_SEGMENTS] for i in groups[k]}
-            rows = list(key_of)
-            for idx, ids, mask in length_buckets(self.base.tokenizer, [texts[i] for i in rows],
-                                                 self.base.spec.query_prefix, self.batch_size,
-                                                 encodings=[encs[i] for i in rows], call_tokens=CALL_TOKENS):
-                picked = [rows[j] for j in idx]
-                out[picked] = runner.run(session, np.take(self._table, ids, axis=0), mask, [key_of[i] for i in picked])
-        return {k: r for k, r in groups.items() if k not in keys}
+    def _buckets(self, texts: list[str], encs: list[Any]) -> Any:
+        """The calls of ``texts`` (with their encodings): ``(row indices, ids, mask)`` per length bucket."""
+        return length_buckets(self.base.tokenizer, texts, self.base.spec.query_prefix, self.batch_size,
+                              encodings=encs, call_tokens=CALL_TOKENS)
 
     def _own(self, key: str) -> dict[str, torch.Tensor]:
         if (own := adapter_inputs(self.pool, key, self.slots)) is None:   # not for a key with a shared feed
@@ -559,22 +487,3 @@ class SharedBackend:
     def _call(self, session: Any, feed: BoundFeed, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """One ONNX Runtime call: the rows' word embeddings gathered here, the adapter bound."""
         return feed.run(session, np.take(self._table, ids, axis=0), mask)
-
-
-def session_weight_bytes(base: Any) -> int:
-    """The weights one session of the shared (or segment) graph holds: the base without its word
-    embeddings (gathered outside the graph), float32."""
-    table = base.model.get_input_embeddings().weight
-    return sum(p.numel() * 4 for p in base.model.parameters()) - table.numel() * 4
-
-
-def _await_build(future: Any, wait: float | None) -> None:
-    """Wait up to ``wait`` seconds (``None``: as long as it takes, 0: not at all) for a background
-    build; its outcome is read from what it built, so a timeout or a failure is not raised here."""
-    if future is None or wait == 0:
-        return
-    try:
-        future.result(timeout=wait)
-    except Exception:  # noqa: BLE001 - the caller reads whether the build produced its session
-        pass
-

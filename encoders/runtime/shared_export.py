@@ -36,6 +36,7 @@ above. Word embeddings stay outside, as for merged exports
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 import warnings
 from dataclasses import dataclass
@@ -47,10 +48,12 @@ import torch
 
 from qswap.encoders.base import BaseEncoder
 from qswap.encoders.pool import FACTOR_DTYPES
+from qswap.encoders.runtime.export_cache import cached_dir
 from qswap.encoders.runtime.onnx_export import (EXPORT_LOCK, OPSET, OUTPUT, PooledEncoder, _fuse, build_module, probe_cosine,
-                                        probe_inputs)
+                                        probe_inputs, release_freed_memory)
 from qswap.errors import IntegrityError, InvalidInputError
 
+log = logging.getLogger(__name__)
 
 # Bump when the shared graph changes, so cached exports are rebuilt.
 SHARED_FORMAT = 2
@@ -469,3 +472,22 @@ def ort_input(t: torch.Tensor, cuda: bool = False) -> Any:
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(t.detach().view(torch.int16).numpy(),
                                                                TensorProto.BFLOAT16)
     return ort.OrtValue.ortvalue_from_numpy(t.detach().numpy(), *(("cuda", 0) if cuda else ("cpu", 0)))
+
+
+def cached_shared(base: BaseEncoder, directory: Path, variant: str, factors: str, segments: bool = False) -> Path:
+    """The shared (``segments=False``) or segment graph of ``base`` under ``directory`` (the
+    segment graph in its ``-segments`` sibling), exported once and reused while its digest holds."""
+    target = directory.with_name(directory.name + "-segments") if segments else directory
+    digest = shared_digest(base, variant, factors, segments=segments)
+    model_file = SEGMENTS_MODEL_FILE if segments else SHARED_MODEL_FILE
+
+    def export(staging: Path) -> dict[str, Any]:
+        facts = export_shared(base, staging, factors=factors, optimize_for=variant, segments=segments)
+        release_freed_memory()
+        return {"digest": digest, "variant": variant, "space": base.space.fingerprint, "base": base.name, **facts}
+
+    meta, exported = cached_dir(target, digest, model_file, export)
+    if exported:
+        log.info("exported the %s base graph in %.1fs (probe cosine %.7f)", model_file.split(".")[0],
+                 meta["export_seconds"], meta["probe_min_cosine"])
+    return target / model_file

@@ -88,3 +88,15 @@ def segment_groups(rows: int, groups: int) -> bool:
     ``mix="auto"``: only when it mixes encoders and its groups are small, where one call per
     group costs more in calls than the segment call costs in routing tokens and copying factors."""
     return groups > 1 and rows < SEGMENTS_BELOW_ROWS_PER_GROUP * groups
+
+
+def await_build(future: Any, wait: float | None) -> None:
+    """Wait up to ``wait`` seconds (``None``: as long as it takes, 0: not at all) for a background
+    build; its outcome is read from what it built, so a timeout or a failure is not raised here."""
+    if future is None or wait == 0:
+        return
+    try:
+        future.result(timeout=wait)
+    except Exception:  # noqa: BLE001 - the caller reads whether the build produced its session
+        pass
+

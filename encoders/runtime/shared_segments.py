@@ -26,7 +26,7 @@ of loaded encoders; an encoder already in its slot from the last call is not cop
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -189,3 +189,23 @@ class SegmentRunner:
         self._held[name] = (shape, held)
         return out
 
+
+def encode_segments(session: Any, runner: SegmentRunner, groups: dict[str, list[int]],
+                    own: Callable[[str], dict[str, torch.Tensor]],
+                    buckets: Callable[[list[str], list[Any]], Iterable[tuple[list[int], np.ndarray, np.ndarray]]],
+                    table: np.ndarray, texts: list[str], encs: list[Any], out: np.ndarray) -> dict[str, list[int]]:
+    """Run the rows of ``groups`` (key -> its rows) whose encoders the segment graph takes, in one
+    call per length bucket (``buckets``: the backend's calls of some texts) and per
+    :data:`MAX_SEGMENTS` encoders, each row routed to its encoder's factors, into ``out``; returns
+    the groups left to run per group (encoders with biases of their own: the segment graph takes
+    the base's). ``own``: an encoder's adapter inputs; ``table``: the word embeddings."""
+    keys = [k for k in groups if runner.accepts(k, own)]
+    if len(keys) < 2:
+        return groups
+    for start in range(0, len(keys), MAX_SEGMENTS):
+        key_of = {i: k for k in keys[start:start + MAX_SEGMENTS] for i in groups[k]}
+        rows = list(key_of)
+        for idx, ids, mask in buckets([texts[i] for i in rows], [encs[i] for i in rows]):
+            picked = [rows[j] for j in idx]
+            out[picked] = runner.run(session, np.take(table, ids, axis=0), mask, [key_of[i] for i in picked])
+    return {k: r for k, r in groups.items() if k not in keys}

@@ -37,8 +37,10 @@ class ResponseLimits:
     total_bytes: int
 
 
-def _dumps(v: Any) -> str:
-    return json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+# One encoder for every call: json.dumps with any non-default argument builds a new
+# JSONEncoder per call, and an answer of k hits makes ~3k calls (a tenth of the event loop's
+# time under load). It holds no state between calls, so threads may share it.
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def _score(x: float) -> str:

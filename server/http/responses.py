@@ -46,14 +46,31 @@ async def ready_state(request: Request) -> ServerState:
     Raises:
         NotReadyError: (503) the server is loading, failed to load, or is shutting down.
     """
+    return ready_state_of(request)
+
+
+def ready_state_of(request: Request) -> ServerState:
+    """:func:`ready_state` called directly (by a dependency that does more than check readiness).
+
+    Raises:
+        NotReadyError: (503) the server is not ready.
+    """
     state = state_of(request)
     state.require_ready()
     return state
 
 
-async def request_timeout(request: Request, x_request_timeout: float = Header(  # absent, not null
-        None, gt=0, le=600, description="seconds this request may take, queueing included; past it, queued "
-                                        "work is dropped and the answer is 504 (default: the server's "
-                                        "request_timeout_s)")) -> float:
-    """The request's deadline in seconds from now (a dependency of search and document routes)."""
+#: The ``X-Request-Timeout`` header (absent, not null), a parameter of every route with a deadline.
+TIMEOUT_HEADER: Any = Header(None, gt=0, le=600, description="seconds this request may take, queueing included; "
+                             "past it, queued work is dropped and the answer is 504 (default: the server's "
+                             "request_timeout_s)")
+
+
+def timeout_of(request: Request, x_request_timeout: float | None) -> float:
+    """The request's deadline in seconds from now: the header's, else the server's default."""
     return x_request_timeout if x_request_timeout is not None else state_of(request).settings.request_timeout_s
+
+
+async def request_timeout(request: Request, x_request_timeout: float = TIMEOUT_HEADER) -> float:
+    """The request's deadline in seconds from now (a dependency of document routes)."""
+    return timeout_of(request, x_request_timeout)

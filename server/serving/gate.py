@@ -2,8 +2,9 @@
 
 A route that encodes anything (search, ``/v1/embeddings`` for queries and for
 ``qswap/documents``, TEI embed, document upserts) takes an :class:`Admission` with the
-:func:`admission` dependency and passes it to the batch worker with each job. It gives the
-request, in one place:
+:func:`search_admission` dependency (search auth, readiness, deadline: one dependency, as each
+level costs the event loop per request) or, behind its own admin auth, :func:`admission`, and
+passes it to the batch worker with each job. It gives the request, in one place:
 
 1. a token bound (:meth:`Admission.bound_tokens`): at most ``max_request_tokens`` tokens per
    request, each text counted up to the model's max length, else 422 ``limit_exceeded``;
@@ -25,12 +26,14 @@ import asyncio
 import contextlib
 from typing import Any, AsyncIterator
 
-from fastapi import Depends, Request
+from fastapi import Request, Security
+from fastapi.security import HTTPAuthorizationCredentials
 from starlette.types import Receive
 
 from qswap.encoders.embedding import token_lengths
 from qswap.errors import LimitExceededError
-from qswap.server.http.responses import ready_state, request_timeout
+from qswap.server.http.auth import bearer, require_search
+from qswap.server.http.responses import TIMEOUT_HEADER, ready_state_of, timeout_of
 from qswap.server.serving.admission import Ticket
 from qswap.server.state import ServerState
 
@@ -105,19 +108,53 @@ class Admission(Ticket):
         return encodings
 
 
-async def admission(request: Request, timeout_s: float = Depends(request_timeout),
-                    state: ServerState = Depends(ready_state)) -> AsyncIterator[Admission]:
-    """The request's :class:`Admission` (a FastAPI dependency of every route that runs the model).
+def _admit(request: Request, x_request_timeout: float | None) -> Admission:
+    # The readiness check and the deadline are read here, not as dependencies of their own:
+    # FastAPI solves each dependency level per request on the event loop, which under load was
+    # a fifth of its time (bench/results/peer/, the event loop's profile).
+    return Admission(ready_state_of(request), timeout_of(request, x_request_timeout), request.receive)
+
+
+async def admission(request: Request, x_request_timeout: float = TIMEOUT_HEADER) -> AsyncIterator[Admission]:
+    """The request's :class:`Admission` (a FastAPI dependency of every route that runs the model;
+    its route's own auth dependency runs first: the admin routes').
 
     Args:
         request: the request (its connection is watched for a disconnect).
-        timeout_s: its deadline from now.
-        state: the ready server.
+        x_request_timeout: its deadline from now (the header; default ``request_timeout_s``).
+
+    Yields:
+        The admission of the ready server, closed when the request is done.
+
+    Raises:
+        NotReadyError: (503) the server is not ready (:func:`~qswap.server.http.responses.ready_state`).
+    """
+    adm = _admit(request, x_request_timeout)
+    try:
+        yield adm
+    finally:
+        await adm.close()
+
+
+async def search_admission(request: Request, creds: HTTPAuthorizationCredentials | None = Security(bearer),
+                           x_request_timeout: float = TIMEOUT_HEADER) -> AsyncIterator[Admission]:
+    """:func:`admission` after the search auth rule (:func:`~qswap.server.http.auth.require_search`),
+    in one dependency: the search and embedding routes' whole gate.
+
+    Args:
+        request: the request.
+        creds: its bearer token, if any.
+        x_request_timeout: its deadline from now (the header).
 
     Yields:
         The admission, closed when the request is done.
+
+    Raises:
+        UnauthorizedError: (401) a search token is set and the request does not carry it.
+        NotReadyError: (503) the server is not ready.
     """
-    adm = Admission(state, timeout_s, request.receive)
+    await require_search(request, creds)
+    adm = _admit(request, x_request_timeout)
     try:
         yield adm
     finally:

@@ -12,6 +12,7 @@ import pytest
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
 from qswap.encoders.kinds.base import TENSOR_OBJECT_BYTES
 from qswap.encoders.runtime import shared as shared_mod
+from qswap.encoders.runtime import shared_export as shared_export_mod
 from qswap.encoders.runtime.backend import BACKENDS, make_backend
 from qswap.encoders.runtime.cancel import cancellable, run_options
 from qswap.encoders.embedding import length_buckets, padded_splits
@@ -154,7 +155,7 @@ def test_pinned_encoder_runs_merged_with_the_same_answers(pool, tmp_path):
 def test_failed_export_falls_back_to_torch(pool, tmp_path, monkeypatch):
     def broken(*a, **kw):
         raise RuntimeError("no exporter here")
-    monkeypatch.setattr(shared_mod, "export_shared", broken)
+    monkeypatch.setattr(shared_export_mod, "export_shared", broken)
     b = SharedBackend(pool, tmp_path, threads=1)
     try:
         b.prepare("l1@1")
@@ -365,7 +366,7 @@ def test_a_failed_export_is_retried_and_then_serves_on_onnx(pool, tmp_path, monk
     cause is gone, encoders move from torch to the shared session without a restart."""
     import errno
 
-    real = shared_mod.export_shared
+    real = shared_export_mod.export_shared
     failing = threading.Event()
     failing.set()
     attempts: list[bool] = []
@@ -376,7 +377,7 @@ def test_a_failed_export_is_retried_and_then_serves_on_onnx(pool, tmp_path, monk
             failing.clear()   # the cause goes away after the first attempt (fds freed)
             raise OSError(errno.EMFILE, "Too many open files")
         return real(*a, **kw)
-    monkeypatch.setattr(shared_mod, "export_shared", flaky)
+    monkeypatch.setattr(shared_export_mod, "export_shared", flaky)
     b = SharedBackend(pool, tmp_path, threads=1, retry_s=0.01)
     try:
         b.prepare("l1@1")

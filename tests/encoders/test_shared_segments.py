@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
-from qswap.encoders.runtime import onnx, shared, shared_export
+from qswap.encoders.runtime import onnx, shared_export, shared_segments
 from qswap.encoders.runtime.shared import SharedBackend
 from qswap.encoders.runtime.shared_export import routing
 from qswap.encoders.runtime.shared_segments import SegmentRunner
@@ -181,7 +181,7 @@ def test_half_precision_factors_segments_equal_groups(tiny_base, encoder_dirs, t
 
 def test_more_encoders_than_a_call_holds_run_as_several_calls(segmented, pool, monkeypatch):
     assert segmented.segments_ready(wait=120)
-    monkeypatch.setattr(shared, "MAX_SEGMENTS", 2)
+    monkeypatch.setattr(shared_segments, "MAX_SEGMENTS", 2)
     spy = _Spy(segmented, monkeypatch)
     keys = ["l1@1", "l2@1", BASE_KEY, "l1@1"]
     got = segmented.encode(TEXTS[:4], keys)
@@ -196,7 +196,7 @@ def test_a_failed_segment_export_leaves_mixed_batches_per_group(pool, tmp_path, 
         if segments:
             raise OSError("disk full")
         return real(*a, segments=segments, **kw)
-    monkeypatch.setattr("qswap.encoders.runtime.shared.export_shared", broken)
+    monkeypatch.setattr("qswap.encoders.runtime.shared_export.export_shared", broken)
     b = _ready_backend(pool, tmp_path, mix="segments")
     try:
         first = b.encode(TEXTS, MIXED)
@@ -259,7 +259,7 @@ def test_building_lists_what_runs_in_the_background_until_it_is_done(pool, tmp_p
         started["merged graph"].set()
         assert release.wait(60)
         return real_merged(*a, **kw)
-    monkeypatch.setattr("qswap.encoders.runtime.shared.export_shared", held_shared)
+    monkeypatch.setattr("qswap.encoders.runtime.shared_export.export_shared", held_shared)
     b = _ready_backend(pool, tmp_path, mix="segments")
     try:
         assert b.building() == []                       # ready, and no batch has mixed encoders yet

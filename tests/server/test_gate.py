@@ -71,15 +71,18 @@ def test_every_route_that_runs_the_model_passes_the_gate():
     """A route that needs the ready server either takes an Admission or is listed as not running
     the model; every gated route has its over-the-bound request below (or is a job). The batch
     worker refuses work without a ticket, so a route cannot run the model around the gate."""
+    from qswap.server.http.auth import require_admin
     from qswap.server.http.responses import ready_state
     from qswap.server.serving.batching import MicroBatcher
-    from qswap.server.serving.gate import admission
+    from qswap.server.serving.gate import admission, search_admission
 
     gated = set()
     for route in _routes():
         deps = set(_calls(route.dependant))
         for method in route.methods:
-            if admission in deps:
+            if search_admission in deps or admission in deps:
+                # The plain admission checks no token: its route's own auth dependency does.
+                assert search_admission in deps or require_admin in deps, f"{method} {route.path}: no auth"
                 gated.add((method, route.path))
             elif ready_state in deps:
                 assert (method, route.path) in NO_MODEL, f"{method} {route.path} needs the server, takes no Admission"

@@ -21,7 +21,7 @@ from qswap.answers import EmbeddingResponse, ModelCard
 from qswap.server.serving.embeddings import embed_texts, encode_vector, model_ref, texts_of
 from qswap.server.registry.serving import Use
 from qswap.server.http.responses import OPENAI_ERRORS, ready_state
-from qswap.server.serving.gate import Admission, admission
+from qswap.server.serving.gate import Admission, search_admission
 from qswap.server.state import ServerState
 
 router = APIRouter(tags=["openai"])
@@ -40,12 +40,12 @@ async def _embeddings(body: EmbeddingRequest, request: Request, adm: Admission) 
     return Response(json.dumps(payload, separators=(",", ":")).encode(), media_type="application/json")
 
 
-_EMBED = dict(response_model=EmbeddingResponse, responses=OPENAI_ERRORS, dependencies=[Depends(require_search)])
+_EMBED = dict(response_model=EmbeddingResponse, responses=OPENAI_ERRORS)   # auth: search_admission
 
 
 @router.post("/v1/embeddings", summary="Embed texts (OpenAI-compatible): a query encoder or the documents",
              **_EMBED)
-async def embeddings(body: EmbeddingRequest, request: Request, adm: Admission = Depends(admission)) -> Response:
+async def embeddings(body: EmbeddingRequest, request: Request, adm: Admission = Depends(search_admission)) -> Response:
     """Embed ``input`` with ``model``: a domain alias, an encoder (``name``, ``name@version``,
     ``base``), or ``qswap/documents`` (the frozen document tower, as the index embeds its
     documents). ``dimensions`` keeps a Matryoshka prefix, renormalised; ``encoding_format``
@@ -56,7 +56,7 @@ async def embeddings(body: EmbeddingRequest, request: Request, adm: Admission = 
 @router.post("/embeddings", summary="Embed texts (OpenAI-compatible, for clients whose base URL has no /v1)",
              **_EMBED)
 async def embeddings_unversioned(body: EmbeddingRequest, request: Request,
-                                 adm: Admission = Depends(admission)) -> Response:
+                                 adm: Admission = Depends(search_admission)) -> Response:
     """The same as ``POST /v1/embeddings``."""
     return await _embeddings(body, request, adm)
 

@@ -12,7 +12,6 @@ from fastapi import APIRouter, Depends, Request, Response
 from qswap.encoders import BASE_KEY
 from qswap.errors import LimitExceededError, QswapError
 from qswap.feedback.store import Impression
-from qswap.server.http.auth import require_search
 from qswap.server.registry.serving import Use
 from qswap.server.traffic.experiments import interleave_hits
 from qswap.server.traffic.impressions import client_of, contributor
@@ -23,7 +22,7 @@ from qswap.server.http.rendering import render_search_async
 from qswap.server.http.responses import ERRORS
 from qswap.server.registry.lease import Lease
 from qswap.server.serving.admission import Ticket
-from qswap.server.serving.gate import Admission, admission
+from qswap.server.serving.gate import Admission, search_admission
 
 log = logging.getLogger("qswap.server")
 
@@ -31,8 +30,8 @@ router = APIRouter(tags=["search"])
 
 
 @router.post("/v1/search", response_model=SearchResponse, responses=ERRORS,
-             dependencies=[Depends(require_search)], summary="Search with a chosen query encoder")
-async def search(body: SearchRequest, request: Request, adm: Admission = Depends(admission)) -> Response:
+             summary="Search with a chosen query encoder")
+async def search(body: SearchRequest, request: Request, adm: Admission = Depends(search_admission)) -> Response:
     """Encode the queries with one encoder (named, by domain alias, or the default) and search.
 
     The encoder is resolved to an exact ``name@version`` when the request is admitted and held

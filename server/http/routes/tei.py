@@ -24,7 +24,7 @@ from qswap.server.http.compat_models import DOCUMENTS_MODEL, TeiDecodeRequest, T
 from qswap.server.http.models import REF_PATTERN
 from qswap.server.http.responses import TEI_ERRORS, ready_state
 from qswap.server.serving.embeddings import TOKENIZE_INLINE, embed_texts, model_ref, texts_of
-from qswap.server.serving.gate import Admission, admission
+from qswap.server.serving.gate import Admission, search_admission
 from qswap.server.state import ServerState
 
 router = APIRouter(tags=["tei"])
@@ -60,9 +60,9 @@ def keep_tail(tok: Tokenizer, texts: list[str], prefix: str, max_tokens: int) ->
 
 
 @router.post("/tei/{encoder}/embed", response_model=list[list[float]], responses=TEI_ERRORS,
-             dependencies=[Depends(require_search)], summary="Embed texts (TEI-compatible) with the encoder in the path")
+             summary="Embed texts (TEI-compatible) with the encoder in the path")
 async def tei_embed(body: TeiEmbedRequest, request: Request, encoder: str = _ENCODER,
-                    adm: Admission = Depends(admission)) -> Response:
+                    adm: Admission = Depends(search_admission)) -> Response:
     """``encoder`` is a domain alias or an encoder reference. Inputs longer than the model's
     max tokens are refused (422) unless ``truncate`` is true (then cut at the end, or at the start
     with ``truncation_direction: left``). Vectors are unit length whatever ``normalize`` says
@@ -81,10 +81,9 @@ async def tei_embed(body: TeiEmbedRequest, request: Request, encoder: str = _ENC
 
 
 @router.post("/tei/{encoder}", response_model=list[list[float]], responses=TEI_ERRORS,
-             dependencies=[Depends(require_search)],
              summary="Embed texts (TEI's root route, what huggingface_hub's feature_extraction posts to)")
 async def tei_root(body: TeiEmbedRequest, request: Request, encoder: str = _ENCODER,
-                   adm: Admission = Depends(admission)) -> Response:
+                   adm: Admission = Depends(search_admission)) -> Response:
     """The same as ``POST /tei/{encoder}/embed`` (TEI answers an embedding model's ``POST /`` so)."""
     return await tei_embed(body, request, encoder, adm)
 
