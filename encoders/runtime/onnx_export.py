@@ -255,15 +255,34 @@ def release_freed_memory() -> None:
     in-process, ~500 MB of them stayed resident after the export of multilingual-e5-small
     (1,377 vs 881 MB RSS after ``malloc_trim``). No-op where glibc is absent.
     """
-    import ctypes
-    import ctypes.util
     import gc
 
     gc.collect()
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-    except OSError:   # no loadable C library: nothing to trim
-        pass
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Return the free pages of every malloc arena to the OS (glibc ``malloc_trim``; no-op
+    elsewhere), without a garbage collection: cheap enough to call after each encoder load.
+
+    glibc keeps freed heap pages resident: an encoder load frees its file's float32 copies and
+    validation temporaries (~10 MB for a LoRA r=16 adapter of multilingual-e5-small), an eviction
+    its objects, and with load/evict churn the holes they leave add up in RSS
+    (bench/results/scale/).
+    """
+    import ctypes
+    import ctypes.util
+
+    global _LIBC
+    if _LIBC is None:
+        name = ctypes.util.find_library("c")
+        try:
+            libc = ctypes.CDLL(name) if name else None
+        except OSError:   # no loadable C library: nothing to trim
+            libc = None
+        _LIBC = libc if libc is not None and hasattr(libc, "malloc_trim") else False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None   # the C library once looked up (False: none with malloc_trim)

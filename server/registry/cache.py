@@ -14,6 +14,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from qswap.encoders import BASE_KEY, EncoderPool
+from qswap.encoders.runtime.onnx_export import trim_heap
 
 log = logging.getLogger("qswap.server")
 
@@ -58,7 +59,16 @@ class EncoderCache:
 
     def evict(self, keep: str, busy: Callable[[], set[str]]) -> None:
         """Detach least recently used encoders that are not in ``busy()`` (pinned or in use)
-        until under budget (caller holds ``load_lock``; ``busy`` is called under ``lock``)."""
+        until under budget (caller holds ``load_lock``; ``busy`` is called under ``lock``).
+
+        Every load is followed by this call, so the heap is trimmed here: what the load and the
+        evictions freed goes back to the OS instead of staying resident (:func:`trim_heap`)."""
+        try:
+            self._evict(keep, busy)
+        finally:
+            trim_heap()
+
+    def _evict(self, keep: str, busy: Callable[[], set[str]]) -> None:
         while True:
             with self.lock:
                 if self.total <= self.budget:
