@@ -9,6 +9,9 @@ plots to ``bench/results/<name>/``.
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,25 @@ def add_common_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help=f"result directory (default bench/results/{name}/)")
 
 
+def stops_cleanly(run: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], Any]:
+    """``run`` with SIGTERM turned into ``SystemExit`` while it runs.
+
+    `timeout`, CI runners and process managers stop a benchmark with SIGTERM, whose default action
+    ends Python without unwinding: the servers a benchmark started (each in its own session, so a
+    terminal's Ctrl-C does not reach them twice) would keep running and load the machine for the
+    next benchmark. Raised as ``SystemExit``, the ``with``/``finally`` blocks that stop them run.
+    """
+    def wrapped(args: argparse.Namespace) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _exit_on_signal)
+        return run(args)
+    return wrapped
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` and its subcommands (benchmarks, ``data``, ``forward``) to ``subparsers``."""
     p = subparsers.add_parser("bench", help="benchmarks and benchmark data", description=__doc__,
@@ -54,7 +76,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         add_common_arguments(b, name)
         module.add_arguments(b)
-        b.set_defaults(func=module.run, bench_name=name)
+        b.set_defaults(func=stops_cleanly(module.run), bench_name=name)
     register_data(sub)
     forward.register(sub)
     bf16_quality.register(sub)

@@ -124,3 +124,40 @@ def test_result_writer_contents(tmp_path):
 def test_rss_of_this_process():
     import os
     assert processes.rss_bytes(os.getpid()) > 1 << 20
+
+
+def test_a_benchmark_stopped_by_sigterm_stops_what_it_started(tmp_path):
+    """`timeout` stops a benchmark with SIGTERM: its ``finally`` blocks run (the servers it started
+    in their own sessions are stopped), where Python's default action would leave them running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "bench.py"
+    script.write_text(
+        "import argparse, subprocess, sys, time\n"
+        "from qswap.bench.cli import stops_cleanly\n"
+        "def run(args):\n"
+        "    child = subprocess.Popen(['sleep', '120'], start_new_session=True)\n"
+        "    try:\n"
+        "        print(child.pid, flush=True)\n"
+        "        time.sleep(120)\n"
+        "    finally:\n"
+        "        child.kill()\n"
+        "        child.wait()\n"
+        "stops_cleanly(run)(argparse.Namespace())\n")
+    bench = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(bench.stdout.readline())   # the handshake: the child runs and the bench waits
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+            time.sleep(0.05)   # polling for the kernel to reap it, not ordering events
+        assert not os.path.exists(f"/proc/{child}")
+    finally:
+        bench.kill()
+        if child is not None and os.path.exists(f"/proc/{child}"):
+            os.kill(child, signal.SIGKILL)
