@@ -243,11 +243,13 @@ def test_alias_switch_under_concurrent_load(live, admin, anon, registered, refer
     assert max(abs(s1[i] - s2[i]) for i in ids) > 10 * TOL    # the two versions are distinguishable
     assert admin.put("/v1/aliases/games", json={"encoder": "ft@1"}).status_code == 200
     before = anon.get("/metrics").text
-    # The first forward pass waits until two more requests are queued behind it, so that the
-    # next batch merges requests however fast this machine encodes.
+    # The first forward pass waits until three requests are admitted (in the held batch or queued
+    # behind it), so that batches merge requests however fast this machine encodes. Counted as
+    # admitted, not as queued: when the clients' requests all arrive before the first batch forms,
+    # they are in it, and nothing more can queue behind it (each client has one request in flight).
     forward = live.app.state.qs.batcher.forward
     real_encode = forward.encode_fn
-    forward.encode_fn = held_first_call(real_encode, lambda: live.app.state.qs.batcher._ready.qsize() >= 2)
+    forward.encode_fn = held_first_call(real_encode, lambda: live.app.state.qs.batcher.pending >= 3)
     responses: list[tuple[int, dict]] = []
     answered = Counter()
     errors: list[str] = []
