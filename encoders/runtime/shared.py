@@ -1,26 +1,27 @@
 """The default query backend: ONE ONNX Runtime session of the base, adapters bound per run.
 
 The base is exported once (:mod:`qswap.encoders.runtime.shared_export`), fused (MultiHeadAttention,
-SkipLayerNormalization, BiasGelu), with every adapted layer's LoRA factors and biases as graph
-inputs. Each encoder served this way is only its adapter tensors (LoRA factors in the pool's
-storage type: float16 in a server), bound in place (:func:`qswap.encoders.runtime.shared_adapters.adapter_inputs`): N LoRA encoders
-cost the base once plus N x their adapter bytes. A batch runs one ONNX Runtime
-call per encoder group (rows of one encoder share its inputs), rows bucketed by real token
-length, each encoder's inputs bound once (:class:`qswap.encoders.runtime.shared_run.BoundFeed`). A batch
-of several encoder groups runs its calls side by side on a second, single-threaded session of
-the same graph, one worker per core (:func:`qswap.encoders.runtime.shared_run.spread_groups` says when);
-that session is built when the first such batch comes, so a server whose batches never mix
-encoders does not hold its weights. With ``mix="segments"`` (or ``"auto"`` for batches of small
-groups) a mixed batch is instead ONE call of a second graph that takes the LoRA factors of each
-of its encoders once and routes each row to its own (:mod:`qswap.encoders.runtime.shared_segments`).
+SkipLayerNormalization, BiasGelu), with every adapted layer's LoRA factors and biases as graph inputs. Each
+encoder served this way is only its adapter tensors, bound in place
+(:func:`qswap.encoders.runtime.shared_adapters.adapter_inputs`): N LoRA encoders cost the base once plus N x
+their adapter bytes. On CPU the graph takes float32 factors: a pool's half-precision ones (a server's default)
+run from float32 copies kept for the encoders served last
+(:class:`qswap.encoders.runtime.shared_run.WideFeeds`), not through a Cast per factor in every run. A batch runs
+one ONNX Runtime call per encoder group (rows of one encoder share its inputs), rows bucketed by real token
+length, each encoder's inputs bound once (:class:`qswap.encoders.runtime.shared_run.BoundFeed`). A batch of
+several encoder groups runs its calls side by side on a second, single-threaded session of the same graph, one
+worker per core (:func:`qswap.encoders.runtime.shared_run.spread_groups` says when); that session is built when
+the first such batch comes, so a server whose batches never mix encoders does not hold its weights. With
+``mix="segments"`` (or ``"auto"`` for batches of small groups) a mixed batch is instead ONE call of a second
+graph that takes the LoRA factors of each of its encoders once and routes each row to its own
+(:mod:`qswap.encoders.runtime.shared_segments`).
 
-Encoders the shared graph cannot express (``partial`` tensors other than biases), and encoders
-pinned with :meth:`SharedBackend.pin`, go to a merged per-encoder export
-(:class:`qswap.encoders.runtime.onnx.OnnxBackend`), whose bytes count in the memory budget. An
-encoder that serves most of a server's rows (:meth:`SharedBackend.count_rows`) is *hot*: it also
-gets a merged export, built in the background, and its rows of interactive batches run there
-(:mod:`qswap.encoders.runtime.hot`); when its share of the traffic falls, it goes back to the
-shared graph and its session is freed. Until the shared export is ready, or if it fails, every
+Encoders the shared graph cannot express (``partial`` tensors other than biases), and encoders pinned with
+:meth:`SharedBackend.pin`, go to a merged per-encoder export (:class:`qswap.encoders.runtime.onnx.OnnxBackend`),
+whose bytes count in the memory budget. An encoder that serves most of a server's rows
+(:meth:`SharedBackend.count_rows`) is *hot*: it also gets a merged export, built in the background, and its rows
+of interactive batches run there (:mod:`qswap.encoders.runtime.hot`); when its share of the traffic falls, it
+goes back to the shared graph and its session is freed. Until the shared export is ready, or if it fails, every
 row runs on the torch pool, so answers never wait on an export.
 """
 
@@ -43,17 +44,18 @@ from qswap.encoders.runtime.onnx import CALL_TOKENS, OnnxBackend, available_prov
 from qswap.encoders.pool import FACTOR_DTYPES, EncoderPool
 from qswap.encoders.runtime.shared_export import SHARED_MODEL_FILE, cached_shared, find_slots, ort_input
 from qswap.encoders.runtime.shared_segments import SegmentRunner, encode_segments
-from qswap.encoders.runtime.shared_run import BoundFeed, await_build, segment_groups, spread_groups
+from qswap.encoders.runtime.shared_run import (WIDE_BYTES, BoundFeed, WideFeed, WideFeeds, await_build, run_calls,
+                                               segment_groups)
 from qswap.encoders.runtime.shared_adapters import BOUND_BYTES, VALUE_BYTES, adapter_inputs, session_weight_bytes  # noqa: F401 (re-exported)
 from qswap.errors import InvalidInputError, NotFoundError
 
 log = logging.getLogger(__name__)
 RETRY_MAX_S = 300.0   # the longest wait between two export attempts
 SHARED_DIR = "_shared"
-#: How a batch that mixes encoders runs: ``groups``, one call per encoder group (side by side on
-#: a second, single-threaded session); ``segments``, one call for all its rows of LoRA encoders
-#: and the base (:mod:`qswap.encoders.runtime.shared_segments`); ``auto``, segments only for
-#: batches of small groups (:func:`qswap.encoders.runtime.shared_run.segment_groups`).
+#: How a batch that mixes encoders runs: ``groups``, one call per encoder group (side by side on a second,
+#: single-threaded session); ``segments``, one call for all its rows of LoRA encoders and the base
+#: (:mod:`qswap.encoders.runtime.shared_segments`); ``auto``, segments only for batches of small groups
+#: (:func:`qswap.encoders.runtime.shared_run.segment_groups`).
 MIXES = ("groups", "segments", "auto")
 # "auto": the fastest at every batch shape measured (bench/results/forward_mixed/); what it holds
 # beyond the shared session is fixed, not per encoder (docs/serving.md, "Mixed batches").
@@ -63,13 +65,15 @@ DEFAULT_MIX = "auto"
 class SharedBackend:
     """Query forwards for every encoder of ``pool`` through one shared ONNX Runtime session.
 
-    Same interface as :class:`~qswap.encoders.runtime.backend.TorchBackend`; thread-safe. ``threads``:
-    intra-op threads (default: all cores); ``providers``: ONNX Runtime execution providers
-    (default :func:`available_providers`: CUDA first where present); ``batch_size``: rows per
-    ONNX Runtime call; ``group_workers``: how many encoder groups of one batch run side by side
-    (default: ``threads``; 1 runs them one after another; on CPU only); ``mix``: how a batch that
-    mixes encoders runs (:data:`MIXES`); ``hot``: merged sessions kept for the encoders with most
-    of the served rows (:meth:`count_rows`; 0: none); ``hot_window``: served rows per decision.
+    Same interface as :class:`~qswap.encoders.runtime.backend.TorchBackend`; thread-safe. ``threads``: intra-op
+    threads (default: all cores); ``providers``: ONNX Runtime execution providers (default
+    :func:`available_providers`: CUDA first where present); ``batch_size``: rows per ONNX Runtime call;
+    ``group_workers``: how many encoder groups of one batch run side by side (default: ``threads``; 1 runs them
+    one after another; on CPU only); ``mix``: how a batch that mixes encoders runs (:data:`MIXES`); ``hot``:
+    merged sessions kept for the encoders with most of the served rows (:meth:`count_rows`; 0: none);
+    ``hot_window``: served rows per decision; ``wide_bytes``: on CPU with half-precision factors, the bytes of
+    float32 factor copies kept for the encoders served last
+    (:class:`qswap.encoders.runtime.shared_run.WideFeeds`).
     """
 
     name = "shared"
@@ -77,7 +81,7 @@ class SharedBackend:
     def __init__(self, pool: EncoderPool, cache_dir: Path, threads: int | None = None,
                  providers: list[str] | None = None, spin: bool = True, batch_size: int = 64,
                  group_workers: int | None = None, retry_s: float | None = None, mix: str = DEFAULT_MIX,
-                 hot: int = DEFAULT_HOT, hot_window: int = HOT_WINDOW_ROWS) -> None:
+                 hot: int = DEFAULT_HOT, hot_window: int = HOT_WINDOW_ROWS, wide_bytes: int = WIDE_BYTES) -> None:
         if threads is not None and threads < 1:
             raise InvalidInputError(f"threads must be >= 1, got {threads}", "omit it to use all cores")
         if mix not in MIXES:
@@ -96,8 +100,12 @@ class SharedBackend:
         self._table = self.base.model.get_input_embeddings().weight.detach().float().cpu().numpy()
         self.slots = find_slots(self.base.model)
         self.factors = pool.factor_dtype
+        # On CPU the graph takes float32 factors whatever the pool stores (half-precision ones run from
+        # float32 copies, WideFeed); on a GPU they go to the device as stored (half the copy).
+        self._wide = WideFeeds(wide_bytes) if self._variant == "cpu" and self.factors != "float32" else None
+        self._graph_factors = "float32" if self._wide is not None else self.factors
         # The base's own biases and rank-0 factors: every input an encoder does not set, shared by all.
-        self._base_inputs = self.slots.base_inputs(self.base.model, FACTOR_DTYPES[self.factors])
+        self._base_inputs = self.slots.base_inputs(self.base.model, FACTOR_DTYPES[self._graph_factors])
         # Their OrtValues, made once and put in every encoder's feed (each encoder's own are made
         # for it): ~100 OrtValues per encoder fewer (~50 KB at LoRA on every Linear).
         self._base_values: dict[str, Any] | None = None
@@ -174,13 +182,14 @@ class SharedBackend:
             self._retried.notify_all()
 
     def _load_or_export(self, segments: bool = False) -> Any:
-        path = cached_shared(self.base, self.directory(), self._variant, self.factors, segments=segments)
+        factors = self.factors if segments else self._graph_factors   # the segment runner copies the pool's type
+        path = cached_shared(self.base, self.directory(), self._variant, factors, segments=segments)
         return make_session(path, self._threads, self.providers, self.spin)
 
     def _start_segments(self) -> None:
-        """Export (or load) the segment graph and build its session and runner in the background,
-        once: only when a batch mixes encoders, so a server whose batches never do holds neither.
-        Until it is ready, or if it fails, mixed batches run per group."""
+        """Export (or load) the segment graph and build its session and runner in the background, once: only
+        when a batch mixes encoders, so a server whose batches never do holds neither. Until it is ready, or if
+        it fails, mixed batches run per group."""
         with self._lock:
             if self._segments_future is not None:
                 return
@@ -203,16 +212,18 @@ class SharedBackend:
         cuda = "CUDAExecutionProvider" in self.providers
         if self._base_values is None:
             self._base_values = {n: ort_input(t, cuda=cuda) for n, t in self._base_inputs.items()}
+        if self._wide is not None and any(t.dtype != torch.float32 for t in own.values()):
+            return WideFeed(own, self._base_values, self._wide)
         return BoundFeed({**self._base_values, **{n: ort_input(t, cuda=cuda) for n, t in own.items()}})
 
     def _start_group_session(self) -> None:
         """Build the single-threaded session for side-by-side groups in the background, once.
 
-        A second session because ONNX Runtime's intra-op threads are a session setting: two runs
-        at once on the multi-threaded session fight over its threads (8 one-row calls: 118 ms
-        side by side vs 104 ms in turn), while single-threaded runs side by side took 84 ms. It
-        costs the shared session's weights again (~85 MB for multilingual-e5-small: ONNX
-        Runtime pre-packs each session's weights), hence built only when a batch mixes encoders.
+        A second session because ONNX Runtime's intra-op threads are a session setting: two runs at once on the
+        multi-threaded session fight over its threads (8 one-row calls: 118 ms side by side vs 104 ms in turn),
+        while single-threaded runs side by side took 84 ms. It costs the shared session's weights again (~85 MB
+        for multilingual-e5-small: ONNX Runtime pre-packs each session's weights), hence built only when a batch
+        mixes encoders.
         """
         with self._lock:
             if self._group_future is not None or self._group_workers < 2:
@@ -237,6 +248,7 @@ class SharedBackend:
             self.merged.prepare(key)
             return
         with self._lock:
+            self._forget(self._inputs.get(key))
             self._inputs[key] = self._feed(own) if self._session is not None else own
             segments = self._segments
         was_hot = self._hot.discard(key)
@@ -246,12 +258,12 @@ class SharedBackend:
             self.merged.discard(key)
 
     def count_rows(self, keys: list[str]) -> None:
-        """Count the encoders of rows a server served to its users (not guard or tuning passes);
-        every ``hot_window`` rows, decide which encoders are hot (:data:`HOT_SHARE`).
+        """Count the encoders of rows a server served to its users (not guard or tuning passes); every
+        ``hot_window`` rows, decide which encoders are hot (:data:`HOT_SHARE`).
 
-        A new hot encoder's merged export starts in the background (cached on disk like any
-        merged export); its rows stay on the shared graph until the session is ready. An encoder
-        that is no longer hot goes back to the shared graph at once and its session is freed.
+        A new hot encoder's merged export starts in the background (cached on disk like any merged export); its
+        rows stay on the shared graph until the session is ready. An encoder that is no longer hot goes back to
+        the shared graph at once and its session is freed.
         """
         promoted, demoted = self._hot.count(keys, lambda k: k in self._inputs and k in self.pool)
         for k in demoted:
@@ -274,7 +286,7 @@ class SharedBackend:
         its transformer weights count in :meth:`memory_bytes`."""
         with self._lock:
             self._pinned.add(key)
-            self._inputs.pop(key, None)
+            self._forget(self._inputs.pop(key, None))
             segments = self._segments
         if segments is not None:
             segments[1].discard(key)
@@ -287,8 +299,8 @@ class SharedBackend:
         return self.merged.ready(key)
 
     def wait(self, key: str | None = None, timeout: float | None = None) -> bool:
-        """Wait up to ``timeout`` s for the shared export (and ``key``'s merged one, if it has one);
-        with retries on, a failed attempt is followed by the next one while time is left."""
+        """Wait up to ``timeout`` s for the shared export (and ``key``'s merged one, if it has one); with
+        retries on, a failed attempt is followed by the next one while time is left."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             future = self._future
@@ -327,10 +339,9 @@ class SharedBackend:
         return self.merged.error(key)
 
     def memory_bytes(self, key: str) -> int:
-        """Bytes beyond the pool's: on the shared graph, no tensor data (every input is a pool
-        tensor or a base tensor, bound in place) but the objects that bind them
-        (:data:`VALUE_BYTES` per input of its own, :data:`BOUND_BYTES` per graph input bound on
-        each session that runs it); or a merged session's weights."""
+        """Bytes beyond the pool's: on the shared graph, no tensor data (every input is a pool tensor or a base
+        tensor, bound in place) but the objects that bind them (:data:`VALUE_BYTES` per input of its own,
+        :data:`BOUND_BYTES` per graph input bound on each session that runs it); or a merged session's weights."""
         with self._lock:
             feed = self._inputs.get(key)
             if feed is not None:
@@ -342,9 +353,9 @@ class SharedBackend:
         return self.merged.memory_bytes(key)
 
     def shared_bytes(self) -> int:
-        """The one shared session's weights (:func:`session_weight_bytes`); the single-threaded
-        session for mixed batches, and the segment session, hold as much again each once built
-        (:meth:`groups_side_by_side`, :meth:`segments_ready`)."""
+        """The one shared session's weights (:func:`session_weight_bytes`); the single-threaded session for
+        mixed batches, and the segment session, hold as much again each once built (:meth:`groups_side_by_side`,
+        :meth:`segments_ready`)."""
         return session_weight_bytes(self.base)
 
     def groups_side_by_side(self, wait: float | None = 0) -> bool:
@@ -360,11 +371,11 @@ class SharedBackend:
         return self._segments is not None
 
     def building(self) -> list[str]:
-        """What is being built in the background now, by kind: ``shared graph`` (answers run on
-        torch meanwhile), ``mixed-batch session`` and ``segment graph`` (started by the first
-        batches that mix encoders; those run per group meanwhile), ``merged graph`` (a hot or
-        pinned encoder's; it runs on the shared graph meanwhile). Empty once every build started
-        has finished, whatever its outcome (a failure is in :meth:`error` and the log)."""
+        """What is being built in the background now, by kind: ``shared graph`` (answers run on torch
+        meanwhile), ``mixed-batch session`` and ``segment graph`` (started by the first batches that mix
+        encoders; those run per group meanwhile), ``merged graph`` (a hot or pinned encoder's; it runs on the
+        shared graph meanwhile). Empty once every build started has finished, whatever its outcome (a failure is
+        in :meth:`error` and the log)."""
         with self._lock:
             pending = [("shared graph", self._future), ("mixed-batch session", self._group_future),
                        ("segment graph", self._segments_future)]
@@ -372,13 +383,21 @@ class SharedBackend:
 
     def discard(self, key: str) -> None:
         with self._lock:
-            self._inputs.pop(key, None)
+            self._forget(self._inputs.pop(key, None))
             self._pinned.discard(key)
             segments = self._segments
         self._hot.discard(key)
         if segments is not None:
             segments[1].discard(key)
         self.merged.discard(key)
+
+    def _forget(self, entry: Any) -> None:   # a replaced or dropped feed: its float32 copy is freed
+        if self._wide is not None and isinstance(entry, WideFeed):
+            self._wide.discard(entry)
+
+    def wide_bytes(self) -> int:
+        """Bytes of the float32 copies of half-precision factors held now (at most ``wide_bytes``)."""
+        return 0 if self._wide is None else self._wide.nbytes()
 
     def close(self) -> None:
         with self._lock:
@@ -413,10 +432,9 @@ class SharedBackend:
 
     def encode_flagged(self, texts: list[str], keys: list[str], encodings: list[Any] | None = None,
                        bulk: bool = False) -> tuple[np.ndarray, list[bool]]:
-        """:meth:`encode` and, per row, whether the tokenizer cut it at the model's max length,
-        from the one tokenisation the forward uses (a server needs both). ``encodings``: the
-        texts' tokenizer encodings when the caller has them (not redone); ``bulk``: see
-        :meth:`encode_flagged_bulk`."""
+        """:meth:`encode` and, per row, whether the tokenizer cut it at the model's max length, from the one
+        tokenisation the forward uses (a server needs both). ``encodings``: the texts' tokenizer encodings when
+        the caller has them (not redone); ``bulk``: see :meth:`encode_flagged_bulk`."""
         if len(texts) != len(keys):
             raise InvalidInputError(f"{len(texts)} texts but {len(keys)} encoder keys")
         out = np.empty((len(texts), self.base.dim), dtype=np.float32)
@@ -456,19 +474,8 @@ class SharedBackend:
                 calls.append((feeds[k], [rows[j] for j in idx], ids, mask))
         if (len(groups) > 1 or bulk) and group_session is None:
             self._start_group_session()
-        if bulk:
-            for feed, rows, ids, mask in calls:
-                out[rows] = self._call(group_session or session, feed, ids, mask)
-        elif group_session is not None and spread_groups([ids.size for _, _, ids, _ in calls], len(groups),
-                                                       self._group_workers):
-            # Longest first, so the short calls fill the workers' gaps at the end.
-            calls.sort(key=lambda c: -c[2].size)
-            futures = [self._workers.submit(self._call, group_session, c[0], c[2], c[3]) for c in calls]
-            for (_, rows, _, _), f in zip(calls, futures):
-                out[rows] = f.result()
-        else:
-            for feed, rows, ids, mask in calls:
-                out[rows] = self._call(session, feed, ids, mask)
+        run_calls(calls, self._call, out, session, group_session, self._workers, self._group_workers,
+                  groups=len(groups), bulk=bulk)
         if merged:
             out[merged] = self.merged.encode([texts[i] for i in merged], [keys[i] for i in merged],
                                              encodings=[encs[i] for i in merged])
