@@ -15,7 +15,6 @@ import random
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from scipy.stats import binomtest
 
 #: Team labels recorded per interleaved position: the control (the aliased encoder) and the
 #: candidate.
@@ -101,6 +100,7 @@ def sign_test(wins: int, losses: int) -> float:
     n = wins + losses
     if n == 0:
         return 1.0
+    from scipy.stats import binomtest   # here, not at import: scipy.stats costs ~1 s of every server start
     return float(binomtest(wins, n, 0.5, alternative="two-sided").pvalue)
 
 

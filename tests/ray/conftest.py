@@ -61,10 +61,13 @@ def local_cluster(**env: str) -> Iterator[None]:
 class Clusters:
     """The session's one Ray cluster at a time: modules that need a plain local cluster share one
     (a start and a stop cost ~10 s each on a 2-core machine); a module that needs another kind
-    (direct ingress, two nodes) closes it first, and the next plain module starts it again."""
+    (direct ingress, two nodes) closes it first, and the next plain module starts it again.
+    ``serve_port``: the HTTP port of Serve on the running cluster, the same for every module that
+    deploys on it (Serve keeps the port it started with)."""
 
     def __init__(self) -> None:
         self.kind: str | None = None
+        self.serve_port: int | None = None
         self._stack: ExitStack | None = None
 
     def use(self, kind: str, start: Callable[[], AbstractContextManager[Any]]) -> None:
@@ -72,13 +75,14 @@ class Clusters:
         if self.kind == kind:
             return
         self.close()
+        from qswap.bench.processes import free_port
         stack = ExitStack()
         stack.enter_context(start())
-        self._stack, self.kind = stack, kind
+        self._stack, self.kind, self.serve_port = stack, kind, free_port()
 
     def close(self) -> None:
         """Stop the running cluster, if any."""
-        stack, self._stack, self.kind = self._stack, None, None
+        stack, self._stack, self.kind, self.serve_port = self._stack, None, None, None
         if stack is not None:
             stack.close()
 
@@ -94,30 +98,28 @@ def ray_clusters() -> Iterator[Clusters]:
 
 @pytest.fixture(scope="module")
 def ray_cluster(ray_clusters: Clusters) -> Iterator[None]:
-    """A plain local Ray cluster, shared by the modules that ask for one (Serve, with what a
-    module deployed, is shut down after each)."""
+    """A plain local Ray cluster, shared by the modules that ask for one. Serve, once a module
+    deployed, keeps running between modules on `serve_port` (its controller and proxy start once
+    per cluster); the applications a module leaves are deleted after it."""
     ray_clusters.use("local", local_cluster)
     try:
         yield
     finally:
-        stop_serve()   # the next module starts Serve on its own port
+        delete_apps()
 
 
-def stop_serve(timeout_s: float = 30.0) -> None:
-    """Shut Serve down and wait until its controller is gone: a ``serve.start`` right after
-    ``serve.shutdown`` can still find the dying controller and keep its HTTP options."""
-    import ray
+@pytest.fixture(scope="module")
+def serve_port(ray_cluster, ray_clusters: Clusters) -> int:
+    """The port a module deploys on, on the plain cluster (`ray_settings(..., port=serve_port)`)."""
+    assert ray_clusters.serve_port is not None
+    return ray_clusters.serve_port
+
+
+def delete_apps() -> None:
+    """Delete every Serve application on the cluster, if Serve runs; Serve itself stays."""
     from ray import serve
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-    serve.shutdown()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-        except ValueError:   # no such actor: gone
-            return
-        time.sleep(0.1)   # polls the cluster's actor table; orders nothing
-    raise TimeoutError(f"Serve's controller still alive {timeout_s:.0f} s after serve.shutdown()")
+    for name in serve.status().applications:
+        serve.delete(name)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

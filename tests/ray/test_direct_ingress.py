@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from ..server.conftest import ADMIN
-from .conftest import local_cluster, ray_settings, stop_serve, wait_ready
+from .conftest import local_cluster, ray_settings, wait_ready
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,13 @@ def direct_cluster(ray_clusters) -> Iterator[None]:
         ray_clusters.close()   # the flag must not outlive this module
 
 
+@pytest.fixture(scope="module")
+def serve_port(direct_cluster, ray_clusters) -> int:
+    """Serve's HTTP port for every test here: Serve, started by the first deployment, stays up
+    between tests (each deletes its app), so its controller starts once per module."""
+    return ray_clusters.serve_port
+
+
 def ingress_ports(app_name: str = "qswap", want: int = 1, timeout_s: float = 60.0) -> list[int]:
     """The ports of the ingress replicas, as the controller publishes them to load balancers."""
     import ray
@@ -49,11 +56,12 @@ def ingress_ports(app_name: str = "qswap", want: int = 1, timeout_s: float = 60.
         time.sleep(0.2)
 
 
-def test_direct_ingress_serves_a_lora_encoder(direct_cluster, tmp_path, tiny_model_dir, ray_index, ray_encoders):
+def test_direct_ingress_serves_a_lora_encoder(direct_cluster, serve_port, tmp_path, tiny_model_dir, ray_index,
+                                              ray_encoders):
     from ray import serve
 
     from qswap.server.ray.serve import RayOptions, deploy
-    s = ray_settings(tmp_path, tiny_model_dir, ray_index, encoders_root=ray_encoders)
+    s = ray_settings(tmp_path, tiny_model_dir, ray_index, encoders_root=ray_encoders, port=serve_port)
     deploy(s, RayOptions(replicas=1, encoder_replicas=1, replica_cpus=0.5))
     try:
         ports = ingress_ports()
@@ -75,11 +83,11 @@ def test_direct_ingress_serves_a_lora_encoder(direct_cluster, tmp_path, tiny_mod
         enc = serve.get_deployment_handle("QswapEncoder", app_name="qswap").replica_stats.remote().result(timeout_s=30)
         assert "enc1@1" in enc["resident"] and enc["loads"] == 1
     finally:
-        stop_serve()   # the next test starts Serve on its own port
+        serve.delete("qswap")
 
 
-def test_encoders_in_the_ingress_answer_like_one_process(direct_cluster, tmp_path, tiny_model_dir, ray_index,
-                                                         ray_encoders):
+def test_encoders_in_the_ingress_answer_like_one_process(direct_cluster, serve_port, tmp_path, tiny_model_dir,
+                                                         ray_index, ray_encoders):
     """``--encoder-replicas 0``: no encoder deployment, the ingress replica encodes itself (no hop);
     with direct ingress there is no proxy either. Same hits as the single-process server."""
     from ray import serve
@@ -87,7 +95,7 @@ def test_encoders_in_the_ingress_answer_like_one_process(direct_cluster, tmp_pat
     from qswap.server.ray.serve import RayOptions, deploy
 
     from ..server.conftest import LiveServer, server_settings
-    s = ray_settings(tmp_path / "ray", tiny_model_dir, ray_index, encoders_root=ray_encoders)
+    s = ray_settings(tmp_path / "ray", tiny_model_dir, ray_index, encoders_root=ray_encoders, port=serve_port)
     deploy(s, RayOptions(replicas=1, encoder_replicas=0, replica_cpus=0.5))
     single = LiveServer(server_settings(tmp_path / "one", tiny_model_dir, ray_index, read_only_index=True,
                                         encoders_root=ray_encoders, admin_token=ADMIN))

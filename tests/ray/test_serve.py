@@ -20,12 +20,13 @@ QUERIES = ["chess game", "linux server network", "music audio video", "physics c
 
 
 @pytest.fixture(scope="module")
-def ray_url(ray_cluster, tmp_path_factory, tiny_model_dir, ray_index, ray_encoders) -> Iterator[str]:
+def ray_url(ray_cluster, serve_port, tmp_path_factory, tiny_model_dir, ray_index, ray_encoders) -> Iterator[str]:
     from ray import serve
 
     from qswap.server.ray.serve import RayOptions, deploy
     tmp = tmp_path_factory.mktemp("rayserve")
-    s = ray_settings(tmp, tiny_model_dir, ray_index, encoders_root=ray_encoders, feedback_dir=tmp / "feedback")
+    s = ray_settings(tmp, tiny_model_dir, ray_index, encoders_root=ray_encoders, feedback_dir=tmp / "feedback",
+                     port=serve_port)
     url = deploy(s, RayOptions(replicas=2, max_encoders=2, replica_cpus=0.5))
     wait_ready(url, 2)
     STATE_DIRS["ray"] = s.state_dir

@@ -17,7 +17,7 @@ COLLECTION = "ray_serve_milvus"
 
 
 @pytest.fixture(scope="module")
-def milvus_ray_url(ray_cluster, milvus_server, tmp_path_factory, tiny_model_dir, tiny_base,
+def milvus_ray_url(ray_cluster, serve_port, milvus_server, tmp_path_factory, tiny_model_dir, tiny_base,
                    ray_corpus) -> Iterator[tuple[str, object]]:
     from ray import serve
 
@@ -26,7 +26,7 @@ def milvus_ray_url(ray_cluster, milvus_server, tmp_path_factory, tiny_model_dir,
     build_collection(ray_corpus, milvus_server.http_uri, COLLECTION, tiny_base.encode_documents, tiny_base.space,
                      progress=False, replace=True).close()
     tmp = tmp_path_factory.mktemp("raymilvus")
-    s = ray_settings(tmp, tiny_model_dir, f"{milvus_server.uri}?collection={COLLECTION}")
+    s = ray_settings(tmp, tiny_model_dir, f"{milvus_server.uri}?collection={COLLECTION}", port=serve_port)
     # Two ingress replicas, each with its own Milvus connection (the point here); the encoder
     # deployment behind them is the default layout's, and one replica of it is enough.
     url = deploy(s, RayOptions(replicas=2, encoder_replicas=1, max_encoders=2, replica_cpus=0.5))

@@ -91,8 +91,11 @@ def private_index(tmp_path, index_dir) -> Path:
     return tmp_path / "index"
 
 
-def _restart_keeps(tmp_path: Path, model: Path, index: Path, acked_encoders: list[str], acked_docs: list[str]) -> None:
-    """Restart the server: every acknowledged write is there, nothing half-done is left over."""
+def _restart_keeps(tmp_path: Path, model: Path, index: Path, acked_encoders: list[str],
+                   acked_docs: list[str]) -> ServerProcess:
+    """Restart the server: every acknowledged write is there, nothing half-done is left over.
+    Returns the restarted server, still running (the next round writes to it and kills it: a start
+    fewer); stopped here if a check fails."""
     srv = ServerProcess(tmp_path, model, index).wait_ready()
     try:
         assert not list((tmp_path / "state" / "encoders").glob(".incoming-*"))
@@ -105,8 +108,10 @@ def _restart_keeps(tmp_path: Path, model: Path, index: Path, acked_encoders: lis
                 r = c.post("/v1/search", json={"query": "chess", "k": 1, "filter": {"uid": doc_id},
                                                "with_text": False})
                 assert [h["id"] for h in r.json()["results"][0]["hits"]] == [doc_id], doc_id
-    finally:
+    except BaseException:
         srv.kill(signal.SIGTERM)
+        raise
+    return srv
 
 
 @pytest.mark.slow
@@ -119,8 +124,10 @@ def test_sigkill_during_registration_and_upsert_loses_no_acknowledged_write(tmp_
     acked_docs: list[str] = []
     rng = random.Random(7)
     next_encoder = 0
+    # Each round writes to a running server and SIGKILLs it; the server restarted and checked after
+    # it is the next round's (the failures below stop it: the round's SIGKILL, `_restart_keeps`).
+    srv = ServerProcess(tmp_path, tiny_model_dir, private_index).wait_ready()
     for round_ in range(2):
-        srv = ServerProcess(tmp_path, tiny_model_dir, private_index).wait_ready()
         stop = threading.Event()
         registered, upserted = Counter(), Counter()   # this round's acknowledged writes
         refused: list[str] = []                        # what registrations got instead (the failure says it)
@@ -177,7 +184,8 @@ def test_sigkill_during_registration_and_upsert_loses_no_acknowledged_write(tmp_
             for t in threads:
                 t.join(30)
 
-        _restart_keeps(tmp_path, tiny_model_dir, private_index, acked_encoders, acked_docs)
+        srv = _restart_keeps(tmp_path, tiny_model_dir, private_index, acked_encoders, acked_docs)
+    srv.kill(signal.SIGTERM)
     assert len(acked_encoders) >= 1 and len(acked_docs) >= 2   # the loops did write something
 
 
