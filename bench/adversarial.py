@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 from qswap.bench.fixtures import MODEL, load_space_base, load_workload, qswap_command, stamped_index, wait_for_runtime
 from qswap.bench.load_options import LOAD_HOST, ByMode, RunDirs, add_model_argument, warm_up
@@ -51,6 +51,7 @@ from qswap.bench.loadgen import Request, run_load_sync
 from qswap.bench.plots import plot_bars
 from qswap.bench.processes import ServerProcess, free_port, http_json
 from qswap.bench.results import md_table
+from qswap.bench.settle import PROBE_REQUESTS, Rest, metric, settle
 from qswap.bench.stats import percentile
 from qswap.encoders.runtime.hot import HOT_WINDOW_ROWS
 from qswap.errors import InvalidInputError
@@ -352,15 +353,6 @@ def send_raw(port: int, path: str, body: Any, headers: dict[str, str] | None = N
     return s
 
 
-def _metric(port: int, name: str) -> float:
-    """One unlabelled sample of the server's /metrics."""
-    _, body = http_json("GET", f"http://{LOAD_HOST}:{port}/metrics", None, timeout=30)
-    for line in body.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise InvalidInputError(f"/metrics has no {name}", "is this a qswap server?")
-
-
 def busy_after_disconnect(port: int, payloads: dict[str, Any], held_s: float = 3.0) -> dict[str, Any]:
     """Worker time an abandoned request still costs: each heavy request runs ``held_s``, then its
     client goes away; the time from the disconnect until the server holds no admitted request
@@ -373,14 +365,14 @@ def busy_after_disconnect(port: int, payloads: dict[str, Any], held_s: float = 3
         path, body = _target(name, payloads[name])
         s = send_raw(port, path, body, {"X-Request-Timeout": "120"})
         time.sleep(held_s)   # the request is running: this is the attacker's choice, not an ordering
-        busy0, passes0 = _metric(port, "qswap_encode_seconds_sum"), _metric(port, "qswap_encode_seconds_count")
+        busy0, passes0 = metric(port, "qswap_encode_seconds_sum"), metric(port, "qswap_encode_seconds_count")
         s.close()
         t0 = time.perf_counter()
-        while _metric(port, "qswap_admitted_requests") > 0:
+        while metric(port, "qswap_admitted_requests") > 0:
             time.sleep(0.01)
             if time.perf_counter() - t0 > 300:
                 break
-        busy1, passes1 = _metric(port, "qswap_encode_seconds_sum"), _metric(port, "qswap_encode_seconds_count")
+        busy1, passes1 = metric(port, "qswap_encode_seconds_sum"), metric(port, "qswap_encode_seconds_count")
         mean_pass = busy0 / passes0 if passes0 else None
         idle = time.perf_counter() - t0
         out[name] = {"held_s": held_s, "busy_after_s": busy1 - busy0, "passes_after": passes1 - passes0,
@@ -404,9 +396,14 @@ def _payloads(work: Any, quick: bool) -> dict[str, Any]:
 
 
 def _window(port: int, reqs: list[Request], seconds: float, rate: float,
-            attacker: Attacker | None) -> tuple[dict[str, Any], list[float]]:
-    """Normal load for ``seconds`` (with ``attacker`` running meanwhile): its summary and the
-    normal requests' latencies (ms)."""
+            attacker: Attacker | None, at_rest: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], list[float]]:
+    """Normal load for ``seconds`` (with ``attacker`` running meanwhile), once the server is at
+    rest (``at_rest``: :func:`~qswap.bench.settle.settle`): its summary and the normal
+    requests' latencies (ms)."""
+    rest = at_rest()
+    if not rest["settled"]:
+        print(f"NOT SETTLED after {rest['seconds']:.0f} s, waiting for {'; '.join(rest['waiting_for'])}: "
+              f"this window is flagged", file=sys.stderr)
     with HealthProbe(port) as probe:
         if attacker is not None:
             attacker.start()
@@ -421,7 +418,8 @@ def _window(port: int, reqs: list[Request], seconds: float, rate: float,
            "errors": res.errors(), "p50_ms": percentile(lat, 50) if lat else None,
            "p99_ms": percentile(lat, 99) if lat else None,
            "healthz_p99_ms": percentile(probe.ms, 99) if probe.ms else None,
-           "healthz_max_ms": max(probe.ms) if probe.ms else None, "healthz_failed": probe.failed}
+           "healthz_max_ms": max(probe.ms) if probe.ms else None, "healthz_failed": probe.failed,
+           "settle": rest}
     if attacker is not None:
         out["attacker"] = {"answers": dict(attacker.statuses), "jobs_done": attacker.jobs_done,
                            "closed_by_server": attacker.closed_by_server,
@@ -454,7 +452,9 @@ def pooled(windows: list[dict[str, Any]], lats: list[list[float]]) -> dict[str, 
         "failed": sum(w["failed"] for w in windows), "statuses": dict(statuses), "errors": dict(errors),
         "p50_ms": percentile(every, 50) if every else None, "p99_ms": percentile(every, 99) if every else None,
         "healthz_max_ms": max(worst) if worst else None,
-        "healthz_failed": sum(w["healthz_failed"] for w in windows), "rounds": windows}
+        "healthz_failed": sum(w["healthz_failed"] for w in windows), "rounds": windows,
+        "settle_max_s": max((w["settle"]["seconds"] for w in windows if "settle" in w), default=None),
+        "unsettled": sum(not w["settle"]["settled"] for w in windows if "settle" in w)}
     attackers = [w["attacker"] for w in windows if "attacker" in w]
     if attackers:
         answers: Counter[str] = Counter()
@@ -543,13 +543,24 @@ def run(args: argparse.Namespace) -> int:
         if st != 200:
             raise InvalidInputError(f"the warm-up search failed ({st}): {str(body)[:300]}", "see " + str(tmp))
         res["rss_start_bytes"] = srv.rss()
+        # Each window starts on a server at rest: what the last one left (stalled connections
+        # being reaped, queued work) must not be measured in the next (qswap.bench.settle).
+        pid, probe_body = srv.proc.pid, {"query": work.queries[0], "k": 10}
+        rest = Rest.measure(pid, port, "/v1/search", probe_body)
+        res["rest"] = {"sockets": rest.sockets, "probe_ms": rest.probe_ms, "probe_bound_ms": rest.probe_bound_ms()}
+        last: list[Attacker] = []
+
+        def at_rest() -> dict[str, Any]:
+            return settle(pid, port, rest, "/v1/search", probe_body,
+                          others_gone=lambda: not any(a.proc.is_alive() for a in last))
         for name in attacks:
             rss_before = srv.rss()
             windows: dict[str, tuple[list[dict[str, Any]], list[list[float]]]] = {"quiet": ([], []),
                                                                                  "attacked": ([], [])}
             for _ in range(rounds):   # alternating: a drift of the machine's load falls on both sides
                 for side, attacker in (("quiet", None), ("attacked", Attacker(name, port, payloads, slow))):
-                    summary, lat = _window(port, reqs, seconds, rate, attacker)
+                    summary, lat = _window(port, reqs, seconds, rate, attacker, at_rest)
+                    last[:] = [attacker] if attacker is not None else []
                     windows[side][0].append(summary)
                     windows[side][1].append(lat)
             rss_after = srv.rss()
@@ -563,13 +574,14 @@ def run(args: argparse.Namespace) -> int:
                   f"(x{ratio or float('nan'):.2f}; rounds {res['attacks'][name]['round_ratios']}), failed {attacked['failed']}, RSS "
                   f"{rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB", file=sys.stderr)
         res["rss_end_bytes"] = srv.rss()
+        res["settle_end"] = at_rest()
         if "abandoned_requests" in attacks:
             res["busy_after_disconnect"] = busy_after_disconnect(port, payloads)
             print(f"busy after disconnect: {res['busy_after_disconnect']}", file=sys.stderr)
     _write(dirs, res)
     dirs.clean_scratch()
     ok = all(a["attacked"]["failed"] == 0 and (a["p99_ratio"] or 99) <= 2.0 and abs(a["rss_change"]) <= 0.10
-             for a in res["attacks"].values())
+             and not a["quiet"]["unsettled"] and not a["attacked"]["unsettled"] for a in res["attacks"].values())
     print(f"wrote {dirs.out}: {'all targets met' if ok else 'targets missed (see README.md)'}")
     return 0
 
@@ -591,8 +603,11 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
     for n in names:
         q, a = A[n]["quiet"], A[n]["attacked"]
         per_round = " / ".join(f(r, 2) for r in A[n].get("round_ratios", []))
+        unsettled = q.get("unsettled", 0) + a.get("unsettled", 0)
+        waits = [x for x in (q.get("settle_max_s"), a.get("settle_max_s")) if x is not None]
+        settled = f"NOT SETTLED ({unsettled} windows)" if unsettled else (f(max(waits)) if waits else "-")
         rows.append([n, f(q["p50_ms"]), f(a["p50_ms"]), f(q["p99_ms"]), f(a["p99_ms"]), f(A[n]["p99_ratio"], 2),
-                     per_round,
+                     per_round, settled,
                      f"{a['failed']} / {a['sent']}", f(a["healthz_max_ms"]),
                      f"{A[n]['rss_before_bytes'] / 2**20:.0f} -> {A[n]['rss_after_bytes'] / 2**20:.0f} "
                      f"({100 * A[n]['rss_change']:+.1f} %)",
@@ -600,6 +615,7 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
                      + "".join(f"; admin PUT p99 {k} {v:.1f} ms"
                                for k, v in a["attacker"].get("admin_p99_ms", {}).items())])
     env = " ".join(f"{k}={v}" for k, v in sorted(res["server"].get("env", {}).items()))
+    rest = res.get("rest", {})
     md = (f"Server: `qswap serve` with its default limits{f' (environment: `{env}`)' if env else ''} under "
           f"`ulimit -n {res['nofile']}`; workload "
           f"{res['workload']} plus two {HUGE_CHARS / 1e6:.1f} MB documents. Normal clients: "
@@ -608,13 +624,17 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
           f"{res['phase_s']:g} s, without then with the attacker, {res.get('rounds', 1)} round(s) of the two "
           f"alternating per attack; p50 / p99 and the p99 ratio are over every round's requests together "
           f"(with ~200 requests per window, one window's p99 is its 2nd-3rd worst request and moves by about "
-          f"+-0.4x between runs), the ratio of each round beside it. Slow connections: "
+          f"+-0.4x between runs), the ratio of each round beside it. Every window starts on a server at "
+          f"rest (qswap.bench.settle): the attacker's process ended, no request admitted, no more open "
+          f"sockets than at rest ({rest.get('sockets', '-')}) and a probe of {PROBE_REQUESTS} sequential normal "
+          f"searches with a median within {f(rest.get('probe_bound_ms'))} ms (at rest {f(rest.get('probe_ms'))} ms); "
+          f"'settle s' is the longest wait for that before a window of the row. Slow connections: "
           f"{res['slow_connections']}; upsert: {res['upsert_documents']} documents. The RSS baseline is taken "
           f"after a warm-up that includes one legitimate 64-query request (buffers grown once by normal use). "
           f"Latency is measured from each request's actual send: when the server falls behind, the normal "
           f"clients send fewer requests (see 'normal failed' for the count sent).\n\n"
           + md_table(["attack", "p50 ms (without)", "p50 ms (with)", "p99 ms (without)", "p99 ms (with)",
-                      "p99 ratio", "p99 ratio per round", "normal failed", "/healthz max ms (with)", "server RSS MiB",
+                      "p99 ratio", "p99 ratio per round", "settle s (worst)", "normal failed", "/healthz max ms (with)", "server RSS MiB",
                       "attacker's answers"], rows)
           + f"\n\nTargets: p99 ratio <= 2, 0 failed, RSS within 10 %. Server RSS at start "
           f"{res['rss_start_bytes'] / 2**20:.0f} MiB, at the end {res['rss_end_bytes'] / 2**20:.0f} MiB.\n")

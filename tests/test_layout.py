@@ -169,7 +169,8 @@ def test_cli_help_imports_no_command_and_its_lines_are_the_commands_own(tmp_path
 #: `bench embed` and `bench peer` both run it; so are the int8 graphs (int8_graphs) of `bench embed`,
 #: `bench forward` and `bench bf16-quality`.
 BENCH_LIBRARY = ("provenance", "stats", "results", "plots", "processes", "load_options", "fixtures", "loadgen",
-                 "data", "infinity_peer", "tiny_model", "milvus_server", "int8_graphs")
+                 "data", "infinity_peer", "tiny_model", "milvus_server", "int8_graphs",
+                 "settle")
 BENCH_ALLOWED = {("qswap.bench.serving", "qswap.bench.ray_serving"),
                  ("qswap.bench.serving", "qswap.bench.ray_hop"), ("qswap.bench.ray_hop", "qswap.bench.ray_serving"),
                  ("qswap.bench.serving", "qswap.bench.serving_embeddings"),

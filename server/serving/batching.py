@@ -30,9 +30,10 @@ deadline (or whose caller went away) stops between slices instead of holding the
 
 **Two lanes.** With ``bulk=True``, a request too large for one slice (more than
 ``slice_tokens`` tokens: a long query list, a 512-token embedding input, document rows) runs
-its slices on a second forward thread, the *bulk lane*, one slice at a time and at a lower CPU
-priority (a nice value of :data:`~qswap.server.serving.lowprio.BULK_NICE` on that thread;
-``encode_bulk`` runs it on a single-threaded ONNX Runtime session where the backend has one).
+its slices on a second forward thread, the *bulk lane*, one slice at a time and at the lowest
+CPU priority (Linux's ``SCHED_IDLE`` on that thread, :func:`~qswap.server.serving.lowprio.idle_priority`;
+``encode_bulk`` runs it on a single-threaded ONNX Runtime session where the backend has one),
+and its finished requests are answered on an answer thread of their own.
 Interactive searches keep the first lane to themselves: one of them waits for no slice of a
 large request at all, instead of one slice (a 512-token row is a ~120 ms forward pass on two
 cores, ten times a short query's). A large request still to be tokenised (more than
@@ -64,7 +65,7 @@ from qswap.errors import DeadlineExceededError, NotReadyError, OverloadedError
 from qswap.server.serving.admission import Ticket
 from qswap.server.serving.answers import EmbedOutcome, SearchFn, SearchOutcome, answer_batch, post
 from qswap.server.serving.forward import EncodeFlagged, EncodeFn, ForwardStage
-from qswap.server.serving.lowprio import LowPriority, lower_priority
+from qswap.server.serving.lowprio import LowPriority, idle_priority
 from qswap.server.serving.work import STOP, Call, Job, Slice
 from qswap.server.serving.writes import WriteLane
 
@@ -116,6 +117,10 @@ class MicroBatcher:
         self._q: queue.Queue = queue.Queue()        # submitted, tokens not counted yet
         self._ready: queue.Queue = queue.Queue()    # counted: the forward thread's input
         self._answers: queue.Queue = queue.Queue()  # encoded batches: the answer thread's input
+        # The bulk lane's finished requests are answered on a thread of their own: fetching and
+        # building a large answer (64 queries x 100 hits with their texts) took ~40 ms, and every
+        # one-query search finished meanwhile waited behind it on a shared answer thread.
+        self._bulk_answers: queue.Queue | None = queue.Queue() if bulk else None
         self._bulk: queue.Queue = queue.Queue()     # large requests' next slices: the bulk lane's input
         self._bulk_thread = (threading.Thread(target=self._bulk_loop, name=f"{name}-bulk", daemon=True)
                              if bulk else None)
@@ -123,7 +128,11 @@ class MicroBatcher:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._writes = WriteLane(self._do_call, f"{name}-writes")   # index writes, in order
         self._stages = [threading.Thread(target=self._count_loop, name=f"{name}-tokens", daemon=True),
-                        threading.Thread(target=self._answer_loop, name=f"{name}-answers", daemon=True)]
+                        threading.Thread(target=self._answer_loop, args=(self._answers,), name=f"{name}-answers",
+                                         daemon=True)]
+        if self._bulk_answers is not None:
+            self._stages.append(threading.Thread(target=self._answer_loop, args=(self._bulk_answers,),
+                                                 name=f"{name}-bulk-answers", daemon=True))
         self._stopped = False
         self.adaptive = adaptive
         self._last_requests = 1
@@ -145,7 +154,7 @@ class MicroBatcher:
         self._stopped = True
         self._q.put(STOP)   # passes through every stage in order, behind what is queued
         end = time.monotonic() + timeout
-        for t in (self._stages[0], self._thread, self._stages[1]):
+        for t in (self._stages[0], self._thread, *self._stages[1:]):
             if t.is_alive():
                 t.join(max(0.0, end - time.monotonic()))
 
@@ -339,12 +348,14 @@ class MicroBatcher:
             self._bulk_thread.join()
         self._drain(self._writes.stop(10.0))
         self._answers.put(STOP)
+        if self._bulk_answers is not None:
+            self._bulk_answers.put(STOP)
 
     def _bulk_loop(self) -> None:
         """The bulk lane: one slice of a large request per pass, at a lower CPU priority; the
         remainder goes back through the intake like any split request. A pass whose request
         ends meanwhile (client gone, deadline passed, server stopping) is stopped in the middle."""
-        lower_priority()
+        idle_priority()
         while True:
             item = self._bulk.get()
             if item is STOP:
@@ -388,10 +399,11 @@ class MicroBatcher:
             job.tokens = [1] * len(job.texts)
         self._ready.put(job)
 
-    def _answer_loop(self) -> None:
-        """Stage 3: search and answer the requests each forward pass completed."""
+    def _answer_loop(self, inbox: queue.Queue) -> None:
+        """Stage 3: search and answer the requests each forward pass completed (``inbox``: the
+        first lane's or the bulk lane's)."""
         while True:
-            item = self._answers.get()
+            item = inbox.get()
             if item is STOP:
                 return
             jobs, batch_requests, start = item
@@ -490,4 +502,5 @@ class MicroBatcher:
         if jobs:
             for j in jobs:
                 j.answering = True
-            self._answers.put((jobs, len(slices), start))
+            inbox = self._bulk_answers if bulk and self._bulk_answers is not None else self._answers
+            inbox.put((jobs, len(slices), start))

@@ -56,6 +56,17 @@ def lower_priority() -> None:
         pass
 
 
+def idle_priority() -> None:
+    """Run the calling thread under Linux's ``SCHED_IDLE`` policy: any thread of normal policy
+    that wakes on its core takes the core at once (a nice-19 thread may first run out its time
+    slice, while a one-query search's ONNX Runtime threads wait for each other at every node).
+    Alone, it runs at full speed. Elsewhere, or when not allowed, :func:`lower_priority`."""
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        lower_priority()
+
+
 class LowPriority:
     """One worker thread at :data:`BULK_NICE` (see the module docstring)."""
 

@@ -1,8 +1,16 @@
-"""``qswap bench adversarial``'s pooling of its rounds (the server runs in the benchmark itself)."""
+"""``qswap bench adversarial``: the pooling of its rounds, and the settle handshake between windows
+(the qswap server runs in the benchmark itself; here a small real HTTP server stands in for its state)."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 from qswap.bench.adversarial import pooled, round_ratios
+from qswap.bench.load_options import LOAD_HOST
+from qswap.bench.settle import SOCKET_SLACK, Rest, settle, waiting_for
 from qswap.bench.stats import percentile
 
 
@@ -30,3 +38,63 @@ def test_rounds_are_pooled_into_one_p99_over_every_request_and_counts_add_up() -
     assert w["attacker"]["answer_bytes_max"] == 5 and w["healthz_max_ms"] == 100.0
     assert len(w["rounds"]) == 2 and "attacker" not in q
     assert round_ratios(q, w) == [percentile(a, 99) / 12.0, 1.0]
+
+
+class _Server(BaseHTTPRequestHandler):
+    """A server whose /metrics says how many requests it holds admitted, and whose search
+    answers after ``delay`` (the test sets both)."""
+
+    admitted = 0.0
+    delay = threading.Event()   # set: the search answers slowly
+
+    def do_GET(self) -> None:
+        self._send(f"# HELP qswap_admitted_requests x\nqswap_admitted_requests {self.admitted}\n".encode())
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.delay.is_set():
+            time.sleep(0.05)   # a slow answer (what is measured), not an ordering
+        self._send(b"{}")
+
+    def _send(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_settle_waits_on_the_servers_own_state_and_says_what_never_settled() -> None:
+    srv = ThreadingHTTPServer((LOAD_HOST, 0), _Server)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    port, pid, body = srv.server_address[1], os.getpid(), {"query": "q"}
+    try:
+        _Server.admitted = 0.0
+        rest = Rest.measure(pid, port, "/v1/search", body)
+        ok = settle(pid, port, rest, "/v1/search", body, timeout_s=5)
+        assert ok["settled"] and ok["probe_ms"] <= rest.probe_bound_ms()
+        _Server.admitted = 2.0   # work left behind: never at rest
+        stuck = settle(pid, port, rest, "/v1/search", body, timeout_s=0.3)
+        assert not stuck["settled"] and stuck["waiting_for"] == ["2 admitted request(s) to finish"]
+        _Server.admitted = 0.0
+        gone = settle(pid, port, rest, "/v1/search", body, timeout_s=0.3, others_gone=lambda: False)
+        assert not gone["settled"] and gone["waiting_for"] == ["the other client's process to end"]
+        _Server.delay.set()   # quiet by its own account, but slow: the probe says so
+        slow = settle(pid, port, Rest(rest.sockets, 1.0), "/v1/search", body, timeout_s=0.3)
+        assert not slow["settled"] and slow["waiting_for"][0].startswith("probe median")
+    finally:
+        _Server.delay.clear()
+        srv.shutdown()
+        srv.server_close()
+        t.join(10)
+
+
+def test_waiting_for_names_every_reason_the_server_is_not_at_rest() -> None:
+    rest = Rest(sockets=10, probe_ms=10.0)
+    assert rest.probe_bound_ms() == 15.0 and Rest(10, 4.0).probe_bound_ms() == 9.0
+    assert waiting_for(rest, admitted=0, sockets=10 + SOCKET_SLACK, probe=15.0) == []
+    left = waiting_for(rest, admitted=1, sockets=11 + SOCKET_SLACK, probe=15.1, others_gone=False)
+    assert len(left) == 4 and "admitted" in left[1] and "sockets" in left[2] and "probe" in left[3]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 import threading
@@ -309,3 +310,40 @@ def test_a_large_request_is_tokenised_on_the_low_priority_thread_itself(monkeypa
     with running(encode=enc, search=srch, bulk=True) as b:
         own, total = _run(b.low_priority(tokenize))
     assert total > 0 and own >= 0.7 * total, (own, total)
+
+
+def test_a_large_requests_answer_is_made_beside_the_small_ones_on_the_idle_priority_lane():
+    # The bulk lane's requests are answered on a thread of their own: a one-query search is
+    # answered while a large request's index search (its texts fetched, its hits built) is still
+    # running. On a shared answer thread it would wait behind it (this test would time out).
+    # The bulk lane's forward thread runs under SCHED_IDLE (Linux).
+    held, release = threading.Event(), threading.Event()
+    policies: list[int] = []
+
+    def encode(texts, keys):
+        if "L" in texts[0] and hasattr(os, "sched_getscheduler"):
+            policies.append(os.sched_getscheduler(0))   # 0: the calling thread
+        return np.array([[float(len(t)), 0.0] for t in texts], dtype=np.float32)
+
+    def search(q, k, flt, with_text):
+        if len(q) > 1:
+            held.set()
+            assert release.wait(30), "never released"
+        return [[f"{int(row[0])}:{r}" for r in range(k)] for row in q]
+
+    with running(encode=encode, search=search, bulk=True, max_batch_tokens=64, slice_tokens=8,
+                 count_tokens=lambda texts: [len(t) // 10 + 1 for t in texts]) as b:
+        async def main():
+            big = asyncio.ensure_future(b.search(["L" * 60] * 3, "k", k=1, ticket=Ticket()))
+            assert await asyncio.to_thread(held.wait, 30)
+            short = await asyncio.wait_for(b.search(["short"], "k", k=1, ticket=Ticket()), 10)
+            assert not big.done()                      # its answer is still being made
+            release.set()
+            return short, await asyncio.wait_for(big, 30)
+        try:
+            short, big = _run(main())
+        finally:
+            release.set()
+    assert short.hits[0][0].startswith("5:") and [h[0] for h in big.hits] == ["60:0"] * 3
+    if hasattr(os, "SCHED_IDLE"):
+        assert policies and set(policies) == {os.SCHED_IDLE}
