@@ -33,8 +33,9 @@ mix encoders and what a loaded encoder costs beyond its factors:
 - **RSS bound**: RSS at the largest count <= RSS(1) + the fixed per-server costs that come with
   the first batches mixing encoders (the group session and the segment session: the base's
   weights again each, :func:`~qswap.encoders.runtime.shared_adapters.session_weight_bytes`; the segment
-  call buffers: :data:`~qswap.encoders.runtime.shared_segments.MAX_SEGMENTS` adapters' factors)
-  + loaded x the counted bytes per encoder;
+  call buffers: :data:`~qswap.encoders.runtime.shared_segments.MAX_SEGMENTS` adapters' factors;
+  with half-precision factors, the float32 copies of the factors served last, capped at
+  :data:`~qswap.encoders.runtime.shared_run.WIDE_BYTES`) + loaded x the counted bytes per encoder;
 - **count**: the RSS each encoder adds while every encoder is loaded (the slope between the two
   largest counts that are all loaded, the fixed costs already in both) <= 1.10x the counted
   bytes per encoder, so the budget holds what it says.
@@ -122,14 +123,19 @@ def _half_bytes(enc_dir: Path) -> int:
     return 2 * n
 
 
-def _fixed_bytes(base: Any, half: int) -> dict[str, int]:
+def _fixed_bytes(base: Any, half: int, factors: str) -> dict[str, int]:
     """What a server holds once its batches mix encoders, whatever the number of encoders: two
     more sessions of the shared graph's weights (the single-threaded group session and the
-    segment session) and the segment call buffers (MAX_SEGMENTS adapters' factors)."""
+    segment session), the segment call buffers (MAX_SEGMENTS adapters' factors) and, with
+    half-precision factors, the capped float32 copies of the factors served last (WIDE_BYTES)."""
     from qswap.encoders.runtime.shared_adapters import session_weight_bytes
+    from qswap.encoders.runtime.shared_run import WIDE_BYTES
     from qswap.encoders.runtime.shared_segments import MAX_SEGMENTS
-    return {"group_session": session_weight_bytes(base), "segment_session": session_weight_bytes(base),
-            "segment_buffers": MAX_SEGMENTS * half}
+    fixed = {"group_session": session_weight_bytes(base), "segment_session": session_weight_bytes(base),
+             "segment_buffers": MAX_SEGMENTS * half}
+    if factors != "float32":
+        fixed["float32_factor_copies"] = WIDE_BYTES
+    return fixed
 
 
 def _counted_bytes(idx_dir: Path, root: Path, dirs: RunDirs, model: str, factors: str, rel: str) -> int:
@@ -245,10 +251,10 @@ def run(args: argparse.Namespace) -> int:
     first_dir = root / f"{names[0][0]}-1"
     adapter_file = sum(f.stat().st_size for f in first_dir.rglob("*.safetensors"))
     half = _half_bytes(first_dir)
-    fixed = _fixed_bytes(base, half)
-    del base
     from qswap.factors import SERVING_FACTORS
     factors = args.lora_factors or SERVING_FACTORS
+    fixed = _fixed_bytes(base, half, factors)
+    del base
     counted = _counted_bytes(idx_dir, root, dirs, args.model, factors, f"{names[0][0]}-{names[0][1]}")
     budget_mib = -(-loaded * counted // int(MIB))   # room for ``loaded`` encoders (less than one more: 1 MiB < counted)
     budget = budget_mib * int(MIB)
@@ -366,8 +372,8 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
           f"{max(reg) * 1000:.0f} ms.\n\n"
           f"### Targets\n\n"
           f"The memory bound is what a server holds with one encoder, plus what comes once its batches mix "
-          f"encoders (two more sessions of the base's weights, the segment call's buffers: fixed, whatever the "
-          f"number of encoders), plus what the budget counts for each loaded encoder; the count is checked "
+          f"encoders (two more sessions of the base's weights, the segment call's buffers, the capped float32 "
+          f"copies of half-precision factors: fixed, whatever the number of encoders), plus what the budget counts for each loaded encoder; the count is checked "
           f"against the RSS each loaded encoder adds (`qswap bench encoder-memory` checks it in one process).\n\n"
           f"- RSS with {last['encoders']} registered, {last['loaded']} loaded: **{last['rss'] / MIB:.0f} MiB** <= "
           f"RSS(1) {first['rss'] / MIB:.0f} MiB + fixed {fixed / MIB:.0f} MiB ({fixed_parts}) + {last['loaded']} x "
