@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from qswap.bench.adversarial import pooled, round_ratios
 from qswap.bench.load_options import LOAD_HOST
 from qswap.bench.settle import SOCKET_SLACK, Rest, settle, waiting_for
 from qswap.bench.stats import percentile
+
+from ..local_http import http_server
 
 
 def _window(lat: list[float], failed: int = 0, attacker: dict | None = None) -> dict:
@@ -40,56 +41,44 @@ def test_rounds_are_pooled_into_one_p99_over_every_request_and_counts_add_up() -
     assert round_ratios(q, w) == [percentile(a, 99) / 12.0, 1.0]
 
 
-class _Server(BaseHTTPRequestHandler):
-    """A server whose /metrics says how many requests it holds admitted, and whose search
-    answers after ``delay`` (the test sets both)."""
+class _State:
+    """What the fake server says: how many requests it holds admitted, and whether its search
+    answers slowly (the test sets both)."""
 
     admitted = 0.0
     delay = threading.Event()   # set: the search answers slowly
 
-    def do_GET(self) -> None:
-        self._send(f"# HELP qswap_admitted_requests x\nqswap_admitted_requests {self.admitted}\n".encode())
 
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers["Content-Length"]))
-        if self.delay.is_set():
-            time.sleep(0.05)   # a slow answer (what is measured), not an ordering
-        self._send(b"{}")
+def _metrics() -> bytes:
+    return f"# HELP qswap_admitted_requests x\nqswap_admitted_requests {_State.admitted}\n".encode()
 
-    def _send(self, body: bytes) -> None:
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
-    def log_message(self, *args: object) -> None:
-        pass
+def _search() -> bytes:
+    if _State.delay.is_set():
+        time.sleep(0.05)   # a slow answer (what is measured), not an ordering
+    return b"{}"
 
 
 def test_settle_waits_on_the_servers_own_state_and_says_what_never_settled() -> None:
-    srv = ThreadingHTTPServer((LOAD_HOST, 0), _Server)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    port, pid, body = srv.server_address[1], os.getpid(), {"query": "q"}
+    pid, body = os.getpid(), {"query": "q"}
     try:
-        _Server.admitted = 0.0
-        rest = Rest.measure(pid, port, "/v1/search", body)
-        ok = settle(pid, port, rest, "/v1/search", body, timeout_s=5)
-        assert ok["settled"] and ok["probe_ms"] <= rest.probe_bound_ms()
-        _Server.admitted = 2.0   # work left behind: never at rest
-        stuck = settle(pid, port, rest, "/v1/search", body, timeout_s=0.3)
-        assert not stuck["settled"] and stuck["waiting_for"] == ["2 admitted request(s) to finish"]
-        _Server.admitted = 0.0
-        gone = settle(pid, port, rest, "/v1/search", body, timeout_s=0.3, others_gone=lambda: False)
-        assert not gone["settled"] and gone["waiting_for"] == ["the other client's process to end"]
-        _Server.delay.set()   # quiet by its own account, but slow: the probe says so
-        slow = settle(pid, port, Rest(rest.sockets, 1.0), "/v1/search", body, timeout_s=0.3)
-        assert not slow["settled"] and slow["waiting_for"][0].startswith("probe median")
+        with http_server(LOAD_HOST, {("GET", "/metrics"): _metrics, ("POST", "*"): _search},
+                     keep_alive=False) as port:
+            _State.admitted = 0.0
+            rest = Rest.measure(pid, port, "/v1/search", body)
+            ok = settle(pid, port, rest, "/v1/search", body, timeout_s=5)
+            assert ok["settled"] and ok["probe_ms"] <= rest.probe_bound_ms()
+            _State.admitted = 2.0   # work left behind: never at rest
+            stuck = settle(pid, port, rest, "/v1/search", body, timeout_s=0.3)
+            assert not stuck["settled"] and stuck["waiting_for"] == ["2 admitted request(s) to finish"]
+            _State.admitted = 0.0
+            gone = settle(pid, port, rest, "/v1/search", body, timeout_s=0.3, others_gone=lambda: False)
+            assert not gone["settled"] and gone["waiting_for"] == ["the other client's process to end"]
+            _State.delay.set()   # quiet by its own account, but slow: the probe says so
+            slow = settle(pid, port, Rest(rest.sockets, 1.0), "/v1/search", body, timeout_s=0.3)
+            assert not slow["settled"] and slow["waiting_for"][0].startswith("probe median")
     finally:
-        _Server.delay.clear()
-        srv.shutdown()
-        srv.server_close()
-        t.join(10)
+        _State.delay.clear()
 
 
 def test_waiting_for_names_every_reason_the_server_is_not_at_rest() -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import ModuleType
 
 import pytest
@@ -12,6 +10,8 @@ import pytest
 from qswap.bench import hotswap, load_options, naive_baseline, results, serving
 from qswap.bench.cli import add_common_arguments
 from qswap.bench.load_options import LOAD_HOST, ByMode, LoadOptions, RunDirs, parse_levels
+
+from ..local_http import http_server
 
 COMMANDS = {"serving": serving, "baseline": naive_baseline, "hotswap": hotswap}
 
@@ -104,29 +104,10 @@ def test_by_mode():
     assert hotswap.SWAPS.pick(True) == 3 and naive_baseline.DOMAINS.pick(False) == naive_baseline.N_DOMAINS
 
 
-class _Ok(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"   # keep-alive, as the load generator expects
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        body = b'{"ok": true}'
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture
 def ok_server():
-    srv = ThreadingHTTPServer((LOAD_HOST, 0), _Ok)
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
-    th.start()
-    yield srv.server_address[1]
-    srv.shutdown()
-    srv.server_close()
+    with http_server(LOAD_HOST, {("POST", "*"): lambda: b'{"ok": true}'}) as port:
+        yield port
 
 
 def test_run_and_warm_up_are_bounded_by_the_options(ok_server):

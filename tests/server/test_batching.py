@@ -240,6 +240,25 @@ def test_pipeline_answers_one_batch_while_the_next_is_encoded():
     assert names == {"count": "qswap-batcher-tokens", "encode": "qswap-batcher", "search": "qswap-batcher-answers"}
 
 
+def _short_beside_held_large(encode, search, held: threading.Event, release: threading.Event):
+    """On a batcher with the bulk lane (slices of 8 tokens), send a large request (3 rows of 60
+    characters: 7 tokens each), wait until ``held`` says a fake holds it, then send a one-query
+    search: it must be answered while the large request is not done. Returns (short, big)."""
+    with running(encode=encode, search=search, bulk=True, max_batch_tokens=64, slice_tokens=8,
+                 count_tokens=lambda texts: [len(t) // 10 + 1 for t in texts]) as b:
+        async def main():
+            big = asyncio.ensure_future(b.search(["L" * 60] * 3, "k", k=1, ticket=Ticket()))
+            assert await asyncio.to_thread(held.wait, 30)
+            short = await asyncio.wait_for(b.search(["short"], "k", k=1, ticket=Ticket()), 10)
+            assert not big.done()                      # the large request is still held
+            release.set()
+            return short, await asyncio.wait_for(big, 30)
+        try:
+            return _run(main())
+        finally:
+            release.set()
+
+
 def test_bulk_lane_answers_a_short_search_while_a_large_request_runs():
     # A request over slice_tokens runs on the bulk lane: a one-query search arriving while one
     # of its slices is in the model is answered at once, not after that slice. Without the lane
@@ -257,19 +276,7 @@ def test_bulk_lane_answers_a_short_search_while_a_large_request_runs():
     def search(q, k, flt, with_text):
         return [[f"{int(row[0])}:{r}" for r in range(k)] for row in q]
 
-    with running(encode=encode, search=search, bulk=True, max_batch_tokens=64, slice_tokens=8,
-                 count_tokens=lambda texts: [len(t) // 10 + 1 for t in texts]) as b:
-        async def main():
-            big = asyncio.ensure_future(b.search(["L" * 60] * 3, "k", k=1, ticket=Ticket()))
-            assert await asyncio.to_thread(held.wait, 30)
-            short = await asyncio.wait_for(b.search(["short"], "k", k=1, ticket=Ticket()), 10)
-            assert not big.done()                      # the large request is still in its slice
-            release.set()
-            return short, await asyncio.wait_for(big, 30)
-        try:
-            short, big = _run(main())
-        finally:
-            release.set()
+    short, big = _short_beside_held_large(encode, search, held, release)
     assert short.hits[0][0].startswith("5:") and [h[0] for h in big.hits] == ["60:0"] * 3
     assert "qswap-batcher-bulk" in lanes and "qswap-batcher" in lanes
     assert lanes.count("qswap-batcher-bulk") == 3    # one 7-token row per slice of 8 tokens
@@ -331,19 +338,7 @@ def test_a_large_requests_answer_is_made_beside_the_small_ones_on_the_idle_prior
             assert release.wait(30), "never released"
         return [[f"{int(row[0])}:{r}" for r in range(k)] for row in q]
 
-    with running(encode=encode, search=search, bulk=True, max_batch_tokens=64, slice_tokens=8,
-                 count_tokens=lambda texts: [len(t) // 10 + 1 for t in texts]) as b:
-        async def main():
-            big = asyncio.ensure_future(b.search(["L" * 60] * 3, "k", k=1, ticket=Ticket()))
-            assert await asyncio.to_thread(held.wait, 30)
-            short = await asyncio.wait_for(b.search(["short"], "k", k=1, ticket=Ticket()), 10)
-            assert not big.done()                      # its answer is still being made
-            release.set()
-            return short, await asyncio.wait_for(big, 30)
-        try:
-            short, big = _run(main())
-        finally:
-            release.set()
+    short, big = _short_beside_held_large(encode, search, held, release)
     assert short.hits[0][0].startswith("5:") and [h[0] for h in big.hits] == ["60:0"] * 3
     if hasattr(os, "SCHED_IDLE"):
         assert policies and set(policies) == {os.SCHED_IDLE}
