@@ -77,6 +77,7 @@ ABANDON_AFTER_S = 0.5               # an abandoning attacker closes its connecti
 FLOOD_CONNECTIONS = 8
 IP_BIND_ADDRESS_NO_PORT = 24       # Linux: many connections from one bound address
 ATTACKER_HOST = "127.0.0.2"          # the attacker's source address (any 127/8 address reaches LOAD_HOST)
+BUSY_HOSTS = ("127.0.0.3", "127.0.0.4")   # busy_after_disconnect's clients, one per heavy request
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -343,11 +344,12 @@ def _target(name: str, body: Any) -> tuple[str, Any]:
     return ("/v1/embeddings" if name == "document_embeddings" else "/v1/search"), body
 
 
-def send_raw(port: int, path: str, body: Any, headers: dict[str, str] | None = None) -> socket.socket:
-    """Send one JSON POST on a new connection and return the socket, unread (to abandon it)."""
+def send_raw(port: int, path: str, body: Any, headers: dict[str, str] | None = None,
+             source: str = ATTACKER_HOST) -> socket.socket:
+    """Send one JSON POST on a new connection from ``source`` and return the socket, unread (to abandon it)."""
     data = json.dumps(body).encode()
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    s = socket.create_connection((LOAD_HOST, port), timeout=60, source_address=(ATTACKER_HOST, 0))
+    s = socket.create_connection((LOAD_HOST, port), timeout=60, source_address=(source, 0))
     s.sendall(f"POST {path} HTTP/1.1\r\nHost: {LOAD_HOST}\r\nContent-Type: application/json\r\n{extra}"
               f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return s
@@ -359,12 +361,16 @@ def busy_after_disconnect(port: int, payloads: dict[str, Any], held_s: float = 3
     (``idle_after_s``: the model time spent after the disconnect at most, as nothing else runs)
     is compared with one slice (the mean forward pass). ``busy_after_s``: the passes that
     finished after the disconnect, whole (a pass stopped in the middle is not in
-    ``qswap_encode_seconds``, which counts finished passes). No other traffic meanwhile."""
+    ``qswap_encode_seconds``, which counts finished passes). No other traffic meanwhile. Each
+    request comes from a client of its own (``BUSY_HOSTS``): a client that abandoned a large
+    request has its next one refused for a while (the server's ``abandon_wait_s``), and
+    ``admitted`` says whether the request was still admitted when its client went away."""
     out: dict[str, Any] = {}
-    for name in ("long_queries", "document_embeddings"):
+    for name, host in zip(("long_queries", "document_embeddings"), BUSY_HOSTS):
         path, body = _target(name, payloads[name])
-        s = send_raw(port, path, body, {"X-Request-Timeout": "120"})
+        s = send_raw(port, path, body, {"X-Request-Timeout": "120"}, source=host)
         time.sleep(held_s)   # the request is running: this is the attacker's choice, not an ordering
+        admitted = metric(port, "qswap_admitted_requests") > 0
         busy0, passes0 = metric(port, "qswap_encode_seconds_sum"), metric(port, "qswap_encode_seconds_count")
         s.close()
         t0 = time.perf_counter()
@@ -375,9 +381,10 @@ def busy_after_disconnect(port: int, payloads: dict[str, Any], held_s: float = 3
         busy1, passes1 = metric(port, "qswap_encode_seconds_sum"), metric(port, "qswap_encode_seconds_count")
         mean_pass = busy0 / passes0 if passes0 else None
         idle = time.perf_counter() - t0
-        out[name] = {"held_s": held_s, "busy_after_s": busy1 - busy0, "passes_after": passes1 - passes0,
-                     "idle_after_s": idle, "mean_pass_s": mean_pass,
-                     "within_one_slice": mean_pass is not None and max(idle, busy1 - busy0) <= 2 * mean_pass}
+        out[name] = {"held_s": held_s, "admitted": admitted, "busy_after_s": busy1 - busy0,
+                     "passes_after": passes1 - passes0, "idle_after_s": idle, "mean_pass_s": mean_pass,
+                     "within_one_slice": (admitted and mean_pass is not None
+                                          and max(idle, busy1 - busy0) <= 2 * mean_pass)}
     return out
 
 

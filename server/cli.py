@@ -22,6 +22,7 @@ _FLAG_FIELDS = {
     "search_token": "search_token", "metrics_token": "metrics_token", "insecure": "insecure", "backend": "backend",
     "query_precision": "query_precision", "lora_factors": "lora_factors",
     "onnx_threads": "onnx_threads", "onnx_spin": "onnx_spin", "hot_encoders": "hot_encoders", "bulk_lane": "bulk_lane",
+    "abandon_wait": "abandon_wait_s",
     "batch_window_ms": "batch_window_ms", "gil_switch_ms": "gil_switch_ms", "max_batch": "max_batch", "default_encoder": "default_encoder",
     "read_only_index": "read_only_index", "max_k": "max_k", "max_queries": "max_queries",
     "encoder_memory_mb": "encoder_memory_bytes", "sentinels": "sentinels", "guard_alpha": "guard_alpha",
@@ -112,6 +113,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="rows x longest row of one forward pass (default 2048)")
     lim.add_argument("--slice-tokens", type=int, metavar="N", help="one request's share of a forward pass: larger "
                      "searches and upserts are split and other requests run between the slices (default 256)")
+    lim.add_argument("--abandon-wait", type=float, metavar="S",
+                     help="a client that goes away before the answer of a request larger than one slice waits as long "
+                          "as that request held the server, at least S seconds, before its next one (429 meanwhile; "
+                          "default 1; 0: off)")
     lim.add_argument("--max-response-bytes", type=int, metavar="N", help="one search answer at most (default 16 MiB)")
     lim.add_argument("--max-connections", type=int, metavar="N",
                      help="open client connections (default: the open-file limit minus max(128, a quarter))")

@@ -136,6 +136,10 @@ class ServerSettings(BaseSettings):
     bulk_lane: bool = Field(True, description="requests larger than slice_tokens (and document rows) run on a "
                             "second, lower-priority forward thread, so one-query searches never wait behind them "
                             "(docs/serving.md)")
+    abandon_wait_s: float = Field(1.0, ge=0, description="a client that goes away before the answer of a request "
+                                  "larger than slice_tokens (or of document rows) has its next such request refused "
+                                  "(429 with Retry-After) for as long as the abandoned one held the server, at "
+                                  "least this many seconds (docs/reliability.md); 0: off")
     max_hit_text_chars: int = Field(8192, ge=1, description="a hit's text is cut at this (the hit says "
                                                           "truncated: true)")
     max_hit_metadata_bytes: int = Field(8192, ge=2, description="a hit's metadata beyond this (as JSON) is "

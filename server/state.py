@@ -26,6 +26,7 @@ from qswap.encoders.runtime.protocol import Backend, served
 from qswap.server.serving.batching import MicroBatcher
 from qswap.server.config import ServerSettings
 from qswap.server.serving.jobs import DocumentJobs
+from qswap.server.traffic.abandoned import AbandonedWork
 from qswap.server.http.metrics import Metrics
 from qswap.server.registry.facade import EncoderRegistry
 from qswap.server.registry.records import EncoderRecord
@@ -75,6 +76,8 @@ class ServerState:
         self.feedback_admission: Any = None   # qswap.server.traffic.admission.Admission, with capture
         self.feedback_limit: Any = None        # qswap.server.traffic.ratelimit.ClientRateLimit, with capture
         self.experiments: Any = None    # qswap.server.traffic.experiments.Experiments with --feedback-dir
+        # Clients that abandoned large requests, and until when their next one is refused (the cost gate's).
+        self.abandoned = AbandonedWork()
         self.jobs = DocumentJobs(self)  # document upserts (qswap.server.serving.jobs)
         self._closed = False
         self._close_lock = threading.Lock()

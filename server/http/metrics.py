@@ -76,7 +76,8 @@ class Metrics:
         self.errors = Counter("qswap_errors", "error responses by error code and status",
                               ["code", "status"], registry=r)
         self.rejected = Counter("qswap_rejected_requests", "requests refused at admission, by reason "
-                                "(queue_full, encoder_queue_full: 429; shutting_down: 503)", ["reason"], registry=r)
+                                "(queue_full, encoder_queue_full, abandoned_before: 429; shutting_down: 503; "
+                                "client_gone: the client went away, 499)", ["reason"], registry=r)
         self.expired = Counter("qswap_expired_requests", "requests dropped at their deadline (504), by where "
                                "they were (queued: never ran; waiting: the caller stopped waiting)",
                                ["stage"], registry=r)

@@ -11,7 +11,9 @@ passes it to the batch worker with each job. It gives the request, in one place:
 2. a deadline (``X-Request-Timeout`` or ``request_timeout_s``), read by the worker between
    slices: 504 ``deadline_exceeded``;
 3. cancellation when the client disconnects: a watcher on the connection fails the request's
-   jobs, and the worker drops the rest of them at its next slice;
+   jobs, and the worker drops the rest of them at its next slice; a client that abandons a
+   request larger than one slice has its next such request refused for a while
+   (:mod:`qswap.server.traffic.abandoned`, ``abandon_wait_s``);
 4. the worker's own admission bound (429 ``overloaded``) and token slices interleaved fairly
    with other requests (:mod:`qswap.server.serving.batching`).
 
@@ -24,7 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator
+import time
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request, Security
 from fastapi.security import HTTPAuthorizationCredentials
@@ -36,6 +39,7 @@ from qswap.server.http.auth import bearer, require_search
 from qswap.server.http.responses import TIMEOUT_HEADER, ready_state_of, timeout_of
 from qswap.server.serving.admission import Ticket
 from qswap.server.state import ServerState
+from qswap.server.traffic.impressions import client_of
 
 # A token covers at most one word and at least half a character (a SentencePiece word marker
 # plus one character); prefix and special tokens come on top. Between these bounds the
@@ -46,11 +50,15 @@ _TOKENS_PER_CHAR, _EXTRA_TOKENS = 2, 16
 class Admission(Ticket):
     """One HTTP request's pass through the cost gate (see the module docstring)."""
 
-    def __init__(self, state: ServerState, timeout_s: float, receive: Receive | None = None) -> None:
+    def __init__(self, state: ServerState, timeout_s: float, receive: Receive | None = None,
+                 client: Callable[[], str] | None = None) -> None:
         super().__init__(timeout_s)
         self.state = state
         self._receive = receive
+        self._client = client   # who sent it (asked only of a large request)
         self._watcher: asyncio.Task | None = None
+        self.admitted = time.monotonic()
+        self.large = False      # more than one slice (or document rows), as far as the gate counted
 
     def watch(self, fut: asyncio.Future) -> None:
         """Fail ``fut`` when the client disconnects (the watcher starts with the first job)."""
@@ -65,6 +73,30 @@ class Admission(Ticket):
             pass
         if self.abandon():
             self.state.metrics.rejected.labels(reason="client_gone").inc()
+            debtor = self._debtor() if self.large else None
+            if debtor is not None:
+                held = time.monotonic() - self.admitted
+                self.state.abandoned.charge(debtor, max(held, self.state.settings.abandon_wait_s))
+
+    def _debtor(self) -> str | None:
+        """Who owes for this request when it is abandoned: an anonymous client (its address; a
+        bearer token's application is trusted, as with ``feedback_rate``), or None (off)."""
+        if self.state.settings.abandon_wait_s <= 0 or self._client is None:
+            return None
+        client = self._client()
+        return None if client.startswith("token:") else client
+
+    def _hold_back(self, large: bool) -> None:
+        """Note a large request; refuse it (429) while its client owes for an abandoned one."""
+        if not large:
+            return
+        self.large = True
+        debtor = self._debtor()
+        if debtor is not None:
+            owed = self.state.abandoned.owed(debtor)
+            if owed > 0:
+                self.state.metrics.rejected.labels(reason="abandoned_before").inc()
+                raise self.state.abandoned.refuse(owed)
 
     async def close(self) -> None:
         """Stop watching the connection (the answer is written, or the request failed)."""
@@ -89,17 +121,26 @@ class Admission(Ticket):
 
         Raises:
             LimitExceededError: (422) the texts hold more tokens than the bound.
+            OverloadedError: (429) a request larger than one slice from a client that abandoned
+                one (:mod:`qswap.server.traffic.abandoned`).
         """
         state = self.state
         limit = state.settings.max_request_tokens
+        one_slice = state.settings.slice_tokens
         most = state.max_text_tokens
-        if not exact and sum(min(_TOKENS_PER_CHAR * len(t) + _EXTRA_TOKENS, most) for t in texts) <= limit:
+        self._hold_back(documents)   # document rows always run on the bulk lane
+        at_most = sum(min(_TOKENS_PER_CHAR * len(t) + _EXTRA_TOKENS, most) for t in texts)
+        if not exact and at_most <= limit:
+            if at_most > one_slice:
+                self._hold_back(sum(min(len(t.split()) + 2, most) for t in texts) > one_slice)
             return None
         at_least = sum(min(len(t.split()) + 2, most) for t in texts)   # words, [CLS] and [SEP]
         encodings = tokens = None
         if at_least <= limit:
+            self._hold_back(at_least > one_slice)   # before the tokenizer runs for it
             encodings = await state.batcher.low_priority(state.tokenize, texts, documents)   # a large request
             tokens = token_lengths(encodings)
+            self._hold_back(sum(tokens) > one_slice)
         if tokens is None or sum(tokens) > limit:
             n = f"at least {at_least}" if tokens is None else str(sum(tokens))
             raise LimitExceededError(f"the inputs hold {n} tokens; the limit per request is {limit}",
@@ -113,7 +154,9 @@ def _admit(request: Request, x_request_timeout: float | None) -> Admission:
     # that a model route's whole gate is one place. FastAPI solves each dependency per request on
     # the event loop (8.5 % of its GIL-held time under load); folding the levels into one did not
     # measurably reduce that (9.6 % after: bench/results/peer/profile.md).
-    return Admission(ready_state_of(request), timeout_of(request, x_request_timeout), request.receive)
+    state = ready_state_of(request)
+    return Admission(state, timeout_of(request, x_request_timeout), request.receive,
+                     lambda: client_of(request, state.settings))
 
 
 async def admission(request: Request, x_request_timeout: float = TIMEOUT_HEADER) -> AsyncIterator[Admission]:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from qswap.server.serving.batching import INLINE_CHARS
+from qswap.server.traffic.abandoned import AbandonedWork
 
 from ..counting import CountingTokenizer
 from .conftest import ADMIN, LiveServer, server_settings
@@ -97,7 +98,8 @@ def gated(tmp_path_factory, tiny_model_dir, index_dir) -> Iterator[LiveServer]:
     tmp = tmp_path_factory.mktemp("gated")
     shutil.copytree(index_dir, tmp / "index")
     s = server_settings(tmp, tiny_model_dir, tmp / "index", admin_token=ADMIN, backend="torch",
-                        max_request_tokens=400, max_batch_tokens=256, slice_tokens=64, batch_window_ms=0.0)
+                        max_request_tokens=400, max_batch_tokens=256, slice_tokens=64, batch_window_ms=0.0,
+                        abandon_wait_s=0.0)   # on in its own test: the other tests abandon and resend
     with LiveServer(s) as srv:
         yield srv
 
@@ -221,6 +223,52 @@ def test_an_abandoned_request_stops_at_its_next_slice(gated, path, body, gate):
     assert len(g.sizes) == 1, g.sizes                                # nothing after the slice that ran
     with gated.client() as c:                                        # and the server serves on
         assert c.post("/v1/search", json={"query": "chess"}).status_code == 200
+
+
+def test_a_client_that_abandons_a_large_request_waits_before_its_next(gated):
+    """After abandoning a request larger than one slice, the same client's next large requests
+    (search, document embeddings) are refused with 429 and Retry-After before any forward pass;
+    its one-slice searches are served meanwhile."""
+    state = gated.app.state.qs
+    real = state.batcher.forward.encode_fn
+    large = {"queries": [f"{i} {LONG}" for i in range(6)], "k": 3}   # ~384 tokens: 6 slices
+    state.settings.abandon_wait_s, state.abandoned = 20.0, AbandonedWork()
+    g = _gate_queries(state)
+    try:
+        sock = _raw_post(gated.port, "/v1/search", large)
+        assert g.entered.acquire(timeout=30)                         # slice 1 is on the worker
+        sock.close()                                                 # the client goes away
+        _until(lambda: state.abandoned.owed("addr:127.0.0.1") > 0)  # and owes for it
+        g.open()
+        _until(lambda: state.batcher.pending == 0)
+        with gated.client() as c:
+            r = c.post("/v1/search", json=large)
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 19, r.text
+            assert "abandoned a large request" in r.json()["detail"]
+            docs = c.post("/v1/embeddings", json={"model": "qswap/documents", "input": ["chess"]})
+            assert docs.status_code == 429, docs.text
+            assert c.post("/v1/search", json={"query": "chess"}).status_code == 200   # one slice: served
+    finally:
+        g.open()
+        state.batcher.forward.encode_fn = real
+        state.settings.abandon_wait_s, state.abandoned = 0.0, AbandonedWork()
+    assert len(g.sizes) == 2, g.sizes   # the abandoned slice and the one-slice search: nothing refused ran
+
+
+def test_abandoned_work_is_owed_for_as_long_as_it_held_the_server():
+    debts = AbandonedWork(max_clients=2, max_owed_s=10.0)
+    debts.charge("a", 2.0, now=100.0)
+    assert debts.owed("a", now=101.0) == 1.0 and debts.owed("b", now=101.0) == 0.0
+    debts.charge("a", 3.0, now=101.0)                    # after what it owes already
+    assert debts.owed("a", now=101.0) == 4.0
+    debts.charge("a", 60.0, now=101.0)                   # at most max_owed_s from now
+    assert debts.owed("a", now=101.0) == 10.0
+    assert debts.owed("a", now=111.0) == 0.0             # paid: forgotten
+    debts.charge("b", 1.0, now=200.0)
+    debts.charge("c", 1.0, now=200.0)
+    debts.charge("d", 1.0, now=200.0)                    # over max_clients: the least recently charged goes
+    assert debts.owed("b", now=200.0) == 0.0 and debts.owed("d", now=200.0) == 1.0
+    assert debts.refuse(4.2).retry_after == 5
 
 
 @pytest.mark.parametrize("path,field,n,filler,extra", [
