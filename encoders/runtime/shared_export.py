@@ -71,11 +71,20 @@ class Slots:
 
     linear: tuple[tuple[str, int, int], ...]   # (module, in_features, out_features)
     norm: tuple[tuple[str, int], ...]          # (module, normalized size)
+    # Linears without LoRA inputs (only their bias): plain base projections in the graph
+    plain: frozenset[str] = frozenset()
+
+    def only(self, lora: Any) -> "Slots":
+        """These slots with LoRA inputs on the Linears ``lora`` (module names) only: the others
+        plain, the base projection and its bias input (a graph for encoders that adapt only
+        ``lora``, without the rank-0 adapter nodes of the rest)."""
+        keep = set(lora)
+        return Slots(self.linear, self.norm, frozenset(m for m, _, _ in self.linear if m not in keep))
 
     def input_names(self) -> list[str]:
         names: list[str] = []
         for m, _, _ in self.linear:
-            names += [f"{m}.lora_A", f"{m}.lora_B", f"{m}.bias"]
+            names += [f"{m}.bias"] if m in self.plain else [f"{m}.lora_A", f"{m}.lora_B", f"{m}.bias"]
         names += [f"{m}.bias" for m, _ in self.norm]
         return names
 
@@ -90,8 +99,9 @@ class Slots:
         of ``dtype`` and the base's own biases (the model's tensors, not copies)."""
         out: dict[str, torch.Tensor] = {}
         for m, i, o in self.linear:
-            out[f"{m}.lora_A"] = torch.zeros((rank, i), dtype=dtype)
-            out[f"{m}.lora_B"] = torch.zeros((o, rank), dtype=dtype)
+            if m not in self.plain:
+                out[f"{m}.lora_A"] = torch.zeros((rank, i), dtype=dtype)
+                out[f"{m}.lora_B"] = torch.zeros((o, rank), dtype=dtype)
             bias = model.get_submodule(m).bias
             out[f"{m}.bias"] = torch.zeros(o) if bias is None else bias.detach()
         for m, _ in self.norm:
@@ -165,25 +175,27 @@ class _Inputs:
 
 
 class _AdaptedLinear(torch.nn.Module):
-    def __init__(self, lin: torch.nn.Linear, name: str, inputs: _Inputs) -> None:
+    def __init__(self, lin: torch.nn.Linear, name: str, inputs: _Inputs, plain: bool = False) -> None:
         super().__init__()
-        self.weight, self.name, self.inputs = lin.weight, name, inputs
+        self.weight, self.name, self.inputs, self.plain = lin.weight, name, inputs, plain
         self.bias_in_attention = False   # query/key/value: MultiHeadAttention adds their biases
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         v = self.inputs.values
+        y = torch.matmul(x, self.weight.t())
+        if self.plain:   # no LoRA inputs: the base projection only
+            return y if self.bias_in_attention else y + v[f"{self.name}.bias"]
         a, b = v[f"{self.name}.lora_A"], v[f"{self.name}.lora_B"]
         if a.dtype != torch.float32:   # half-precision storage, float32 compute (a Cast in the graph)
             a, b = a.float(), b.float()
         if self.inputs.segments:   # per encoder: a (E, r, in), b (E, out, r); the base's bias
             xs = self.inputs.segment(x, self.weight.shape[1])
             low = torch.matmul(torch.matmul(xs, a.transpose(1, 2)), b.transpose(1, 2))
-            y = torch.matmul(x, self.weight.t())
             y = y + self.inputs.unsegment(low, self.weight.shape[0], y)
             return y if self.bias_in_attention else y + v[f"{self.name}.bias"]
         # Projection, then the rank-r path, then the bias: the bias Add comes last so that
         # fold_biases finds it right before the Gelu / residual Add it belongs to.
-        y = torch.matmul(x, self.weight.t()) + torch.matmul(torch.matmul(x, a.t()), b.t())
+        y = y + torch.matmul(torch.matmul(x, a.t()), b.t())
         return y if self.bias_in_attention else y + v[f"{self.name}.bias"]
 
     def bias_input(self) -> torch.Tensor:
@@ -272,7 +284,7 @@ class SharedEncoder(torch.nn.Module):
         model = pooled.model
         adapted: dict[str, _AdaptedLinear] = {}
         for name, _, _ in slots.linear:
-            adapted[name] = _AdaptedLinear(model.get_submodule(name), name, self.inputs)
+            adapted[name] = _AdaptedLinear(model.get_submodule(name), name, self.inputs, plain=name in slots.plain)
             _replace(model, name, adapted[name])
         for name, _ in slots.norm:
             _replace(model, name, _AdaptedNorm(model.get_submodule(name), name, self.inputs))
@@ -368,7 +380,7 @@ def fold_biases(path: Path) -> dict[str, int]:
 
 
 def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
-                  optimize_for: str | None = "cpu", segments: bool = False) -> dict[str, Any]:
+                  optimize_for: str | None = "cpu", segments: bool = False, lora: Any = None) -> dict[str, Any]:
     """Write ``shared.onnx`` (``segments.onnx``) to ``out_dir``; checked against the torch base on probe texts.
 
     Args:
@@ -379,6 +391,8 @@ def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
             norm, GELU) and :func:`fold_biases`; ``None`` keeps the graph as exported (attention is
             a ``MultiHeadAttention`` node either way).
         segments: LoRA factors per encoder, tokens routed to them (module docstring).
+        lora: the Linears (module names) that take LoRA factors; ``None``: every one. The others
+            are plain base projections (their bias still an input).
 
     Returns:
         Facts for the cache record: probe cosine, fused node counts, export seconds, slot counts.
@@ -391,6 +405,8 @@ def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
     out_dir.mkdir(parents=True, exist_ok=True)
     pooled = build_module(base, {})
     slots = find_slots(pooled.model)
+    if lora is not None:
+        slots = slots.only(lora)
     module = SharedEncoder(pooled, slots, segments).eval()
     names = slots.segment_names() if segments else slots.input_names()
     table = base.model.get_input_embeddings().weight.detach().float().cpu().numpy()
@@ -432,6 +448,8 @@ def _dynamic_axes(slots: Slots, segments: bool) -> dict[str, dict[int, str]]:
     axes: dict[str, dict[int, str]] = {"inputs_embeds": {0: "batch", 1: "sequence"},
                                        "attention_mask": {0: "batch", 1: "sequence"}, OUTPUT: {0: "batch"}}
     for i, (m, _, _) in enumerate(slots.linear):
+        if m in slots.plain:
+            continue
         if segments:   # one rank per layer (the batch's encoders' largest), one row per encoder
             axes[f"{m}.lora_A"] = {0: "segments", 1: f"r{i}"}
             axes[f"{m}.lora_B"] = {0: "segments", 2: f"r{i}"}
