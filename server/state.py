@@ -103,7 +103,7 @@ class ServerState:
     def load(self) -> None:
         """Load base, index, registry and default encoder; start the batch worker (blocking)."""
         s = self.settings
-        base = load_base(s.model, device=s.device)
+        base = load_base(s.model, device=s.device, cache_dir=s.state_dir / "onnx")
         self.base = base
         index = self.open_index(base)
         self.index = index
