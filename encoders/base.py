@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+import threading
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -16,8 +17,9 @@ from qswap import DEFAULT_MODEL
 from qswap.atomic import sha256_file_cached
 from qswap.encoders.bundled import resolve_bundled
 from qswap.encoders.embedding import BaseSpec, embed_batch, encode_texts
+from qswap.encoders.layout import BaseLayout, layout_key, layout_of, load_tensors, read_layout, write_layout
 from qswap.encoders.pooling import POOLINGS
-from qswap.errors import InvalidInputError, NotFoundError
+from qswap.errors import IntegrityError, InvalidInputError, NotFoundError
 from qswap.space import EmbeddingSpace
 
 log = logging.getLogger(__name__)
@@ -31,17 +33,73 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@dataclass
 class BaseEncoder:
-    """A frozen encoder with its tokenizer, text spec and embedding-space fingerprint."""
+    """A frozen encoder with its tokenizer, text spec and embedding-space fingerprint.
 
-    name: str
-    path: Path
-    model: torch.nn.Module
-    tokenizer: Tokenizer
-    spec: BaseSpec
-    space: EmbeddingSpace
-    device: torch.device
+    The torch module (:attr:`model`) is built on first use when the base was loaded from a cached
+    :class:`~qswap.encoders.layout.BaseLayout`: the ONNX runtimes read only :attr:`layout` and
+    :meth:`tensor`, so a server whose exports are cached never builds it. Thread-safe.
+    """
+
+    def __init__(self, name: str, path: Path, tokenizer: Tokenizer, spec: BaseSpec, space: EmbeddingSpace,
+                 device: torch.device, layout: BaseLayout, model: torch.nn.Module | None = None,
+                 build: Callable[[], torch.nn.Module] | None = None) -> None:
+        if model is None and build is None:
+            raise ValueError("a BaseEncoder needs its model or a way to build it")
+        self.name, self.path, self.tokenizer, self.spec, self.space, self.device = \
+            name, path, tokenizer, spec, space, device
+        self.layout = layout
+        self._model = model
+        self._build = build
+        self._loaded: dict[str, torch.Tensor] = {}   # tensors read from the checkpoint before the model
+        self._lock = threading.Lock()
+
+    @property
+    def built(self) -> bool:
+        """Whether the torch module exists (a server serving from cached exports never builds it)."""
+        return self._model is not None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The frozen torch module, built on first use (once, whichever thread asks first).
+
+        Tensors :meth:`tensor` handed out before it was built become the module's own (same
+        storage), so the runtimes holding them and the module share their memory as before.
+        """
+        model = self._model
+        if model is not None:
+            return model
+        with self._lock:
+            if self._model is None:
+                assert self._build is not None
+                log.info("building the torch base model", extra={"model": self.name})
+                model = self._build()
+                params = dict(model.named_parameters())
+                for name, t in self._loaded.items():
+                    p = params.get(name)
+                    if p is None or p.shape != t.shape or p.dtype != t.dtype or not torch.equal(p.detach(), t):
+                        raise IntegrityError(f"the base model {self.path} changed while served: {name} differs "
+                                             "from the copy read at start", "restart the server")
+                    p.data = t
+                self._model = model
+                self._loaded.clear()
+            return self._model
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The model's parameter ``name`` (the word embeddings, a bias of :attr:`layout`): the
+        module's own once built, else read from the checkpoint, once, without building it."""
+        if self._model is not None:
+            return self._model.get_parameter(name)
+        with self._lock:
+            if self._model is not None:
+                return self._model.get_parameter(name)
+            if name not in self._loaded:
+                self._loaded.update(load_tensors(self.path, self.layout, [name]))
+            return self._loaded[name]
+
+    def word_embeddings(self) -> torch.Tensor:
+        """The input word-embedding matrix (vocabulary x hidden), see :meth:`tensor`."""
+        return self.tensor(self.layout.word_embeddings)
 
     @property
     def dim(self) -> int:
@@ -123,8 +181,7 @@ def _load_tokenizer(path: Path) -> Tokenizer:
                             "the directory needs tokenizer.json (or a fast-tokenizer vocab)") from e
 
 
-def _pad_id(tok: Tokenizer, config: object) -> int:
-    pid = getattr(config, "pad_token_id", None)
+def _pad_id(tok: Tokenizer, pid: int | None) -> int:
     if pid is not None:
         return int(pid)
     for t in ("[PAD]", "<pad>"):
@@ -133,8 +190,55 @@ def _pad_id(tok: Tokenizer, config: object) -> int:
     return 0
 
 
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    # A missing pooler is expected (we pool ourselves); the load report would only alarm people.
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _build_model(path: Path, model_type: str, device: torch.device) -> torch.nn.Module:
+    """The frozen torch module of the model in ``path``, on ``device``, in eval mode."""
+    from transformers import AutoModel
+
+    _quiet_transformers()
+    kwargs = {"add_pooling_layer": False} if model_type in ("bert", "xlm-roberta", "roberta", "electra") else {}
+    kwargs.pop("add_pooling_layer", None) if model_type == "electra" else None
+    model = AutoModel.from_pretrained(str(path), local_files_only=True, **kwargs)
+    model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def _cached_layout(cache_dir: Path | None, path: Path, device: torch.device) -> tuple[str | None, BaseLayout | None]:
+    """``(record key, record)`` of the model in ``path`` under ``cache_dir``; the record only on
+    CPU (its tensors are read onto the CPU) and where the model has weights to key it by."""
+    if cache_dir is None or device.type != "cpu":
+        return None, None
+    try:
+        key = layout_key(path, _weights_sha(path))
+    except NotFoundError:   # no weights: the model's own load says why, as without a cache
+        return None, None
+    return key, read_layout(cache_dir, key)
+
+
+def _record(cache_dir: Path, key: str, path: Path, model: torch.nn.Module, layout: BaseLayout) -> None:
+    """Write the layout record of a model just built; a failure only means the next start builds it too."""
+    try:
+        recorded = write_layout(cache_dir, key, path, model, layout)
+    except Exception as e:   # a full or read-only disk, an odd extra safetensors file: the record is optional
+        log.warning("could not record the base model's layout: the next start builds it again",
+                    extra={"model": str(path), "error": str(e)})
+        return
+    if not recorded:
+        log.info("the base model's tensors are not all in safetensors files as loaded: it is built at "
+                 "every start", extra={"model": str(path)})
+
+
 def load_base(source: str | Path = DEFAULT_MODEL, device: str | torch.device | None = None,
-              max_length: int | None = None) -> BaseEncoder:
+              max_length: int | None = None, cache_dir: Path | None = None) -> BaseEncoder:
     """Load a frozen base model from a bundled name or a local Hugging Face model directory.
 
     Bundled names: ``multilingual-e5-small`` (default), ``all-minilm-l6-v2``. A directory must
@@ -145,16 +249,14 @@ def load_base(source: str | Path = DEFAULT_MODEL, device: str | torch.device | N
         source: a bundled name or a local Hugging Face model folder (nothing is fetched from a hub).
         device: torch device (default: CUDA when present, else CPU).
         max_length: cut texts to at most this many tokens (default: the model's own limit).
+        cache_dir: where the model's :class:`~qswap.encoders.layout.BaseLayout` is recorded (a
+            server's ONNX cache). With a record of these model files there (and the CPU), the
+            torch module is built on first use instead of now; without one it is built now and
+            the record written. None: built now, nothing recorded.
 
     Returns:
         The frozen base with its tokenizer, text spec and embedding-space fingerprint.
     """
-    from transformers import AutoConfig, AutoModel
-    from transformers.utils import logging as hf_logging
-
-    # A missing pooler is expected (we pool ourselves); the load report would only alarm people.
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     src = str(source)
     path = Path(src).expanduser()
     default_name = path.name
@@ -169,27 +271,39 @@ def load_base(source: str | Path = DEFAULT_MODEL, device: str | torch.device | N
         default_name = src
     if not (path / "config.json").exists():
         raise NotFoundError(f"{path} has no config.json", "point to a Hugging Face model directory")
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    if config.model_type not in _SUPPORTED:
+    dev = torch.device(device) if device is not None else default_device()
+    key, layout = _cached_layout(cache_dir, path, dev)
+    config: Any = None
+    if layout is None:
+        from transformers import AutoConfig
+
+        _quiet_transformers()
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        model_type, hidden = config.model_type, config.hidden_size
+        mpe, pid = getattr(config, "max_position_embeddings", None), getattr(config, "pad_token_id", None)
+    else:
+        model_type, hidden, mpe, pid = layout.model_type, layout.hidden_size, layout.max_position_embeddings, \
+            layout.pad_token_id
+    if model_type not in _SUPPORTED:
         raise InvalidInputError(
-            f"{path}: model type {config.model_type!r} is not a supported text encoder",
+            f"{path}: model type {model_type!r} is not a supported text encoder",
             f"use a BERT / XLM-R family encoder ({', '.join(_SUPPORTED)})")
     name, spec = _read_spec(path, max_length, default_name)
     tok = _load_tokenizer(path)
     tok_sha = hashlib.sha256(tok.to_str().encode()).hexdigest()
-    limit = min(spec.max_length, getattr(config, "max_position_embeddings", spec.max_length))
+    limit = min(spec.max_length, spec.max_length if mpe is None else mpe)
     tok.enable_truncation(max_length=limit)
-    pad = _pad_id(tok, config)
+    pad = _pad_id(tok, pid)
     tok.enable_padding(pad_id=pad, pad_token=tok.id_to_token(pad) or "[PAD]")
-    kwargs = {"add_pooling_layer": False} if config.model_type in ("bert", "xlm-roberta", "roberta", "electra") else {}
-    kwargs.pop("add_pooling_layer", None) if config.model_type == "electra" else None
-    model = AutoModel.from_pretrained(str(path), local_files_only=True, **kwargs)
-    dev = torch.device(device) if device is not None else default_device()
-    model.to(dev).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = None
+    if layout is None:
+        model = _build_model(path, model_type, dev)
+        layout = layout_of(model, config)
+        if key is not None and cache_dir is not None:
+            _record(cache_dir, key, path, model, layout)
     space = EmbeddingSpace(name=name, weights_sha256=_weights_sha(path), tokenizer_sha256=tok_sha,
                            pooling=spec.pooling, query_prefix=spec.query_prefix,
                            document_prefix=spec.document_prefix, normalize=spec.normalize,
-                           dim=int(config.hidden_size))
-    return BaseEncoder(name=name, path=path, model=model, tokenizer=tok, spec=spec, space=space, device=dev)
+                           dim=int(hidden))
+    return BaseEncoder(name=name, path=path, tokenizer=tok, spec=spec, space=space, device=dev, layout=layout,
+                       model=model, build=lambda: _build_model(path, model_type, dev))

@@ -74,11 +74,33 @@ class EncoderPool:
                                     f"use one of {', '.join(FACTOR_DTYPES)}")
         self.base = base
         self.factor_dtype = factor_dtype
-        self._module: torch.nn.Module = _sharing_copy(base.model)
-        self._deltas = LowRankDeltas(self._module)
+        self._torch: tuple[torch.nn.Module, LowRankDeltas] | None = None   # see _module
         identity = get_kind("identity")
         self._entries: dict[str, _Entry] = {BASE_KEY: _Entry(identity, Attached(kind=identity.name), 0)}
         self._lock = threading.RLock()
+
+    @property
+    def _module(self) -> torch.nn.Module:
+        """The sharing copy of the base that torch forwards run through, made (with the base's
+        torch module) on the first torch forward or attach: a server serving from cached ONNX
+        exports needs neither."""
+        return self._torch_parts()[0]
+
+    @property
+    def _deltas(self) -> LowRankDeltas:
+        """The LoRA hooks on :attr:`_module`."""
+        return self._torch_parts()[1]
+
+    def _torch_parts(self) -> tuple[torch.nn.Module, LowRankDeltas]:
+        parts = self._torch
+        if parts is None:
+            model = self.base.model   # built outside the pool's lock: membership calls do not wait on it
+            with self._lock:
+                if self._torch is None:
+                    module = _sharing_copy(model)
+                    self._torch = (module, LowRankDeltas(module))
+                parts = self._torch
+        return parts
 
     # -- membership ---------------------------------------------------------------------------
 

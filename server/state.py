@@ -34,6 +34,10 @@ from qswap.server.http.rendering import ResponseLimits
 
 log = logging.getLogger("qswap.server")
 
+#: How long a start without the torch base waits for the base's ONNX session before it is ready
+#: (a cached one loads in about a second; an export that is not cached builds the model anyway).
+BASE_SESSION_WAIT_S = 60.0
+
 #: Compute threads of the document tower on the bulk lane (``ServerState.document_encoder``).
 DOCUMENT_THREADS_BULK = 1
 
@@ -106,7 +110,10 @@ class ServerState:
     def load(self) -> None:
         """Load base, index, registry and default encoder; start the batch worker (blocking)."""
         s = self.settings
-        base = load_base(s.model, device=s.device)
+        # The ONNX backends record the base's layout beside their exports and, once recorded, serve
+        # without its torch model (built on first need); the torch and cuda backends need it at once.
+        cache = s.state_dir / "onnx" if s.backend in ("shared", "onnx") else None
+        base = load_base(s.model, device=s.device, cache_dir=cache)
         self.base = base
         index = self.open_index(base)
         self.index = index
@@ -134,6 +141,10 @@ class ServerState:
         registry.load_state()   # holds the state-dir lock from here: no other server uses the dir
         self.registry = registry
         self.backend.prepare(BASE_KEY)
+        if not base.built:
+            # Ready once the base's cached ONNX session is loaded (a second or so): a search before
+            # it would build the torch model only to serve until then (seconds).
+            self.backend.wait(BASE_KEY, timeout=BASE_SESSION_WAIT_S)  # type: ignore[attr-defined]
         registry.ensure_loaded(registry.default_key())
         for domain, key in registry.aliases().items():
             try:

@@ -202,7 +202,7 @@ class DocumentEncoder:
         cached_export(self.base, {}, target, BASE_KEY, f"{variant}-fused", optimize_for=variant)
         # Spinning workers: a document batch is many parallel sections back to back.
         self._session = make_session(target / MODEL_FILE, self.threads, providers, spin=True)
-        self._table = self.base.model.get_input_embeddings().weight.detach().float().cpu().numpy()
+        self._table = self.base.word_embeddings().detach().float().cpu().numpy()
 
     def _submit(self, ids: np.ndarray, mask: np.ndarray) -> Any:
         """``finish()`` of the batch: queued on the cuda runtime, computed now on the others."""

@@ -124,9 +124,9 @@ class OnnxBackend:
         self._threads = threads or os.cpu_count() or 1
         # The base matrix every encoder gathers from: a view of the torch parameter on CPU,
         # one host copy when the base lives on a GPU.
-        self._table = self.base.model.get_input_embeddings().weight.detach().float().cpu().numpy()
+        self._table = self.base.word_embeddings().detach().float().cpu().numpy()
         # An exported graph holds every base weight but the word embeddings, in fp32.
-        self._session_bytes = sum(p.numel() * 4 for p in self.base.model.parameters()) - self._table.nbytes
+        self._session_bytes = self.base.layout.parameters * 4 - self._table.nbytes
         self._sessions: dict[str, _Session] = {}
         self._futures: dict[str, Future[None]] = {}
         self._errors: dict[str, str] = {}

@@ -97,15 +97,16 @@ class SharedBackend:
         # A GPU runs one call at a time anyway: groups side by side only pay on CPU cores.
         self._group_workers = 1 if "CUDAExecutionProvider" in self.providers else (group_workers or self._threads)
         self._variant = "cuda" if "CUDAExecutionProvider" in self.providers else "cpu"
-        self._table = self.base.model.get_input_embeddings().weight.detach().float().cpu().numpy()
-        self.slots = find_slots(self.base.model)
+        # Read from the checkpoint, not through the torch module (built only when something needs it).
+        self._table = self.base.word_embeddings().detach().float().cpu().numpy()
+        self.slots = find_slots(self.base.layout)
         self.factors = pool.factor_dtype
         # On CPU the graph takes float32 factors whatever the pool stores (half-precision ones run from
         # float32 copies, WideFeed); on a GPU they go to the device as stored (half the copy).
         self._wide = WideFeeds(wide_bytes) if self._variant == "cpu" and self.factors != "float32" else None
         self._graph_factors = "float32" if self._wide is not None else self.factors
         # The base's own biases and rank-0 factors: every input an encoder does not set, shared by all.
-        self._base_inputs = self.slots.base_inputs(self.base.model, FACTOR_DTYPES[self._graph_factors])
+        self._base_inputs = self.slots.base_inputs(self.base, FACTOR_DTYPES[self._graph_factors])
         # Their OrtValues, made once and put in every encoder's feed (each encoder's own are made
         # for it): ~100 OrtValues per encoder fewer (~50 KB at LoRA on every Linear).
         self._base_values: dict[str, Any] | None = None

@@ -56,5 +56,4 @@ def adapter_inputs(pool: EncoderPool, key: str, slots: Slots) -> dict[str, torch
 def session_weight_bytes(base: Any) -> int:
     """The weights one session of the shared (or segment) graph holds: the base without its word
     embeddings (gathered outside the graph), float32."""
-    table = base.model.get_input_embeddings().weight
-    return sum(p.numel() * 4 for p in base.model.parameters()) - table.numel() * 4
+    return (base.layout.parameters - base.word_embeddings().numel()) * 4

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from qswap.encoders.base import BaseEncoder
+from qswap.encoders.layout import BaseLayout
 from qswap.encoders.pool import FACTOR_DTYPES
 from qswap.encoders.runtime.export_cache import cached_dir
 from qswap.encoders.runtime.onnx_export import (EXPORT_LOCK, OPSET, OUTPUT, PooledEncoder, _fuse, build_module, probe_cosine,
@@ -93,28 +94,30 @@ class Slots:
         then the shared graph's (the factors with an encoder axis in front)."""
         return [*SEGMENT_INDEX, *self.input_names()]
 
-    def base_inputs(self, model: torch.nn.Module, dtype: torch.dtype = torch.float32,
+    def base_inputs(self, base: BaseEncoder, dtype: torch.dtype = torch.float32,
                     rank: int = 0) -> dict[str, torch.Tensor]:
         """Inputs that compute the base itself (the identity encoder): rank-``rank`` zero factors
-        of ``dtype`` and the base's own biases (the model's tensors, not copies)."""
+        of ``dtype`` and the base's own biases (the model's tensors, not copies; read without
+        building the torch module, :meth:`BaseEncoder.tensor`)."""
         out: dict[str, torch.Tensor] = {}
+        biases = set(base.layout.bias_names())
         for m, i, o in self.linear:
             if m not in self.plain:
                 out[f"{m}.lora_A"] = torch.zeros((rank, i), dtype=dtype)
                 out[f"{m}.lora_B"] = torch.zeros((o, rank), dtype=dtype)
-            bias = model.get_submodule(m).bias
-            out[f"{m}.bias"] = torch.zeros(o) if bias is None else bias.detach()
+            name = f"{m}.bias"
+            out[name] = base.tensor(name).detach() if name in biases else torch.zeros(o)
         for m, _ in self.norm:
-            out[f"{m}.bias"] = model.get_submodule(m).bias.detach()
+            out[f"{m}.bias"] = base.tensor(f"{m}.bias").detach()
         return out
 
-    def segment_inputs(self, model: torch.nn.Module, rows: int, length: int, dtype: torch.dtype = torch.float32,
+    def segment_inputs(self, base: BaseEncoder, rows: int, length: int, dtype: torch.dtype = torch.float32,
                        rank: int = 0, segments: int = 1) -> dict[str, torch.Tensor]:
         """:meth:`base_inputs` in the segment graph's layout, ``rows`` rows of ``length`` tokens dealt
         over ``segments`` encoders (all the base): factors (E, rank, in) / (E, out, rank), the base's biases."""
         out: dict[str, torch.Tensor] = {k: torch.from_numpy(v) for k, v in
                                         routing(np.arange(rows) * segments // rows, segments, length).items()}
-        for name, t in self.base_inputs(model, dtype, rank).items():
+        for name, t in self.base_inputs(base, dtype, rank).items():
             out[name] = t.unsqueeze(0).expand(segments, *t.shape).contiguous() if ".lora_" in name else t
         return out
 
@@ -138,17 +141,10 @@ def routing(segment: np.ndarray, segments: int, length: int) -> dict[str, np.nda
             "token_positions": (pos[:, None] * length + tokens).reshape(-1)}
 
 
-def find_slots(model: torch.nn.Module) -> Slots:
-    """Every Linear and LayerNorm of ``model`` a query's embedding depends on."""
-    lin, norm = [], []
-    for name, m in model.named_modules():
-        if not name or name.split(".")[0] in UNREACHED:
-            continue
-        if isinstance(m, torch.nn.Linear):
-            lin.append((name, m.in_features, m.out_features))
-        elif isinstance(m, torch.nn.LayerNorm) and m.elementwise_affine and m.bias is not None:
-            norm.append((name, int(np.prod(m.normalized_shape))))
-    return Slots(tuple(lin), tuple(norm))
+def find_slots(layout: BaseLayout) -> Slots:
+    """Every Linear and LayerNorm of a base (its :attr:`BaseEncoder.layout`) a query's embedding depends on."""
+    return Slots(tuple((n, i, o) for n, i, o, _ in layout.linear if n.split(".")[0] not in UNREACHED),
+                 tuple((n, size) for n, size in layout.norm if n.split(".")[0] not in UNREACHED))
 
 
 class _Inputs:
@@ -404,18 +400,18 @@ def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pooled = build_module(base, {})
-    slots = find_slots(pooled.model)
+    slots = find_slots(base.layout)
     if lora is not None:
         slots = slots.only(lora)
     module = SharedEncoder(pooled, slots, segments).eval()
     names = slots.segment_names() if segments else slots.input_names()
-    table = base.model.get_input_embeddings().weight.detach().float().cpu().numpy()
+    table = base.word_embeddings().detach().float().cpu().numpy()
     emb, mask = probe_inputs(base, table)
 
     def inputs(rows: int, rank: int, length: int = mask.shape[1]) -> dict[str, torch.Tensor]:
         if segments:   # two encoders when tracing, so no shape is specialised to one
-            return slots.segment_inputs(base.model, rows, length, dtype, rank, segments=2 if rank else 1)
-        return slots.base_inputs(base.model, dtype, rank)
+            return slots.segment_inputs(base, rows, length, dtype, rank, segments=2 if rank else 1)
+        return slots.base_inputs(base, dtype, rank)
     feed = inputs(len(mask), 2)
     dev = base.device
     # Trace with rank 2 so no shape is specialised to the rank, then check rank 0 below.
