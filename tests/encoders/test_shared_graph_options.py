@@ -50,7 +50,7 @@ def _run(base, path, pool, key: str, slots) -> np.ndarray:
 
 
 def test_lora_on_a_subset_of_linears_matches_torch(tiny_base, pool, tmp_path):
-    slots = find_slots(tiny_base.model)
+    slots = find_slots(tiny_base.layout)
     qv = [m for m, _, _ in slots.linear if m.endswith(QV)]
     export_shared(tiny_base, tmp_path, lora=qv)
     path = tmp_path / SHARED_MODEL_FILE
@@ -66,7 +66,7 @@ def test_lora_on_a_subset_of_linears_matches_torch(tiny_base, pool, tmp_path):
 
 
 def test_only_keeps_the_slots_and_marks_the_rest_plain(tiny_base):
-    slots = find_slots(tiny_base.model)
+    slots = find_slots(tiny_base.layout)
     none = slots.only([])
     assert none.plain == {m for m, _, _ in slots.linear} and not any(".lora_" in n for n in none.input_names())
     assert set(none.base_inputs(tiny_base.model)) == set(none.input_names())
@@ -77,7 +77,7 @@ def test_only_keeps_the_slots_and_marks_the_rest_plain(tiny_base):
 
 def test_the_segment_graph_takes_the_same_subset(tiny_base, tmp_path):
     # export_shared checks the graph against torch on probe texts (rank-0 factors) and raises below 0.99999
-    slots = find_slots(tiny_base.model)
+    slots = find_slots(tiny_base.layout)
     qv = [m for m, _, _ in slots.linear if m.endswith(QV)]
     facts = export_shared(tiny_base, tmp_path, segments=True, lora=qv)
     assert facts["probe_min_cosine"] >= MIN_COSINE
