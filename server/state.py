@@ -146,7 +146,8 @@ class ServerState:
                                     encode_documents=lambda texts: self.embed_documents(texts),
                                     bulk=s.bulk_lane,
                                     encode_bulk=getattr(self.backend, "encode_flagged_bulk", None),
-                                    lanes=s.forward_lanes, encode_single=served_single(self.backend))
+                                    lanes=s.forward_lanes, encode_single=served_single(self.backend),
+                                    all_cores=lambda key: self.backend.runtime(key) == "onnx-merged")
         self.metrics.admitted.set_function(lambda: batcher.pending)
         if s.feedback_dir is not None:
             from qswap.feedback.store import FeedbackStore

@@ -387,6 +387,46 @@ def test_a_second_lane_encodes_on_one_core_while_the_first_lane_is_busy():
     assert seen[0][2] != seen[1][2]   # two forward threads
 
 
+def test_a_batch_of_an_all_cores_encoder_waits_for_the_other_lane_instead_of_one_core():
+    # all_cores (a hot encoder's merged session): its batch is not split onto one core while
+    # another lane encodes; it waits, then runs on all cores. A batch of another encoder
+    # arriving after it still takes one core at once. Without all_cores the "hot" search would
+    # be answered on one core while "first" is held (the assertion on hot.done() fails).
+    held, release = threading.Event(), threading.Event()
+    seen: list[tuple[str, str]] = []
+
+    def encode(texts, keys):
+        seen.append(("all cores", texts[0]))
+        if texts[0] == "first":
+            held.set()
+            assert release.wait(30), "never released"
+        return np.ones((len(texts), 2), dtype=np.float32)
+
+    def single(texts, keys):
+        seen.append(("one core", texts[0]))
+        return np.ones((len(texts), 2), dtype=np.float32), [False] * len(texts)
+
+    def search(q, k, flt, with_text):
+        return [["hit"] * k for _ in q]
+
+    with running(encode=encode, search=search, window_s=0.0, lanes=3, encode_single=single,
+                 all_cores=lambda key: key == "hot") as b:
+        async def main():
+            first = asyncio.ensure_future(b.search(["first"], "k1", 1, ticket=Ticket()))
+            assert await asyncio.to_thread(held.wait, 30)
+            hot = asyncio.ensure_future(b.search(["hot"], "hot", 1, ticket=Ticket()))
+            other = await asyncio.wait_for(b.search(["other"], "k3", 1, ticket=Ticket()), 10)
+            assert not hot.done() and not first.done()
+            release.set()
+            return await asyncio.wait_for(first, 30), await asyncio.wait_for(hot, 30), other
+        try:
+            first, hot, other = _run(main())
+        finally:
+            release.set()
+    assert first.hits == hot.hits == other.hits == [["hit"]]
+    assert seen == [("all cores", "first"), ("one core", "other"), ("all cores", "hot")]
+
+
 def test_lanes_run_one_request_at_a_time_on_all_cores_and_stop_with_the_batcher():
     # Without concurrency only one lane is busy at a time: every pass takes the all-cores path.
     # stop() ends every lane (none left waiting on the queue).
