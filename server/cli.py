@@ -23,6 +23,7 @@ _FLAG_FIELDS = {
     "query_precision": "query_precision", "lora_factors": "lora_factors",
     "onnx_threads": "onnx_threads", "onnx_spin": "onnx_spin", "hot_encoders": "hot_encoders", "bulk_lane": "bulk_lane",
     "abandon_wait": "abandon_wait_s",
+    "forward_lanes": "forward_lanes",
     "batch_window_ms": "batch_window_ms", "gil_switch_ms": "gil_switch_ms", "max_batch": "max_batch", "default_encoder": "default_encoder",
     "read_only_index": "read_only_index", "max_k": "max_k", "max_queries": "max_queries",
     "encoder_memory_mb": "encoder_memory_bytes", "sentinels": "sentinels", "guard_alpha": "guard_alpha",
@@ -99,6 +100,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bulk-lane", choices=("on", "off"), default=None,
                    help="requests larger than one slice run on a second, lower-priority forward thread (default on; "
                         "docs/serving.md)")
+    p.add_argument("--forward-lanes", type=int, metavar="N",
+                   help="forward threads; one that starts while another is encoding runs on one core, so under "
+                        "concurrency batches run side by side (default 2; 1: one batch at a time; docs/serving.md)")
     p.add_argument("--batch-window-ms", type=float, help="micro-batch window (default 2)")
     p.add_argument("--gil-switch-ms", type=float, metavar="MS",
                    help="Python's thread switch interval in the server (default 5; docs/serving.md)")

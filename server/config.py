@@ -96,6 +96,10 @@ class ServerSettings(BaseSettings):
                                  "`qswap serve` (Python's sys.setswitchinterval): how long a forward thread back "
                                  "from ONNX Runtime or CUDA waits for the busy event loop to hand over (see "
                                  "docs/serving.md)")
+    forward_lanes: int = Field(2, ge=1, le=64, description="forward threads taking batches from one queue; a lane "
+                               "that starts while another is encoding runs on one core (a single-threaded session), so "
+                               "under concurrency two batches run side by side; backends without a single-threaded "
+                               "session (torch, onnx) use 1 (see docs/serving.md)")
     batch_window_ms: float = Field(2.0, ge=0, le=1000, description="how long a batch waits for more requests")
     max_batch: int = Field(64, ge=1, le=4096, description="queries encoded in one forward pass at most")
     encoder_memory_bytes: int = Field(1 << 30, ge=0, description="budget for loaded adapters (LRU beyond it)")

@@ -22,7 +22,7 @@ from qswap.encoders.embedding import token_lengths
 from qswap.errors import NotReadyError, QswapError
 from qswap.server.registry.intake import extract_encoder_archive
 from qswap.encoders.runtime.backend import make_backend
-from qswap.encoders.runtime.protocol import Backend, served
+from qswap.encoders.runtime.protocol import Backend, served, served_single
 from qswap.server.serving.batching import MicroBatcher
 from qswap.server.config import ServerSettings
 from qswap.server.serving.jobs import DocumentJobs
@@ -159,7 +159,9 @@ class ServerState:
                                     max_batch_tokens=s.max_batch_tokens, slice_tokens=s.slice_tokens,
                                     encode_documents=lambda texts: self.embed_documents(texts),
                                     bulk=s.bulk_lane,
-                                    encode_bulk=getattr(self.backend, "encode_flagged_bulk", None))
+                                    encode_bulk=getattr(self.backend, "encode_flagged_bulk", None),
+                                    lanes=s.forward_lanes, encode_single=served_single(self.backend),
+                                    all_cores=lambda key: self.backend.runtime(key) == "onnx-merged")
         self.metrics.admitted.set_function(lambda: batcher.pending)
         if s.feedback_dir is not None:
             from qswap.feedback.store import FeedbackStore

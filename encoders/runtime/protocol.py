@@ -52,3 +52,17 @@ def served(backend: Backend) -> Callable[..., np.ndarray]:
         backend.count_rows(keys)
         return backend.encode(texts, keys, encodings=encodings)
     return encode
+
+
+def served_single(backend: Backend) -> Callable[..., tuple[np.ndarray, list[bool]]] | None:
+    """A server's batches on one core (``backend.encode_flagged_bulk``: its single-threaded
+    session), rows counted as :func:`served` counts them; None for a backend without one
+    (then a server runs one forward lane)."""
+    single = getattr(backend, "encode_flagged_bulk", None)
+    if single is None:
+        return None
+
+    def encode(texts: list[str], keys: list[str], encodings: list[Any] | None = None) -> tuple[np.ndarray, list[bool]]:
+        backend.count_rows(keys)
+        return single(texts, keys, encodings=encodings)
+    return encode

@@ -188,6 +188,7 @@ class RayIngressState(ServerState):
         kw["encode"] = lambda texts, keys: self.encode_remote(texts, keys)[0]
         kw["tokenize"] = None
         kw["encode_bulk"] = None   # the bulk lane too encodes remotely
+        kw["encode_single"] = None   # one forward lane: the encoder deployment's replicas run the passes
         return MicroBatcher(**kw)
 
     def start_loading(self) -> None:

@@ -51,6 +51,9 @@ class ForwardStage:
         encode_documents: the document tower (jobs submitted with ``documents=True``).
         encode_bulk: how the bulk lane encodes query rows, ``(texts, keys) -> (vectors, flags)``
             (with ``tokenize`` it also takes ``encodings=``); None: as the first lane does.
+        encode_single: the same signature, on one core (a single-threaded session): how a
+            forward lane encodes while another lane is encoding too (``MicroBatcher(lanes=)``);
+            None: lanes are not offered.
         count_tokens: tokens per text as the model sees them (None: every row costs one).
         max_batch: rows per forward pass at most.
         max_batch_tokens: rows x longest row per forward pass at most (None: no bound).
@@ -63,7 +66,7 @@ class ForwardStage:
                  truncated: Callable[[list[str]], list[bool]] | None = None,
                  encode_flagged: EncodeFlagged | None = None,
                  encode_documents: Callable[[list[str]], np.ndarray] | None = None,
-                 encode_bulk: EncodeFlagged | None = None,
+                 encode_bulk: EncodeFlagged | None = None, encode_single: EncodeFlagged | None = None,
                  count_tokens: Callable[[list[str]], list[int]] | None = None, max_batch: int = 64,
                  max_batch_tokens: int | None = None, slice_tokens: int | None = None,
                  metrics: Any = None) -> None:
@@ -73,6 +76,7 @@ class ForwardStage:
         self.encode_flagged = encode_flagged
         self.encode_documents = encode_documents
         self.encode_bulk = encode_bulk
+        self.encode_single = encode_single
         self.count_tokens = count_tokens
         self.max_batch = max_batch
         self.max_batch_tokens = max_batch_tokens
@@ -148,16 +152,20 @@ class ForwardStage:
     # -- the forward pass ------------------------------------------------------------------------
 
     def _vectors(self, slices: list[Slice], texts: list[str], keys: list[str],
-                 bulk: bool) -> tuple[np.ndarray, list[bool]]:
+                 bulk: bool, single: bool = False) -> tuple[np.ndarray, list[bool]]:
         if slices[0].job.documents:   # a document batch holds document rows only
             assert self.encode_documents is not None
             return self.encode_documents(texts), [False] * len(texts)
         if self.tokenize is not None and all(sl.job.encodings is not None for sl in slices):
             encs = [e for sl in slices for e in sl.job.encodings[sl.lo:sl.hi]]   # type: ignore[index]
             flags = [bool(e.overflowing) for e in encs]
+            if single and not bulk and self.encode_single is not None:
+                return self.encode_single(texts, keys, encodings=encs)[0], flags   # type: ignore[call-arg]
             if bulk and self.encode_bulk is not None:
                 return self.encode_bulk(texts, keys, encodings=encs)[0], flags   # type: ignore[call-arg]
             return self.encode_fn(texts, keys, encodings=encs), flags
+        if single and not bulk and self.encode_single is not None:
+            return self.encode_single(texts, keys)
         if bulk and self.encode_bulk is not None:
             return self.encode_bulk(texts, keys)
         if self.encode_flagged is not None:
@@ -165,21 +173,22 @@ class ForwardStage:
         trunc = self.truncated(texts) if self.truncated else [False] * len(texts)
         return self.encode_fn(texts, keys), trunc
 
-    def encode(self, slices: list[Slice], bulk: bool = False) -> bool:
-        """Encode the rows of ``slices`` into their jobs (``bulk``: on the bulk lane); False when
-        the encode failed (posted)."""
+    def encode(self, slices: list[Slice], bulk: bool = False, single: bool = False) -> bool:
+        """Encode the rows of ``slices`` into their jobs (``bulk``: on the bulk lane; ``single``: on
+        one core, with ``encode_single``, while another forward lane runs); False when the encode
+        failed (posted)."""
         texts = [t for sl in slices for t in sl.job.texts[sl.lo:sl.hi]]
         keys = [sl.job.key for sl in slices for _ in range(sl.lo, sl.hi)]
         t0 = time.perf_counter()
         try:
-            emb, trunc = self._vectors(slices, texts, keys, bulk)
+            emb, trunc = self._vectors(slices, texts, keys, bulk, single)
         except Exception as e:
             if len(slices) > 1:
                 # One bad row must not fail its neighbours: retry each request alone. Said in the
                 # log: a batch that fails for every mix of requests costs one pass per request.
                 log.warning("a forward pass of %d requests failed (%s: %s); each runs alone",
                             len(slices), type(e).__name__, e)
-                return all([self.encode([sl], bulk) for sl in slices])
+                return all([self.encode([sl], bulk, single) for sl in slices])
             post(slices[0].job.loop, slices[0].job.future, exc=e)
             slices[0].job.failed = True
             return False

@@ -8,7 +8,7 @@ import pytest
 
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
 from qswap.encoders.runtime.hot import HOT_SHARE, HotEncoders
-from qswap.encoders.runtime.protocol import served
+from qswap.encoders.runtime.protocol import served, served_single
 from qswap.encoders.runtime.shared import SharedBackend
 from qswap.errors import InvalidInputError
 
@@ -145,3 +145,16 @@ def test_hot_off_keeps_every_encoder_on_the_shared_graph(pool, tmp_path):
         assert b.hot() == [] and b.runtime("h1@1") == "onnx-shared"
     finally:
         b.close()
+
+
+def test_a_second_forward_lanes_rows_count_and_run_on_one_core(backend, pool, monkeypatch):
+    # served_single: a server's forward lane on one core (the single-threaded session, never the
+    # merged one); its rows count towards which encoder is hot like the first lane's.
+    single = served_single(backend)
+    assert single is not None
+    calls = _spy_merged(backend, monkeypatch)
+    got, flags = single(TEXTS, ["h1@1"] * len(TEXTS))     # one window, all h1: hot
+    assert backend.merged.wait("h1@1", timeout=120)
+    assert backend.hot() == ["h1@1"] and calls == [] and flags == [False] * len(TEXTS)
+    ref = np.stack([pool.encode([t], ["h1@1"])[0] for t in TEXTS])
+    assert cosine(got, ref).min() >= MIN_COSINE

@@ -342,3 +342,113 @@ def test_a_large_requests_answer_is_made_beside_the_small_ones_on_the_idle_prior
     assert short.hits[0][0].startswith("5:") and [h[0] for h in big.hits] == ["60:0"] * 3
     if hasattr(os, "SCHED_IDLE"):
         assert policies and set(policies) == {os.SCHED_IDLE}
+
+
+def test_a_second_lane_encodes_on_one_core_while_the_first_lane_is_busy():
+    # lanes=2: a batch that starts while another lane is encoding runs at once, on one core
+    # (encode_single), instead of waiting for the first. With one lane the second search waits
+    # for the held batch and the wait_for below fails.
+    held, release = threading.Event(), threading.Event()
+    seen: list[tuple[str, str, str]] = []   # (path, text, thread)
+
+    def encode(texts, keys):
+        seen.append(("all cores", texts[0], threading.current_thread().name))
+        if texts[0] == "first":
+            held.set()
+            assert release.wait(30), "never released"
+        return np.ones((len(texts), 2), dtype=np.float32)
+
+    def single(texts, keys):
+        seen.append(("one core", texts[0], threading.current_thread().name))
+        return np.ones((len(texts), 2), dtype=np.float32), [False] * len(texts)
+
+    def search(q, k, flt, with_text):
+        return [["hit"] * k for _ in q]
+
+    with running(encode=encode, search=search, window_s=0.0, lanes=2, encode_single=single) as b:
+        async def main():
+            first = asyncio.ensure_future(b.search(["first"], "k1", 1, ticket=Ticket()))
+            assert await asyncio.to_thread(held.wait, 30)
+            second = await asyncio.wait_for(b.search(["second"], "k2", 1, ticket=Ticket()), 10)
+            assert not first.done()   # still in its held pass
+            release.set()
+            return await asyncio.wait_for(first, 30), second
+        try:
+            first, second = _run(main())
+        finally:
+            release.set()
+    assert first.hits == [["hit"]] and second.hits == [["hit"]]
+    assert [(p, t) for p, t, _ in seen] == [("all cores", "first"), ("one core", "second")]
+    assert seen[0][2] != seen[1][2]   # two forward threads
+
+
+def test_a_batch_of_an_all_cores_encoder_waits_for_the_other_lane_instead_of_one_core():
+    # all_cores (a hot encoder's merged session): its batch is not split onto one core while
+    # another lane encodes; it waits, then runs on all cores. A batch of another encoder
+    # arriving after it still takes one core at once. Without all_cores the "hot" search would
+    # be answered on one core while "first" is held (the assertion on hot.done() fails).
+    held, release = threading.Event(), threading.Event()
+    seen: list[tuple[str, str]] = []
+
+    def encode(texts, keys):
+        seen.append(("all cores", texts[0]))
+        if texts[0] == "first":
+            held.set()
+            assert release.wait(30), "never released"
+        return np.ones((len(texts), 2), dtype=np.float32)
+
+    def single(texts, keys):
+        seen.append(("one core", texts[0]))
+        return np.ones((len(texts), 2), dtype=np.float32), [False] * len(texts)
+
+    def search(q, k, flt, with_text):
+        return [["hit"] * k for _ in q]
+
+    with running(encode=encode, search=search, window_s=0.0, lanes=3, encode_single=single,
+                 all_cores=lambda key: key == "hot") as b:
+        async def main():
+            first = asyncio.ensure_future(b.search(["first"], "k1", 1, ticket=Ticket()))
+            assert await asyncio.to_thread(held.wait, 30)
+            hot = asyncio.ensure_future(b.search(["hot"], "hot", 1, ticket=Ticket()))
+            other = await asyncio.wait_for(b.search(["other"], "k3", 1, ticket=Ticket()), 10)
+            assert not hot.done() and not first.done()
+            release.set()
+            return await asyncio.wait_for(first, 30), await asyncio.wait_for(hot, 30), other
+        try:
+            first, hot, other = _run(main())
+        finally:
+            release.set()
+    assert first.hits == hot.hits == other.hits == [["hit"]]
+    assert seen == [("all cores", "first"), ("one core", "other"), ("all cores", "hot")]
+
+
+def test_lanes_run_one_request_at_a_time_on_all_cores_and_stop_with_the_batcher():
+    # Without concurrency only one lane is busy at a time: every pass takes the all-cores path.
+    # stop() ends every lane (none left waiting on the queue).
+    calls: list = []
+    enc, srch = _fake(calls)
+    singles: list = []
+
+    def single(texts, keys):
+        singles.append(list(texts))
+        return enc(texts, keys), [False] * len(texts)
+
+    b = MicroBatcher(encode=enc, search=srch, window_s=0.0, lanes=3, encode_single=single)
+    b.start()
+    try:
+        for i in range(5):
+            out = _run(b.search(["x" * (i + 1)], "k", k=1, ticket=Ticket()))
+            assert out.hits[0][0] == f"{i + 1}:0"
+    finally:
+        b.stop()
+    assert not singles and len([c for c in calls if c[0] == "encode"]) == 5
+    assert b.lanes == 3 and not b.thread.is_alive() and not any(t.is_alive() for t in b._lanes)
+
+
+def test_lanes_need_a_single_core_encode():
+    # A backend without a single-threaded session (encode_single None) gets one forward lane:
+    # two calls at once on a session that uses every core would fight over its threads.
+    enc, srch = _fake([])
+    assert MicroBatcher(encode=enc, search=srch, lanes=2).lanes == 1
+    with pytest.raises(ValueError):
+        MicroBatcher(encode=enc, search=srch, lanes=0)
