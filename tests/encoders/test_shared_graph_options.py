@@ -39,7 +39,7 @@ def _run(base, path, pool, key: str, slots) -> np.ndarray:
     over them, only the inputs the graph takes."""
     session = make_session(path, 1, ["CPUExecutionProvider"])
     names = {i.name for i in session.get_inputs()}
-    feed = {**slots.base_inputs(base.model), **(adapter_inputs(pool, key, slots) or {})}
+    feed = {**slots.base_inputs(base), **(adapter_inputs(pool, key, slots) or {})}
     assert set(feed) >= names - {"inputs_embeds", "attention_mask"}
     table = base.model.get_input_embeddings().weight.detach().numpy()
     out = np.empty((len(TEXTS), base.dim), dtype=np.float32)
@@ -69,9 +69,9 @@ def test_only_keeps_the_slots_and_marks_the_rest_plain(tiny_base):
     slots = find_slots(tiny_base.layout)
     none = slots.only([])
     assert none.plain == {m for m, _, _ in slots.linear} and not any(".lora_" in n for n in none.input_names())
-    assert set(none.base_inputs(tiny_base.model)) == set(none.input_names())
+    assert set(none.base_inputs(tiny_base)) == set(none.input_names())
     assert slots.only(m for m, _, _ in slots.linear) == slots
-    assert torch.equal(none.base_inputs(tiny_base.model)[f"{slots.linear[0][0]}.bias"],
+    assert torch.equal(none.base_inputs(tiny_base)[f"{slots.linear[0][0]}.bias"],
                        tiny_base.model.get_submodule(slots.linear[0][0]).bias)
 
 
