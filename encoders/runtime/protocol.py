@@ -45,13 +45,18 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def served(backend: Backend) -> Callable[..., np.ndarray]:
-    """``backend.encode`` for a server's batches: each batch's rows are counted first
+def _counted(backend: Backend, run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run`` for a server's batches: each batch's rows are counted first
     (:meth:`Backend.count_rows`), so what a server serves decides which encoders are hot."""
-    def encode(texts: list[str], keys: list[str], encodings: list[Any] | None = None) -> np.ndarray:
+    def encode(texts: list[str], keys: list[str], encodings: list[Any] | None = None) -> Any:
         backend.count_rows(keys)
-        return backend.encode(texts, keys, encodings=encodings)
+        return run(texts, keys, encodings=encodings)
     return encode
+
+
+def served(backend: Backend) -> Callable[..., np.ndarray]:
+    """``backend.encode`` for a server's batches, rows counted (:func:`_counted`)."""
+    return _counted(backend, backend.encode)
 
 
 def served_single(backend: Backend) -> Callable[..., tuple[np.ndarray, list[bool]]] | None:
@@ -59,10 +64,4 @@ def served_single(backend: Backend) -> Callable[..., tuple[np.ndarray, list[bool
     session), rows counted as :func:`served` counts them; None for a backend without one
     (then a server runs one forward lane)."""
     single = getattr(backend, "encode_flagged_bulk", None)
-    if single is None:
-        return None
-
-    def encode(texts: list[str], keys: list[str], encodings: list[Any] | None = None) -> tuple[np.ndarray, list[bool]]:
-        backend.count_rows(keys)
-        return single(texts, keys, encodings=encodings)
-    return encode
+    return None if single is None else _counted(backend, single)

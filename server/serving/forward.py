@@ -156,18 +156,16 @@ class ForwardStage:
         if slices[0].job.documents:   # a document batch holds document rows only
             assert self.encode_documents is not None
             return self.encode_documents(texts), [False] * len(texts)
+        # The bulk lane and a one-core lane have encoders of their own, else the first lane's.
+        lane = (self.encode_single if single and not bulk else self.encode_bulk if bulk else None)
         if self.tokenize is not None and all(sl.job.encodings is not None for sl in slices):
             encs = [e for sl in slices for e in sl.job.encodings[sl.lo:sl.hi]]   # type: ignore[index]
             flags = [bool(e.overflowing) for e in encs]
-            if single and not bulk and self.encode_single is not None:
-                return self.encode_single(texts, keys, encodings=encs)[0], flags   # type: ignore[call-arg]
-            if bulk and self.encode_bulk is not None:
-                return self.encode_bulk(texts, keys, encodings=encs)[0], flags   # type: ignore[call-arg]
+            if lane is not None:
+                return lane(texts, keys, encodings=encs)[0], flags   # type: ignore[call-arg]
             return self.encode_fn(texts, keys, encodings=encs), flags
-        if single and not bulk and self.encode_single is not None:
-            return self.encode_single(texts, keys)
-        if bulk and self.encode_bulk is not None:
-            return self.encode_bulk(texts, keys)
+        if lane is not None:
+            return lane(texts, keys)
         if self.encode_flagged is not None:
             return self.encode_flagged(texts, keys)
         trunc = self.truncated(texts) if self.truncated else [False] * len(texts)

@@ -47,6 +47,11 @@ from qswap.server.traffic.impressions import client_of
 _TOKENS_PER_CHAR, _EXTRA_TOKENS = 2, 16
 
 
+def _tokens_at_least(texts: list[str], most: int) -> int:
+    """The fewest tokens ``texts`` can hold: their words, [CLS] and [SEP], each text at most ``most``."""
+    return sum(min(len(t.split()) + 2, most) for t in texts)
+
+
 class Admission(Ticket):
     """One HTTP request's pass through the cost gate (see the module docstring)."""
 
@@ -132,9 +137,9 @@ class Admission(Ticket):
         at_most = sum(min(_TOKENS_PER_CHAR * len(t) + _EXTRA_TOKENS, most) for t in texts)
         if not exact and at_most <= limit:
             if at_most > one_slice:
-                self._hold_back(sum(min(len(t.split()) + 2, most) for t in texts) > one_slice)
+                self._hold_back(_tokens_at_least(texts, most) > one_slice)
             return None
-        at_least = sum(min(len(t.split()) + 2, most) for t in texts)   # words, [CLS] and [SEP]
+        at_least = _tokens_at_least(texts, most)
         encodings = tokens = None
         if at_least <= limit:
             self._hold_back(at_least > one_slice)   # before the tokenizer runs for it
