@@ -4,7 +4,9 @@ In one process, the pool (float16 factors, as a server stores them) and the shar
 backend over the base, as a server runs them. Two encoders are first run through everything (the
 shared session, the group session, the segment graph), so what they cost once is not counted.
 Then ``--encoders`` random LoRA r=16 adapters (every Linear) are loaded one by one, and after
-each stage the live heap (glibc ``mallinfo2``: in-use bytes, after a garbage collection) is read:
+each stage the live heap (glibc ``mallinfo2``: in-use bytes, after a garbage collection) is read
+(the backend's float32 copies of half-precision factors are mappings of their own, not in it:
+capped at ``WIDE_BYTES`` and counted once per server, not per encoder):
 
 - **attach**: ``EncoderPool.add`` (the factors in their own packed mapping, not in the heap; the
   tensor objects, the forward hooks' entries);

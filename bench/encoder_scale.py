@@ -9,14 +9,18 @@ the newest ``--loaded`` stay attached. At every count the newest encoders are wa
 they run on the shared runtime and used by searches, then the server's RSS and PSS are read
 from ``/proc`` and the listing is timed (whole, and one page of 100).
 
-At the small count (10) and at the largest, what must not grow with the number of encoders:
+What must not grow with the number of encoders is measured at the largest count against the
+small one (10) on two servers side by side: once the first holds the largest count, a second one
+is started with 10 registered the same way, and the two are measured in turn over ``--rounds``
+rounds (the order flipped every round), so that what the machine does meanwhile (other
+processes, its clock, the page cache's write-back) falls on both counts alike:
 
 - **registration**: after a ``sync`` (the store's write-back done), ``--probes`` extra encoders
-  registered one at a time (each deleted again right after, so the count stays put), p50 of
-  the HTTP round trip;
+  registered one at a time (each deleted again right after, so the count stays put), a share of
+  them per round, p50 of the HTTP round trip;
 - **search**: single-query searches at concurrency 1 (the raw asyncio client, one keep-alive
   connection, k=10) naming an encoder by its bare name (resolution to the highest version)
-  and with the base, alternating arms over rounds: client p50 and server-reported encode p50.
+  and with the base, per round: client p50 and server-reported encode p50 (medians over rounds).
 
 Finally the server is stopped and started again on the same state dir: seconds to ``/readyz``
 ready with every encoder registered, and the listing paged through to check that all are back.
@@ -46,9 +50,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -204,30 +210,82 @@ def _probe(srv: ServerProcess, probes: list[str]) -> list[float]:
     return times
 
 
-def _searches(port: int, queries: list[str], lora_name: str, requests: int, rounds: int) -> dict[str, Any]:
-    """Alternating base / LoRA rounds; medians of the per-round p50s, and the rounds."""
-    rs: dict[str, list[dict[str, float]]] = {"base": [], "lora": []}
-    _e2e(port, queries, lora_name, 40)   # warm-up (and a reload if it was evicted), not timed
-    for _ in range(rounds):
-        for arm, enc in (("base", None), ("lora", lora_name)):
-            rs[arm].append(_e2e(port, queries, enc, requests))
-    return {"p50": {arm: {k: statistics.median(r[k] for r in v) for k in v[0]} for arm, v in rs.items()},
-            "rounds": rs}
-
-
-def _at_scale(srv: ServerProcess, work: Any, probes: list[str], n_req: int, rounds: int) -> dict[str, Any]:
-    """What must not grow with the encoder count: registration and search p50s.
-
-    The page cache is flushed first (``sync``), at every count: each registration writes the
-    encoder's files (~5 MB) into the server's store, and right after a thousand of them the
-    kernel throttles writers while it writes back gigabytes; that is the disk's backlog, not
-    what a registration costs at that count."""
+def _grow(srv: ServerProcess, work: Any, names: list[tuple[str, str]], done: int, count: int,
+          loaded: int) -> list[float]:
+    """Register ``names[done:count]`` one by one (seconds each, returned), wait until the newest
+    run on the shared graph, and let the newest ``loaded`` (those the budget keeps) serve searches."""
     t0 = time.perf_counter()
-    os.sync()
-    synced = time.perf_counter() - t0
-    reg = _probe(srv, probes)
-    return {"sync_s": synced, "registration_s": reg, "registration_p50_ms": statistics.median(reg) * 1000,
-            "search": _searches(srv.port, work.queries, "s0", n_req, rounds)}
+    took = []
+    for i, (n, v) in enumerate(names[done:count]):
+        _, dt = register(srv, f"{n}-{v}")
+        took.append(dt)
+        if (done + i + 1) % 100 == 0:
+            print(f"  {done + i + 1} registered ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    newest = [f"{n}@{v}" for n, v in names[max(0, count - min(loaded, count)):count]]
+    fresh = [f"{n}@{v}" for n, v in names[done:count]][-loaded:]
+    wait_for_runtime(srv, fresh, "onnx-shared")
+    warm_up(srv.port, search_requests(work.queries, newest), concurrency=2, requests=max(16, 2 * len(newest)))
+    return took
+
+
+def _process_counters(srv: ServerProcess) -> dict[str, float]:
+    """The server's minor page faults and CPU seconds (``/proc``), and its garbage collections by
+    generation (``/metrics``): what a round's searches cost besides their latency."""
+    assert srv.proc is not None
+    stat = Path(f"/proc/{srv.proc.pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    out = {"minor_faults": float(fields[7]), "cpu_s": (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")}
+    with urllib.request.urlopen(srv.url("/metrics"), timeout=30) as r:
+        text = r.read().decode()
+    for m in re.finditer(r'python_gc_collections_total\{generation="(\d)"\} (\S+)', text):
+        out[f"gc{m.group(1)}"] = float(m.group(2))
+    return out
+
+
+def _search_round(srv: ServerProcess, queries: list[str], lora_name: str,
+                  requests: int) -> dict[str, dict[str, float]]:
+    """One round of each search arm (base, then by encoder name), with what each cost the server
+    per search besides its latency (:func:`_process_counters`)."""
+    out = {}
+    for arm, enc in (("base", None), ("lora", lora_name)):
+        before = _process_counters(srv)
+        out[arm] = _e2e(srv.port, queries, enc, requests)
+        after = _process_counters(srv)
+        out[arm].update({f"{k}_per_search": (after[k] - before[k]) / requests for k in before})
+    return out
+
+
+def _side_by_side(servers: dict[int, ServerProcess], work: Any, probes: list[str], n_req: int,
+                  rounds: int) -> dict[int, dict[str, Any]]:
+    """What must not grow with the encoder count, on two servers at once (``{count: server}``),
+    measured in alternating rounds (the order flips every round), so that what the machine does
+    meanwhile (other processes, clock, page-cache write-back) falls on both counts alike.
+
+    Per round and server: the page cache is flushed (``sync``: each registration writes the
+    encoder's files, ~5 MB, into the server's store, and right after a thousand of them the kernel
+    throttles writers while it writes back gigabytes; that is the disk's backlog, not what a
+    registration costs at that count), a share of the probe registrations (each deleted again at
+    once, so the count stays put), then a round of each search arm."""
+    out: dict[int, dict[str, Any]] = {c: {"sync_s": [], "registration_s": [], "rounds": {"base": [], "lora": []}}
+                                      for c in servers}
+    for srv in servers.values():
+        _e2e(srv.port, work.queries, "s0", 40)   # warm-up (and a reload if it was evicted), not timed
+    share = -(-len(probes) // rounds)
+    for r in range(rounds):
+        order = list(servers) if r % 2 == 0 else list(servers)[::-1]
+        for count in order:
+            srv, o = servers[count], out[count]
+            t0 = time.perf_counter()
+            os.sync()
+            o["sync_s"].append(time.perf_counter() - t0)
+            o["registration_s"] += _probe(srv, probes[r * share:(r + 1) * share])
+            for arm, v in _search_round(srv, work.queries, "s0", n_req).items():
+                o["rounds"][arm].append(v)
+    for o in out.values():
+        o["registration_p50_ms"] = statistics.median(o["registration_s"]) * 1000
+        o["search"] = {"p50": {arm: {k: statistics.median(r[k] for r in v) for k in v[0]}
+                               for arm, v in o["rounds"].items()}, "rounds": o.pop("rounds")}
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -272,19 +330,7 @@ def run(args: argparse.Namespace) -> int:
         res["rss_no_encoder"], res["pss_no_encoder"] = srv.rss(), srv.pss()
         done = 0
         for count in counts:
-            new = names[done:count]
-            t0 = time.perf_counter()
-            for i, (n, v) in enumerate(new):
-                _, dt = register(srv, f"{n}-{v}")
-                res["registration_s"].append(dt)
-                if (done + i + 1) % 100 == 0:
-                    print(f"  {done + i + 1} registered ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-            newest = [f"{n}@{v}" for n, v in names[max(0, count - min(loaded, count)):count]]
-            fresh = [f"{n}@{v}" for n, v in new][-loaded:]
-            wait_for_runtime(srv, fresh, "onnx-shared")
-            # The newest encoders (those the budget keeps) serve searches before memory is read.
-            warm_up(srv.port, search_requests(work.queries, newest), concurrency=2,
-                    requests=max(16, 2 * len(newest)))
+            res["registration_s"] += _grow(srv, work, names, done, count, loaded)
             done = count
             listing, list_s = _timed_get(srv, "/v1/encoders")
             _, page_s = _timed_get(srv, f"/v1/encoders?limit={PAGE}&after=s5")
@@ -294,12 +340,19 @@ def run(args: argparse.Namespace) -> int:
                      "list_all_bytes": len(json.dumps(listing))}
             reported = [e["memory_bytes"] for e in listing["encoders"] if e["key"] != "base" and e["loaded"]]
             point["reported_bytes_mean"] = sum(reported) / max(len(reported), 1)
-            if count in (SMALL, counts[-1]):
-                point["scale"] = _at_scale(srv, work, [f"{n}-{v}" for n, v in probe_names], n_req, rounds)
-                point["rss_after_probes"] = srv.rss()
             res["points"].append(point)
             print(f"{count} encoders: RSS {point['rss'] / MIB:.0f} MiB, {point['loaded']} loaded, "
                   f"listing {point['list_all_ms']:.0f} ms", file=sys.stderr)
+        # The smallest count on a second server of its own, beside this one: both measured in turn.
+        small = qswap_server(idx_dir, root, dirs.tmp / "state-small", dirs.tmp / "small.log", model=args.model,
+                             extra=["--lora-factors", factors, "--encoder-memory-mb", str(budget_mib), *NO_HOT])
+        with small:
+            wait_for_runtime(small, ["base"], "onnx-shared")
+            warm_up(small.port, search_requests(work.queries, ["base"]), concurrency=2, requests=32)
+            _grow(small, work, names, 0, SMALL, loaded)
+            res["side_by_side"] = {str(c): v for c, v in _side_by_side(
+                {SMALL: small, counts[-1]: srv}, work, [f"{n}-{v}" for n, v in probe_names], n_req, rounds).items()}
+        res["points"][-1]["rss_after_probes"] = srv.rss()
     # Restart on the same state dir with every encoder registered: seconds to ready.
     cmd = list(srv.cmd)
     port = free_port()
@@ -324,14 +377,13 @@ def _verdict(ok: bool) -> str:
 def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
     pts = res["points"]
     first, last = pts[0], pts[-1]
-    small = next(p for p in pts if p["encoders"] == SMALL)
     half, loaded = res["adapter_half_bytes"], res["loaded_target"]
     counted, fixed = res["counted_bytes"], sum(res["fixed_bytes"].values())
     rss_target = first["rss"] + fixed + last["loaded"] * counted
     # Per encoder, where every encoder is loaded and the fixed costs are in: the two largest such counts.
     full = [p for p in pts if p["encoders"] == p["loaded"] and p["encoders"] >= SMALL][-2:]
     slope = (full[1]["rss"] - full[0]["rss"]) / (full[1]["encoders"] - full[0]["encoders"]) if len(full) == 2 else None
-    s_small, s_last = small["scale"], last["scale"]
+    s_small, s_last = res["side_by_side"][str(SMALL)], res["side_by_side"][str(last["encoders"])]
     reg_ratio = s_last["registration_p50_ms"] / s_small["registration_p50_ms"]
     search_ratio = {arm: s_last["search"]["p50"][arm]["client"] / s_small["search"]["p50"][arm]["client"]
                     for arm in ("base", "lora")}
@@ -355,6 +407,12 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
         same_rows.append([label, f"{a['client']:.2f}", f"{b['client']:.2f}", f"**{search_ratio[arm]:.3f}x**"])
         same_rows.append(["  (server encode p50 ms)", f"{a['encode']:.2f}", f"{b['encode']:.2f}",
                           f"{b['encode'] / a['encode']:.3f}x"])
+        for key, what, scale in (("cpu_s_per_search", "server CPU ms per search", 1000.0),
+                                 ("minor_faults_per_search", "server minor page faults per search", 1.0),
+                                 ("gc0_per_search", "server young-generation GCs per search", 1.0)):
+            if key in a and key in b:
+                same_rows.append([f"  ({what})", f"{a[key] * scale:.3g}", f"{b[key] * scale:.3g}",
+                                  f"{b[key] / a[key]:.3f}x" if a[key] else "-"])
     cmd = res["server"]["command"]
     reg = res["registration_s"]
     fixed_parts = ", ".join(f"{k.replace('_', ' ')} {v / MIB:.0f}" for k, v in res["fixed_bytes"].items())
@@ -384,11 +442,13 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
           f"with none: {res['server']['start_s']:.2f} s; {restart['listed']} encoders listed after it, paged 250 "
           f"at a time; first searches on an encoder loaded lazily: p50 {restart['first_search_p50_ms']:.1f} ms) "
           f"<= {TARGET_RESTART_S:.0f} s: {_verdict(sm['restart_ok'])}\n"
-          f"- at {last['encoders']} registered against {SMALL} (registration: {len(s_last['registration_s'])} "
-          f"probes, each deleted after, once the page cache is flushed (`sync`: {s_small['sync_s']:.1f} s at "
-          f"{SMALL}, {s_last['sync_s']:.1f} s at {last['encoders']}; each registration writes the encoder's files "
-          f"into the server's store); search: median of {len(s_last['search']['rounds']['lora'])} alternating "
-          f"rounds' p50s of {res.get('requests', '')} single-query searches at concurrency 1), target <= "
+          f"- at {last['encoders']} registered against {SMALL} (a second server with {SMALL} registered, started "
+          f"beside the first once that one holds {last['encoders']}; the two measured in turn, "
+          f"{len(s_last['search']['rounds']['lora'])} rounds, the order flipped every round; registration: "
+          f"{len(s_last['registration_s'])} probes each, each deleted after, once the page cache is flushed "
+          f"(`sync`: max {max(s_small['sync_s']):.1f} s at {SMALL}, {max(s_last['sync_s']):.1f} s at "
+          f"{last['encoders']}; each registration writes the encoder's files into the server's store); search: "
+          f"median of the rounds' p50s of {res.get('requests', '')} single-query searches at concurrency 1), target <= "
           f"{TARGET_SAME:.2f}x: registration {_verdict(sm['registration_ok'])}, search "
           f"{_verdict(sm['search_ok'])}\n\n"
           + md_table(["", f"at {SMALL}", f"at {last['encoders']}", "ratio"], same_rows))

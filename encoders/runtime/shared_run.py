@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from qswap.encoders.packed import pack_tensors
 from qswap.encoders.runtime.cancel import run_options
 from qswap.encoders.runtime.onnx_export import OUTPUT
 from qswap.encoders.runtime.shared_export import ort_input
@@ -101,7 +102,11 @@ class WideFeed(BoundFeed):
             for n, t in self.own.items():
                 into[n].copy_(t)
             return None, into
-        wide = {n: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for n, t in self.own.items()}
+        # One mapping per copy (qswap.encoders.packed): a copy dropped from the cache is unmapped
+        # whole, instead of leaving ~150 holes in the heap of whichever thread made it.
+        half = [n for n, t in self.own.items() if t.dtype in (torch.float16, torch.bfloat16)]
+        copies = dict(zip(half, pack_tensors([self.own[n] for n in half], torch.float32)))
+        wide = {n: copies.get(n, t) for n, t in self.own.items()}
         return BoundFeed({**self._base_values, **{n: ort_input(t) for n, t in wide.items()}}), wide
 
 

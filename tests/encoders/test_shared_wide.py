@@ -67,3 +67,17 @@ def test_discarding_an_encoder_frees_its_copy(wide, tiny_base):
     assert b.wide_bytes() == one
     b.discard(SAME[2])
     assert b.wide_bytes() == 0
+
+
+def test_a_copy_is_one_mapping_of_its_own(wide):
+    """The float32 copies of one encoder's factors are views of one page-rounded block (packed.py):
+    a copy dropped from the cache is unmapped whole, not left as holes in a thread's heap."""
+    import mmap
+
+    _, b, one = wide
+    b.encode(TEXTS[:1], [SAME[0]])
+    copies = [t for slot in b._wide._held.values() for t in slot[1].values() if t.dtype.is_floating_point]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in copies}
+    assert len(storages) == len(b._wide._held) == 1
+    (size,) = storages.values()
+    assert size % mmap.PAGESIZE == 0 and one <= size < one + mmap.PAGESIZE + 64 * len(copies)
