@@ -87,14 +87,15 @@ class BaseEncoder:
 
     def tensor(self, name: str) -> torch.Tensor:
         """The model's parameter ``name`` (the word embeddings, a bias of :attr:`layout`): the
-        module's own once built, else read from the checkpoint, once, without building it."""
+        module's own once built, else read from the checkpoint without building it (the first
+        call reads all of the layout's tensors at once: the runtimes ask for each of them)."""
         if self._model is not None:
             return self._model.get_parameter(name)
         with self._lock:
             if self._model is not None:
                 return self._model.get_parameter(name)
-            if name not in self._loaded:
-                self._loaded.update(load_tensors(self.path, self.layout, [name]))
+            if not self._loaded:
+                self._loaded = load_tensors(self.path, self.layout)
             return self._loaded[name]
 
     def word_embeddings(self) -> torch.Tensor:
