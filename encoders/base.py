@@ -24,6 +24,7 @@ from qswap.space import EmbeddingSpace
 
 log = logging.getLogger(__name__)
 SPEC_FILE = "qswap_base.json"
+SHA_DIR = "_sha256"   # under a layout cache: the weights' hashes, so a start does not read them again
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _SUPPORTED = ("bert", "xlm-roberta", "roberta", "distilbert", "electra", "mpnet")
 
@@ -127,7 +128,9 @@ class BaseEncoder:
                             batch_size, self.device, self.dim)
 
 
-def _weights_sha(path: Path) -> str:
+def _weights_sha(path: Path, store: Path | None = None) -> str:
+    """The weights' fingerprint (the embedding space's and the layout record's key); ``store``:
+    where each file's hash is kept between processes (:func:`~qswap.atomic.sha256_file_cached`)."""
     files = [path / f for f in _WEIGHT_FILES if (path / f).exists()]
     if not files:
         files = sorted(path.glob("model-*.safetensors"))
@@ -136,7 +139,7 @@ def _weights_sha(path: Path) -> str:
                             "expected model.safetensors or pytorch_model.bin in the model directory")
     h = hashlib.sha256()
     for f in files:
-        h.update(sha256_file_cached(f).encode())
+        h.update(sha256_file_cached(f, store).encode())
     return h.hexdigest()
 
 
@@ -219,7 +222,7 @@ def _cached_layout(cache_dir: Path | None, path: Path, device: torch.device) -> 
     if cache_dir is None or device.type != "cpu":
         return None, None
     try:
-        key = layout_key(path, _weights_sha(path))
+        key = layout_key(path, _weights_sha(path, Path(cache_dir) / SHA_DIR))
     except NotFoundError:   # no weights: the model's own load says why, as without a cache
         return None, None
     return key, read_layout(cache_dir, key)
