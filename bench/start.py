@@ -83,6 +83,11 @@ def run(args: argparse.Namespace) -> Path:
         label, sep, rev = a.partition("=")
         if not sep or not label or not rev:
             raise InvalidInputError(f"--arm {a!r} is not LABEL=REV", "e.g. --arm before=main --arm after=.")
+        if rev != ".":   # the commit itself, so the results say what ran
+            got = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", rev], capture_output=True, text=True)
+            if got.returncode != 0:
+                raise InvalidInputError(f"--arm {a!r}: {got.stderr.strip()}", "give a git revision")
+            rev = got.stdout.strip()
         arms.append((label, rev))
     work = Path(tempfile.mkdtemp(prefix="qswap-bench-start-"))
     try:
