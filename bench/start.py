@@ -74,7 +74,7 @@ def _one_start(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, floa
     return {"ready_s": srv.start_seconds, "search_s": search_s, "total_s": srv.start_seconds + search_s}
 
 
-def run(args: argparse.Namespace) -> Path:
+def run(args: argparse.Namespace) -> int:
     out = results_dir_for("start", args.quick, args.out)
     writer = ResultWriter("start", out)
     rounds = 1 if args.quick else args.rounds
@@ -122,6 +122,7 @@ def run(args: argparse.Namespace) -> Path:
               f"{rounds} rounds, arms alternating; `/readyz` polled every {1000 * POLL_S:.0f} ms.\n\n"
               + md_table(["arm", "revision", "ready s (median)", "first search ms", "ready + search s",
                           "ready s per round"], rows))
-        return writer.write(res, md)
+        print(f"start: results in {writer.write(res, md)}", file=sys.stderr)
+        return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
