@@ -85,7 +85,7 @@ class ServerProcess:
 
     def __init__(self, cmd: Sequence[str], port: int, *, ready_path: str = "/health",
                  log_path: Path | None = None, env: Mapping[str, str] | None = None,
-                 start_timeout_s: float = 300.0, cwd: Path | None = None) -> None:
+                 start_timeout_s: float = 300.0, cwd: Path | None = None, poll_s: float = 0.2) -> None:
         self.cmd = [str(c) for c in cmd]
         self.port = port
         self.ready_path = ready_path
@@ -93,6 +93,7 @@ class ServerProcess:
         self.env = {**os.environ, **(env or {})}
         self.start_timeout_s = start_timeout_s
         self.cwd = cwd
+        self.poll_s = poll_s   # how often the ready path is asked: the resolution of start_seconds
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_seconds: float | None = None
         self._log = None
@@ -127,7 +128,7 @@ class ServerProcess:
                 self.stop()
                 raise InvalidInputError(f"server not ready after {self.start_timeout_s:.0f} s: {self.command}",
                                         "see its log: " + str(self.log_path))
-            time.sleep(0.2)
+            time.sleep(self.poll_s)
         self.start_seconds = time.perf_counter() - t0
         return self
 

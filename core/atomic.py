@@ -275,17 +275,40 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-_sha_memo: dict[tuple[str, int, int], str] = {}
+_sha_memo: dict[tuple[str, int, int, int, int], str] = {}
 
 
-def sha256_file_cached(path: Path) -> str:
-    """:func:`sha256_file`, remembered per (resolved path, size, mtime) for this process.
+def sha256_file_cached(path: Path, store: Path | None = None) -> str:
+    """:func:`sha256_file`, remembered per file identity: resolved path, size, inode, mtime and
+    ctime (nanoseconds). A changed file is hashed again.
 
-    Model weights are hundreds of MB and are fingerprinted at every load; a changed file
-    (new size or mtime) is hashed again.
+    Model weights are hundreds of MB and are fingerprinted at every load (a server start): the
+    hash is kept for this process, and with ``store`` also in a small JSON record per file
+    there, so that the next process skips reading the file. Safe enough because any write to
+    the file changes its mtime and ctime, and ctime cannot be set back (``touch``, ``cp -p`` and
+    ``rsync -t`` restore mtime only); only a same-size rewrite within one tick of a coarse
+    filesystem clock would be missed.
     """
-    st = Path(path).stat()
-    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _sha_memo:
-        _sha_memo[key] = sha256_file(path)
-    return _sha_memo[key]
+    p = Path(path).resolve()
+    st = p.stat()
+    key = (str(p), st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+    if store is None:
+        if key not in _sha_memo:
+            _sha_memo[key] = sha256_file(p)
+        return _sha_memo[key]
+    record = Path(store) / f"{hashlib.sha256(str(p).encode()).hexdigest()}.json"
+    try:
+        d = json.loads(record.read_text())
+        if tuple(d["key"]) == key and isinstance(d["sha256"], str):
+            _sha_memo[key] = d["sha256"]
+            return d["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):   # none yet, or torn: hash the file
+        pass
+    digest = _sha_memo.get(key) or sha256_file(p)
+    _sha_memo[key] = digest
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(record, {"key": list(key), "sha256": digest})
+    except OSError:   # a read-only or full disk: the next process hashes the file again
+        pass
+    return digest

@@ -24,6 +24,7 @@ from qswap.space import EmbeddingSpace
 
 log = logging.getLogger(__name__)
 SPEC_FILE = "qswap_base.json"
+SHA_DIR = "_sha256"   # under a layout cache: the weights' hashes, so a start does not read them again
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _SUPPORTED = ("bert", "xlm-roberta", "roberta", "distilbert", "electra", "mpnet")
 
@@ -87,14 +88,15 @@ class BaseEncoder:
 
     def tensor(self, name: str) -> torch.Tensor:
         """The model's parameter ``name`` (the word embeddings, a bias of :attr:`layout`): the
-        module's own once built, else read from the checkpoint, once, without building it."""
+        module's own once built, else read from the checkpoint without building it (the first
+        call reads all of the layout's tensors at once: the runtimes ask for each of them)."""
         if self._model is not None:
             return self._model.get_parameter(name)
         with self._lock:
             if self._model is not None:
                 return self._model.get_parameter(name)
-            if name not in self._loaded:
-                self._loaded.update(load_tensors(self.path, self.layout, [name]))
+            if not self._loaded:
+                self._loaded = load_tensors(self.path, self.layout)
             return self._loaded[name]
 
     def word_embeddings(self) -> torch.Tensor:
@@ -126,7 +128,9 @@ class BaseEncoder:
                             batch_size, self.device, self.dim)
 
 
-def _weights_sha(path: Path) -> str:
+def _weights_sha(path: Path, store: Path | None = None) -> str:
+    """The weights' fingerprint (the embedding space's and the layout record's key); ``store``:
+    where each file's hash is kept between processes (:func:`~qswap.atomic.sha256_file_cached`)."""
     files = [path / f for f in _WEIGHT_FILES if (path / f).exists()]
     if not files:
         files = sorted(path.glob("model-*.safetensors"))
@@ -135,7 +139,7 @@ def _weights_sha(path: Path) -> str:
                             "expected model.safetensors or pytorch_model.bin in the model directory")
     h = hashlib.sha256()
     for f in files:
-        h.update(sha256_file_cached(f).encode())
+        h.update(sha256_file_cached(f, store).encode())
     return h.hexdigest()
 
 
@@ -218,7 +222,7 @@ def _cached_layout(cache_dir: Path | None, path: Path, device: torch.device) -> 
     if cache_dir is None or device.type != "cpu":
         return None, None
     try:
-        key = layout_key(path, _weights_sha(path))
+        key = layout_key(path, _weights_sha(path, Path(cache_dir) / SHA_DIR))
     except NotFoundError:   # no weights: the model's own load says why, as without a cache
         return None, None
     return key, read_layout(cache_dir, key)

@@ -148,14 +148,16 @@ def write_layout(cache_dir: Path, key: str, model_dir: Path, model: torch.nn.Mod
     return True
 
 
-def load_tensors(model_dir: Path, layout: BaseLayout, names: list[str]) -> dict[str, torch.Tensor]:
-    """The named tensors from the model's checkpoint files, as the model has them: views of the
-    files' private (copy-on-write) mappings, as ``transformers`` loads a model's own."""
+def load_tensors(model_dir: Path, layout: BaseLayout) -> dict[str, torch.Tensor]:
+    """Every tensor of ``layout.sources`` (the word embeddings and the biases) from the model's
+    checkpoint files, as the model has them: views of the files' private (copy-on-write) mappings,
+    as ``transformers`` loads a model's own. Each file is opened once: a start reads them all
+    together (one open per name cost a hundred opens of a large file)."""
     from safetensors import safe_open
 
     by_file: dict[str, list[str]] = {}
-    for n in names:
-        by_file.setdefault(layout.sources[n][0], []).append(n)
+    for n, (fname, _, _) in layout.sources.items():
+        by_file.setdefault(fname, []).append(n)
     out: dict[str, torch.Tensor] = {}
     for fname, ns in by_file.items():
         with safe_open(str(model_dir / fname), framework="pt") as f:

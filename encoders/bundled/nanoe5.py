@@ -33,6 +33,7 @@ NAME = "multilingual-e5-small"
 SOURCE_FILE = "e5-small-q4.bin"
 # Bump when the converted output changes, so existing caches are rebuilt.
 CONVERTER_VERSION = 1
+SHA_DIR = ".sha256"   # the source's hash per file identity, so a start does not read it again
 
 
 def _hf_name(name: str) -> str:
@@ -147,7 +148,7 @@ def ensure_converted(cache_dir: Path | None = None, *, src: Path | None = None) 
     parent = Path(cache_dir) if cache_dir is not None else models_dir()
     src = Path(src) if src is not None else bundled_source()
     target = parent / NAME
-    sha = sha256_file_cached(src)
+    sha = sha256_file_cached(src, parent / SHA_DIR)
     if _is_current(target, sha):
         return target
     parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from qswap.after_import import after_import
 from qswap.errors import InternalServerError, PayloadTooLargeError, QswapError
 from qswap.server.http.dialects import dialect_for, shape_error
 from qswap.server.http.errors import error_body_of
@@ -77,8 +78,13 @@ def configure_logging(json_lines: bool = True, level: int = logging.INFO) -> Non
         lg.handlers.clear()
         lg.propagate = True
     logging.captureWarnings(True)
-    # transformers re-adds its own handler (and stops propagation) when it configures itself later
-    from transformers.utils import logging as hf_logging
+    # transformers adds its own handler (and stops propagation) when it configures itself, which
+    # its logging module does as soon as it is imported: undo that then, without importing it now
+    # (a second of every start; a server serving from cached exports never imports it).
+    after_import("transformers.utils.logging", _propagate_transformers)
+
+
+def _propagate_transformers(hf_logging: Any) -> None:
     hf_logging.disable_default_handler()
     hf_logging.enable_propagation()
 

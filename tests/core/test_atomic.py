@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,31 @@ def test_cached_hash_follows_content_changes(tmp_path):
     assert sha256_file_cached(f) == sha256_file(f)
     f.write_bytes(b"three")   # size changes: hashed again
     assert sha256_file_cached(f) == hashlib.sha256(b"three").hexdigest()
+
+
+def test_stored_hash_serves_a_new_process_until_the_file_changes(tmp_path, monkeypatch):
+    import os
+
+    import qswap.atomic
+
+    f, store = tmp_path / "w.bin", tmp_path / "store"
+    f.write_bytes(b"one")
+    assert sha256_file_cached(f, store) == hashlib.sha256(b"one").hexdigest()
+    hashed: list[Path] = []
+    monkeypatch.setattr(qswap.atomic, "sha256_file", lambda p, *a: hashed.append(p) or sha256_file(p, *a))
+    monkeypatch.setattr(qswap.atomic, "_sha_memo", {})   # as in a new process: the record answers
+    assert sha256_file_cached(f, store) == hashlib.sha256(b"one").hexdigest() and hashed == []
+    # Same size, mtime put back: the change time still moves, so the file is hashed again.
+    st = f.stat()
+    f.write_bytes(b"two")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    monkeypatch.setattr(qswap.atomic, "_sha_memo", {})
+    assert sha256_file_cached(f, store) == hashlib.sha256(b"two").hexdigest() and len(hashed) == 1
+    (next(store.iterdir())).write_text("{torn")   # an unreadable record: hashed again, rewritten
+    monkeypatch.setattr(qswap.atomic, "_sha_memo", {})
+    assert sha256_file_cached(f, store) == hashlib.sha256(b"two").hexdigest() and len(hashed) == 2
+    monkeypatch.setattr(qswap.atomic, "_sha_memo", {})
+    assert sha256_file_cached(f, store) == hashlib.sha256(b"two").hexdigest() and len(hashed) == 2
 
 
 def test_staged_dir_swaps_in_a_complete_directory_or_nothing(tmp_path):

@@ -57,6 +57,31 @@ def test_warm_load_reads_tensors_without_building_the_model(tmp_path, tiny_model
     assert np.array_equal(warm.encode_queries(QUERIES), tiny_base.encode_queries(QUERIES))
 
 
+def test_a_warm_load_opens_the_checkpoint_once_and_hashes_nothing(tmp_path, tiny_model_dir, monkeypatch):
+    """A start on a recorded layout reads every tensor the runtimes ask for with one open of the
+    weights file, and takes the weights' hash from the cache instead of reading the file."""
+    import safetensors
+
+    import qswap.atomic
+
+    cache = tmp_path / "onnx"
+    load_base(tiny_model_dir, device="cpu", cache_dir=cache)
+    monkeypatch.setattr(qswap.atomic, "_sha_memo", {})   # as in a new process
+    hashed: list[Path] = []
+    real_sha = qswap.atomic.sha256_file
+    monkeypatch.setattr(qswap.atomic, "sha256_file", lambda p, *a: hashed.append(Path(p)) or real_sha(p, *a))
+    opened: list[str] = []
+    real_open = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", lambda f, *a, **k: opened.append(f) or real_open(f, *a, **k))
+    warm = load_base(tiny_model_dir, device="cpu", cache_dir=cache)
+    assert not warm.built and hashed == []
+    names = [warm.layout.word_embeddings, *warm.layout.bias_names()]
+    assert len(names) > 10
+    tensors = {n: warm.tensor(n) for n in names}
+    assert opened == [str(tiny_model_dir / "model.safetensors")]
+    assert all(warm.tensor(n) is t for n, t in tensors.items())   # read once, handed out again
+
+
 def test_a_record_of_other_weights_is_not_used(tmp_path, tiny_model_dir):
     from safetensors.torch import load_file, save_file
 

@@ -298,7 +298,7 @@ def test_ensure_converted_reuses_and_rebuilds(tiny, tmp_path, monkeypatch, capsy
     assert len(calls) == 2
     assert json.loads((out / "qswap_base.json").read_text())["source_sha256"] == sha256_file(src)
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [
-        ".multilingual-e5-small.lock", "multilingual-e5-small"]
+        ".multilingual-e5-small.lock", ".sha256", "multilingual-e5-small"]   # .sha256: the source's hash kept
 
 
 def test_killed_conversion_leaves_no_half_cache(tiny, tmp_path, monkeypatch):

@@ -3,6 +3,10 @@ builds it (once) when a path that needs torch comes: here, attaching a LoRA enco
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 from .conftest import ADMIN, LiveServer, server_settings
 from .exact import assert_served_by
 
@@ -34,3 +38,34 @@ def test_restart_on_cached_exports_serves_without_the_torch_model(tmp_path, tiny
             r = c.post("/v1/search", json={"query": QUERY, "k": 5, "encoder": key})
             assert r.status_code == 200, r.text
             assert_served_by(r.json()["results"][0]["hits"], reference_pool, doc_embeddings, ids, key, QUERY, 5)
+
+
+def test_a_warm_start_imports_no_transformers(tmp_path, tiny_model_dir, index_dir, encoders_root):
+    """A fresh server process on a warm state dir (logging set up as `qswap serve` does, the app
+    built and loaded) never imports ``transformers``: neither the logging set-up nor the base needs it."""
+    s = server_settings(tmp_path, tiny_model_dir, index_dir, encoders_root=encoders_root, admin_token=ADMIN,
+                        read_only_index=True)
+    with LiveServer(s) as srv:   # first start: the layout recorded, the graph exported
+        assert srv.app.state.qs.backend.wait(timeout=300)
+    given = {"model": str(tiny_model_dir), "index": str(index_dir), "device": "cpu", "state_dir": str(s.state_dir),
+             "encoders_root": str(encoders_root), "admin_token": ADMIN, "read_only_index": True}
+    script = f"""
+import json, logging, sys
+from qswap.server.config import ServerSettings
+from qswap.server.http.app import create_app
+from qswap.server.http.logs import configure_logging
+configure_logging(json_lines=True)
+app = create_app(ServerSettings(**json.loads({json.dumps(given)!r})))
+qs = app.state.qs
+try:
+    qs.load()
+    out = {{"ready": qs.ready, "built": qs.base.built,
+           "transformers": sorted(m for m in sys.modules if m.split(".")[0] == "transformers")}}
+finally:
+    qs.close()
+print(json.dumps(out))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res == {"ready": True, "built": False, "transformers": []}, out.stderr[-3000:]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import subprocess
+import sys
 import warnings
 from datetime import datetime
 
@@ -47,6 +49,26 @@ def test_library_warnings_and_logs_are_json_lines(capsys, restore_logging):
     parsed = [json.loads(ln) for ln in lines]   # every line is one JSON object
     assert any("a library's deprecation" in p["msg"] and p["logger"] == "py.warnings" for p in parsed), lines
     assert any(p["msg"] == "a transformers warning" and p["level"] == "warning" for p in parsed), lines
+
+
+def test_transformers_imported_after_the_set_up_logs_json_lines():
+    """The set-up does not import transformers (a second of every start); when something imports
+    it later, its records still come out as JSON lines through the one handler."""
+    script = """
+import logging, sys
+from qswap.server.http.logs import configure_logging
+configure_logging(json_lines=True)
+assert "transformers" not in sys.modules, "the logging set-up imported transformers"
+from transformers.utils import logging as hf_logging
+hf_logging.set_verbosity_warning()
+hf_logging.get_logger("transformers.modeling_utils").warning("a transformers warning")
+assert logging.getLogger("transformers").handlers == []
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    parsed = [json.loads(ln) for ln in out.stderr.splitlines() if ln.strip()]   # every line is one JSON object
+    assert any(p["msg"] == "a transformers warning" and p["logger"] == "transformers.modeling_utils"
+               for p in parsed), out.stderr
 
 
 def test_process_metrics_and_a_dropped_counter():

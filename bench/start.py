@@ -1,0 +1,128 @@
+"""``qswap bench start``: what a server start costs on a warm state dir, code versions side by side.
+
+Each arm is a git revision of qswap (``--arm LABEL=REV``; ``.`` is the installed working tree).
+A revision is checked out of git into a folder laid out as the installed package (the
+``package-dir`` mapping of its ``pyproject.toml``) and run with that folder first on
+``PYTHONPATH``, under the same interpreter and packages as this one. Every arm serves the same
+``QSWAP_DATA_DIR`` (the bundled model converted, the demo index, the server's state dir with
+its cached ONNX exports and base layout): ``qswap serve`` with no index or model options, as a
+user's restart. Each arm starts once unmeasured (bytecode compiled, its caches written), then
+the arms alternate over ``--rounds``: launch to ``/readyz`` 200 (polled every 10 ms), then one
+search (the first forward pass on the served runtime), then a clean stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from qswap.bench.fixtures import qswap_command
+from qswap.bench.processes import ServerProcess, free_port, http_json
+from qswap.bench.provenance import REPO, loadavg
+from qswap.bench.results import ResultWriter, md_table, results_dir_for
+from qswap.errors import InvalidInputError
+
+QUERY = "chess engine with a graphical board"
+POLL_S = 0.01
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arm", action="append", default=None, metavar="LABEL=REV",
+                   help="a code version to start: a git revision, or '.' for the installed working tree "
+                        "(repeat; default: this=.)")
+    p.add_argument("--rounds", type=int, default=3, help="measured starts per arm, arms alternating")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="QSWAP_DATA_DIR the servers share (default: a fresh one under the results tmp/)")
+
+
+def checkout(rev: str, into: Path) -> Path:
+    """Revision ``rev`` of this repository as an importable ``qswap`` tree under ``into``."""
+    tar = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=False)
+    if tar.returncode != 0:
+        raise InvalidInputError(f"git archive {rev} failed: {tar.stderr.decode()[-500:]}", "give a git revision")
+    src = into / "src"
+    with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
+        t.extractall(src, filter="data")
+    tree = into / "tree"
+    mapping = tomllib.loads((src / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for pkg, folder in mapping.items():   # "qswap" (core/) first, then its subpackages into it
+        shutil.copytree(src / folder, tree.joinpath(*pkg.split(".")), dirs_exist_ok=True)
+    return tree
+
+
+def _one_start(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, float]:
+    port = free_port()
+    srv = ServerProcess([*cmd, "serve", "--host", "127.0.0.1", "--port", str(port), "--insecure",
+                         "--log-format", "text"], port, ready_path="/readyz", log_path=log, env=env, poll_s=POLL_S)
+    with srv:
+        t0 = time.perf_counter()
+        status, body = http_json("POST", srv.url("/v1/search"), {"query": QUERY, "k": 3})
+        search_s = time.perf_counter() - t0
+        if status != 200 or not body["results"][0]["hits"]:
+            raise InvalidInputError(f"search after start answered {status}: {body}", f"see {log}")
+    assert srv.start_seconds is not None
+    return {"ready_s": srv.start_seconds, "search_s": search_s, "total_s": srv.start_seconds + search_s}
+
+
+def run(args: argparse.Namespace) -> int:
+    out = results_dir_for("start", args.quick, args.out)
+    writer = ResultWriter("start", out)
+    rounds = 1 if args.quick else args.rounds
+    arms: list[tuple[str, str]] = []
+    for a in args.arm or ["this=."]:
+        label, sep, rev = a.partition("=")
+        if not sep or not label or not rev:
+            raise InvalidInputError(f"--arm {a!r} is not LABEL=REV", "e.g. --arm before=main --arm after=.")
+        if rev != ".":   # the commit itself, so the results say what ran
+            got = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", rev], capture_output=True, text=True)
+            if got.returncode != 0:
+                raise InvalidInputError(f"--arm {a!r}: {got.stderr.strip()}", "give a git revision")
+            rev = got.stdout.strip()
+        arms.append((label, rev))
+    work = Path(tempfile.mkdtemp(prefix="qswap-bench-start-"))
+    try:
+        data = args.data_dir or (out / "tmp" / "data")
+        env = {"QSWAP_DATA_DIR": str(data)}
+        cmds: dict[str, tuple[list[str], dict[str, str]]] = {}
+        for label, rev in arms:
+            if rev == ".":
+                cmds[label] = (qswap_command(), env)
+            else:
+                tree = checkout(rev, work / label)
+                cmds[label] = ([sys.executable, "-c", "import sys; from qswap.cli import main; sys.exit(main())"],
+                               {**env, "PYTHONPATH": str(tree)})
+        revs = {label: rev for label, rev in arms}
+        for label in cmds:   # unmeasured: converts the model and builds the demo index on a new data dir
+            print(f"start: warming {label}", file=sys.stderr, flush=True)
+            _one_start(*cmds[label], work / f"{label}-warm.log")
+        starts: list[dict[str, Any]] = []
+        for r in range(rounds):
+            for label in (list(cmds) if r % 2 == 0 else list(reversed(cmds))):
+                one = _one_start(*cmds[label], work / f"{label}-{r}.log")
+                starts.append({"arm": label, "round": r, **one, "loadavg": loadavg()})
+                print(f"start: round {r} {label}: ready {one['ready_s']:.2f} s, search {1000 * one['search_s']:.0f} ms",
+                      file=sys.stderr, flush=True)
+        summary = {label: {k: statistics.median(s[k] for s in starts if s["arm"] == label)
+                           for k in ("ready_s", "search_s", "total_s")} for label in cmds}
+        res = {"arms": revs, "rounds": rounds, "poll_s": POLL_S, "starts": starts, "median": summary}
+        rows = [[label, revs[label], f"{m['ready_s']:.2f}", f"{1000 * m['search_s']:.0f}", f"{m['total_s']:.2f}",
+                 " / ".join(f"{s['ready_s']:.2f}" for s in starts if s["arm"] == label)]
+                for label, m in summary.items()]
+        md = (f"`qswap serve` (the bundled model over the demo index, `--insecure`) on a warm `QSWAP_DATA_DIR`, "
+              f"{rounds} rounds, arms alternating; `/readyz` polled every {1000 * POLL_S:.0f} ms.\n\n"
+              + md_table(["arm", "revision", "ready s (median)", "first search ms", "ready + search s",
+                          "ready s per round"], rows))
+        print(f"start: results in {writer.write(res, md)}", file=sys.stderr)
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
