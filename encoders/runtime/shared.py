@@ -183,7 +183,8 @@ class SharedBackend:
             self._retried.notify_all()
 
     def _load_or_export(self, segments: bool = False) -> Any:
-        factors = self.factors if segments else self._graph_factors   # the segment runner copies the pool's type
+        # Both graphs take float32 factors on CPU (the segment runner converts as it copies into its buffers).
+        factors = self._graph_factors
         path = cached_shared(self.base, self.directory(), self._variant, factors, segments=segments)
         return make_session(path, self._threads, self.providers, self.spin)
 
@@ -201,7 +202,7 @@ class SharedBackend:
                 except Exception as e:   # mixed batches keep running per group
                     log.warning("segment ONNX export failed; mixed batches run one call per encoder: %s", e)
                     raise
-                runner = SegmentRunner(self.slots, self._base_inputs, FACTOR_DTYPES[self.factors])
+                runner = SegmentRunner(self.slots, self._base_inputs, FACTOR_DTYPES[self._graph_factors])
                 with self._lock:
                     self._segments = (sess, runner)
             self._segments_future = self._executor.submit(build)
