@@ -67,8 +67,8 @@ class SegmentRunner:
         base: the base's own inputs (:meth:`Slots.base_inputs`): the biases bound to every call.
         factor_dtype: the type of the graph's LoRA factor inputs (float32, float16, bfloat16); a
             pool's factors of another type are converted as they are copied into the call buffers
-            (on CPU the graph takes float32: a Cast of every factor in every call cost ~5 % of a
-            32-row call of 20 encoders, bench/results/forward_mixed/).
+            (float32 buffers on CPU removed the graph's Cast per factor but measured no faster end
+            to end, and slower for a call whose encoders all change: the pool's type is used).
     """
 
     def __init__(self, slots: Slots, base: dict[str, torch.Tensor], factor_dtype: torch.dtype) -> None:

@@ -52,7 +52,13 @@ def test_a_mixed_batch_is_one_segment_call_with_the_one_encoder_answers(mixed, m
     # next batch then holds all three, one row per encoder.
     forward = qs.batcher.forward
     real = forward.encode_fn
-    forward.encode_fn = held_first_call(real, lambda: qs.batcher._ready.qsize() >= len(KEYS))
+    held = held_first_call(real, lambda: qs.batcher._ready.qsize() >= len(KEYS))
+    entered = threading.Event()
+
+    def first_held(*a, **kw):
+        entered.set()
+        return held(*a, **kw)
+    forward.encode_fn = first_held
     got: dict[str, list] = {}
     errors: list[str] = []
 
@@ -66,6 +72,7 @@ def test_a_mixed_batch_is_one_segment_call_with_the_one_encoder_answers(mixed, m
     first = threading.Thread(target=ask, args=("base",))
     try:
         first.start()
+        assert entered.wait(60)   # the first request's batch is held: the others queue behind it
         threads = [threading.Thread(target=ask, args=(k,)) for k in KEYS]
         for t in threads:
             t.start()
