@@ -35,7 +35,9 @@ domain, that encoder serves every row, so the shared backend makes it *hot*
 (:mod:`qswap.encoders.runtime.hot`: its rows run on a merged graph of their own): timing starts
 once it is. ``--hot-off-arm`` adds a fourth arm in that scenario, qswap's search route on a
 second server started with ``--hot-encoders 0``, to show what hot encoders change side by side.
-``--scenarios`` picks the scenarios to run (default ``one,many``; ``twenty`` on request).
+``--mix-arm MODE`` adds, in the scenarios of several domains, qswap's search route on a second
+server started with ``--mixed-batches MODE`` (how a batch that mixes encoders runs), to compare
+that setting with the default side by side. ``--scenarios`` picks the scenarios to run (default ``one,many``; ``twenty`` on request).
 """
 
 from __future__ import annotations
@@ -73,7 +75,13 @@ TARGETS = {"one": 1.2, "many": 2.0, "twenty": 3.0}
 P99_TARGETS = ("one", "twenty")
 _HDR = (("Content-Type", "application/json"),)
 HOT_OFF = "qswap search, hot off"
+MIX_ARM = "qswap search, mix="   # + the --mix-arm setting
 ARMS = ("qswap search", "qswap embeddings", HOT_OFF, "infinity embeddings")
+
+
+def _arms(present: Any) -> list[str]:
+    """The arms of a level in report order: :data:`ARMS` present, then a ``--mix-arm`` one."""
+    return [a for a in ARMS if a in present] + sorted(a for a in present if a.startswith(MIX_ARM))
 SCENARIOS = ("one", "many", "twenty")
 DEFAULT_SCENARIOS = ("one", "many")
 
@@ -95,6 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "less a reserve for the rest of the machine); it loads as many as fit")
     p.add_argument("--hot-off-arm", action="store_true",
                    help="one domain: also time qswap's search on a second server with --hot-encoders 0")
+    p.add_argument("--mix-arm", choices=("auto", "groups", "segments"), default=None,
+                   help="several domains: also time qswap's search on a second server with --mixed-batches MODE")
     p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
                    help="comma-separated scenarios to run: one (one domain), many (--domains), twenty "
                         f"(domains: {TWENTY.describe()}; Infinity loads as many merged models as fit in memory) "
@@ -216,7 +226,7 @@ class _Infinity:
 
 def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: Path, enc_root: Path,
               model: str, backend: str, infinity: _Infinity | None, prefix: str,
-              tmp: Path, hot_off_arm: bool = False) -> dict[str, Any]:
+              tmp: Path, hot_off_arm: bool = False, mix_arm: str | None = None) -> dict[str, Any]:
     """Start both servers for ``n_dom`` domains, check agreement, measure every arm at every level."""
     from qswap.bench.fixtures import (qswap_server, register, search_requests, wait_for_runtime,
                                       warm_until_settled)
@@ -255,6 +265,17 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
             arms[HOT_OFF] = (off.port, search_requests(work.queries, keys))
             servers["qswap, hot off"] = {"command": off.command, "start_s": off.start_seconds}
             warm_until_settled(off, arms[HOT_OFF][1], concurrency=top, requests=warm_n)
+        if mix_arm is not None and n_dom > 1:
+            mixed = stack.enter_context(qswap_server(idx_dir, enc_root, tmp / f"state-mix-{n_dom}",
+                                                     tmp / f"qswap-mix-{n_dom}.log", model=model,
+                                                     extra=["--backend", backend, "--mixed-batches", mix_arm]))
+            for d in domains:
+                register(mixed, f"{d}-1")
+            wait_for_runtime(mixed, ["base", *keys], "onnx-shared" if backend == "shared" else backend)
+            name = MIX_ARM + mix_arm
+            arms[name] = (mixed.port, search_requests(work.queries, keys))
+            servers[f"qswap, mix={mix_arm}"] = {"command": mixed.command, "start_s": mixed.start_seconds}
+            warm_until_settled(mixed, arms[name][1], concurrency=top, requests=warm_n)
         inf, served = None, []
         if infinity is not None:
             try:
@@ -320,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
                            "encoders": f"random LoRA adapters, rank {RANK}, all dense layers", "levels": opts.levels,
                            "seconds_per_run": opts.seconds, "max_requests_per_run": opts.requests,
                            "rounds": opts.rounds, "query_prefix": prefix, "targets": TARGETS,
-                           "qswap_backend": args.backend}
+                           "qswap_backend": args.backend, "mix_arm": args.mix_arm}
     infinity = None
     if args.no_infinity:
         res["infinity"] = {"skipped": "--no-infinity"}
@@ -351,7 +372,8 @@ def run(args: argparse.Namespace) -> int:
         label = "one domain" if n == 1 else f"{n} domains"
         res["scenarios"][tag] = _scenario(label, n, opts=opts, work=work, idx_dir=idx_dir, enc_root=enc_root,
                                           model=args.model, backend=args.backend, infinity=infinity,
-                                          prefix=prefix, tmp=dirs.tmp, hot_off_arm=args.hot_off_arm)
+                                          prefix=prefix, tmp=dirs.tmp, hot_off_arm=args.hot_off_arm,
+                                          mix_arm=args.mix_arm)
     _summarise(res)
     _write(dirs, res)
     dirs.clean_scratch()
@@ -373,12 +395,16 @@ def _summarise(res: dict[str, Any]) -> None:
             if HOT_OFF in arms:   # what hot encoders change: the same route, hot on / off
                 sc.setdefault("hot_over_off", {})[c] = ratio_summary([x["qps"] for x in arms["qswap search"]],
                                                                      [x["qps"] for x in arms[HOT_OFF]]).to_dict()
+            for a in _arms(arms):   # what --mixed-batches changes: the same route, that setting / the default
+                if a.startswith(MIX_ARM):
+                    sc.setdefault("mix_over_default", {})[c] = ratio_summary(
+                        [x["qps"] for x in arms[a]], [x["qps"] for x in arms["qswap search"]]).to_dict()
             inf = arms.get("infinity embeddings")
             if inf is None:
                 continue
             per = {}
-            for route in ("qswap search", "qswap embeddings", HOT_OFF):
-                if route not in arms:
+            for route in _arms(arms):
+                if route == "infinity embeddings":
                     continue
                 q = arms[route]
                 qps = ratio_summary([x["qps"] for x in q], [x["qps"] for x in inf]).to_dict()
@@ -395,10 +421,9 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
     w, levels = dirs.writer, res["levels"]
     series, p99s = {}, {}
     for sc in res["scenarios"].values():
-        for a in ARMS:
-            if a in sc["levels"][str(levels[0])]:
-                series[f"{sc['label']}: {a}"] = [_median([x["qps"] for x in sc["levels"][str(c)][a]]) for c in levels]
-                p99s[f"{sc['label']}: {a}"] = [_median([x["p99_ms"] for x in sc["levels"][str(c)][a]]) for c in levels]
+        for a in _arms(sc["levels"][str(levels[0])]):
+            series[f"{sc['label']}: {a}"] = [_median([x["qps"] for x in sc["levels"][str(c)][a]]) for c in levels]
+            p99s[f"{sc['label']}: {a}"] = [_median([x["p99_ms"] for x in sc["levels"][str(c)][a]]) for c in levels]
     plot_lines(w.plot_path("qps.png"), levels, series, xlabel="concurrent connections", ylabel="requests / s",
                title="qswap vs Infinity, same weights (median over rounds)", logx=True)
     plot_lines(w.plot_path("p99.png"), levels, p99s, xlabel="concurrent connections", ylabel="p99 latency (ms)",
@@ -408,9 +433,7 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
     for tag, sc in res["scenarios"].items():
         for c in levels:
             arms = sc["levels"][str(c)]
-            for a in ARMS:
-                if a not in arms:
-                    continue
+            for a in _arms(arms):
                 pts = arms[a]
                 vs = sc.get("vs_infinity", {}).get(str(c), {}).get(a)
                 rows.append([sc["label"], c, a, _median([x["qps"] for x in pts]),
@@ -421,7 +444,7 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
                              sum(x["failed"] for x in pts),
                              "/".join(f"{x['loadavg'][0]:.1f}" for x in pts if x["loadavg"])])
             for a, vs in sc.get("vs_infinity", {}).get(str(c), {}).items():
-                if a == HOT_OFF:
+                if a == HOT_OFF or a.startswith(MIX_ARM):
                     continue   # a comparison arm, not the product's figure
                 want = f">= {TARGETS[tag]}x QPS" + (" and p99 <= Infinity's" if tag in P99_TARGETS else "")
                 goals.append(f"- {sc['label']}, c={c}, {a}: {vs['qps_ratio']['median']:.2f}x QPS, p99 "
@@ -430,6 +453,9 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
         for c, r in sc.get("hot_over_off", {}).items():
             goals.append(f"- {sc['label']}, c={c}: qswap search, hot encoder on / off: {r['median']:.2f}x QPS "
                          f"({r['min']:.2f}-{r['max']:.2f}; not a target)")
+        for c, r in sc.get("mix_over_default", {}).items():
+            goals.append(f"- {sc['label']}, c={c}: qswap search, --mixed-batches {res['mix_arm']} / the default: "
+                         f"{r['median']:.2f}x QPS ({r['min']:.2f}-{r['max']:.2f}; not a target)")
         im = sc.get("infinity_models", {})
         if im.get("why"):
             stops.append(f"- {sc['label']}: Infinity served {im['served']} of the {im['of']} merged models "

@@ -21,7 +21,8 @@ _FLAG_FIELDS = {
     "encoders_root": "encoders_root", "state_dir": "state_dir", "token": "admin_token",
     "search_token": "search_token", "metrics_token": "metrics_token", "insecure": "insecure", "backend": "backend",
     "query_precision": "query_precision", "lora_factors": "lora_factors",
-    "onnx_threads": "onnx_threads", "onnx_spin": "onnx_spin", "hot_encoders": "hot_encoders", "bulk_lane": "bulk_lane",
+    "onnx_threads": "onnx_threads", "onnx_spin": "onnx_spin", "hot_encoders": "hot_encoders",
+    "mixed_batches": "mixed_batches", "bulk_lane": "bulk_lane",
     "abandon_wait": "abandon_wait_s",
     "forward_lanes": "forward_lanes",
     "batch_window_ms": "batch_window_ms", "gil_switch_ms": "gil_switch_ms", "max_batch": "max_batch", "default_encoder": "default_encoder",
@@ -97,6 +98,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hot-encoders", type=int, metavar="N",
                    help="shared backend: an encoder serving at least half of the recent rows runs on its own merged "
                         "graph; at most N such (default 1; 0: never; docs/query-path.md)")
+    p.add_argument("--mixed-batches", choices=("auto", "groups", "segments"), default=None,
+                   help="shared backend: how a batch that mixes encoders runs (default auto; docs/query-path.md)")
     p.add_argument("--bulk-lane", choices=("on", "off"), default=None,
                    help="requests larger than one slice run on a second, lower-priority forward thread (default on; "
                         "docs/serving.md)")

@@ -84,6 +84,10 @@ class ServerSettings(BaseSettings):
     hot_encoders: int = Field(1, ge=0, le=16, description="shared backend: merged sessions kept for the encoders "
                               "with most of the served rows (~85 MB each for multilingual-e5-small; 0: none; "
                               "see docs/query-path.md)")
+    mixed_batches: Literal["auto", "groups", "segments"] = Field(
+        "auto", description="shared backend: how a batch that mixes encoders runs: one call per encoder group "
+                            "(groups), one call for all its rows (segments), or by its shape (auto; see "
+                            "docs/query-path.md)")
     export_retry_s: float = Field(10.0, gt=0, description="a failed background ONNX export (EMFILE, full disk) is "
                                   "tried again after this, doubling up to 5 minutes; torch serves meanwhile")
     query_precision: Literal["fp32", "bf16", "fp16"] = Field(

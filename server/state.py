@@ -124,7 +124,7 @@ class ServerState:
         self.pool = pool
         self.backend = make_backend(s.backend, pool, s.state_dir / "onnx", s.onnx_threads,
                                     s.query_precision, retry_s=s.export_retry_s, spin=s.onnx_spin,
-                                    hot=s.hot_encoders)
+                                    hot=s.hot_encoders, mix=s.mixed_batches)
         guard = None
         if s.sentinels is not None:
             from qswap.guard.evaluator import GuardEvaluator

@@ -98,7 +98,7 @@ class TorchBackend:
 
 def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | None = None,
                  precision: str = "fp32", retry_s: float | None = None, spin: bool = True,
-                 hot: int = DEFAULT_HOT) -> Backend:
+                 hot: int = DEFAULT_HOT, mix: str | None = None) -> Backend:
     """The configured backend (:data:`BACKENDS`); ONNX Runtime is imported only when asked for.
 
     ``precision`` is the torch and cuda backends' query precision (cuda also takes ``fp16``); the
@@ -107,6 +107,8 @@ def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | N
     (doubling); None: never. ``spin``: ONNX Runtime's intra-op workers busy-wait inside a
     forward (:func:`qswap.encoders.runtime.onnx.make_session`). ``hot``: the shared backend's
     merged sessions for the encoders with most of the traffic (:mod:`qswap.encoders.runtime.hot`).
+    ``mix``: how the shared backend runs a batch that mixes encoders
+    (:data:`qswap.encoders.runtime.shared.MIXES`; None: its default).
     """
     if kind == "torch":
         return TorchBackend(pool, precision)
@@ -124,6 +126,7 @@ def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | N
             raise InvalidInputError(f"the {kind} backend is not available: {e}",
                                     "install onnxruntime and onnx, or use --backend torch") from None
         if kind == "shared":
-            return SharedBackend(pool, cache_dir, threads=threads, retry_s=retry_s, spin=spin, hot=hot)
+            return SharedBackend(pool, cache_dir, threads=threads, retry_s=retry_s, spin=spin, hot=hot,
+                                 **({"mix": mix} if mix is not None else {}))
         return OnnxBackend(pool, cache_dir, threads=threads, spin=spin)
     raise InvalidInputError(f"unknown backend {kind!r}", f"use one of {', '.join(BACKENDS)}")

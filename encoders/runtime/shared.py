@@ -183,7 +183,9 @@ class SharedBackend:
             self._retried.notify_all()
 
     def _load_or_export(self, segments: bool = False) -> Any:
-        factors = self.factors if segments else self._graph_factors   # the segment runner copies the pool's type
+        # The segment graph takes the pool's type (its Cast per factor measured cheaper overall than
+        # converting as the runner copies: a call whose encoders all change, bench/results/forward_mixed/).
+        factors = self.factors if segments else self._graph_factors
         path = cached_shared(self.base, self.directory(), self._variant, factors, segments=segments)
         return make_session(path, self._threads, self.providers, self.spin)
 

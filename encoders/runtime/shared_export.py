@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 
 # Bump when the shared graph changes, so cached exports are rebuilt.
 SHARED_FORMAT = 2
+# Bump when the segment graph changes (its routing inputs), so cached segment exports are rebuilt.
+SEGMENTS_FORMAT = 2
 SHARED_MODEL_FILE = "shared.onnx"
 SEGMENTS_MODEL_FILE = "segments.onnx"
 # The segment graph's token-routing inputs (:func:`routing`).
@@ -125,8 +127,10 @@ class Slots:
 def routing(segment: np.ndarray, segments: int, length: int) -> dict[str, np.ndarray]:
     """The segment graph's routing inputs for rows of ``length`` tokens, row ``i`` with encoder
     ``segment[i]`` of ``segments``: ``segment_tokens`` (E, m * L), the tokens of each encoder's
-    rows, padded to the largest group by repeating its first row; ``token_positions`` (n * L,),
-    where each token's product sits in that padded order."""
+    rows, padded to the largest group by repeating its first row; ``token_positions`` (n, L),
+    where each token's product sits in that padded order. Both index the tokens as one (n * L)
+    axis and have the shape of what their Gather gives, so the graph reshapes nothing by a
+    shape it reads at run time."""
     segment = np.asarray(segment, dtype=np.int64)
     groups = [np.flatnonzero(segment == e) for e in range(segments)]
     width = max(len(g) for g in groups)
@@ -138,7 +142,7 @@ def routing(segment: np.ndarray, segments: int, length: int) -> dict[str, np.nda
         pos[g] = e * width + np.arange(len(g))
     tokens = np.arange(length, dtype=np.int64)
     return {"segment_tokens": (rows[:, :, None] * length + tokens).reshape(segments, -1),
-            "token_positions": (pos[:, None] * length + tokens).reshape(-1)}
+            "token_positions": pos[:, None] * length + tokens}
 
 
 def find_slots(layout: BaseLayout) -> Slots:
@@ -164,10 +168,10 @@ class _Inputs:
             self.taken[id(x)] = x, x.reshape(-1, width)[self.values["segment_tokens"]]
         return self.taken[id(x)][1]
 
-    def unsegment(self, y: torch.Tensor, width: int, like: torch.Tensor) -> torch.Tensor:
-        """(E, m*L, width) -> ``like``'s (n, L, width), in token order: each token's own product,
-        padding dropped."""
-        return y.reshape(-1, width)[self.values["token_positions"]].reshape_as(like)
+    def unsegment(self, y: torch.Tensor, width: int) -> torch.Tensor:
+        """(E, m*L, width) -> (n, L, width), in token order: each token's own product, padding
+        dropped; one Gather (its (n, L) indices give the shape: no Shape/Reshape pair per Linear)."""
+        return y.reshape(-1, width)[self.values["token_positions"]]
 
 
 class _AdaptedLinear(torch.nn.Module):
@@ -187,7 +191,7 @@ class _AdaptedLinear(torch.nn.Module):
         if self.inputs.segments:   # per encoder: a (E, r, in), b (E, out, r); the base's bias
             xs = self.inputs.segment(x, self.weight.shape[1])
             low = torch.matmul(torch.matmul(xs, a.transpose(1, 2)), b.transpose(1, 2))
-            y = y + self.inputs.unsegment(low, self.weight.shape[0], y)
+            y = y + self.inputs.unsegment(low, self.weight.shape[0])
             return y if self.bias_in_attention else y + v[f"{self.name}.bias"]
         # Projection, then the rank-r path, then the bias: the bias Add comes last so that
         # fold_biases finds it right before the Gelu / residual Add it belongs to.
@@ -309,7 +313,7 @@ def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
 def shared_digest(base: BaseEncoder, variant: str, factors: str = "float32", segments: bool = False) -> str:
     """Content key of a shared export: format, opset, variant (cpu/cuda), factor dtype, base
     space, and whether it is the segment graph."""
-    kind = "segments" if segments else "shared"
+    kind = f"segments{SEGMENTS_FORMAT}" if segments else "shared"
     return hashlib.sha256(f"{kind}|{SHARED_FORMAT}|{OPSET}|{variant}|{factors}|{base.space.fingerprint}"
                           .encode()).hexdigest()
 
@@ -453,7 +457,8 @@ def _dynamic_axes(slots: Slots, segments: bool) -> dict[str, dict[int, str]]:
             axes[f"{m}.lora_A"] = {0: f"r{i}"}
             axes[f"{m}.lora_B"] = {1: f"r{i}"}
     if segments:
-        axes.update({"segment_tokens": {0: "segments", 1: "segment_tokens"}, "token_positions": {0: "tokens"}})
+        axes.update({"segment_tokens": {0: "segments", 1: "segment_tokens"},
+                     "token_positions": {0: "batch", 1: "sequence"}})
     return axes
 
 

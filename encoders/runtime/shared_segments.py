@@ -46,11 +46,11 @@ def _array(t: torch.Tensor) -> np.ndarray:
 
 
 class _Source:
-    """What one encoder puts in a call: its factors per Linear (views of the pool's tensors), and
-    whether it has biases of its own (then it does not run here)."""
+    """What one encoder puts in a call: its factors per Linear (the pool's tensors, in its storage
+    type), and whether it has biases of its own (then it does not run here)."""
 
     def __init__(self, own: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> None:
-        self.factors = {name[:-len(".lora_A")]: (_array(t), _array(own[name[:-1] + "B"]))
+        self.factors = {name[:-len(".lora_A")]: (t.detach(), own[name[:-1] + "B"].detach())
                         for name, t in own.items() if name.endswith(".lora_A")}
         self.biased = any(name.endswith(".bias") and not torch.equal(t, base[name]) for name, t in own.items())
 
@@ -65,7 +65,10 @@ class SegmentRunner:
     Args:
         slots: the graph's adapter slots.
         base: the base's own inputs (:meth:`Slots.base_inputs`): the biases bound to every call.
-        factor_dtype: the storage type of the LoRA factor inputs (float32, float16, bfloat16).
+        factor_dtype: the type of the graph's LoRA factor inputs (float32, float16, bfloat16); a
+            pool's factors of another type are converted as they are copied into the call buffers
+            (float32 buffers on CPU removed the graph's Cast per factor but measured no faster end
+            to end, and slower for a call whose encoders all change: the pool's type is used).
     """
 
     def __init__(self, slots: Slots, base: dict[str, torch.Tensor], factor_dtype: torch.dtype) -> None:
@@ -75,14 +78,19 @@ class SegmentRunner:
         self.norm = slots.norm
         self._base = base
         self._fixed = {n: ort_input(t) for n, t in base.items() if n.endswith(".bias")}
-        self._factor_np = _array(torch.zeros(1, dtype=factor_dtype)).dtype
+        self._factor_dtype = factor_dtype
         self._onnx_type = TensorProto.BFLOAT16 if factor_dtype == torch.bfloat16 else None
         self._sources: dict[str, _Source] = {}
-        self._buffers: dict[str, np.ndarray] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
         # per input: (shape it was last filled at, the key each slot holds), so a slot still holding
         # its key at the same shape is not copied again
         self._held: dict[str, tuple[tuple[int, ...], list[str | None]]] = {}
         self._order: list[str] = []   # the keys of the last call, in slot order
+        # The binding of the last call's session, the biases bound once, and per factor input the
+        # (address, shape) bound with the value kept alive: a call whose factors stay in the same
+        # buffers at the same shapes binds only the routing, embeddings and mask (~240 inputs fewer).
+        self._binding: tuple[Any, Any] | None = None
+        self._bound: dict[str, tuple[tuple[int, tuple[int, ...]], Any]] = {}
         self._lock = threading.Lock()
 
     def accepts(self, key: str, own: Callable[[str], dict[str, torch.Tensor]]) -> bool:
@@ -104,7 +112,7 @@ class SegmentRunner:
 
     def nbytes(self) -> int:
         """Bytes of the call buffers (at most :data:`MAX_SEGMENTS` encoders at the largest rank run)."""
-        return sum(b.nbytes for b in self._buffers.values())
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def run(self, session: Any, emb: np.ndarray, mask: np.ndarray, keys: list[str]) -> np.ndarray:
         """Pooled embeddings of one padded batch, row ``i`` with encoder ``keys[i]`` (at most
@@ -117,9 +125,11 @@ class SegmentRunner:
             if len(order) > MAX_SEGMENTS:
                 raise ValueError(f"{len(order)} encoders in one segment call (at most {MAX_SEGMENTS})")
             sources = [self._sources[k] for k in order]
-            binding = session.io_binding()
-            for name, value in self._fixed.items():
-                binding.bind_ortvalue_input(name, value)
+            if self._binding is None or self._binding[0] is not session:
+                self._binding, self._bound = (session, session.io_binding()), {}
+                for name, value in self._fixed.items():
+                    self._binding[1].bind_ortvalue_input(name, value)
+            binding = self._binding[1]
             slot = {k: e for e, k in enumerate(order)}
             segment = np.fromiter((slot[k] for k in keys), dtype=np.int64, count=len(keys))
             for name, value in routing(segment, len(order), mask.shape[1]).items():
@@ -128,14 +138,23 @@ class SegmentRunner:
                 rank = max(s.rank(m) for s in sources)
                 a = self._fill(f"{m}.lora_A", (rank, i), order, lambda s: s.factors.get(m, (None,))[0])
                 b = self._fill(f"{m}.lora_B", (o, rank), order, lambda s: s.factors.get(m, (None, None))[1])
-                for name, value in ((f"{m}.lora_A", a), (f"{m}.lora_B", b)):
-                    binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-                        value, self._onnx_type) if self._onnx_type is not None else ort.OrtValue.ortvalue_from_numpy(value))
+                for name, t in ((f"{m}.lora_A", a), (f"{m}.lora_B", b)):
+                    where = (t.data_ptr(), tuple(t.shape))
+                    if self._bound.get(name, (None,))[0] != where:
+                        value = _array(t)
+                        value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(value, self._onnx_type) \
+                            if self._onnx_type is not None else ort.OrtValue.ortvalue_from_numpy(value)
+                        binding.bind_ortvalue_input(name, value)
+                        self._bound[name] = (where, value)
             binding.bind_ortvalue_input("inputs_embeds", ort.OrtValue.ortvalue_from_numpy(emb))
             binding.bind_ortvalue_input("attention_mask", ort.OrtValue.ortvalue_from_numpy(mask))
+            # Rebound every run: an output left bound keeps the last run's shape (shared_run.BoundFeed).
             binding.bind_output(OUTPUT)
-            session.run_with_iobinding(binding)
-            return binding.copy_outputs_to_cpu()[0]
+            try:
+                session.run_with_iobinding(binding)
+                return binding.copy_outputs_to_cpu()[0]
+            finally:
+                binding.clear_binding_outputs()
 
     def _slots(self, keys: list[str]) -> list[str]:
         """The call's encoders in slot order: one that held a slot in the last call keeps it if
@@ -159,16 +178,18 @@ class SegmentRunner:
         return final
 
     def _fill(self, name: str, shape: tuple[int, int], order: list[str],
-              pick: Callable[[_Source], np.ndarray | None]) -> np.ndarray:
-        """The (E, *shape) factor ``name`` in its buffer: each slot's tensor zero-padded (ranks
-        to the batch's largest), slots that hold their key at this shape left as they are."""
+              pick: Callable[[_Source], torch.Tensor | None]) -> torch.Tensor:
+        """The (E, *shape) factor ``name`` in its buffer: each slot's tensor converted to the graph's
+        type and zero-padded (ranks to the batch's largest), slots that hold their key at this
+        shape left as they are."""
         size = len(order) * shape[0] * shape[1]
         buf = self._buffers.get(name)
-        if buf is None or buf.size < size:
+        if buf is None or buf.numel() < size:
             old = buf
-            buf = self._buffers[name] = np.zeros(max(size, 0 if old is None else old.size), dtype=self._factor_np)
+            buf = self._buffers[name] = torch.zeros(max(size, 0 if old is None else old.numel()),
+                                                    dtype=self._factor_dtype)
             self._held.pop(name, None)
-        out = buf[:size].reshape(len(order), *shape)
+        out = buf[:size].view(len(order), *shape)
         held_shape, held = self._held.get(name, ((), []))
         if held_shape != shape:
             held = []
@@ -178,13 +199,13 @@ class SegmentRunner:
                 continue
             t = pick(self._sources[k])
             if t is None:
-                out[e] = 0
+                out[e].zero_()
             elif name.endswith(".lora_B"):   # (out, r): rank on the last axis
-                out[e, :, :t.shape[1]] = t
-                out[e, :, t.shape[1]:] = 0
+                out[e, :, :t.shape[1]].copy_(t)
+                out[e, :, t.shape[1]:].zero_()
             else:                            # A (r, in)
-                out[e, :t.shape[0]] = t
-                out[e, t.shape[0]:] = 0
+                out[e, :t.shape[0]].copy_(t)
+                out[e, t.shape[0]:].zero_()
             held[e] = k
         self._held[name] = (shape, held)
         return out

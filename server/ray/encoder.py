@@ -78,7 +78,8 @@ class EncoderCore:
         self.pool = EncoderPool(base)
         self.backend = make_backend(settings.backend, self.pool, settings.state_dir / "onnx",
                                     settings.onnx_threads, settings.query_precision,
-                                    spin=settings.onnx_spin, hot=settings.hot_encoders)
+                                    spin=settings.onnx_spin, hot=settings.hot_encoders,
+                                    mix=settings.mixed_batches)
         self.registry = SharedRegistry(state_dir=settings.state_dir, pool=self.pool, space=base.space,
                                        backend=self.backend, default_encoder=settings.default_encoder,
                                        memory_budget=settings.encoder_memory_bytes)

@@ -64,7 +64,8 @@ def test_routing_sends_every_token_back_to_its_place():
     r = routing(np.array([0, 1, 0, 2, 0]), 3, 2)
     tokens, back = r["segment_tokens"], r["token_positions"]
     assert tokens.shape == (3, 3 * 2)                        # three encoders, the largest has three rows
-    assert (tokens.reshape(-1)[back] == np.arange(10)).all()  # each token's product comes back to it
+    assert back.shape == (5, 2)                               # (rows, tokens): the Gather gives (n, L, width)
+    assert (tokens.reshape(-1)[back] == np.arange(10).reshape(5, 2)).all()  # each token's product comes back to it
     assert set(tokens[1]) == {2, 3} and set(tokens[0]) == {0, 1, 4, 5, 8, 9}
 
 
