@@ -46,11 +46,11 @@ def _array(t: torch.Tensor) -> np.ndarray:
 
 
 class _Source:
-    """What one encoder puts in a call: its factors per Linear (the pool's tensors, in its storage
-    type), and whether it has biases of its own (then it does not run here)."""
+    """What one encoder puts in a call: its factors per Linear (numpy views of the pool's tensors,
+    in its storage type), and whether it has biases of its own (then it does not run here)."""
 
     def __init__(self, own: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> None:
-        self.factors = {name[:-len(".lora_A")]: (t.detach(), own[name[:-1] + "B"].detach())
+        self.factors = {name[:-len(".lora_A")]: (_array(t), _array(own[name[:-1] + "B"]))
                         for name, t in own.items() if name.endswith(".lora_A")}
         self.biased = any(name.endswith(".bias") and not torch.equal(t, base[name]) for name, t in own.items())
 
@@ -65,10 +65,9 @@ class SegmentRunner:
     Args:
         slots: the graph's adapter slots.
         base: the base's own inputs (:meth:`Slots.base_inputs`): the biases bound to every call.
-        factor_dtype: the type of the graph's LoRA factor inputs (float32, float16, bfloat16); a
-            pool's factors of another type are converted as they are copied into the call buffers
-            (float32 buffers on CPU removed the graph's Cast per factor but measured no faster end
-            to end, and slower for a call whose encoders all change: the pool's type is used).
+        factor_dtype: the storage type of the LoRA factor inputs (float32, float16, bfloat16): the
+            pool's (float32 buffers on CPU removed the graph's Cast per factor but measured no
+            faster end to end, and slower for a call whose encoders all change).
     """
 
     def __init__(self, slots: Slots, base: dict[str, torch.Tensor], factor_dtype: torch.dtype) -> None:
@@ -78,10 +77,12 @@ class SegmentRunner:
         self.norm = slots.norm
         self._base = base
         self._fixed = {n: ort_input(t) for n, t in base.items() if n.endswith(".bias")}
-        self._factor_dtype = factor_dtype
+        self._factor_np = _array(torch.zeros(1, dtype=factor_dtype)).dtype
         self._onnx_type = TensorProto.BFLOAT16 if factor_dtype == torch.bfloat16 else None
         self._sources: dict[str, _Source] = {}
-        self._buffers: dict[str, torch.Tensor] = {}
+        # numpy, not torch: a cold call copies ~5,800 slices for 20 encoders, and a torch
+        # copy_/zero_ costs several times a numpy slice assignment's overhead each
+        self._buffers: dict[str, np.ndarray] = {}
         # per input: (shape it was last filled at, the key each slot holds), so a slot still holding
         # its key at the same shape is not copied again
         self._held: dict[str, tuple[tuple[int, ...], list[str | None]]] = {}
@@ -112,7 +113,7 @@ class SegmentRunner:
 
     def nbytes(self) -> int:
         """Bytes of the call buffers (at most :data:`MAX_SEGMENTS` encoders at the largest rank run)."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return sum(b.nbytes for b in self._buffers.values())
 
     def run(self, session: Any, emb: np.ndarray, mask: np.ndarray, keys: list[str]) -> np.ndarray:
         """Pooled embeddings of one padded batch, row ``i`` with encoder ``keys[i]`` (at most
@@ -138,10 +139,9 @@ class SegmentRunner:
                 rank = max(s.rank(m) for s in sources)
                 a = self._fill(f"{m}.lora_A", (rank, i), order, lambda s: s.factors.get(m, (None,))[0])
                 b = self._fill(f"{m}.lora_B", (o, rank), order, lambda s: s.factors.get(m, (None, None))[1])
-                for name, t in ((f"{m}.lora_A", a), (f"{m}.lora_B", b)):
-                    where = (t.data_ptr(), tuple(t.shape))
+                for name, value in ((f"{m}.lora_A", a), (f"{m}.lora_B", b)):
+                    where = (value.ctypes.data, value.shape)
                     if self._bound.get(name, (None,))[0] != where:
-                        value = _array(t)
                         value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(value, self._onnx_type) \
                             if self._onnx_type is not None else ort.OrtValue.ortvalue_from_numpy(value)
                         binding.bind_ortvalue_input(name, value)
@@ -178,18 +178,17 @@ class SegmentRunner:
         return final
 
     def _fill(self, name: str, shape: tuple[int, int], order: list[str],
-              pick: Callable[[_Source], torch.Tensor | None]) -> torch.Tensor:
+              pick: Callable[[_Source], np.ndarray | None]) -> np.ndarray:
         """The (E, *shape) factor ``name`` in its buffer: each slot's tensor converted to the graph's
         type and zero-padded (ranks to the batch's largest), slots that hold their key at this
         shape left as they are."""
         size = len(order) * shape[0] * shape[1]
         buf = self._buffers.get(name)
-        if buf is None or buf.numel() < size:
+        if buf is None or buf.size < size:
             old = buf
-            buf = self._buffers[name] = torch.zeros(max(size, 0 if old is None else old.numel()),
-                                                    dtype=self._factor_dtype)
+            buf = self._buffers[name] = np.zeros(max(size, 0 if old is None else old.size), dtype=self._factor_np)
             self._held.pop(name, None)
-        out = buf[:size].view(len(order), *shape)
+        out = buf[:size].reshape(len(order), *shape)
         held_shape, held = self._held.get(name, ((), []))
         if held_shape != shape:
             held = []
@@ -199,13 +198,13 @@ class SegmentRunner:
                 continue
             t = pick(self._sources[k])
             if t is None:
-                out[e].zero_()
+                out[e] = 0
             elif name.endswith(".lora_B"):   # (out, r): rank on the last axis
-                out[e, :, :t.shape[1]].copy_(t)
-                out[e, :, t.shape[1]:].zero_()
+                out[e, :, :t.shape[1]] = t
+                out[e, :, t.shape[1]:] = 0
             else:                            # A (r, in)
-                out[e, :t.shape[0]].copy_(t)
-                out[e, t.shape[0]:].zero_()
+                out[e, :t.shape[0]] = t
+                out[e, t.shape[0]:] = 0
             held[e] = k
         self._held[name] = (shape, held)
         return out
