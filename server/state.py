@@ -38,6 +38,23 @@ log = logging.getLogger("qswap.server")
 #: (a cached one loads in about a second; an export that is not cached builds the model anyway).
 BASE_SESSION_WAIT_S = 60.0
 
+
+def load_served_base(s: ServerSettings) -> BaseEncoder:
+    """The base a server (or a Ray encoder replica) serves. The ONNX backends record its layout
+    beside their exports and, once recorded, serve without its torch model (built on first need);
+    the torch and cuda backends need it at once."""
+    cache = s.state_dir / "onnx" if s.backend in ("shared", "onnx") else None
+    return load_base(s.model, device=s.device, cache_dir=cache)
+
+
+def prepare_base(backend: Backend, base: BaseEncoder) -> None:
+    """Start the base's runtime; without its torch model, wait (<= :data:`BASE_SESSION_WAIT_S`) for
+    its cached ONNX session (a second or so): a search before it would build the torch model only
+    to serve until then (seconds)."""
+    backend.prepare(BASE_KEY)
+    if not base.built:
+        backend.wait(BASE_KEY, timeout=BASE_SESSION_WAIT_S)  # type: ignore[attr-defined]
+
 #: Compute threads of the document tower on the bulk lane (``ServerState.document_encoder``).
 DOCUMENT_THREADS_BULK = 1
 
@@ -110,10 +127,7 @@ class ServerState:
     def load(self) -> None:
         """Load base, index, registry and default encoder; start the batch worker (blocking)."""
         s = self.settings
-        # The ONNX backends record the base's layout beside their exports and, once recorded, serve
-        # without its torch model (built on first need); the torch and cuda backends need it at once.
-        cache = s.state_dir / "onnx" if s.backend in ("shared", "onnx") else None
-        base = load_base(s.model, device=s.device, cache_dir=cache)
+        base = load_served_base(s)
         self.base = base
         index = self.open_index(base)
         self.index = index
@@ -140,11 +154,7 @@ class ServerState:
                                       metrics=self.metrics, guard=guard)
         registry.load_state()   # holds the state-dir lock from here: no other server uses the dir
         self.registry = registry
-        self.backend.prepare(BASE_KEY)
-        if not base.built:
-            # Ready once the base's cached ONNX session is loaded (a second or so): a search before
-            # it would build the torch model only to serve until then (seconds).
-            self.backend.wait(BASE_KEY, timeout=BASE_SESSION_WAIT_S)  # type: ignore[attr-defined]
+        prepare_base(self.backend, base)
         registry.ensure_loaded(registry.default_key())
         for domain, key in registry.aliases().items():
             try:

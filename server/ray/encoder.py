@@ -65,15 +65,12 @@ class EncoderCore:
     """
 
     def __init__(self, settings: ServerSettings, threads: int | None = None) -> None:
-        from qswap.encoders import EncoderPool, load_base
+        from qswap.encoders import EncoderPool
         from qswap.encoders.runtime.backend import make_backend
-        from qswap.server.state import BASE_SESSION_WAIT_S
+        from qswap.server.state import load_served_base, prepare_base
         set_threads(threads)
         self.settings = settings
-        # As the single-process server: with the ONNX backends, a replica started on a state dir whose
-        # exports and base layout are cached serves without building the torch model (built on first need).
-        cache = settings.state_dir / "onnx" if settings.backend in ("shared", "onnx") else None
-        base = load_base(settings.model, device=settings.device, cache_dir=cache)
+        base = load_served_base(settings)   # as the single-process server's
         self.base = base
         self.pool = EncoderPool(base)
         self.backend = make_backend(settings.backend, self.pool, settings.state_dir / "onnx",
@@ -84,11 +81,7 @@ class EncoderCore:
                                        backend=self.backend, default_encoder=settings.default_encoder,
                                        memory_budget=settings.encoder_memory_bytes)
         self.registry.load_state()   # shared lock on the state dir, as every replica
-        self.backend.prepare(BASE_KEY)
-        if not base.built:
-            # The base's cached session loads in a second or so; a request before it would build
-            # the torch model only to serve until then.
-            self.backend.wait(BASE_KEY, timeout=BASE_SESSION_WAIT_S)  # type: ignore[attr-defined]
+        prepare_base(self.backend, base)
         self.registry.start_polling()
         self.stats = {"requests": 0, "rows": 0, "batches": 0, "loads": 0}
 
