@@ -291,6 +291,39 @@ def wait_for_runtime(srv: ServerProcess, keys: list[str], runtime: str, timeout_
         time.sleep(1.0)
 
 
+#: The server's count of background builds started (graphs, sessions, merged exports).
+BUILDS_METRIC = "qswap_runtime_builds_total"
+
+
+def builds_started(srv: ServerProcess) -> int:
+    """How many runtimes ``srv`` has started building in the background (``/metrics``)."""
+    from qswap.bench.settle import metric
+    return int(metric(srv.port, BUILDS_METRIC))
+
+
+def wait_until_built(srv: ServerProcess, timeout_s: float = 900.0, seen: list[str] | None = None) -> None:
+    """Poll ``GET /readyz`` until its ``warming`` list is empty; the kinds it listed are appended to
+    ``seen``.
+
+    Raises:
+        InvalidInputError: ``/readyz`` did not answer 200, or builds were still running after ``timeout_s``.
+    """
+    t0 = time.perf_counter()
+    while True:
+        status, body = http_json("GET", srv.url("/readyz"))
+        if status != 200:
+            raise InvalidInputError(f"GET /readyz answered {status}: {body}", "see the server log")
+        building = body.get("warming", [])
+        if not building:
+            return
+        if seen is not None:
+            seen += [b for b in building if b not in seen]
+        if time.perf_counter() - t0 > timeout_s:
+            raise InvalidInputError(f"still building {', '.join(building)} after {timeout_s:.0f} s",
+                                    "see the server log")
+        time.sleep(0.5)
+
+
 def warm_until_settled(srv: ServerProcess, make: Any, *, concurrency: int, requests: int,
                        timeout_s: float = 900.0) -> dict[str, Any]:
     """Warm-up traffic until the server builds nothing more in the background.
@@ -300,7 +333,8 @@ def warm_until_settled(srv: ServerProcess, make: Any, *, concurrency: int, reque
     and answers run on a slower path meanwhile: timing must not start before they are ready.
     Each round sends ``requests`` requests at ``concurrency`` (the traffic to be timed, at its
     highest concurrency, so that every batch shape it makes comes up), then waits while ``GET
-    /readyz`` lists builds in ``warming``; a round that leaves nothing to wait for ends it.
+    /readyz`` lists builds in ``warming``; a round that started no build (the server's
+    :data:`BUILDS_METRIC` unchanged) ends it.
 
     Args:
         srv: the server.
@@ -322,22 +356,37 @@ def warm_until_settled(srv: ServerProcess, make: Any, *, concurrency: int, reque
     rounds = 0
     while True:
         rounds += 1
+        before = builds_started(srv)
         res = warm_up(srv.port, make, concurrency=concurrency, requests=requests, duration_s=timeout_s)
         if res.failed:
             raise InvalidInputError(f"warm-up requests failed: {res.errors()} {res.statuses()}", "see the server log")
-        waited = False
-        while True:
-            status, body = http_json("GET", srv.url("/readyz"))
-            if status != 200:
-                raise InvalidInputError(f"GET /readyz answered {status}: {body}", "see the server log")
-            building = body.get("warming", [])
-            if not building:
-                break
-            waited = True
-            seen += [b for b in building if b not in seen]
-            if time.perf_counter() - t0 > timeout_s:
-                raise InvalidInputError(f"still building {', '.join(building)} after {timeout_s:.0f} s",
-                                        "see the server log")
-            time.sleep(0.5)
-        if not waited:
+        wait_until_built(srv, max(timeout_s - (time.perf_counter() - t0), 0.0), seen)
+        if builds_started(srv) == before:
             return {"seconds": time.perf_counter() - t0, "rounds": rounds, "waited_for": seen}
+
+
+def time_settled(servers: list[ServerProcess], time_it: Any, *, retimes: int = 3,
+                 timeout_s: float = 900.0) -> tuple[Any, dict[str, Any]]:
+    """``time_it()`` on servers that build nothing while it runs.
+
+    Warm-up cannot promise that every batch shape of the timed traffic came up (batches form by
+    arrival), so a timing during which any of ``servers`` started a build (:data:`BUILDS_METRIC`
+    moved) is thrown away: the builds are awaited and it runs again. Each kind of build starts at
+    most once per server, so a few runs settle it; after ``retimes`` runs again, the last is kept
+    and said to be unsettled.
+
+    Returns:
+        ``(what time_it returned, {"retimed": runs thrown away, "built_during": bool})``.
+    """
+    attempt = 0
+    while True:
+        before = [builds_started(s) for s in servers]
+        got = time_it()
+        moved = [s for s, b in zip(servers, before) if builds_started(s) != b]
+        if not moved or attempt == retimes:
+            return got, {"retimed": attempt, "built_during": bool(moved)}
+        attempt += 1
+        for s in moved:
+            wait_until_built(s, timeout_s)
+        print(f"a build started during timing on {', '.join(s.url('') for s in moved)}: timed again",
+              file=sys.stderr)

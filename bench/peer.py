@@ -30,7 +30,9 @@ per scenario: both servers' RSS. ``--no-infinity`` runs qswap's arms alone.
 Timing starts once qswap builds nothing more in the background
 (:func:`qswap.bench.fixtures.warm_until_settled`: warm-up traffic at the highest concurrency, then
 ``GET /readyz`` until its ``warming`` list is empty, again until a round starts no build): the
-segment graph and the mixed-batch session are built only once batches mix encoders. With one
+segment graph and the mixed-batch session are built only once batches mix encoders. A timing
+during which a qswap server still started one is run again once it is built
+(:func:`qswap.bench.fixtures.time_settled`). With one
 domain, that encoder serves every row, so the shared backend makes it *hot*
 (:mod:`qswap.encoders.runtime.hot`: its rows run on a merged graph of their own): timing starts
 once it is. ``--hot-off-arm`` adds a fourth arm in that scenario, qswap's search route on a
@@ -228,7 +230,7 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
               model: str, backend: str, infinity: _Infinity | None, prefix: str,
               tmp: Path, hot_off_arm: bool = False, mix_arm: str | None = None) -> dict[str, Any]:
     """Start both servers for ``n_dom`` domains, check agreement, measure every arm at every level."""
-    from qswap.bench.fixtures import (qswap_server, register, search_requests, wait_for_runtime,
+    from qswap.bench.fixtures import (qswap_server, register, search_requests, time_settled, wait_for_runtime,
                                       warm_until_settled)
     from qswap.bench.infinity_peer import server_command, server_env
     from qswap.bench.processes import ServerProcess, free_port
@@ -250,6 +252,7 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
             "qswap search": (qs.port, search_requests(work.queries, keys)),
             "qswap embeddings": (qs.port, embedding_requests(work.queries, keys))}
         servers = {"qswap": {"command": qs.command, "start_s": qs.start_seconds}}
+        qswaps = [qs]   # the qswap servers timed: none may build while timing (time_settled)
         hot = n_dom == 1 and backend == "shared"
         if hot:   # its one encoder serves every row: it runs merged once a window of rows says so
             warm_up(qs.port, arms["qswap search"][1], concurrency=4, requests=HOT_WARM_ROWS, duration_s=120)
@@ -264,6 +267,7 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
             wait_for_runtime(off, ["base", *keys], "onnx-shared")
             arms[HOT_OFF] = (off.port, search_requests(work.queries, keys))
             servers["qswap, hot off"] = {"command": off.command, "start_s": off.start_seconds}
+            qswaps.append(off)
             warm_until_settled(off, arms[HOT_OFF][1], concurrency=top, requests=warm_n)
         if mix_arm is not None and n_dom > 1:
             mixed = stack.enter_context(qswap_server(idx_dir, enc_root, tmp / f"state-mix-{n_dom}",
@@ -275,6 +279,7 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
             name = MIX_ARM + mix_arm
             arms[name] = (mixed.port, search_requests(work.queries, keys))
             servers[f"qswap, mix={mix_arm}"] = {"command": mixed.command, "start_s": mixed.start_seconds}
+            qswaps.append(mixed)
             warm_until_settled(mixed, arms[name][1], concurrency=top, requests=warm_n)
         inf, served = None, []
         if infinity is not None:
@@ -298,14 +303,21 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
             if warm.failed:
                 raise RuntimeError(f"{label}: warm-up of Infinity failed: {warm.errors()} {warm.statuses()}")
         out["servers"] = servers
-        for c in opts.levels:
-            got = interleaved({a: (lambda p=p, mk=mk, c=c: load_point(opts.run(p, mk, c))) for a, (p, mk) in arms.items()},
-                              rounds=opts.rounds, warmup=0)
-            out["levels"][str(c)] = got
-            print(f"{label} c={c}: " + ", ".join(f"{a} {[round(x['qps'], 1) for x in v]}/s p99 "
-                                                 f"{[round(x['p99_ms']) for x in v]} ms" for a, v in got.items()),
-                  file=sys.stderr)
-        # Nothing may have been built while timing: the figures are the settled server's.
+
+        def time_levels() -> dict[str, Any]:
+            levels = {}
+            for c in opts.levels:
+                got = interleaved({a: (lambda p=p, mk=mk, c=c: load_point(opts.run(p, mk, c)))
+                                   for a, (p, mk) in arms.items()}, rounds=opts.rounds, warmup=0)
+                levels[str(c)] = got
+                print(f"{label} c={c}: " + ", ".join(f"{a} {[round(x['qps'], 1) for x in v]}/s p99 "
+                                                     f"{[round(x['p99_ms']) for x in v]} ms" for a, v in got.items()),
+                      file=sys.stderr)
+            return levels
+
+        # Nothing may be built while timing: the figures are the settled servers'.
+        out["levels"], settled = time_settled(qswaps, time_levels)
+        out["qswap_retimed"], out["qswap_built_during_timing"] = settled["retimed"], settled["built_during"]
         out["qswap_warming_after"] = http_json("GET", qs.url("/readyz"))[1].get("warming", [])
         out["rss_bytes"] = {"qswap": qs.rss(), **({"infinity": inf.rss()} if inf is not None else {})}
     return out
@@ -479,6 +491,10 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
             f" {sc['label']}: qswap built {', '.join(b)} after its warm-up traffic; timing began once done."
             for sc in res["scenarios"].values()
             if (b := sorted({k for r in sc.get("qswap_settled", {}).values() for k in r["waited_for"]}))) + "".join(
+            f" {sc['label']}: a timing during which qswap started a build was thrown away and run again"
+            f" ({sc['qswap_retimed']}x)." for sc in res["scenarios"].values() if sc.get("qswap_retimed")) + "".join(
+            f" **{sc['label']}: qswap was still building during the last timing.**"
+            for sc in res["scenarios"].values() if sc.get("qswap_built_during_timing")) + "".join(
             f" **{sc['label']}: qswap was building {', '.join(sc['qswap_warming_after'])} at the end of timing.**"
             for sc in res["scenarios"].values() if sc.get("qswap_warming_after")))
     md = (f"{head}\n\nWorkload: {res['workload']}; search over {res['index']['documents']:,} documents (k=10). "

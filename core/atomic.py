@@ -276,6 +276,7 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 
 _sha_memo: dict[tuple[str, int, int, int, int], str] = {}
+_sha_stored: set[tuple[tuple[str, int, int, int, int], str]] = set()   # (key, store) with a record
 
 
 def sha256_file_cached(path: Path, store: Path | None = None) -> str:
@@ -292,15 +293,18 @@ def sha256_file_cached(path: Path, store: Path | None = None) -> str:
     p = Path(path).resolve()
     st = p.stat()
     key = (str(p), st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+    # Known in this process, and (with a store) already in that store's record: nothing to read.
+    if key in _sha_memo and (store is None or (key, str(store)) in _sha_stored):
+        return _sha_memo[key]
     if store is None:
-        if key not in _sha_memo:
-            _sha_memo[key] = sha256_file(p)
+        _sha_memo[key] = sha256_file(p)
         return _sha_memo[key]
     record = Path(store) / f"{hashlib.sha256(str(p).encode()).hexdigest()}.json"
     try:
         d = json.loads(record.read_text())
         if tuple(d["key"]) == key and isinstance(d["sha256"], str):
             _sha_memo[key] = d["sha256"]
+            _sha_stored.add((key, str(store)))
             return d["sha256"]
     except (OSError, ValueError, KeyError, TypeError):   # none yet, or torn: hash the file
         pass
@@ -309,6 +313,7 @@ def sha256_file_cached(path: Path, store: Path | None = None) -> str:
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(record, {"key": list(key), "sha256": digest})
+        _sha_stored.add((key, str(store)))
     except OSError:   # a read-only or full disk: the next process hashes the file again
         pass
     return digest

@@ -139,6 +139,7 @@ class ServerState:
         self.backend = make_backend(s.backend, pool, s.state_dir / "onnx", s.onnx_threads,
                                     s.query_precision, retry_s=s.export_retry_s, spin=s.onnx_spin,
                                     hot=s.hot_encoders, mix=s.mixed_batches)
+        self.metrics.runtime_builds.set_function(self.backend.builds_started)
         guard = None
         if s.sentinels is not None:
             from qswap.guard.evaluator import GuardEvaluator

@@ -88,6 +88,10 @@ class TorchBackend:
         """Nothing is built in the background: the pool serves at once."""
         return []
 
+    def builds_started(self) -> int:
+        """None: nothing is built in the background."""
+        return 0
+
     def runtime(self, key: str) -> str:
         """Always the torch pool."""
         return "torch"

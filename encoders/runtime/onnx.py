@@ -133,6 +133,7 @@ class OnnxBackend:
         self._gen: dict[str, int] = {}   # bumped by discard: a finishing stale export is dropped
         self._lock = threading.RLock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qswap-onnx-export")
+        self._builds = 0   # exports (or cached loads) started: builds_started
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -157,6 +158,7 @@ class OnnxBackend:
             self._errors.pop(key, None)
             gen = self._gen.get(key, 0)
             self._futures[key] = self._executor.submit(self._build, key, gen)
+            self._builds += 1
 
     def ready(self, key: str) -> bool:
         """Whether ``key`` is served by ONNX Runtime now."""
@@ -178,6 +180,11 @@ class OnnxBackend:
         """``["merged graph"]`` while any encoder's export (or session) is being built, else empty."""
         with self._lock:
             return ["merged graph"] if any(not f.done() for f in self._futures.values()) else []
+
+    def builds_started(self) -> int:
+        """Encoder exports (or cached loads) started so far."""
+        with self._lock:
+            return self._builds
 
     def runtime(self, key: str) -> str:
         """``onnx-merged`` once ``key``'s export serves, ``torch`` (the pool) until then."""

@@ -127,6 +127,7 @@ class SharedBackend:
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qswap-shared-export")
         self._future: Future[None] = self._executor.submit(self._build)
+        self._builds = 1   # background builds started (this export, its retries, the sessions below): builds_started
         # The single-threaded session for encoder groups run side by side, and its workers.
         self._group_session: Any = None
         self._group_future: Future[None] | None = None
@@ -180,6 +181,7 @@ class SharedBackend:
                 self._future = self._executor.submit(self._build)
             except RuntimeError:   # shut down meanwhile
                 return
+            self._builds += 1
             self._retried.notify_all()
 
     def _load_or_export(self, segments: bool = False) -> Any:
@@ -207,6 +209,7 @@ class SharedBackend:
                 with self._lock:
                     self._segments = (sess, runner)
             self._segments_future = self._executor.submit(build)
+            self._builds += 1
 
     def _feed(self, own: dict[str, torch.Tensor]) -> BoundFeed:
         """An encoder's full feed, pre-built OrtValues bound once per session: a run copies
@@ -238,6 +241,7 @@ class SharedBackend:
                 with self._lock:
                     self._group_session = sess
             self._group_future = self._executor.submit(build)
+            self._builds += 1
 
     def prepare(self, key: str) -> None:
         """Convert ``key``'s adapter to graph inputs (or start its merged export); returns at once."""
@@ -383,6 +387,13 @@ class SharedBackend:
             pending = [("shared graph", self._future), ("mixed-batch session", self._group_future),
                        ("segment graph", self._segments_future)]
         return [name for name, f in pending if f is not None and not f.done()] + self.merged.building()
+
+    def builds_started(self) -> int:
+        """The shared graph's export and its retries, the mixed-batch session, the segment graph and the
+        merged exports started so far (:meth:`building` says which are still running)."""
+        with self._lock:
+            own = self._builds
+        return own + self.merged.builds_started()
 
     def discard(self, key: str) -> None:
         with self._lock:

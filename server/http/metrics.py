@@ -68,6 +68,8 @@ class Metrics:
         self.encoders_loaded = Gauge("qswap_encoders_loaded", "query encoders attached to the base", registry=r)
         self.encoders_loaded_bytes = Gauge("qswap_encoders_loaded_bytes",
                                            "bytes the loaded adapters add to the base", registry=r)
+        self.runtime_builds = FunctionCounter("qswap_runtime_builds", "runtimes the query backend started "
+                                              "building in the background (graphs, sessions, merged exports)", r)
         self.encoders_registered = Gauge("qswap_encoders_registered", "encoders in the registry", registry=r)
         self.registrations = Counter("qswap_encoder_registrations", "encoder registrations by result",
                                      ["result"], registry=r)

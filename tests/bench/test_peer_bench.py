@@ -76,13 +76,14 @@ def test_twenty_domains_time_a_settled_server(tiny_model_dir, tmp_path, monkeypa
     res = json.loads((out / "results.json").read_text())["results"]
     sc = res["scenarios"]["twenty"]
     assert set(res["scenarios"]) == {"twenty"} and sc["domains"] == peer.TWENTY.quick
-    # Warmed at the highest level until /readyz listed no build, and nothing was built during the
-    # timing. (Whether the segment graph is still in flight at the first poll depends on the
-    # machine's load: a tiny model's export can finish within the warm-up. That /readyz lists it
-    # while it builds is tested with handshakes in tests/encoders/test_shared_segments.py.)
+    # Warmed at the highest level until a round started no build, and the timing kept is one during
+    # which nothing was built. (Whether warm-up or a first timing makes the first batch that mixes
+    # encoders depends on the machine's load: a thrown-away timing is allowed. That /readyz lists a
+    # build while it runs is tested with handshakes in tests/encoders/test_shared_segments.py.)
     for settled in sc["qswap_settled"].values():
         assert settled["rounds"] >= 1 and settled["seconds"] > 0
         assert set(settled["waited_for"]) <= {"segment graph", "mixed-batch session", "merged graph", "shared graph"}
+    assert sc["qswap_built_during_timing"] is False and 0 <= sc["qswap_retimed"] <= 3
     assert sc["qswap_warming_after"] == []
     for c in ("1", "4"):
         for pts in sc["levels"][c].values():

@@ -65,6 +65,12 @@ def test_stored_hash_serves_a_new_process_until_the_file_changes(tmp_path, monke
     assert sha256_file_cached(f, store) == hashlib.sha256(b"two").hexdigest() and len(hashed) == 2
     monkeypatch.setattr(qswap.atomic, "_sha_memo", {})
     assert sha256_file_cached(f, store) == hashlib.sha256(b"two").hexdigest() and len(hashed) == 2
+    # Within one process, a file already hashed and recorded is answered from memory: the record
+    # is neither read nor written again.
+    record = next(store.iterdir())
+    record.write_text("{torn")
+    assert sha256_file_cached(f, store) == hashlib.sha256(b"two").hexdigest() and len(hashed) == 2
+    assert record.read_text() == "{torn"
 
 
 def test_staged_dir_swaps_in_a_complete_directory_or_nothing(tmp_path):

@@ -264,14 +264,20 @@ def test_building_lists_what_runs_in_the_background_until_it_is_done(pool, tmp_p
     b = _ready_backend(pool, tmp_path, mix="segments")
     try:
         assert b.building() == []                       # ready, and no batch has mixed encoders yet
+        at_ready = b.builds_started()
+        assert at_ready >= 1                            # the shared graph's
         monkeypatch.setattr("qswap.encoders.runtime.onnx.cached_export", held_merged)
         b.encode(TEXTS, MIXED)                          # the first mixed batch starts the segment graph
         b.pin("l2@1")
         assert started["segment graph"].wait(60) and started["merged graph"].wait(60)
         assert b.building() == ["segment graph", "merged graph"]
+        in_flight = b.builds_started()
+        assert in_flight >= at_ready + 2                # counted when started, whether or not finished
         release.set()
         assert b.segments_ready(wait=120) and b.wait("l2@1", timeout=120)
         assert b.building() == []
+        b.encode(TEXTS, MIXED)                          # everything it needs is built: nothing starts
+        assert b.builds_started() == in_flight
     finally:
         release.set()
         b.close()

@@ -433,7 +433,8 @@ def test_metrics_after_traffic(anon):
                    "qswap_queue_seconds_count", "qswap_encode_seconds_count", "qswap_search_seconds_count",
                    "qswap_batch_size_bucket", 'qswap_errors_total{code="limit_exceeded",status="422"}',
                    'qswap_encoder_registrations_total{result="created"}', "qswap_encoders_loaded ",
-                   'qswap_queries_total{encoder="base"}', "qswap_index_documents 5", "qswap_ready 1.0"):
+                   'qswap_queries_total{encoder="base"}', "qswap_index_documents 5", "qswap_ready 1.0",
+                   "# TYPE qswap_runtime_builds_total counter", "qswap_runtime_builds_total "):
         assert needle in text, needle
     assert "_created" not in text
 
