@@ -57,4 +57,6 @@ def after_import(name: str, then: Callable[[ModuleType], None]) -> None:
         then(module)
         return
     with _lock:
-        sys.meta_path.insert(0, _AfterImport(name, then))
+        # Set up twice (logging configured again) before the import: one hook runs it.
+        if not any(isinstance(f, _AfterImport) and f.name == name and f.then == then for f in sys.meta_path):
+            sys.meta_path.insert(0, _AfterImport(name, then))

@@ -125,12 +125,12 @@ def make_backend(kind: str, pool: EncoderPool, cache_dir: Path, threads: int | N
     if kind in ("shared", "onnx"):
         try:
             from qswap.encoders.runtime.onnx import OnnxBackend
-            from qswap.encoders.runtime.shared import SharedBackend
+            from qswap.encoders.runtime.shared import DEFAULT_MIX, SharedBackend
         except ImportError as e:
             raise InvalidInputError(f"the {kind} backend is not available: {e}",
                                     "install onnxruntime and onnx, or use --backend torch") from None
         if kind == "shared":
             return SharedBackend(pool, cache_dir, threads=threads, retry_s=retry_s, spin=spin, hot=hot,
-                                 **({"mix": mix} if mix is not None else {}))
+                                 mix=DEFAULT_MIX if mix is None else mix)
         return OnnxBackend(pool, cache_dir, threads=threads, spin=spin)
     raise InvalidInputError(f"unknown backend {kind!r}", f"use one of {', '.join(BACKENDS)}")
