@@ -13,7 +13,7 @@ from qswap.encoders import BASE_KEY, EncoderPool, load_base, load_encoder, save_
 from qswap.encoders.runtime import onnx as onnx_backend
 from qswap.encoders.runtime.export_cache import META_FILE
 from qswap.encoders.runtime.onnx import OnnxBackend
-from qswap.encoders.runtime.onnx_export import EMBEDDINGS_FILE, MODEL_FILE
+from qswap.encoders.runtime.export_digest import EMBEDDINGS_FILE, MODEL_FILE
 from qswap.errors import InvalidInputError, NotFoundError
 
 from .adapters import make_lora, make_overrides, noisy
