@@ -35,7 +35,7 @@ BENCHMARKS = (
     ("cycle", cycle, "where a one-domain server's time goes under load (py-spy profile of every thread)"),
     ("loop", loop, "learning from traffic end to end: capture, tune from clicks, interleave vs A/B, promote"),
     ("gpu", gpu, "qswap on the GPU it finds: query graphs, documents, search, tuning, beside sentence-transformers"),
-    ("start", start, "what a server start costs: launch to /readyz and one search on a warm data dir, revisions side by side"),
+    ("start", start, "what a start costs on a warm data dir: a server to /readyz and one search, or (--cli) index search and build processes; revisions side by side"),
     ("domains", domains, "one encoder per Debian section vs base and a general encoder, served at once; learning curve"),
 )
 

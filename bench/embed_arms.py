@@ -173,7 +173,7 @@ def run_arms(args: Any, dirs: Any) -> int:
         **{name: e.encode for name, e in encs.items()}}
     if not args.no_int8:
         from qswap.encoders.runtime.onnx import make_session
-        from qswap.encoders.runtime.onnx_export import MODEL_FILE
+        from qswap.encoders.runtime.export_digest import MODEL_FILE
         fp32 = encs["onnx fp32 (default)"]
         fp32.encode(texts[:2])   # exports (or loads) the fused graph
         graph = fp32.cache_dir / "base" / base.space.fingerprint / MODEL_FILE

@@ -9,12 +9,19 @@ its cached ONNX exports and base layout): ``qswap serve`` with no index or model
 user's restart. Each arm starts once unmeasured (bytecode compiled, its caches written), then
 the arms alternate over ``--rounds``: launch to ``/readyz`` 200 (polled every 10 ms), then one
 search (the first forward pass on the served runtime), then a clean stop.
+
+``--cli`` measures command-line processes instead (results ``cli_start``): on the same warm data
+dir and the demo corpus (``qswap demo``), each arm builds an index once unmeasured, then the arms
+alternate over ``--rounds``: ``qswap index search`` of one query on its index, and ``qswap index
+build`` of the corpus into a new folder, each timed from launch to exit (wall) with the child's
+CPU time (user + system, from ``wait4``).
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import os
 import shutil
 import statistics
 import subprocess
@@ -43,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="measured starts per arm, arms alternating")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="QSWAP_DATA_DIR the servers share (default: a fresh one under the results tmp/)")
+    p.add_argument("--cli", action="store_true",
+                   help="time CLI processes (index search, index build) instead of server starts: results cli_start")
 
 
 def checkout(rev: str, into: Path) -> Path:
@@ -74,9 +83,59 @@ def _one_start(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, floa
     return {"ready_s": srv.start_seconds, "search_s": search_s, "total_s": srv.start_seconds + search_s}
 
 
+def _one_cli(cmd: list[str], env: dict[str, str], argv: list[str], cwd: Path, log: Path) -> dict[str, float]:
+    """One CLI process: launch to exit (wall s) and its CPU time (user + system s)."""
+    t0 = time.perf_counter()
+    with open(log, "ab") as f:
+        proc = subprocess.Popen([*cmd, *argv], cwd=cwd, env={**os.environ, **env}, stdout=f, stderr=f)
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise InvalidInputError(f"{' '.join(argv[:2])} exited {proc.returncode}", f"see {log}")
+    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime}
+
+
+def _cli_rounds(cmds: dict[str, tuple[list[str], dict[str, str]]], rounds: int, work: Path) -> list[dict[str, Any]]:
+    """Warm each arm (its own index of the demo corpus), then time search and build, arms alternating."""
+    first = next(iter(cmds.values()))
+    _one_cli(*first, ["demo"], work, work / "demo.log")   # corpus.jsonl in work/
+    for label in cmds:
+        print(f"cli: warming {label}", file=sys.stderr, flush=True)
+        _one_cli(*cmds[label], ["index", "build", "corpus.jsonl", "--out", f"idx-{label}", "--no-progress"], work,
+                 work / f"{label}-warm.log")
+    runs: list[dict[str, Any]] = []
+    for r in range(rounds):
+        for label in (list(cmds) if r % 2 == 0 else list(reversed(cmds))):
+            for command, argv in (("index search", ["index", "search", f"idx-{label}", QUERY, "-k", "3"]),
+                                  ("index build", ["index", "build", "corpus.jsonl", "--out", f"b-{label}-{r}",
+                                                   "--no-progress"])):
+                one = _one_cli(*cmds[label], argv, work, work / f"{label}-{r}.log")
+                runs.append({"arm": label, "round": r, "command": command, **one, "loadavg": loadavg()})
+                print(f"cli: round {r} {label} {command}: {one['wall_s']:.2f} s wall, {one['cpu_s']:.2f} s CPU",
+                      file=sys.stderr, flush=True)
+            shutil.rmtree(work / f"b-{label}-{r}", ignore_errors=True)
+    return runs
+
+
+def _cli_report(runs: list[dict[str, Any]], revs: dict[str, str], rounds: int) -> tuple[dict[str, Any], str]:
+    commands = list(dict.fromkeys(x["command"] for x in runs))
+    median = {label: {c: {k: statistics.median(x[k] for x in runs if x["arm"] == label and x["command"] == c)
+                          for k in ("wall_s", "cpu_s")} for c in commands} for label in revs}
+    rows = [[c, label, revs[label], f"{m[c]['wall_s']:.2f}", f"{m[c]['cpu_s']:.2f}",
+             " / ".join(f"{x['wall_s']:.2f}" for x in runs if x["arm"] == label and x["command"] == c)]
+            for c in commands for label, m in median.items()]
+    md = (f"`qswap index search` (one query, k 3) and `qswap index build` (the 400-document demo corpus) with "
+          f"the bundled model on a warm `QSWAP_DATA_DIR`, each a fresh process; {rounds} rounds, arms alternating. "
+          "CPU: the process's user + system time.\n\n"
+          + md_table(["command", "arm", "revision", "wall s (median)", "CPU s (median)", "wall s per round"], rows))
+    return {"arms": revs, "rounds": rounds, "runs": runs, "median": median}, md
+
+
 def run(args: argparse.Namespace) -> int:
-    out = results_dir_for("start", args.quick, args.out)
-    writer = ResultWriter("start", out)
+    name = "cli_start" if args.cli else "start"
+    out = results_dir_for(name, args.quick, args.out)
+    writer = ResultWriter(name, out)
     rounds = 1 if args.quick else args.rounds
     arms: list[tuple[str, str]] = []
     for a in args.arm or ["this=."]:
@@ -102,6 +161,10 @@ def run(args: argparse.Namespace) -> int:
                 cmds[label] = ([sys.executable, "-c", "import sys; from qswap.cli import main; sys.exit(main())"],
                                {**env, "PYTHONPATH": str(tree)})
         revs = {label: rev for label, rev in arms}
+        if args.cli:
+            res, md = _cli_report(_cli_rounds(cmds, rounds, work), revs, rounds)
+            print(f"cli: results in {writer.write(res, md)}", file=sys.stderr)
+            return 0
         for label in cmds:   # unmeasured: converts the model and builds the demo index on a new data dir
             print(f"start: warming {label}", file=sys.stderr, flush=True)
             _one_start(*cmds[label], work / f"{label}-warm.log")

@@ -12,6 +12,9 @@ _NAME = re.compile(rf"^{_NAME_RE}$")
 NAME_PATTERN = rf"^{_NAME_RE}$"
 REF_PATTERN = rf"^{_NAME_RE}(@{_NAME_RE})?$"
 KEY_PATTERN = rf"^{_NAME_RE}@{_NAME_RE}$"
+#: The key of the identity encoder every encoder pool has (the base model itself), and of the
+#: base's ONNX export directory, which the query and document runtimes share.
+BASE_KEY = "base"
 
 
 def validate_name(name: str, what: str = "encoder name") -> str:

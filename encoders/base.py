@@ -1,4 +1,9 @@
-"""The frozen base model: one in memory, shared by the document tower and every query encoder."""
+"""The frozen base model: one in memory, shared by the document tower and every query encoder.
+
+torch is imported only when something needs it: a base loaded on the CPU from a cached layout
+(:mod:`qswap.encoders.layout`) whose runtimes are ONNX never imports it (``qswap index search``
+on a warm data directory starts in about a second instead of seven).
+"""
 
 from __future__ import annotations
 
@@ -7,20 +12,24 @@ import json
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable
+import sys
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
 from tokenizers import Tokenizer
 
 from qswap import DEFAULT_MODEL
 from qswap.atomic import sha256_file_cached
 from qswap.encoders.bundled import resolve_bundled
 from qswap.encoders.embedding import BaseSpec, embed_batch, encode_texts
-from qswap.encoders.layout import BaseLayout, layout_key, layout_of, load_tensors, read_layout, write_layout
+from qswap.encoders.layout import (BaseLayout, layout_key, layout_of, load_array, load_tensors, read_layout,
+                                   write_layout)
 from qswap.encoders.pooling import POOLINGS
 from qswap.errors import IntegrityError, InvalidInputError, NotFoundError
 from qswap.space import EmbeddingSpace
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 SPEC_FILE = "qswap_base.json"
@@ -31,6 +40,8 @@ _SUPPORTED = ("bert", "xlm-roberta", "roberta", "distilbert", "electra", "mpnet"
 
 def default_device() -> torch.device:
     """CUDA when present, else CPU."""
+    import torch
+
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -43,17 +54,32 @@ class BaseEncoder:
     """
 
     def __init__(self, name: str, path: Path, tokenizer: Tokenizer, spec: BaseSpec, space: EmbeddingSpace,
-                 device: torch.device, layout: BaseLayout, model: torch.nn.Module | None = None,
+                 device: torch.device | str, layout: BaseLayout, model: torch.nn.Module | None = None,
                  build: Callable[[], torch.nn.Module] | None = None) -> None:
         if model is None and build is None:
             raise ValueError("a BaseEncoder needs its model or a way to build it")
-        self.name, self.path, self.tokenizer, self.spec, self.space, self.device = \
-            name, path, tokenizer, spec, space, device
+        self.name, self.path, self.tokenizer, self.spec, self.space = name, path, tokenizer, spec, space
+        # Kept as given: a device named by a string is made a torch.device only when asked for.
+        self._device: Any = device
         self.layout = layout
         self._model = model
         self._build = build
         self._loaded: dict[str, torch.Tensor] = {}   # tensors read from the checkpoint before the model
         self._lock = threading.Lock()
+
+    @property
+    def device(self) -> torch.device:
+        """The torch device the model runs on (imports torch)."""
+        if isinstance(self._device, str):
+            import torch
+
+            self._device = torch.device(self._device)
+        return self._device
+
+    @property
+    def device_type(self) -> str:
+        """``cpu`` or ``cuda``: :attr:`device`'s type, without importing torch."""
+        return self._device.split(":")[0] if isinstance(self._device, str) else self._device.type
 
     @property
     def built(self) -> bool:
@@ -75,6 +101,8 @@ class BaseEncoder:
                 assert self._build is not None
                 log.info("building the torch base model", extra={"model": self.name})
                 model = self._build()
+                import torch
+
                 params = dict(model.named_parameters())
                 for name, t in self._loaded.items():
                     p = params.get(name)
@@ -102,6 +130,21 @@ class BaseEncoder:
     def word_embeddings(self) -> torch.Tensor:
         """The input word-embedding matrix (vocabulary x hidden), see :meth:`tensor`."""
         return self.tensor(self.layout.word_embeddings)
+
+    def word_embedding_table(self) -> np.ndarray:
+        """The word-embedding matrix as float32 numpy: what the ONNX runtimes gather rows from.
+
+        In a process that has torch loaded it is a view of :meth:`word_embeddings` (one copy,
+        shared with the torch module and every runtime); in one that has not, and where the
+        checkpoint stores it in a dtype numpy reads, it is read from the checkpoint with numpy,
+        without importing torch (:func:`~qswap.encoders.layout.load_array`).
+        """
+        name = self.layout.word_embeddings
+        if "torch" not in sys.modules and self._model is None and name in self.layout.sources:
+            array = load_array(self.path, self.layout, name)
+            if array is not None:
+                return array.astype(np.float32, copy=False)
+        return self.word_embeddings().detach().float().cpu().numpy()
 
     @property
     def dim(self) -> int:
@@ -202,7 +245,7 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _build_model(path: Path, model_type: str, device: torch.device) -> torch.nn.Module:
+def _build_model(path: Path, model_type: str, device: torch.device | str) -> torch.nn.Module:
     """The frozen torch module of the model in ``path``, on ``device``, in eval mode."""
     from transformers import AutoModel
 
@@ -216,10 +259,10 @@ def _build_model(path: Path, model_type: str, device: torch.device) -> torch.nn.
     return model
 
 
-def _cached_layout(cache_dir: Path | None, path: Path, device: torch.device) -> tuple[str | None, BaseLayout | None]:
+def _cached_layout(cache_dir: Path | None, path: Path, device_type: str) -> tuple[str | None, BaseLayout | None]:
     """``(record key, record)`` of the model in ``path`` under ``cache_dir``; the record only on
     CPU (its tensors are read onto the CPU) and where the model has weights to key it by."""
-    if cache_dir is None or device.type != "cpu":
+    if cache_dir is None or device_type != "cpu":
         return None, None
     try:
         key = layout_key(path, _weights_sha(path, Path(cache_dir) / SHA_DIR))
@@ -251,7 +294,9 @@ def load_base(source: str | Path = DEFAULT_MODEL, device: str | torch.device | N
 
     Args:
         source: a bundled name or a local Hugging Face model folder (nothing is fetched from a hub).
-        device: torch device (default: CUDA when present, else CPU).
+        device: torch device (default: CUDA when present, else CPU). A string (``"cpu"``) is made a
+            torch device only when the model is built: with a cached layout, ``"cpu"`` loads the
+            base without importing torch.
         max_length: cut texts to at most this many tokens (default: the model's own limit).
         cache_dir: where the model's :class:`~qswap.encoders.layout.BaseLayout` is recorded (a
             server's ONNX cache). With a record of these model files there (and the CPU), the
@@ -275,8 +320,10 @@ def load_base(source: str | Path = DEFAULT_MODEL, device: str | torch.device | N
         default_name = src
     if not (path / "config.json").exists():
         raise NotFoundError(f"{path} has no config.json", "point to a Hugging Face model directory")
-    dev = torch.device(device) if device is not None else default_device()
-    key, layout = _cached_layout(cache_dir, path, dev)
+    # A device given by name stays a name until torch is needed: see BaseEncoder.device.
+    dev: Any = default_device() if device is None else device
+    dev_type = dev.split(":")[0] if isinstance(dev, str) else dev.type
+    key, layout = _cached_layout(cache_dir, path, dev_type)
     config: Any = None
     if layout is None:
         from transformers import AutoConfig

@@ -1,16 +1,22 @@
-"""Text -> embedding mechanics shared by the frozen base, query encoders and tuning."""
+"""Text -> embedding mechanics shared by the frozen base, query encoders and tuning.
+
+The numpy parts (token batches, padding) serve the ONNX runtimes too, which run without torch:
+torch is imported by the functions that make tensors, not by the module.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
-import torch
 from tokenizers import Tokenizer
 
 from qswap.encoders.pooling import pool
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,8 @@ class BaseSpec:
 def tokenize_batch(tokenizer: Tokenizer, texts: list[str], prefix: str,
                    device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenise ``prefix + text`` for each text; pads to the longest row, truncates at max length."""
+    import torch
+
     encs = tokenizer.encode_batch([prefix + t for t in texts])
     ids = torch.tensor([e.ids for e in encs], dtype=torch.long, device=device)
     mask = torch.tensor([e.attention_mask for e in encs], dtype=torch.long, device=device)
@@ -36,6 +44,8 @@ def tokenize_batch(tokenizer: Tokenizer, texts: list[str], prefix: str,
 def embed_batch(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 spec: BaseSpec, **forward_kwargs) -> torch.Tensor:
     """Forward, pool and (optionally) L2-normalise. Differentiable: tuning calls it with grad."""
+    import torch
+
     out = model(input_ids=input_ids, attention_mask=attention_mask, **forward_kwargs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     x = pool(hidden, attention_mask, spec.pooling)
@@ -149,6 +159,8 @@ def sorted_batches(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_si
                    device: torch.device | str = "cpu", lengths_out: list[int] | None = None,
                    encodings: list[Any] | None = None) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
     """:func:`length_buckets` as torch tensors on ``device`` (``encodings``: see there)."""
+    import torch
+
     for idx, ids, mask in length_buckets(tokenizer, texts, prefix, batch_size, encodings=encodings,
                                          lengths_out=lengths_out):
         yield idx, torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
@@ -162,6 +174,8 @@ def encode_texts(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 
     ``forward(ids, mask)`` returns pooled embeddings; the result keeps the input order.
     """
+    import torch
+
     out = np.empty((len(texts), dim), dtype=np.float32)
     bar = None
     lengths: list[int] = []

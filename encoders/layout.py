@@ -10,7 +10,8 @@ each one checked to be bitwise the model's, and kept as one JSON record per mode
 directory (:func:`write_layout`). A later load of the same model files (config and weights by
 content, same ``transformers`` and ``torch``) reads the record (:func:`read_layout`) and the
 tensors straight from the checkpoint (:func:`load_tensors`), and builds the torch module only
-when something needs it (:class:`qswap.encoders.base.BaseEncoder`).
+when something needs it (:class:`qswap.encoders.base.BaseEncoder`). Reading a record, and the
+word embeddings as numpy (:func:`load_array`), does not import torch.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import logging
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
 from qswap.atomic import atomic_write_json
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,8 @@ class BaseLayout:
 
 def layout_of(model: torch.nn.Module, config: Any = None) -> BaseLayout:
     """The layout of a built model (``config``: its ``transformers`` config; default ``model.config``)."""
+    import torch
+
     config = config if config is not None else model.config
     weight = model.get_input_embeddings().weight
     wname = next((n for n, p in model.named_parameters() if p is weight), "")
@@ -83,9 +89,10 @@ def layout_of(model: torch.nn.Module, config: Any = None) -> BaseLayout:
 
 
 def layout_key(model_dir: Path, weights_sha256: str) -> str:
-    """Content key of a model's record: its config file and weights, the libraries that build it."""
+    """Content key of a model's record: its config file and weights, the libraries that build it
+    (by their installed versions: a key is computed without importing them)."""
     cfg = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
-    return hashlib.sha256(f"{LAYOUT_FORMAT}|{cfg}|{weights_sha256}|{_version('transformers')}|{torch.__version__}"
+    return hashlib.sha256(f"{LAYOUT_FORMAT}|{cfg}|{weights_sha256}|{_version('transformers')}|{_version('torch')}"
                           .encode()).hexdigest()
 
 
@@ -120,6 +127,8 @@ def write_layout(cache_dir: Path, key: str, model_dir: Path, model: torch.nn.Mod
     """Record ``layout`` with where its tensors sit in ``model_dir``'s safetensors files, each
     checked bitwise against the built ``model``; returns False (nothing written) when one is not
     found there as it is in the model (another checkpoint format, a renamed or converted tensor)."""
+    import torch
+
     params = dict(model.named_parameters())
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -153,6 +162,7 @@ def load_tensors(model_dir: Path, layout: BaseLayout) -> dict[str, torch.Tensor]
     checkpoint files, as the model has them: views of the files' private (copy-on-write) mappings,
     as ``transformers`` loads a model's own. Each file is opened once: a start reads them all
     together (one open per name cost a hundred opens of a large file)."""
+    import torch
     from safetensors import safe_open
 
     by_file: dict[str, list[str]] = {}
@@ -165,3 +175,28 @@ def load_tensors(model_dir: Path, layout: BaseLayout) -> dict[str, torch.Tensor]
                 _, key, dtype = layout.sources[n]
                 out[n] = f.get_tensor(key).to(getattr(torch, dtype))
     return out
+
+
+# safetensors dtype names -> numpy's (bfloat16 has none)
+_NUMPY_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16"}
+
+
+def load_array(model_dir: Path, layout: BaseLayout, name: str) -> np.ndarray | None:
+    """Tensor ``name`` of ``layout.sources`` as a read-only numpy view of its checkpoint file,
+    without torch: mapped, not read, so only the rows used are paged in (a few queries touch a few
+    rows of a 250k-row word-embedding matrix). None when numpy has no type for its dtype (bfloat16).
+
+    The safetensors format is an 8-byte little-endian header size, a JSON header giving each
+    tensor's dtype, shape and byte range after it, then the data.
+    """
+    fname, key, _ = layout.sources[name]
+    path = model_dir / fname
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(size))[key]
+    dtype = _NUMPY_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        return None
+    start, _end = entry["data_offsets"]
+    return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r", offset=8 + size + start,
+                     shape=tuple(entry["shape"]))

@@ -33,10 +33,10 @@ from qswap.encoders.lowrank import LowRankDeltas
 from qswap.encoders.packed import pack
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError
 from qswap.factors import FACTOR_NAMES
+from qswap.names import BASE_KEY   # the identity encoder every pool has: the base model itself
 
 # Storage types of LoRA factors (EncoderPool(factor_dtype=...)).
 FACTOR_DTYPES = {name: getattr(torch, name) for name in FACTOR_NAMES}
-BASE_KEY = "base"   # the identity encoder every pool has: the base model itself
 # Queries every new encoder must embed to finite vectors before it is accepted: finite adapter
 # values can still overflow a forward (a LoRA factor of 1e30, a bias of 3e38).
 _PROBES = ("a", "search the index for a python library about chess and music")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # tensor methods only: importing this module does not import torch
+    import torch
 
 POOLINGS = ("mean", "cls")
 

@@ -21,11 +21,12 @@ import contextlib
 import functools
 import logging
 from pathlib import Path
-from typing import ContextManager
-
-import torch
+from typing import TYPE_CHECKING, ContextManager
 
 from qswap.errors import InvalidInputError
+
+if TYPE_CHECKING:   # imported by the functions that use it: the CLI reads PRECISIONS without torch
+    import torch
 
 log = logging.getLogger("qswap.encoders")
 
@@ -68,6 +69,8 @@ def has_fast_bf16(device: torch.device | str | None = None) -> bool:
     CUDA: bf16 tensor cores (compute capability >= 8.0). CPU: AMX or AVX-512 BF16 in
     ``/proc/cpuinfo``.
     """
+    import torch
+
     dev = torch.device(device) if device is not None else \
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda":
@@ -90,6 +93,8 @@ def autocast_context(device: torch.device | str, precision: str = "fp32") -> Con
     check_precision(precision)
     if precision == "fp32":
         return contextlib.nullcontext()
+    import torch
+
     dev = torch.device(device)
     if dev.type not in ("cpu", "cuda"):
         raise InvalidInputError(f"bf16 autocast is not supported on device {dev}",

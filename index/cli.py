@@ -39,6 +39,8 @@ def _model_arg(value: str) -> str:
     return str(p.resolve()) if p.is_dir() else value
 
 
+_QUERY_RUNTIME_HELP = ("query-embedding runtime (default: the documents' runtime; onnx, for fp32 documents, "
+                       "runs without torch once the model's export is cached; torch is the reference)")
 _LOCATION_HELP = "index folder, or milvus://PATH.db?collection=NAME / milvus://HOST:PORT?collection=NAME"
 
 
@@ -125,6 +127,7 @@ def register(subparsers: Any) -> None:
     s.add_argument("--filter", action="append", default=[], metavar="FIELD=VALUE",
                    help="metadata equality (VALUE parsed as JSON if it can be: 2020, true, \"2020\")")
     s.add_argument("--model", type=_model_arg, default=None)
+    s.add_argument("--runtime", choices=("onnx", "torch"), default=None, help=_QUERY_RUNTIME_HELP)
     s.add_argument("--no-text", action="store_true")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_search)
@@ -138,6 +141,7 @@ def register(subparsers: Any) -> None:
                    help="perturbed-document queries when --queries is not given")
     e.add_argument("--queries", type=Path, help="query texts: JSONL with \"text\" or one query per line")
     e.add_argument("--model", type=_model_arg, default=None)
+    e.add_argument("--runtime", choices=("onnx", "torch"), default=None, help=_QUERY_RUNTIME_HELP)
     e.add_argument("--latency-queries", type=int, default=200)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--threads", type=int, default=None,
@@ -203,14 +207,15 @@ def _model_for(index: IndexBackend, given: str | None) -> str:
 
 
 def _embedder_for(index: IndexBackend, given: str | None, precision: str | None = None,
-                  location: str | Path = "") -> Embedder:
+                  location: str | Path = "", runtime: str | None = None) -> Embedder:
     """The index's document tower, at the precision its documents were embedded at (another
-    ``precision`` raises ConflictError: precisions never mix in one index)."""
+    ``precision`` raises ConflictError: precisions never mix in one index), on ``runtime``
+    (default: the precision's)."""
     build = index.manifest.get("build", {})
     have = documents_precision(build)
     if precision is not None:
         require_precision(build, precision, f"index {location}".strip())
-    emb = load_embedder(_model_for(index, given), precision=have)
+    emb = load_embedder(_model_for(index, given), precision=have, runtime=runtime)
     index.space.require_same(emb.space, f"model {emb.name}")
     return emb
 
@@ -362,7 +367,7 @@ def parse_filter(items: list[str]) -> dict[str, Any] | None:
 def cmd_search(args: argparse.Namespace) -> int:
     flt = parse_filter(args.filter)
     with _opened(args.index, read_only=True) as idx:
-        emb = _embedder_for(idx, args.model)
+        emb = _embedder_for(idx, args.model, runtime=args.runtime)
         results = idx.search(emb.queries(list(args.query)), args.k, filter=flt, with_text=not args.no_text)
     if args.json:
         print(json.dumps([{"query": q, "hits": [h.__dict__ for h in hits]}
@@ -410,7 +415,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     with DocumentIndex.open(args.index, read_only=True) as idx:
         queries = None
         if args.queries:
-            emb = _embedder_for(idx, args.model)
+            emb = _embedder_for(idx, args.model, runtime=args.runtime)
             queries = emb.queries(_read_queries(args.queries))
         target = idx.with_config(_config_from(args), progress=True) if _config_given(args) else idx
         report = evaluate(target, queries, n_queries=args.n_queries, k=args.k,

@@ -21,6 +21,11 @@ Each precision's measured quality against fp32 (:data:`PRECISION_QUALITY`) is wh
 manifest records (:meth:`DocumentEncoder.record`); documents of different precisions never
 mix in one index (``qswap.index`` checks it).
 
+The ONNX runtime needs no torch: a process that embeds only on it, with the base's layout and
+export cached (a base loaded with ``cache_dir``, see :func:`qswap.encoders.base.load_base`), never
+imports it. The same graph embeds queries (:meth:`DocumentEncoder.encode_queries`), as the
+server's base encoder does.
+
 Use::
 
     enc = DocumentEncoder(base)                    # fp32 on ONNX Runtime, all cores
@@ -29,6 +34,7 @@ Use::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -41,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from qswap.encoders.base import BaseEncoder
-from qswap.encoders.embedding import pad_id, padded_rows, unpadded
+from qswap.encoders.embedding import length_buckets, pad_id, padded_rows, unpadded
 from qswap.encoders.runtime.cancel import run_options
 from qswap.encoders.runtime.token_batches import DEFAULT_MAX_TOKENS, token_budget_batches
 from qswap.errors import InvalidInputError
@@ -74,6 +80,8 @@ PRECISION_QUALITY: dict[str, dict[str, Any]] = {
 # that token-budget batches of similar lengths form within it.
 _WINDOW = 1024
 _QUEUE = 4
+# Queries per ONNX Runtime call at most (the server's ONNX backend's batch size).
+_QUERY_ROWS = 64
 
 
 def machine_threads() -> int:
@@ -132,7 +140,7 @@ class DocumentEncoder:
                  cache_dir: Path | None = None) -> None:
         check_document_precision(precision)
         if runtime is None:
-            gpu = base.device.type == "cuda" or precision == "fp16"
+            gpu = base.device_type == "cuda" or precision == "fp16"
             runtime = "cuda" if gpu else default_runtime(precision)
         if runtime not in RUNTIMES:
             raise InvalidInputError(f"unknown runtime {runtime!r}", f"use one of {', '.join(RUNTIMES)}")
@@ -174,7 +182,15 @@ class DocumentEncoder:
         self._model: Any = None   # the torch module documents run through (bf16: a bf16-Linear copy)
         self._gpu: Any = None     # the cuda runtime's GpuDocuments
         self._lock = threading.Lock()
-        self._tokenizer = unpadded(base.tokenizer)   # the producer thread's own: windows are cut, not padded
+        self._unpadded: Any = None   # see _tokenizer
+
+    @property
+    def _tokenizer(self) -> Any:
+        """The producer thread's own tokenizer: windows are cut, not padded. Made on first use
+        (seconds for a 250k-token vocabulary), which a process embedding only queries never makes."""
+        if self._unpadded is None:
+            self._unpadded = unpadded(self.base.tokenizer)
+        return self._unpadded
 
     @property
     def record(self) -> dict[str, Any]:
@@ -191,9 +207,9 @@ class DocumentEncoder:
         """Load (exporting on first use) the base's fused ONNX graph; the query path's cache."""
         if self._session is not None:
             return
+        from qswap.encoders.runtime.export_digest import MODEL_FILE
         from qswap.encoders.runtime.onnx import available_providers, cached_export, make_session
-        from qswap.encoders.runtime.onnx_export import MODEL_FILE
-        from qswap.encoders.pool import BASE_KEY
+        from qswap.names import BASE_KEY
 
         providers = available_providers()
         variant = "cuda" if "CUDAExecutionProvider" in providers else "cpu"
@@ -202,7 +218,7 @@ class DocumentEncoder:
         cached_export(self.base, {}, target, BASE_KEY, f"{variant}-fused", optimize_for=variant)
         # Spinning workers: a document batch is many parallel sections back to back.
         self._session = make_session(target / MODEL_FILE, self.threads, providers, spin=True)
-        self._table = self.base.word_embeddings().detach().float().cpu().numpy()
+        self._table = self.base.word_embedding_table()
 
     def _submit(self, ids: np.ndarray, mask: np.ndarray) -> Any:
         """``finish()`` of the batch: queued on the cuda runtime, computed now on the others."""
@@ -223,6 +239,34 @@ class DocumentEncoder:
         return embed_batch(self._model, t_ids, t_mask, self.base.spec).float().cpu().numpy()
 
     # -- encoding -------------------------------------------------------------------------------
+
+    def encode_queries(self, texts: list[str]) -> np.ndarray:
+        """Embed ``texts`` as queries of the base (its query prefix, fp32).
+
+        On ONNX Runtime: the base's graph this encoder embeds documents with, the one the
+        server's ONNX backends serve the base's queries with, in length-sorted calls cut as theirs
+        are (:data:`~qswap.encoders.runtime.onnx.CALL_TOKENS`). On the other runtimes: the torch
+        base (:meth:`~qswap.encoders.base.BaseEncoder.encode_queries`).
+
+        Args:
+            texts: the queries.
+
+        Returns:
+            (len(texts), dim) float32, in input order.
+        """
+        if self.runtime != "onnx":
+            return self.base.encode_queries(texts)
+        from qswap.encoders.runtime.onnx import CALL_TOKENS
+
+        out = np.empty((len(texts), self.base.dim), dtype=np.float32)
+        if not texts:
+            return out
+        with self._lock:
+            self._ensure_session()
+            for idx, ids, mask in length_buckets(self.base.tokenizer, texts, self.base.spec.query_prefix,
+                                                 _QUERY_ROWS, call_tokens=CALL_TOKENS):
+                out[idx] = self._forward(ids, mask)
+        return out
 
     def encode(self, texts: list[str], progress: bool = False, desc: str = "embedding documents") -> np.ndarray:
         """Embed ``texts`` as documents.
@@ -274,10 +318,14 @@ class DocumentEncoder:
         return out
 
     def _run(self, texts: list[str], out: np.ndarray, meter: Throughput, bar: Any) -> None:
-        import torch
+        # ONNX Runtime needs no torch: a process embedding only on it never imports it.
+        grad_off: Any = contextlib.nullcontext()
+        if self.runtime != "onnx":
+            import torch
 
-        if self.runtime == "torch" and torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
+            if self.runtime == "torch" and torch.get_num_threads() != self.threads:
+                torch.set_num_threads(self.threads)
+            grad_off = torch.inference_mode()
         known_docs = known_tokens = 0
         pending: tuple[list[int], Any, int] | None = None   # the batch in flight (cuda runtime)
 
@@ -290,7 +338,7 @@ class DocumentEncoder:
                                     refresh=False)
                 bar.update(tokens)
 
-        with torch.inference_mode():
+        with grad_off:
             for idx, ids, mask, window in _produce(self, texts):
                 if bar is not None and window is not None:
                     known_docs, known_tokens = known_docs + window[0], known_tokens + window[1]

@@ -36,17 +36,18 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from qswap.encoders.runtime.onnx_export import (EMBEDDINGS_FILE, EXPORT_FORMAT, MODEL_FILE, encoder_digest,
-                                        export_onnx, own_tensors, release_freed_memory)
+from qswap.encoders.runtime.export_digest import EMBEDDINGS_FILE, EXPORT_FORMAT, MODEL_FILE, encoder_digest
 from qswap.encoders.embedding import pad_id, padded_splits
 from qswap.encoders.runtime.export_cache import cached_dir
 from qswap.encoders.runtime.protocol import EncodeFlagged
-from qswap.encoders.pool import EncoderPool
 from qswap.errors import InvalidInputError, NotFoundError
+
+if TYPE_CHECKING:   # the exporter and the pool (torch) are imported where an export is made
+    from qswap.encoders.pool import EncoderPool
 
 log = logging.getLogger(__name__)
 #: What one more ONNX Runtime call costs, in tokens of forward compute: a batch's rows (longest
@@ -238,6 +239,8 @@ class OnnxBackend:
                 self._sessions[key] = sess
 
     def _load_or_export(self, key: str) -> _Session:
+        from qswap.encoders.runtime.onnx_export import own_tensors
+
         own = own_tensors(self.base, self.pool.merged_state_dict(key))
         variant = f"{self._variant}-fused" if self.fuse else "plain"
         target = self.directory(key)
@@ -337,12 +340,16 @@ def cached_export(base: Any, own: dict[str, Any], target: Path, key: str, varian
     digest = encoder_digest(base, own, variant)
 
     def export(staging: Path) -> dict[str, Any]:
+        from qswap.encoders.runtime.onnx_export import export_onnx
+
         facts = export_onnx(base, own, staging, optimize_for=optimize_for)
         return {"format": EXPORT_FORMAT, "key": key, "digest": digest, "variant": variant,
                 "space": base.space.fingerprint, "base": base.name, **facts}
 
     meta, exported = cached_dir(target, digest, MODEL_FILE, export)
     if exported:
+        from qswap.encoders.runtime.onnx_export import release_freed_memory
+
         release_freed_memory()   # the export's copies of the graph: ~500 MB a server would keep
         log.info("exported %s to ONNX in %.1fs (probe cosine %.7f)", key, meta["export_seconds"],
                  meta["probe_min_cosine"])

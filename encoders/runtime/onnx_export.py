@@ -14,7 +14,6 @@ saved next to the graph (``word_embeddings.npy``, memory-mapped when loaded).
 from __future__ import annotations
 
 import copy
-import hashlib
 import inspect
 import logging
 import threading
@@ -30,19 +29,13 @@ from qswap.encoders.base import BaseEncoder
 from qswap.encoders.embedding import tokenize_batch
 from qswap.encoders.pooling import pool
 from qswap.errors import IntegrityError
+from qswap.encoders.runtime.export_digest import EMBEDDINGS_FILE, INPUTS, MODEL_FILE, OPSET, OUTPUT
 
 log = logging.getLogger(__name__)
 
-# Bump when the exported graph changes, so cached exports are rebuilt.
-EXPORT_FORMAT = 1
-OPSET = 17
-MODEL_FILE = "model.onnx"
-EMBEDDINGS_FILE = "word_embeddings.npy"
-INPUTS = ("inputs_embeds", "attention_mask")
 # torch.onnx.export keeps global tracing state: two exports at once (the shared graph and a
 # merged one, from two background threads) corrupt each other.
 EXPORT_LOCK = threading.Lock()
-OUTPUT = "embedding"
 # An export must reproduce the torch forward it came from this closely on probe texts, or it
 # is refused (the torch path keeps serving). fp32 graphs reach 0.9999999 in practice.
 MIN_PROBE_COSINE = 0.99999
@@ -94,16 +87,6 @@ def own_tensors(base: BaseEncoder, state: dict[str, torch.Tensor]) -> dict[str, 
         if r is None or r.data_ptr() != t.data_ptr() or r.shape != t.shape:
             out[name] = t
     return out
-
-
-def encoder_digest(base: BaseEncoder, own: dict[str, torch.Tensor], variant: str) -> str:
-    """Content hash of an encoder export: base space, the adapter's tensors, export format."""
-    h = hashlib.sha256(f"{EXPORT_FORMAT}|{OPSET}|{variant}|{base.space.fingerprint}".encode())
-    for name in sorted(own):
-        t = own[name].detach().to("cpu").contiguous()
-        h.update(f"|{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def _set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:

@@ -50,7 +50,8 @@ from qswap.encoders.base import BaseEncoder
 from qswap.encoders.layout import BaseLayout
 from qswap.encoders.pool import FACTOR_DTYPES
 from qswap.encoders.runtime.export_cache import cached_dir
-from qswap.encoders.runtime.onnx_export import (EXPORT_LOCK, OPSET, OUTPUT, PooledEncoder, _fuse, build_module, probe_cosine,
+from qswap.encoders.runtime.export_digest import OPSET, OUTPUT
+from qswap.encoders.runtime.onnx_export import (EXPORT_LOCK, PooledEncoder, _fuse, build_module, probe_cosine,
                                         probe_inputs, release_freed_memory)
 from qswap.errors import IntegrityError, InvalidInputError
 

@@ -25,7 +25,7 @@ import torch
 
 from qswap.encoders.packed import pack_tensors
 from qswap.encoders.runtime.cancel import run_options
-from qswap.encoders.runtime.onnx_export import OUTPUT
+from qswap.encoders.runtime.export_digest import OUTPUT
 from qswap.encoders.runtime.shared_export import ort_input
 
 #: Bytes of float32 factor copies a CPU backend over a half-precision pool keeps (:class:`WideFeeds`):

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from qswap.encoders.runtime.onnx_export import OUTPUT
+from qswap.encoders.runtime.export_digest import OUTPUT
 from qswap.encoders.runtime.shared_export import Slots, ort_input, routing
 
 #: The most encoders one segment call holds: bounds the call buffers (~5.3 MB per encoder at

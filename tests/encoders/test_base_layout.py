@@ -149,3 +149,26 @@ print(json.dumps({{"ready": ready, "runtime": runtime, "built": base.built, "vec
     assert res["transformers"] == []
     ref = tiny_base.encode_queries(QUERIES)
     assert np.sum(np.asarray(res["vecs"]) * ref, axis=1).min() > 0.99999
+
+
+def test_the_word_embedding_array_is_the_checkpoint_s_tensor(tmp_path, tiny_model_dir, tiny_base):
+    """load_array maps the word embeddings from the safetensors file without torch: bitwise the
+    tensor torch reads, and None for a dtype numpy has no type for."""
+    from dataclasses import replace
+
+    from qswap.encoders.layout import load_array
+
+    cache = tmp_path / "onnx"
+    load_base(tiny_model_dir, device="cpu", cache_dir=cache)
+    warm = load_base(tiny_model_dir, device="cpu", cache_dir=cache)
+    name = warm.layout.word_embeddings
+    array = load_array(warm.path, warm.layout, name)
+    assert array is not None and not array.flags.writeable
+    assert np.array_equal(array, tiny_base.model.get_input_embeddings().weight.detach().numpy())
+    assert not warm.built
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(tiny_model_dir, bf16)
+    from safetensors.torch import save_file
+    save_file({k: v.to(torch.bfloat16) for k, v in tiny_base.model.state_dict().items()}, str(bf16 / "model.safetensors"))
+    layout = replace(warm.layout, sources={name: ("model.safetensors", name, "bfloat16")})
+    assert load_array(bf16, layout, name) is None

@@ -181,3 +181,16 @@ def test_document_windows_are_tokenised_without_padding(tiny_base):
     assert sorted(i for b in batches for i in b[0]) == list(range(50))
     for idx, ids, mask, _ in batches:
         assert mask.sum(1).tolist() == [lengths[i] for i in idx] and ids.shape[1] == max(lengths[i] for i in idx)
+
+
+def test_queries_on_the_onnx_runtime_equal_the_torch_base(tmp_path, tiny_base):
+    """encode_queries runs the base's ONNX graph with the query prefix: equal to the torch base's
+    queries (the reference) to float noise, in input order; on the torch runtime it is the torch base."""
+    queries = ["chess puzzle game", "a", "music and sound for linux desktops with a long description"] * 3
+    ref = tiny_base.encode_queries(queries)
+    onnx = DocumentEncoder(tiny_base, cache_dir=tmp_path / "onnx")
+    got = onnx.encode_queries(queries)
+    assert onnx.runtime == "onnx" and got.shape == ref.shape
+    assert np.sum(got * ref, axis=1).min() > 0.99999
+    assert np.array_equal(DocumentEncoder(tiny_base, runtime="torch").encode_queries(queries), ref)
+    assert onnx.encode_queries([]).shape == (0, tiny_base.dim)

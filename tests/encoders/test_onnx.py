@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from qswap.encoders import BASE_KEY, EncoderPool, load_base, load_encoder, save_encoder
-from qswap.encoders.runtime import onnx as onnx_backend
+from qswap.encoders.runtime import onnx_export
 from qswap.encoders.runtime.export_cache import META_FILE
 from qswap.encoders.runtime.onnx import OnnxBackend
-from qswap.encoders.runtime.onnx_export import EMBEDDINGS_FILE, MODEL_FILE
+from qswap.encoders.runtime.export_digest import EMBEDDINGS_FILE, MODEL_FILE
 from qswap.errors import InvalidInputError, NotFoundError
 
 from .adapters import make_lora, make_overrides, noisy
@@ -175,7 +175,7 @@ def test_failed_export_stays_on_torch(pool, tmp_path, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("exporter exploded")
 
-    monkeypatch.setattr(onnx_backend, "export_onnx", broken)
+    monkeypatch.setattr(onnx_export, "export_onnx", broken)   # what the backend calls to export
     b = OnnxBackend(pool, tmp_path / "cache", threads=1)
     try:
         b.prepare("l1@1")
