@@ -11,12 +11,9 @@ from typing import Any
 
 from qswap import DEFAULT_MODEL
 from qswap.encoders.precision import PRECISIONS
-from qswap.tuning.losses import LOSSES
-from qswap.tuning.losses.similarity import METRICS
-from qswap.tuning.methods import METHODS
-from qswap.tuning.optim import LR_RULES, OPTIMIZERS, SCHEDULERS
+from qswap.tuning.choices import (LOSSES, LR_RULES, METHOD_NAMES, METRICS, MINE_CHOICES, OPTIMIZERS,
+                                  QUERY_RUNTIMES, SCHEDULERS)
 from qswap.tuning.recipes import RECIPES, default_recipe, describe, device_spec, resolve
-from qswap.tuning.config import MINE_CHOICES, QUERY_RUNTIMES
 
 # `qswap tune run` exit status when no epoch improved (2 is a usage error, 1 a failure).
 IDENTITY_EXIT = 3
@@ -145,7 +142,7 @@ def _add_run(sub: Any) -> None:
                    help="drop a negative scoring above this fraction of the positive's score")
     g = p.add_argument_group("method")
     g.add_argument("--base", default=DEFAULT_MODEL, help="bundled base name or local model directory")
-    g.add_argument("--method", default="partial", choices=tuple(METHODS))
+    g.add_argument("--method", default="partial", choices=METHOD_NAMES)
     g.add_argument("--freeze-output-dense", action="store_true", help="partial: also freeze output.dense.weight")
     g.add_argument("--freeze-blocks", type=int, default=None,
                    help="partial: also freeze the first k blocks (default: the recipe's; backward stops above them)")

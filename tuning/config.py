@@ -12,8 +12,7 @@ from qswap.tuning.methods import MethodConfig
 from qswap.tuning.run_report import RunReport
 from qswap.tuning.trainer import TrainConfig
 
-MINE_CHOICES = ("auto", "corpus", "index", "none")
-QUERY_RUNTIMES = ("onnx", "torch")      # what encodes queries for mining and evaluation
+from qswap.tuning.choices import MINE_CHOICES, QUERY_RUNTIMES
 SEEN_QUERIES = "training_queries.json"   # ids of the train + validation queries, in the encoder directory
 
 

@@ -16,10 +16,7 @@ import torch
 
 from qswap.errors import InvalidInputError
 
-OPTIMIZERS = ("adamw", "adamax", "sgd")
-SCHEDULERS = ("none", "L", "Q", "E0.95", "E0.98")
-#: --lr-rule: keep the learning rate, or scale it with the square root of the batch (:func:`sqrt_scaled_lr`).
-LR_RULES = ("none", "sqrt")
+from qswap.tuning.choices import LR_RULES, OPTIMIZERS, SCHEDULERS
 
 PAPER_LR = 5e-8
 PAPER_BATCH = 14

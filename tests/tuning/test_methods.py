@@ -79,3 +79,9 @@ def test_bias_export_keeps_only_changed_biases(tiny_base, tmp_path):
     assert list(tower.export(tmp_path).tensors) == ["encoder.layer.1.output.dense.bias"]
     with pytest.raises(InvalidInputError):
         QueryTower(tiny_base, MethodConfig("bias")).export(tmp_path)
+
+
+def test_the_cli_offers_every_method_in_its_order():
+    from qswap.tuning.choices import METHOD_NAMES
+    from qswap.tuning.methods import METHODS
+    assert tuple(METHODS) == METHOD_NAMES

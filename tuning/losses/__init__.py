@@ -17,10 +17,8 @@ from qswap.tuning.losses.batch import LossInput
 from qswap.tuning.losses.infonce import InfoNCELoss
 from qswap.tuning.losses.matryoshka import MatryoshkaLoss
 from qswap.tuning.losses.samtone import PairLoss, SamToNeLoss
-from qswap.tuning.losses.similarity import METRICS
+from qswap.tuning.choices import LOSSES, METRICS
 from qswap.tuning.losses.triplet import TripletMarginLoss
-
-LOSSES = ("triplet", "infonce", "samtone", "pair")
 
 __all__ = ["LOSSES", "METRICS", "InfoNCELoss", "LossInput", "MatryoshkaLoss", "PairLoss",
            "SamToNeLoss", "TripletMarginLoss", "build_loss"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-METRICS = ("cos", "euclid")
+from qswap.tuning.choices import METRICS
 
 
 def check_metric(metric: str) -> str:
