@@ -183,9 +183,9 @@ class SharedBackend:
             self._retried.notify_all()
 
     def _load_or_export(self, segments: bool = False) -> Any:
-        # The segment graph takes the shared graph's type (float32 on CPU): its runner converts a
-        # factor once as it copies it into its slot, where a Cast in the graph would run every call.
-        factors = self._graph_factors
+        # The segment graph takes the pool's type (its Cast per factor measured cheaper overall than
+        # converting as the runner copies: a call whose encoders all change, bench/results/forward_mixed/).
+        factors = self.factors if segments else self._graph_factors
         path = cached_shared(self.base, self.directory(), self._variant, factors, segments=segments)
         return make_session(path, self._threads, self.providers, self.spin)
 
@@ -203,7 +203,7 @@ class SharedBackend:
                 except Exception as e:   # mixed batches keep running per group
                     log.warning("segment ONNX export failed; mixed batches run one call per encoder: %s", e)
                     raise
-                runner = SegmentRunner(self.slots, self._base_inputs, FACTOR_DTYPES[self._graph_factors])
+                runner = SegmentRunner(self.slots, self._base_inputs, FACTOR_DTYPES[self.factors])
                 with self._lock:
                     self._segments = (sess, runner)
             self._segments_future = self._executor.submit(build)

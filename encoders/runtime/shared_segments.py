@@ -46,11 +46,11 @@ def _array(t: torch.Tensor) -> np.ndarray:
 
 
 class _Source:
-    """What one encoder puts in a call: its factors per Linear (the pool's tensors, in its storage
-    type), and whether it has biases of its own (then it does not run here)."""
+    """What one encoder puts in a call: its factors per Linear (numpy views of the pool's tensors,
+    in its storage type), and whether it has biases of its own (then it does not run here)."""
 
     def __init__(self, own: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> None:
-        self.factors = {name[:-len(".lora_A")]: (t.detach().cpu(), own[name[:-1] + "B"].detach().cpu())
+        self.factors = {name[:-len(".lora_A")]: (_array(t), _array(own[name[:-1] + "B"]))
                         for name, t in own.items() if name.endswith(".lora_A")}
         self.biased = any(name.endswith(".bias") and not torch.equal(t, base[name]) for name, t in own.items())
 
@@ -59,28 +59,15 @@ class _Source:
         return 0 if f is None else f[0].shape[0]
 
 
-def _copy(dst: np.ndarray, src: torch.Tensor) -> None:
-    """``dst[...] = src``: a plain numpy copy when the types match; otherwise torch converts
-    (vectorised half -> float32: ~4x numpy's conversion for the ~2,900 factor copies of 20
-    encoders, and numpy has no bfloat16)."""
-    if src.dtype == torch.bfloat16 and dst.dtype == np.int16:   # bfloat16 buffers hold the bits
-        dst[...] = src.view(torch.int16).numpy()
-    elif src.dtype == torch.bfloat16 or src.numpy().dtype != dst.dtype:
-        torch.from_numpy(dst).copy_(src)
-    else:
-        dst[...] = src.numpy()
-
-
 class SegmentRunner:
     """Runs batches of any encoder mix on the segment graph; thread-safe (one call at a time).
 
     Args:
         slots: the graph's adapter slots.
         base: the base's own inputs (:meth:`Slots.base_inputs`): the biases bound to every call.
-        factor_dtype: the type of the graph's LoRA factor inputs (float32, float16, bfloat16); the
-            pool's factors are converted to it as they are copied into the call's buffers (on CPU
-            float32: the graph then has no Cast per factor, which a call whose encoders stay in
-            their slots would pay again every call).
+        factor_dtype: the storage type of the LoRA factor inputs (float32, float16, bfloat16): the
+            pool's (float32 buffers on CPU removed the graph's Cast per factor but measured no
+            faster end to end, and slower for a call whose encoders all change).
     """
 
     def __init__(self, slots: Slots, base: dict[str, torch.Tensor], factor_dtype: torch.dtype) -> None:
@@ -191,7 +178,7 @@ class SegmentRunner:
         return final
 
     def _fill(self, name: str, shape: tuple[int, int], order: list[str],
-              pick: Callable[[_Source], torch.Tensor | None]) -> np.ndarray:
+              pick: Callable[[_Source], np.ndarray | None]) -> np.ndarray:
         """The (E, *shape) factor ``name`` in its buffer: each slot's tensor converted to the graph's
         type and zero-padded (ranks to the batch's largest), slots that hold their key at this
         shape left as they are."""
@@ -213,10 +200,10 @@ class SegmentRunner:
             if t is None:
                 out[e] = 0
             elif name.endswith(".lora_B"):   # (out, r): rank on the last axis
-                _copy(out[e, :, :t.shape[1]], t)
+                out[e, :, :t.shape[1]] = t
                 out[e, :, t.shape[1]:] = 0
             else:                            # A (r, in)
-                _copy(out[e, :t.shape[0]], t)
+                out[e, :t.shape[0]] = t
                 out[e, t.shape[0]:] = 0
             held[e] = k
         self._held[name] = (shape, held)
