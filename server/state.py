@@ -47,6 +47,16 @@ def load_served_base(s: ServerSettings) -> BaseEncoder:
     return load_base(s.model, device=s.device, cache_dir=cache)
 
 
+def served_runtime(s: ServerSettings, base: BaseEncoder) -> tuple[EncoderPool, Backend]:
+    """The encoder pool over ``base`` and the backend that runs it, as ``s`` sets them (the
+    factors' storage type, backend, threads, precision, export retry, hot and mixed batches): one
+    builder, so that a Ray encoder replica runs what the single-process server runs."""
+    pool = EncoderPool(base, factor_dtype=s.lora_factors)
+    backend = make_backend(s.backend, pool, s.state_dir / "onnx", s.onnx_threads, s.query_precision,
+                           retry_s=s.export_retry_s, spin=s.onnx_spin, hot=s.hot_encoders, mix=s.mixed_batches)
+    return pool, backend
+
+
 def prepare_base(backend: Backend, base: BaseEncoder) -> None:
     """Start the base's runtime; without its torch model, wait (<= :data:`BASE_SESSION_WAIT_S`) for
     its cached ONNX session (a second or so): a search before it would build the torch model only
@@ -134,11 +144,8 @@ class ServerState:
         # Queries from this base must be comparable with the index's documents.
         index.space.require_same(base.space, f"base model {base.name} against index")
         self.metrics.index_documents.set(index.count)
-        pool = EncoderPool(base, factor_dtype=s.lora_factors)
+        pool, self.backend = served_runtime(s, base)
         self.pool = pool
-        self.backend = make_backend(s.backend, pool, s.state_dir / "onnx", s.onnx_threads,
-                                    s.query_precision, retry_s=s.export_retry_s, spin=s.onnx_spin,
-                                    hot=s.hot_encoders, mix=s.mixed_batches)
         self.metrics.runtime_builds.set_function(self.backend.builds_started)
         guard = None
         if s.sentinels is not None:

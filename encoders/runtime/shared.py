@@ -461,7 +461,10 @@ class SharedBackend:
         merged: list[int] = []
         with self._lock:
             session, group_session, segments = self._session, self._group_session, self._segments
-            feeds = {k: f for k, f in self._inputs.items() if isinstance(f, BoundFeed)} if session is not None else {}
+            # The batch's own encoders, looked up: not a copy of every loaded encoder's feed (with
+            # hundreds loaded, that copy was the one part of a search that grew with their number).
+            feeds = {k: f for k in dict.fromkeys(keys) if isinstance(f := self._inputs.get(k), BoundFeed)} \
+                if session is not None else {}
         hot = self._hot.keys() if not bulk else set()   # the bulk lane holds one core: never the merged session
         for k in hot:
             if self.merged.ready(k):

@@ -65,18 +65,12 @@ class EncoderCore:
     """
 
     def __init__(self, settings: ServerSettings, threads: int | None = None) -> None:
-        from qswap.encoders import EncoderPool
-        from qswap.encoders.runtime.backend import make_backend
-        from qswap.server.state import load_served_base, prepare_base
+        from qswap.server.state import load_served_base, prepare_base, served_runtime
         set_threads(threads)
         self.settings = settings
         base = load_served_base(settings)   # as the single-process server's
         self.base = base
-        self.pool = EncoderPool(base)
-        self.backend = make_backend(settings.backend, self.pool, settings.state_dir / "onnx",
-                                    settings.onnx_threads, settings.query_precision,
-                                    spin=settings.onnx_spin, hot=settings.hot_encoders,
-                                    mix=settings.mixed_batches)
+        self.pool, self.backend = served_runtime(settings, base)   # as the single-process server's
         self.registry = SharedRegistry(state_dir=settings.state_dir, pool=self.pool, space=base.space,
                                        backend=self.backend, default_encoder=settings.default_encoder,
                                        memory_budget=settings.encoder_memory_bytes)

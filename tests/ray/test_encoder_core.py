@@ -33,3 +33,16 @@ def test_a_replica_on_cached_exports_serves_without_the_torch_model(tmp_path, ti
         _close(again)
     ref = tiny_base.encode_queries(QUERIES)
     assert np.sum(np.asarray(vecs) * ref, axis=1).min() > 0.99999
+
+
+def test_a_replica_stores_lora_factors_as_the_settings_say(tmp_path, tiny_model_dir):
+    # The replica builds its pool with the single-process server's builder: a pool at the
+    # default (float32) would hold twice the bytes the memory budget counts at half precision.
+    for factors in ("float16", "bfloat16"):
+        s = ServerSettings(model=str(tiny_model_dir), device="cpu", state_dir=tmp_path / factors,
+                           lora_factors=factors)
+        core = EncoderCore(s)
+        try:
+            assert core.pool.factor_dtype == factors
+        finally:
+            _close(core)
