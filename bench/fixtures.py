@@ -295,10 +295,26 @@ def wait_for_runtime(srv: ServerProcess, keys: list[str], runtime: str, timeout_
 BUILDS_METRIC = "qswap_runtime_builds_total"
 
 
-def builds_started(srv: ServerProcess) -> int:
-    """How many runtimes ``srv`` has started building in the background (``/metrics``)."""
-    from qswap.bench.settle import metric
-    return int(metric(srv.port, BUILDS_METRIC))
+def builds_started(srv: ServerProcess) -> dict[str, int]:
+    """How many runtimes ``srv`` has started building in the background, by kind (``/metrics``).
+
+    Raises:
+        InvalidInputError: ``/metrics`` did not answer 200.
+    """
+    status, body = http_json("GET", srv.url("/metrics"), None, timeout=30)
+    if status != 200:
+        raise InvalidInputError(f"GET /metrics answered {status}", "is this a qswap server without metrics auth?")
+    out: dict[str, int] = {}
+    for line in str(body).splitlines():
+        if line.startswith(BUILDS_METRIC + '{kind="'):
+            kind, _, value = line[len(BUILDS_METRIC) + 7:].partition('"} ')
+            out[kind] = int(float(value))
+    return out
+
+
+def builds_between(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    """The kinds of build started between two :func:`builds_started` reads."""
+    return sorted(k for k, n in after.items() if n != before.get(k, 0))
 
 
 def wait_until_built(srv: ServerProcess, timeout_s: float = 900.0, seen: list[str] | None = None) -> None:
@@ -376,17 +392,22 @@ def time_settled(servers: list[ServerProcess], time_it: Any, *, retimes: int = 3
     and said to be unsettled.
 
     Returns:
-        ``(what time_it returned, {"retimed": runs thrown away, "built_during": bool})``.
+        ``(what time_it returned, {"retimed": runs thrown away, "thrown_for": [the kinds built during
+        each], "built_during": bool, "built": [kinds, when built_during]})``.
     """
     attempt = 0
+    thrown: list[list[str]] = []   # the kinds built during each timing thrown away
     while True:
         before = [builds_started(s) for s in servers]
         got = time_it()
-        moved = [s for s, b in zip(servers, before) if builds_started(s) != b]
+        moved = {s.port: kinds for s, b in zip(servers, before) if (kinds := builds_between(b, builds_started(s)))}
+        built = sorted({k for kinds in moved.values() for k in kinds})
         if not moved or attempt == retimes:
-            return got, {"retimed": attempt, "built_during": bool(moved)}
+            return got, {"retimed": attempt, "built_during": bool(moved), "thrown_for": thrown,
+                         **({"built": built} if moved else {})}
         attempt += 1
-        for s in moved:
-            wait_until_built(s, timeout_s)
-        print(f"a build started during timing on {', '.join(s.url('') for s in moved)}: timed again",
-              file=sys.stderr)
+        thrown.append(built)
+        for s in servers:
+            if s.port in moved:
+                wait_until_built(s, timeout_s)
+        print(f"qswap started building {', '.join(built)} during timing: timed again", file=sys.stderr)

@@ -318,6 +318,7 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
         # Nothing may be built while timing: the figures are the settled servers'.
         out["levels"], settled = time_settled(qswaps, time_levels)
         out["qswap_retimed"], out["qswap_built_during_timing"] = settled["retimed"], settled["built_during"]
+        out["qswap_retimed_for"] = settled["thrown_for"]
         out["qswap_warming_after"] = http_json("GET", qs.url("/readyz"))[1].get("warming", [])
         out["rss_bytes"] = {"qswap": qs.rss(), **({"infinity": inf.rss()} if inf is not None else {})}
     return out
@@ -492,7 +493,9 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
             for sc in res["scenarios"].values()
             if (b := sorted({k for r in sc.get("qswap_settled", {}).values() for k in r["waited_for"]}))) + "".join(
             f" {sc['label']}: a timing during which qswap started a build was thrown away and run again"
-            f" ({sc['qswap_retimed']}x)." for sc in res["scenarios"].values() if sc.get("qswap_retimed")) + "".join(
+            f" ({sc['qswap_retimed']}x; built: "
+            f"{'; '.join(', '.join(k) for k in sc.get('qswap_retimed_for', [])) or 'not recorded'})."
+            for sc in res["scenarios"].values() if sc.get("qswap_retimed")) + "".join(
             f" **{sc['label']}: qswap was still building during the last timing.**"
             for sc in res["scenarios"].values() if sc.get("qswap_built_during_timing")) + "".join(
             f" **{sc['label']}: qswap was building {', '.join(sc['qswap_warming_after'])} at the end of timing.**"

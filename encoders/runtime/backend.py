@@ -88,9 +88,9 @@ class TorchBackend:
         """Nothing is built in the background: the pool serves at once."""
         return []
 
-    def builds_started(self) -> int:
+    def builds_started(self) -> dict[str, int]:
         """None: nothing is built in the background."""
-        return 0
+        return {}
 
     def runtime(self, key: str) -> str:
         """Always the torch pool."""

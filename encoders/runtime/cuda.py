@@ -118,9 +118,9 @@ class CudaBackend:
         """Nothing in the background: a bucket is captured in line with the batch that needs it."""
         return []
 
-    def builds_started(self) -> int:
+    def builds_started(self) -> dict[str, int]:
         """None: nothing is built in the background."""
-        return 0
+        return {}
 
     def runtime(self, key: str) -> str:
         """``cuda-graph`` (captured buckets), ``gathered`` (the same buckets run eagerly) or ``torch``."""

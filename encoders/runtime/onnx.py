@@ -182,10 +182,10 @@ class OnnxBackend:
         with self._lock:
             return ["merged graph"] if any(not f.done() for f in self._futures.values()) else []
 
-    def builds_started(self) -> int:
-        """Encoder exports (or cached loads) started so far."""
+    def builds_started(self) -> dict[str, int]:
+        """Encoder exports (or cached loads) started so far, as ``merged graph``."""
         with self._lock:
-            return self._builds
+            return {"merged graph": self._builds} if self._builds else {}
 
     def runtime(self, key: str) -> str:
         """``onnx-merged`` once ``key``'s export serves, ``torch`` (the pool) until then."""

@@ -39,10 +39,10 @@ class Backend(Protocol):
     def building(self) -> list[str]:
         """What is still built in the background (graphs, sessions), by kind; answers run on a
         slower path meanwhile (``GET /readyz`` says it as ``warming``)."""
-    def builds_started(self) -> int:
-        """Background builds started since the backend was made, every kind counted, never decreasing:
-        two reads that differ mean something was built between them, even a build that had finished by
-        the second (the server exports it as ``qswap_runtime_builds_total``)."""
+    def builds_started(self) -> dict[str, int]:
+        """Background builds started since the backend was made, by the kinds :meth:`building` names,
+        never decreasing: two reads that differ mean something was built between them, even a build
+        that had finished by the second (the server exports them as ``qswap_runtime_builds_total``)."""
     def runtime(self, key: str) -> str:
         """What runs ``key`` now: ``torch``, ``onnx-merged`` (its own export), ``onnx-shared``, or on the
         cuda backend ``cuda-graph`` / ``gathered`` (the same buckets run eagerly)."""

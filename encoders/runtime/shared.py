@@ -127,7 +127,8 @@ class SharedBackend:
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qswap-shared-export")
         self._future: Future[None] = self._executor.submit(self._build)
-        self._builds = 1   # background builds started (this export, its retries, the sessions below): builds_started
+        # Background builds started, by kind (this export and its retries, the sessions below): builds_started
+        self._builds: dict[str, int] = {"shared graph": 1}
         # The single-threaded session for encoder groups run side by side, and its workers.
         self._group_session: Any = None
         self._group_future: Future[None] | None = None
@@ -181,7 +182,7 @@ class SharedBackend:
                 self._future = self._executor.submit(self._build)
             except RuntimeError:   # shut down meanwhile
                 return
-            self._builds += 1
+            self._count_build("shared graph")
             self._retried.notify_all()
 
     def _load_or_export(self, segments: bool = False) -> Any:
@@ -209,7 +210,7 @@ class SharedBackend:
                 with self._lock:
                     self._segments = (sess, runner)
             self._segments_future = self._executor.submit(build)
-            self._builds += 1
+            self._count_build("segment graph")
 
     def _feed(self, own: dict[str, torch.Tensor]) -> BoundFeed:
         """An encoder's full feed, pre-built OrtValues bound once per session: a run copies
@@ -241,7 +242,7 @@ class SharedBackend:
                 with self._lock:
                     self._group_session = sess
             self._group_future = self._executor.submit(build)
-            self._builds += 1
+            self._count_build("mixed-batch session")
 
     def prepare(self, key: str) -> None:
         """Convert ``key``'s adapter to graph inputs (or start its merged export); returns at once."""
@@ -388,12 +389,15 @@ class SharedBackend:
                        ("segment graph", self._segments_future)]
         return [name for name, f in pending if f is not None and not f.done()] + self.merged.building()
 
-    def builds_started(self) -> int:
+    def _count_build(self, kind: str) -> None:   # caller holds the lock
+        self._builds[kind] = self._builds.get(kind, 0) + 1
+
+    def builds_started(self) -> dict[str, int]:
         """The shared graph's export and its retries, the mixed-batch session, the segment graph and the
-        merged exports started so far (:meth:`building` says which are still running)."""
+        merged exports started so far, by kind (:meth:`building` says which are still running)."""
         with self._lock:
-            own = self._builds
-        return own + self.merged.builds_started()
+            own = dict(self._builds)
+        return {**own, **self.merged.builds_started()}
 
     def discard(self, key: str) -> None:
         with self._lock:

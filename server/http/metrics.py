@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import (CONTENT_TYPE_LATEST, GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR,
                                CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
@@ -19,22 +20,31 @@ _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 class FunctionCounter(Collector):
     """A counter whose value a callback reads at scrape time (a count kept elsewhere, e.g. by the
-    capture writer): exported as ``<name>_total`` with the counter type, as dashboards expect."""
+    capture writer): exported as ``<name>_total`` with the counter type, as dashboards expect.
+    With ``label``, the callback returns a count per value of that label."""
 
-    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
-        self._name, self._doc = name, documentation
-        self._read: Callable[[], float] | None = None
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry,
+                 label: str | None = None) -> None:
+        self._name, self._doc, self._label = name, documentation, label
+        self._read: Callable[[], Any] | None = None
         registry.register(self)
 
-    def set_function(self, read: Callable[[], float]) -> None:
-        """Read the count from ``read`` (never decreasing) from now on."""
+    def set_function(self, read: Callable[[], float] | Callable[[], Mapping[str, float]]) -> None:
+        """Read the count (with a label: ``{label value: count}``), never decreasing, from ``read`` from now on."""
         self._read = read
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        yield CounterMetricFamily(self._name, self._doc, value=float(self._read() if self._read else 0))
+        if self._label is None:
+            yield CounterMetricFamily(self._name, self._doc, value=float(self._read() if self._read else 0))
+            return
+        family = CounterMetricFamily(self._name, self._doc, labels=[self._label])
+        for value, count in sorted((self._read() if self._read else {}).items()):
+            family.add_metric([value], float(count))
+        yield family
 
     def describe(self) -> Iterator[CounterMetricFamily]:
-        yield CounterMetricFamily(self._name, self._doc, value=0)
+        yield (CounterMetricFamily(self._name, self._doc, value=0) if self._label is None
+               else CounterMetricFamily(self._name, self._doc, labels=[self._label]))
 
 
 class Metrics:
@@ -69,7 +79,8 @@ class Metrics:
         self.encoders_loaded_bytes = Gauge("qswap_encoders_loaded_bytes",
                                            "bytes the loaded adapters add to the base", registry=r)
         self.runtime_builds = FunctionCounter("qswap_runtime_builds", "runtimes the query backend started "
-                                              "building in the background (graphs, sessions, merged exports)", r)
+                                              "building in the background, by kind (graphs, sessions, merged "
+                                              "exports: the kinds GET /readyz lists in warming)", r, label="kind")
         self.encoders_registered = Gauge("qswap_encoders_registered", "encoders in the registry", registry=r)
         self.registrations = Counter("qswap_encoder_registrations", "encoder registrations by result",
                                      ["result"], registry=r)

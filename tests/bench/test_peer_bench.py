@@ -84,6 +84,7 @@ def test_twenty_domains_time_a_settled_server(tiny_model_dir, tmp_path, monkeypa
         assert settled["rounds"] >= 1 and settled["seconds"] > 0
         assert set(settled["waited_for"]) <= {"segment graph", "mixed-batch session", "merged graph", "shared graph"}
     assert sc["qswap_built_during_timing"] is False and 0 <= sc["qswap_retimed"] <= 3
+    assert len(sc["qswap_retimed_for"]) == sc["qswap_retimed"] and all(sc["qswap_retimed_for"])
     assert sc["qswap_warming_after"] == []
     for c in ("1", "4"):
         for pts in sc["levels"][c].values():

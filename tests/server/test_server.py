@@ -434,7 +434,7 @@ def test_metrics_after_traffic(anon):
                    "qswap_batch_size_bucket", 'qswap_errors_total{code="limit_exceeded",status="422"}',
                    'qswap_encoder_registrations_total{result="created"}', "qswap_encoders_loaded ",
                    'qswap_queries_total{encoder="base"}', "qswap_index_documents 5", "qswap_ready 1.0",
-                   "# TYPE qswap_runtime_builds_total counter", "qswap_runtime_builds_total "):
+                   "# TYPE qswap_runtime_builds_total counter", 'qswap_runtime_builds_total{kind="shared graph"} 1.0'):
         assert needle in text, needle
     assert "_created" not in text
 
