@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qswap import DEFAULT_MODEL
-from qswap.encoders.runtime.documents import RUNTIMES
+from qswap.encoders.runtime.documents import QUERY_RUNTIMES, RUNTIMES
 from qswap.encoders.precision import PRECISIONS
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError, QswapError
 from qswap.index.backends import BACKENDS, IndexBackend, is_milvus, open_index
@@ -127,7 +127,7 @@ def register(subparsers: Any) -> None:
     s.add_argument("--filter", action="append", default=[], metavar="FIELD=VALUE",
                    help="metadata equality (VALUE parsed as JSON if it can be: 2020, true, \"2020\")")
     s.add_argument("--model", type=_model_arg, default=None)
-    s.add_argument("--runtime", choices=("onnx", "torch"), default=None, help=_QUERY_RUNTIME_HELP)
+    s.add_argument("--runtime", choices=QUERY_RUNTIMES, default=None, help=_QUERY_RUNTIME_HELP)
     s.add_argument("--no-text", action="store_true")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_search)
@@ -141,7 +141,7 @@ def register(subparsers: Any) -> None:
                    help="perturbed-document queries when --queries is not given")
     e.add_argument("--queries", type=Path, help="query texts: JSONL with \"text\" or one query per line")
     e.add_argument("--model", type=_model_arg, default=None)
-    e.add_argument("--runtime", choices=("onnx", "torch"), default=None, help=_QUERY_RUNTIME_HELP)
+    e.add_argument("--runtime", choices=QUERY_RUNTIMES, default=None, help=_QUERY_RUNTIME_HELP)
     e.add_argument("--latency-queries", type=int, default=200)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--threads", type=int, default=None,

@@ -56,6 +56,9 @@ from qswap.throughput import Throughput
 log = logging.getLogger("qswap.encoders")
 
 RUNTIMES = ("onnx", "torch", "cuda")
+#: Runtimes :meth:`DocumentEncoder.encode_queries` embeds queries on: the base's ONNX graph, or
+#: the torch base (the reference; the cuda runtime's queries run there too).
+QUERY_RUNTIMES = ("onnx", "torch")
 #: Precisions a user may choose for documents. int8 (ONNX Runtime quantisation, dynamic or
 #: selective) is measured by ``qswap bench embed`` and is not offered: it fails the quality bar.
 #: fp16 runs on the cuda runtime only.
