@@ -348,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
             done = count
             listing, list_s = _timed_get(srv, "/v1/encoders")
             _, page_s = _timed_get(srv, f"/v1/encoders?limit={PAGE}&after=s5")
-            point = {"encoders": count, "rss": srv.rss(), "pss": srv.pss(),
+            point = {"encoders": count, "rss": srv.rss(), "pss": srv.pss(), "rss_parts": srv.rss_parts(),
                      "loaded": sum(1 for e in listing["encoders"] if e["key"] != "base" and e["loaded"]),
                      "list_all_ms": list_s * 1000, "list_page_ms": page_s * 1000,
                      "list_all_bytes": len(json.dumps(listing))}
@@ -397,6 +397,10 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
     # Per encoder, where every encoder is loaded and the fixed costs are in: the two largest such counts.
     full = [p for p in pts if p["encoders"] == p["loaded"] and p["encoders"] >= SMALL][-2:]
     slope = (full[1]["rss"] - full[0]["rss"]) / (full[1]["encoders"] - full[0]["encoders"]) if len(full) == 2 else None
+    # The same slope per kind of page: anonymous memory is what the encoders hold; file pages
+    # (mapped libraries and weights) come and go with the page cache, not with the count.
+    slope_parts = ({k: (full[1]["rss_parts"][k] - full[0]["rss_parts"].get(k, 0)) / (full[1]["encoders"] - full[0]["encoders"])
+                    for k in full[1].get("rss_parts", {})} if len(full) == 2 else {})
     s_small, s_last = res["side_by_side"][str(SMALL)], res["side_by_side"][str(last["encoders"])]
     reg_ratio = s_last["registration_p50_ms"] / s_small["registration_p50_ms"]
     search_ratio = {arm: s_last["search"]["p50"][arm]["client"] / s_small["search"]["p50"][arm]["client"]
@@ -404,6 +408,7 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
     restart = res["restart"]
     res["summary"] = {"rss_target_bytes": rss_target, "rss_last_bytes": last["rss"],
                       "rss_ok": last["rss"] <= rss_target, "rss_per_loaded_encoder_bytes": slope,
+                      "rss_per_loaded_encoder_parts_bytes": slope_parts,
                       "count_ratio": slope / counted if slope is not None else None,
                       "count_ok": slope is not None and slope <= TARGET_COUNT * counted, "registration_p50_ratio": reg_ratio,
                       "registration_ok": reg_ratio <= TARGET_SAME, "search_p50_ratio": search_ratio,
@@ -455,7 +460,9 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
           f"RSS(1) {first['rss'] / MIB:.0f} MiB + fixed {fixed / MIB:.0f} MiB ({fixed_parts}) + {last['loaded']} x "
           f"{counted / MIB:.2f} MiB counted = {rss_target / MIB:.0f} MiB: {_verdict(sm['rss_ok'])}\n"
           f"- RSS per loaded encoder ({slope_span}): **{(slope or 0) / MIB:.2f} MiB** <= {TARGET_COUNT:.2f}x the "
-          f"{counted / MIB:.2f} MiB counted: {_verdict(sm['count_ok'])} ({(sm['count_ratio'] or 0):.2f}x)\n"
+          f"{counted / MIB:.2f} MiB counted: {_verdict(sm['count_ok'])} ({(sm['count_ratio'] or 0):.2f}x)"
+          + (" (by kind of page: " + ", ".join(f"{k} {v / MIB:.2f} MiB" for k, v in slope_parts.items()) + ")"
+             if slope_parts else "") + "\n"
           f"- restart with {last['encoders']} registered: **{restart['start_s']:.2f} s** to ready (first start "
           f"with none: {res['server']['start_s']:.2f} s; {restart['listed']} encoders listed after it, paged 250 "
           f"at a time; first searches on an encoder loaded lazily: p50 {restart['first_search_p50_ms']:.1f} ms) "

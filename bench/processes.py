@@ -25,6 +25,22 @@ def rss_bytes(pid: int) -> int:
     raise InvalidInputError(f"process {pid} reports no VmRSS", "Linux /proc is needed for memory numbers")
 
 
+def rss_parts(pid: int) -> dict[str, int]:
+    """The resident set of process ``pid`` by kind of page, in bytes (Linux ``/proc``):
+    ``anon`` (heap, arrays, tensors), ``file`` (mapped files: libraries, memory-mapped weights) and
+    ``shmem``; empty where ``/proc`` does not say. Anonymous pages are what a process holds for
+    good; file pages can be dropped and read again."""
+    parts: dict[str, int] = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            for key, name in (("RssAnon:", "anon"), ("RssFile:", "file"), ("RssShmem:", "shmem")):
+                if line.startswith(key):
+                    parts[name] = int(line.split()[1]) * 1024
+    except OSError:
+        return {}
+    return parts
+
+
 def pss_bytes(pid: int) -> int | None:
     """Proportional set size (shared pages split between sharers), or None where unavailable."""
     try:
@@ -140,6 +156,10 @@ class ServerProcess:
     def rss(self) -> int:
         assert self.proc is not None
         return rss_bytes(self.proc.pid)
+
+    def rss_parts(self) -> dict[str, int]:
+        assert self.proc is not None
+        return rss_parts(self.proc.pid)
 
     def pss(self) -> int | None:
         assert self.proc is not None
