@@ -34,7 +34,10 @@ def pack_tensors(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) 
         return []
     size = sum(-(-t.numel() * (dtype or t.dtype).itemsize // ALIGN) * ALIGN for t in tensors)
     size = max(mmap.PAGESIZE, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
-    block = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)   # the views hold the mapping
+    # Private: the process's own memory (RssAnon). Python's default, a shared anonymous mapping, is
+    # shared memory (RssShmem), which a forked child would keep mapped after the encoder is dropped.
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    block = torch.frombuffer(mapping, dtype=torch.uint8)   # the views hold the mapping
     out, offset = [], 0
     for t in tensors:
         kind = dtype or t.dtype
