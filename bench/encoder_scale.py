@@ -6,8 +6,9 @@ bound per run) over the benchmark index, with an encoder memory budget of ``--lo
 non-zero so each really changes the forward) one after another over HTTP, up to 1,000
 (``--counts``). Beyond the budget the server's LRU detaches the least recently used ones, so
 the newest ``--loaded`` stay attached. At every count the newest encoders are waited for until
-they run on the shared runtime and used by searches, then the server's RSS and PSS are read
-from ``/proc`` and the listing is timed (whole, and one page of 100).
+they run on the shared runtime and used by searches, then the server's RSS (also by kind of
+page: anonymous, mapped files, shared memory) and PSS are read from ``/proc`` and the listing is
+timed (whole, and one page of 100).
 
 What must not grow with the number of encoders is measured at the largest count against the
 small one (10) on two servers side by side: once the first holds the largest count, a second one
@@ -42,7 +43,8 @@ mix encoders and what a loaded encoder costs beyond its factors:
   :data:`~qswap.encoders.runtime.shared_run.WIDE_BYTES`) + loaded x the counted bytes per encoder;
 - **count**: the RSS each encoder adds while every encoder is loaded (the slope between the two
   largest counts that are all loaded, the fixed costs already in both) <= 1.10x the counted
-  bytes per encoder, so the budget holds what it says.
+  bytes per encoder, so the budget holds what it says; the same slope per kind of page says
+  where the rest lives (an encoder's factors are anonymous memory).
 """
 
 from __future__ import annotations
