@@ -11,7 +11,6 @@ Text Embeddings Inference clients (``huggingface_hub.InferenceClient``, LlamaInd
 
 from __future__ import annotations
 
-
 from fastapi import APIRouter, Depends, Path, Request, Response
 from tokenizers import Tokenizer
 
