@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import os
+import random
 import re
 import sys
 import time
-import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -90,11 +91,18 @@ def _propagate_transformers(hf_logging: Any) -> None:
     hf_logging.enable_propagation()
 
 
+# Fresh request ids: 128 random bits as 32 hex digits, as uuid4().hex has them, from a generator
+# seeded from the OS once (again in a forked child), not a system call per request (uuid4).
+# They name a request in logs and answers; nothing relies on them being unpredictable.
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)
+
+
 def new_request_id(given: str | None) -> str:
-    """The client's id when it is short and plain, else a fresh one."""
+    """The client's id when it is short and plain, else a fresh one (32 hex digits)."""
     if given and _SANE_ID.match(given):
         return given
-    return uuid.uuid4().hex
+    return f"{_ids.getrandbits(128):032x}"
 
 
 class _BodyTooLarge(HTTPException):
