@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from qswap import DEFAULT_MODEL
 from qswap.bench.processes import ServerProcess, free_port, http_json
@@ -20,6 +20,7 @@ from qswap.errors import InvalidInputError, NotFoundError
 
 MODEL = DEFAULT_MODEL
 QUERY_LANGS = ("en", "de", "fr", "it")
+_HDR = (("Content-Type", "application/json"),)
 
 
 def cache_dir() -> Path:
@@ -215,16 +216,18 @@ def qswap_command() -> list[str]:
 
 
 def qswap_server(index: Path, encoders_root: Path, state_dir: Path, log_path: Path, *, model: str = MODEL,
-                 extra: list[str] | None = None, port: int | None = None) -> ServerProcess:
-    """A ``qswap serve`` child process on 127.0.0.1 (not started yet)."""
+                 extra: list[str] | None = None, port: int | None = None, command: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> ServerProcess:
+    """A ``qswap serve`` child process on 127.0.0.1 (not started yet); ``command`` and ``env`` run
+    another code version (:func:`qswap.bench.revisions.arm_command`), default this one."""
     port = port or free_port()
     shutil.rmtree(state_dir, ignore_errors=True)
     state_dir.mkdir(parents=True)
-    cmd = qswap_command() + ["serve", "--host", "127.0.0.1", "--port", str(port), "--index", str(index),
+    cmd = (command or qswap_command()) + ["serve", "--host", "127.0.0.1", "--port", str(port), "--index", str(index),
                              "--read-only-index", "--model", model, "--device", "cpu", "--encoders-root",
                              str(encoders_root), "--state-dir", str(state_dir), "--insecure",
                              "--log-format", "text", *(extra or [])]
-    return ServerProcess(cmd, port, ready_path="/readyz", log_path=log_path)
+    return ServerProcess(cmd, port, ready_path="/readyz", log_path=log_path, env=env)
 
 
 def register(srv: ServerProcess, rel_path: str) -> tuple[dict[str, Any], float]:
@@ -245,6 +248,26 @@ def search_requests(queries: list[str], keys: list[str], k: int = 10, offset: in
 
     def make(i: int) -> Request:
         return Request("POST", "/v1/search", pre[(i + offset) % n][i % m], hdr, keys[i % m])
+    return make
+
+
+def embedding_requests(texts: list[str], models: list[str], prefix: str = "") -> Callable[[int], Request]:
+    """Request ``i`` for an OpenAI-style embeddings route: one text, model ``models[i % m]``.
+
+    Args:
+        texts: query texts, used in turn.
+        models: model names, round-robin.
+        prefix: prepended to every text (Infinity adds no query prefix itself).
+
+    Returns:
+        ``make(i) -> Request`` for the load generator (bodies made once, up front).
+    """
+    pre = [[json.dumps({"input": [prefix + t], "model": m, "encoding_format": "float"}).encode() for m in models]
+           for t in texts]
+    n, m = len(texts), len(models)
+
+    def make(i: int) -> Request:
+        return Request("POST", "/embeddings" if prefix else "/v1/embeddings", pre[i % n][i % m], _HDR, models[i % m])
     return make
 
 

@@ -75,7 +75,6 @@ AGREEMENT_BAR = 0.9999
 TARGETS = {"one": 1.2, "many": 2.0, "twenty": 3.0}
 #: Scenarios whose target also asks for a p99 no higher than Infinity's.
 P99_TARGETS = ("one", "twenty")
-_HDR = (("Content-Type", "application/json"),)
 HOT_OFF = "qswap search, hot off"
 MIX_ARM = "qswap search, mix="   # + the --mix-arm setting
 ARMS = ("qswap search", "qswap embeddings", HOT_OFF, "infinity embeddings")
@@ -114,26 +113,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-infinity", action="store_true",
                    help="run qswap's arms only (where Infinity cannot be installed)")
     add_model_argument(p, MODEL)
-
-
-def embedding_requests(texts: list[str], models: list[str], prefix: str = "") -> Callable[[int], Request]:
-    """Request ``i`` for an OpenAI-style embeddings route: one text, model ``models[i % m]``.
-
-    Args:
-        texts: query texts, used in turn.
-        models: model names, round-robin.
-        prefix: prepended to every text (Infinity adds no query prefix itself).
-
-    Returns:
-        ``make(i) -> Request`` for the load generator (bodies made once, up front).
-    """
-    pre = [[json.dumps({"input": [prefix + t], "model": m, "encoding_format": "float"}).encode() for m in models]
-           for t in texts]
-    n, m = len(texts), len(models)
-
-    def make(i: int) -> Request:
-        return Request("POST", "/embeddings" if prefix else "/v1/embeddings", pre[i % n][i % m], _HDR, models[i % m])
-    return make
 
 
 def _vectors(url: str, texts: list[str], model: str) -> np.ndarray:
@@ -230,8 +209,8 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
               model: str, backend: str, infinity: _Infinity | None, prefix: str,
               tmp: Path, hot_off_arm: bool = False, mix_arm: str | None = None) -> dict[str, Any]:
     """Start both servers for ``n_dom`` domains, check agreement, measure every arm at every level."""
-    from qswap.bench.fixtures import (qswap_server, register, search_requests, time_settled, wait_for_runtime,
-                                      warm_until_settled)
+    from qswap.bench.fixtures import (embedding_requests, qswap_server, register, search_requests, time_settled,
+                                      wait_for_runtime, warm_until_settled)
     from qswap.bench.infinity_peer import server_command, server_env
     from qswap.bench.processes import ServerProcess, free_port
     from qswap.bench.stats import interleaved

@@ -20,23 +20,20 @@ CPU time (user + system, from ``wait4``).
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
-from qswap.bench.fixtures import qswap_command
 from qswap.bench.processes import ServerProcess, free_port, http_json
-from qswap.bench.provenance import REPO, loadavg
+from qswap.bench.provenance import loadavg
 from qswap.bench.results import ResultWriter, md_table, results_dir_for
+from qswap.bench.revisions import arm_command, parse_arms
 from qswap.errors import InvalidInputError
 
 QUERY = "chess engine with a graphical board"
@@ -52,21 +49,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="QSWAP_DATA_DIR the servers share (default: a fresh one under the results tmp/)")
     p.add_argument("--cli", action="store_true",
                    help="time CLI processes (index search, index build) instead of server starts: results cli_start")
-
-
-def checkout(rev: str, into: Path) -> Path:
-    """Revision ``rev`` of this repository as an importable ``qswap`` tree under ``into``."""
-    tar = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=False)
-    if tar.returncode != 0:
-        raise InvalidInputError(f"git archive {rev} failed: {tar.stderr.decode()[-500:]}", "give a git revision")
-    src = into / "src"
-    with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
-        t.extractall(src, filter="data")
-    tree = into / "tree"
-    mapping = tomllib.loads((src / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    for pkg, folder in mapping.items():   # "qswap" (core/) first, then its subpackages into it
-        shutil.copytree(src / folder, tree.joinpath(*pkg.split(".")), dirs_exist_ok=True)
-    return tree
 
 
 def _one_start(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, float]:
@@ -137,29 +119,15 @@ def run(args: argparse.Namespace) -> int:
     out = results_dir_for(name, args.quick, args.out)
     writer = ResultWriter(name, out)
     rounds = 1 if args.quick else args.rounds
-    arms: list[tuple[str, str]] = []
-    for a in args.arm or ["this=."]:
-        label, sep, rev = a.partition("=")
-        if not sep or not label or not rev:
-            raise InvalidInputError(f"--arm {a!r} is not LABEL=REV", "e.g. --arm before=main --arm after=.")
-        if rev != ".":   # the commit itself, so the results say what ran
-            got = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", rev], capture_output=True, text=True)
-            if got.returncode != 0:
-                raise InvalidInputError(f"--arm {a!r}: {got.stderr.strip()}", "give a git revision")
-            rev = got.stdout.strip()
-        arms.append((label, rev))
+    arms = parse_arms(args.arm)
     work = Path(tempfile.mkdtemp(prefix="qswap-bench-start-"))
     try:
         data = args.data_dir or (out / "tmp" / "data")
         env = {"QSWAP_DATA_DIR": str(data)}
         cmds: dict[str, tuple[list[str], dict[str, str]]] = {}
         for label, rev in arms:
-            if rev == ".":
-                cmds[label] = (qswap_command(), env)
-            else:
-                tree = checkout(rev, work / label)
-                cmds[label] = ([sys.executable, "-c", "import sys; from qswap.cli import main; sys.exit(main())"],
-                               {**env, "PYTHONPATH": str(tree)})
+            cmd, extra = arm_command(label, rev, work)
+            cmds[label] = (cmd, {**env, **extra})
         revs = {label: rev for label, rev in arms}
         if args.cli:
             res, md = _cli_report(_cli_rounds(cmds, rounds, work), revs, rounds)

@@ -170,7 +170,7 @@ def test_cli_help_imports_no_command_and_its_lines_are_the_commands_own(tmp_path
 #: `bench forward` and `bench bf16-quality`.
 BENCH_LIBRARY = ("provenance", "stats", "results", "plots", "processes", "load_options", "fixtures", "loadgen",
                  "data", "infinity_peer", "tiny_model", "milvus_server", "int8_graphs",
-                 "settle")
+                 "settle", "revisions")
 BENCH_ALLOWED = {("qswap.bench.serving", "qswap.bench.ray_serving"),
                  ("qswap.bench.serving", "qswap.bench.ray_hop"), ("qswap.bench.ray_hop", "qswap.bench.ray_serving"),
                  ("qswap.bench.serving", "qswap.bench.serving_embeddings"),

@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import os
+import random
 import re
 import sys
 import time
-import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ from qswap.server.http.dialects import dialect_for, shape_error
 from qswap.server.http.errors import error_body_of
 
 REQUEST_ID_HEADER = "X-Request-ID"
+_RID_NAME = REQUEST_ID_HEADER.lower().encode("latin-1")
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("qswap_request_id", default=None)
 access_log = logging.getLogger("qswap.server.access")
@@ -89,11 +91,18 @@ def _propagate_transformers(hf_logging: Any) -> None:
     hf_logging.enable_propagation()
 
 
+# Fresh request ids: 128 random bits as 32 hex digits, as uuid4().hex has them, from a generator
+# seeded from the OS once (again in a forked child), not a system call per request (uuid4).
+# They name a request in logs and answers; nothing relies on them being unpredictable.
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)
+
+
 def new_request_id(given: str | None) -> str:
-    """The client's id when it is short and plain, else a fresh one."""
+    """The client's id when it is short and plain, else a fresh one (32 hex digits)."""
     if given and _SANE_ID.match(given):
         return given
-    return uuid.uuid4().hex
+    return f"{_ids.getrandbits(128):032x}"
 
 
 class _BodyTooLarge(HTTPException):
@@ -117,8 +126,14 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", ()))
-        rid = new_request_id(headers.get(REQUEST_ID_HEADER.lower()))
+        given = declared = None
+        for k, v in scope.get("headers", ()):   # the two headers read here, not a dict of all of them
+            name = k.lower()
+            if name == _RID_NAME:
+                given = v.decode("latin-1")
+            elif name == b"content-length":
+                declared = v.decode("latin-1")
+        rid = new_request_id(given)
         token = request_id_var.set(rid)
         scope.setdefault("state", {})["request_id"] = rid
         start = time.perf_counter()
@@ -137,7 +152,6 @@ class RequestContextMiddleware:
             await send(message)
 
         try:
-            declared = headers.get("content-length")
             if declared is not None and declared.isdigit() and int(declared) > limit:
                 # Refuse before reading a byte; the client learns the limit.
                 await self._too_large(scope, send_wrapped, limit, rid)
@@ -170,8 +184,8 @@ class RequestContextMiddleware:
             encoder = scope.get("state", {}).get("encoder", "")
             m = self.metrics()
             if m is not None:
-                m.requests.labels(route=template, method=scope["method"], status=str(status)).inc()
-                m.request_seconds.labels(route=template, encoder=encoder).observe(elapsed)
+                m.child(m.requests, template, scope["method"], str(status)).inc()
+                m.child(m.request_seconds, template, encoder).observe(elapsed)
             if template not in ("/healthz", "/metrics", "/readyz"):
                 access_log.info("request", extra={
                     "request_id": rid, "method": scope["method"], "path": scope["path"], "route": template,

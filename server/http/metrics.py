@@ -111,6 +111,7 @@ class Metrics:
         self.guard_seconds = Histogram("qswap_guard_evaluation_seconds", "one encoder's sentinel evaluation",
                                        buckets=(1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 300, 600), registry=r)
         self._guard_labels: dict[str, list[tuple[str, str, str]]] = {}
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         # Learning from traffic (--feedback-dir): capture and online experiments per domain.
         self.feedback = Counter("qswap_feedback", "feedback received on captured searches, by result "
                                 "(recorded, refused)", ["result"], registry=r)
@@ -127,6 +128,24 @@ class Metrics:
                                             registry=r)
         self.experiment_overlap = Gauge("qswap_experiment_overlap", "mean rank-biased overlap of control and "
                                         "candidate top-k (shadow)", ["domain"], registry=r)
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)`` (values in the metric's label order), remembered: the hot
+        routes count every request, and ``labels`` takes a lock and checks its arguments each
+        time. Only for series that are never removed (the per-request counters and histograms).
+
+        Args:
+            metric: one of this object's labelled counters or histograms.
+            values: its label values, in its label order.
+
+        Returns:
+            The child series to ``inc`` or ``observe``.
+        """
+        key = (metric, values)
+        got = self._children.get(key)
+        if got is None:   # two threads may both ask: labels returns the same child to both
+            got = self._children[key] = metric.labels(*values)
+        return got
 
     def export_guard(self, key: str, record: GuardRecord, status: GuardStatus, seconds: float | None = None) -> None:
         """Publish one encoder's guard verdict (replacing its previous series)."""

@@ -4,7 +4,7 @@ The batch worker (:mod:`qswap.server.serving.batching`) hands each micro-batch's
 here and goes on to the next forward pass while this stage searches (one index call per distinct
 filter; FAISS releases the GIL) and builds the answers, so a batch's search overlaps the next
 batch's forward instead of following it. Answers go back to the requests' event loops with
-:func:`post`.
+:func:`post`, or a batch's together with :class:`Posts`.
 """
 
 from __future__ import annotations
@@ -61,6 +61,34 @@ def post(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = Non
         pass
 
 
+def _resolve_all(answers: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
+    for fut, result, exc in answers:
+        _resolve(fut, result, exc)
+
+
+class Posts:
+    """Answers collected on a worker thread and handed to their event loops together: one
+    ``call_soon_threadsafe`` (a wake-up of the loop: a write to its self-pipe, a callback) per
+    loop and flush, not one per request."""
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, Any, BaseException | None]]] = {}
+
+    def add(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
+            exc: BaseException | None = None) -> None:
+        """Queue ``fut``'s answer (sent at the next :meth:`flush`)."""
+        self._by_loop.setdefault(loop, []).append((fut, result, exc))
+
+    def flush(self) -> None:
+        """Send what was queued, as :func:`post` would (a closed loop's answers are dropped)."""
+        by_loop, self._by_loop = self._by_loop, {}
+        for loop, answers in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_resolve_all, answers)
+            except RuntimeError:   # the loop is closed: nobody waits any more
+                pass
+
+
 def answer_batch(jobs: list[Any], batch_requests: int, start: float, search: SearchFn, metrics: Any) -> None:
     """Answer requests whose rows are all encoded: embeddings as they are, searches by filter.
 
@@ -78,15 +106,17 @@ def answer_batch(jobs: list[Any], batch_requests: int, start: float, search: Sea
         offsets.append(o)
         o += len(j.texts)
     groups: dict[str, list[int]] = {}
+    posts = Posts()   # sent once the embeddings are ready, then once per filter group searched
     for i, j in enumerate(jobs):
         if j.vectors_only:   # an embedding request: its rows are its answer
             off, n = offsets[i], len(j.texts)
             queue_s = _queued(j, start, metrics)
-            post(j.loop, j.future, EmbedOutcome(np.array(emb[off:off + n], dtype=np.float32), list(j.trunc), queue_s,
+            posts.add(j.loop, j.future, EmbedOutcome(np.array(emb[off:off + n], dtype=np.float32), list(j.trunc), queue_s,
                                                 j.encode_s))
             j.parts.clear()
         else:
             groups.setdefault(json.dumps(j.filter, sort_keys=True, default=str), []).append(i)
+    posts.flush()
     for members in groups.values():
         rows = [offsets[i] + r for i in members for r in range(len(jobs[i].texts))]
         kmax = max(jobs[i].k for i in members)
@@ -96,7 +126,8 @@ def answer_batch(jobs: list[Any], batch_requests: int, start: float, search: Sea
             hits = search(np.ascontiguousarray(emb[rows]), kmax, jobs[members[0]].filter, with_text)
         except Exception as e:
             for i in members:
-                post(jobs[i].loop, jobs[i].future, exc=e)
+                posts.add(jobs[i].loop, jobs[i].future, exc=e)
+            posts.flush()
             continue
         search_s = time.perf_counter() - t0
         if metrics is not None:
@@ -105,12 +136,13 @@ def answer_batch(jobs: list[Any], batch_requests: int, start: float, search: Sea
         for i in members:
             j = jobs[i]
             n = len(j.texts)
-            post(j.loop, j.future, SearchOutcome(
+            posts.add(j.loop, j.future, SearchOutcome(
                 hits=[list(h[:j.k]) for h in hits[pos:pos + n]], truncated=list(j.trunc),
                 queue_s=_queued(j, start, metrics), encode_s=j.encode_s, search_s=search_s,
                 batch_requests=batch_requests))
             j.parts.clear()
             pos += n
+        posts.flush()
 
 
 def _queued(job: Any, start: float, metrics: Any) -> float:

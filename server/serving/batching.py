@@ -254,18 +254,34 @@ class MicroBatcher:
                     self._pending_by_key.pop(key, None)
 
     async def _wait(self, fut: asyncio.Future, deadline: float) -> Any:
-        """The job's result; past the deadline the caller stops waiting (the job is dropped)."""
+        """The job's result; past the deadline the caller stops waiting (the job is dropped: its
+        future is cancelled, which the worker sees)."""
         remaining = deadline - time.perf_counter()
         if remaining == float("inf"):
             return await fut
+        # A timer that cancels the future, not asyncio.wait_for: that wraps every request in a
+        # second future and callback and wakes the task once more when the answer comes.
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            if not fut.done():
+                expired = True
+                fut.cancel()
+
+        timer = asyncio.get_running_loop().call_later(max(remaining, 0.0), expire)
         try:
-            return await asyncio.wait_for(fut, max(remaining, 0.0))
-        except asyncio.TimeoutError:
+            return await fut
+        except asyncio.CancelledError:
+            if not expired:   # the caller itself was cancelled
+                raise
             if self.metrics is not None:
                 self.metrics.expired.labels(stage="waiting").inc()
             raise DeadlineExceededError(
                 "the request did not finish within its deadline and was dropped",
                 "retry later, or give a longer X-Request-Timeout") from None
+        finally:
+            timer.cancel()
 
     async def search(self, texts: list[str], key: str, k: int, filter: dict[str, Any] | None = None,
                      with_text: bool = True, on_done: Callable[[], None] | None = None, *, ticket: Ticket,

@@ -124,7 +124,7 @@ async def embed_texts(adm: Admission, texts: list[str], model: str, *, dimension
             done = await state.batcher.embed(texts, key, on_done=lease.share(), ticket=adm, tokens=tokens,
                                              encodings=encodings)
     out = done.vectors
-    state.metrics.embedded.labels(encoder=key).inc(len(texts))
+    state.metrics.child(state.metrics.embedded, key).inc(len(texts))
     if dimensions is not None and dimensions < dim:
         out = truncate(out, dimensions)
     return Embedded(out, key, tokens, cut)

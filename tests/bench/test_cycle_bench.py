@@ -21,3 +21,16 @@ def test_collapse_counts_threads_own_and_inclusive_frames():
     assert got["self"][0] == ["run (s.py:2)", 0.6]
     assert dict(map(tuple, got["inclusive"]))["_run (b.py:1)"] == pytest.approx(0.6)
     assert collapse("")["samples"] == 0 and collapse("")["self"] == []
+
+
+def test_cpu_seconds_counts_this_process_work():
+    import os
+    import time
+
+    from qswap.bench.cycle import cpu_seconds
+
+    before = cpu_seconds(os.getpid())
+    end = time.process_time() + 0.05   # busy: the kernel's tick counts it (10 ms resolution)
+    while time.process_time() < end:
+        pass
+    assert cpu_seconds(os.getpid()) - before >= 0.03

@@ -208,6 +208,34 @@ def test_batcher_admission_limits_and_deadlines():
     _run(main())
 
 
+def test_a_cancelled_caller_is_cancelled_not_timed_out():
+    """A request with a deadline whose caller is cancelled (its client went away) ends cancelled,
+    not as a 504, and its job leaves the admission count."""
+    release, entered, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def encode(texts, keys):
+        entered.set()
+        release.wait(5)
+        return np.zeros((len(texts), 2), dtype=np.float32)
+
+    async def main():
+        b = MicroBatcher(encode=encode, search=lambda q, k, f, t: [[] for _ in q], window_s=0.0)
+        b.start()
+        try:
+            task = asyncio.ensure_future(b.search(["a"], "e1", 1, on_done=finished.set, ticket=Ticket(30.0)))
+            assert await asyncio.to_thread(entered.wait, 10)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            release.set()
+            assert await asyncio.to_thread(finished.wait, 10)
+            assert b.pending == 0
+        finally:
+            release.set()
+            b.stop()
+    _run(main())
+
+
 def test_pipeline_answers_one_batch_while_the_next_is_encoded():
     """Tokens are counted on their own thread, and a batch's search runs on the answer thread
     while the forward thread encodes the next batch (held until then: without the overlap the

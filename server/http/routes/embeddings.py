@@ -9,8 +9,6 @@ refused with 400: they are ids of the client's tokenizer (tiktoken), not of this
 
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter, Depends, Path, Request, Response
 
 from qswap.encoders import BASE_KEY
@@ -20,6 +18,7 @@ from qswap.server.http.compat_models import DOCUMENTS_MODEL, MODEL_PATTERN, Embe
 from qswap.answers import EmbeddingResponse, ModelCard
 from qswap.server.serving.embeddings import embed_texts, encode_vector, model_ref, texts_of
 from qswap.server.registry.serving import Use
+from qswap.server.http.rendering import json_bytes
 from qswap.server.http.responses import OPENAI_ERRORS, ready_state
 from qswap.server.serving.gate import Admission, search_admission
 from qswap.server.state import ServerState
@@ -37,7 +36,7 @@ async def _embeddings(body: EmbeddingRequest, request: Request, adm: Admission) 
                         for i, v in enumerate(out.vectors)],
                "model": out.model, "usage": {"prompt_tokens": n, "total_tokens": n}}
     # Plain JSON in the EmbeddingResponse shape (a test checks it against the model), as search does.
-    return Response(json.dumps(payload, separators=(",", ":")).encode(), media_type="application/json")
+    return Response(json_bytes(payload), media_type="application/json")
 
 
 _EMBED = dict(response_model=EmbeddingResponse, responses=OPENAI_ERRORS)   # auth: search_admission

@@ -94,7 +94,7 @@ async def search(body: SearchRequest, request: Request, adm: Admission = Depends
                                                          k + body.offset, body, strict=True),
                           idle=state.batcher.pending == 0)
     n_trunc = sum(flags)
-    state.metrics.queries.labels(encoder=key).inc(len(texts))
+    state.metrics.child(state.metrics.queries, key).inc(len(texts))
     if n_trunc:
         state.metrics.truncated.inc(n_trunc)
     # The hot path answers with JSON written directly in the SearchResponse shape (a test checks

@@ -11,8 +11,6 @@ Text Embeddings Inference clients (``huggingface_hub.InferenceClient``, LlamaInd
 
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter, Depends, Path, Request, Response
 from tokenizers import Tokenizer
 
@@ -22,6 +20,7 @@ from qswap.server.http.auth import require_search
 from qswap.answers import TeiInfo, TeiToken
 from qswap.server.http.compat_models import DOCUMENTS_MODEL, TeiDecodeRequest, TeiEmbedRequest, TeiTokenizeRequest
 from qswap.server.http.models import REF_PATTERN
+from qswap.server.http.rendering import json_bytes
 from qswap.server.http.responses import TEI_ERRORS, ready_state
 from qswap.server.serving.embeddings import TOKENIZE_INLINE, embed_texts, model_ref, texts_of
 from qswap.server.serving.gate import Admission, search_admission
@@ -77,7 +76,7 @@ async def tei_embed(body: TeiEmbedRequest, request: Request, encoder: str = _ENC
     out = await embed_texts(adm, texts, DOCUMENTS_MODEL if body.documents else encoder,
                             dimensions=body.dimensions, on_key=lambda key: setattr(request.state, "encoder", key),
                             refuse_truncated=not body.truncate)
-    return Response(json.dumps(out.vectors.tolist(), separators=(",", ":")).encode(), media_type="application/json")
+    return Response(json_bytes(out.vectors.tolist()), media_type="application/json")
 
 
 @router.post("/tei/{encoder}", response_model=list[list[float]], responses=TEI_ERRORS,
