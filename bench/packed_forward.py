@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def arms(table: np.ndarray, pad: int, pooling: str, start: int) -> dict[str, Cal
     """Each arm as ``f(session, binding, rows) -> (n, d)`` embeddings in row order."""
     from qswap.encoders.embedding import padded_splits
     from qswap.encoders.runtime.onnx import CALL_TOKENS
-    from qswap.encoders.runtime.packed_export import packing
+    from qswap.encoders.runtime.packing import packing
 
     def padded_call(session: Any, binding: Any, rows: list[np.ndarray]) -> np.ndarray:
         width = max(len(r) for r in rows)
@@ -129,6 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {"lengths": {"mean": float(lengths.mean()), "p10": float(np.percentile(lengths, 10)),
                                            "p90": float(np.percentile(lengths, 90)),
                                            "p99": float(np.percentile(lengths, 99))}, "points": []}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    results.update({"command": "python -m qswap.bench.packed_forward " + " ".join(argv or sys.argv[1:]),
+                    "commit": commit, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                    "load_start": open("/proc/loadavg").read().split()[:3]})
     with tempfile.TemporaryDirectory() as tmp:
         graphs: dict[str, dict[str, Any]] = {}
         for g in args.graphs.split(","):
@@ -169,15 +174,16 @@ def main(argv: list[str] | None = None) -> None:
                              **{f"{a}_rows_per_s": round(b * len(secs[a]) / sum(secs[a]), 1) for a in ARMS},
                              **{f"{a}_min_cosine": cos[a] for a in ARMS}}
                     point["packed_over_splits"] = round(point["packed_rows_per_s"] / point["splits_rows_per_s"], 3)
+                    point["load"] = open("/proc/loadavg").read().split()[0]
                     point["packed_over_padded"] = round(point["packed_rows_per_s"] / point["padded_rows_per_s"], 3)
                     results["points"].append(point)
                     print(json.dumps(point), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    results.update({"command": "python -m qswap.bench.packed_forward " + " ".join(argv or sys.argv[1:]),
-                    "commit": commit, "machine": f"{platform.processor() or platform.machine()}, "
-                    f"{__import__('os').cpu_count()} cores", "load_end": open("/proc/loadavg").read().split()[:3]})
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+                    _write(args.out, results)   # after every point: a run cut short keeps what it measured
+
+
+def _write(out: Path, results: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
