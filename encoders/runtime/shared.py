@@ -527,7 +527,10 @@ class SharedBackend:
 
     def _call(self, session: Any, feed: BoundFeed, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """One ONNX Runtime call: the rows' word embeddings gathered here, the adapter bound."""
+        return feed.run(session, self._inputs_of(ids, mask))
+
+    def _inputs_of(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        """The graph's run-time inputs for padded ``ids`` / ``mask``: packed on the packed graph."""
         if self._packed:
-            return feed.run(session, packed_inputs(self._table, ids, mask, self.base.spec.pooling,
-                                                   self._first_position))
-        return feed.run(session, {"inputs_embeds": np.take(self._table, ids, axis=0), "attention_mask": mask})
+            return packed_inputs(self._table, ids, mask, self.base.spec.pooling, self._first_position)
+        return {"inputs_embeds": np.take(self._table, ids, axis=0), "attention_mask": mask}
