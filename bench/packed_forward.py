@@ -1,6 +1,6 @@
 """Packed (padding-free) forward against padded calls, on the shared graph of one base.
 
-``python -m qswap.bench.packed_forward --out bench/results/packed_forward``: exports the shared
+``qswap bench packed-forward``: exports the shared
 graph and its packed form (:mod:`qswap.encoders.runtime.packed_export`), with LoRA inputs on
 every Linear (rank 0 bound: the base) and without any (``lora=[]``), and times, on batches of
 real query lengths (the Debian bench queries with the model's query prefix), three arms per
@@ -89,16 +89,21 @@ def arms(table: np.ndarray, pad: int, pooling: str, start: int) -> dict[str, Cal
     return {"padded": padded_call, "splits": splits, "packed": packed}
 
 
-def main(argv: list[str] | None = None) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options (``--quick`` and ``--out`` are common to every benchmark)."""
+    p.add_argument("--batches", default="1,4,8,16,32", help="rows per batch (default: %(default)s)")
+    p.add_argument("--threads", default="2,1", help="intra-op threads, each a pass (default: %(default)s)")
+    p.add_argument("--draws", type=int, default=10, help="random batches per size and round (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds over the draws (default: %(default)s)")
+    p.add_argument("--graphs", default="lora,plain",
+                   help="lora: LoRA inputs on every Linear; plain: none (default: %(default)s)")
+
+
+def run(args: argparse.Namespace) -> None:
     """Run the benchmark (module docstring)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--batches", default="1,4,8,16,32")
-    p.add_argument("--threads", default="1,2")
-    p.add_argument("--draws", type=int, default=12, help="random batches per size and round")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--graphs", default="lora,plain")
-    args = p.parse_args(argv)
+    if args.quick:
+        args.batches, args.threads, args.draws, args.rounds, args.graphs = "4", "1", 2, 1, "plain"
+    args.out = args.out or (Path("bench/results/packed_forward") / ("tmp/quick" if args.quick else ""))
     import torch
     from qswap.bench.fixtures import load_space_base, load_workload
     from qswap.encoders.embedding import pad_id
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
                                            "p90": float(np.percentile(lengths, 90)),
                                            "p99": float(np.percentile(lengths, 99))}, "points": []}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    results.update({"command": "python -m qswap.bench.packed_forward " + " ".join(argv or sys.argv[1:]),
+    results.update({"command": "qswap bench packed-forward " + " ".join(sys.argv[3:]),
                     "commit": commit, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                     "load_start": open("/proc/loadavg").read().split()[:3]})
     with tempfile.TemporaryDirectory() as tmp:
@@ -184,7 +189,16 @@ def main(argv: list[str] | None = None) -> None:
 def _write(out: Path, results: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "table.md").write_text(table(results))
 
 
-if __name__ == "__main__":
-    main()
+def table(results: dict[str, Any]) -> str:
+    """The points as a markdown table: rows/s per arm, packed over the runtime's padded splits."""
+    lines = ["| graph | threads | batch | padded tokens / real | padded | splits | packed | packed / splits "
+             "| min cosine to torch (packed) | load |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in results["points"]:
+        lines.append(f"| {p['graph']} | {p['threads']} | {p['batch']} | {p['padding_factor']} | "
+                     f"{p['padded_rows_per_s']} | {p['splits_rows_per_s']} | {p['packed_rows_per_s']} | "
+                     f"**{p['packed_over_splits']}** | {p['packed_min_cosine']:.7f} | {p['load']} |")
+    return "\n".join(lines) + "\n"
+

@@ -10,32 +10,19 @@ import numpy as np
 import onnx
 import pytest
 
-from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
+from qswap.encoders import BASE_KEY
 from qswap.encoders.embedding import padded_splits
 from qswap.encoders.runtime.export_digest import MODEL_FILE
 from qswap.encoders.runtime.onnx import OnnxBackend
 from qswap.encoders.runtime.packed_export import PACKED_INPUTS, PACKED_MODEL_FILE
 from qswap.encoders.runtime.packing import packing
-from qswap.encoders.runtime.shared import SharedBackend
 
-from .adapters import make_lora, make_overrides
-from .test_shared import MIN_COSINE, cosine
+from .test_shared import MIN_COSINE, _ready_backend, cosine, encoder_dirs, pool  # noqa: F401 (fixtures)
 
 # Lengths from 1 word to ~40 tokens, in no order: every batch below mixes them.
 TEXTS = ["a", "chess puzzle game with levels", "audio", "the linux search server for python and debian packages",
          "physics", " ".join(["science"] * 30), "a tool for python", "network client library", "video games"]
-KEYS = ["l1@1", "b1@1", "l2@1", BASE_KEY]
-
-
-@pytest.fixture(scope="module")
-def pool(tiny_base, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("packed-enc")
-    pool = EncoderPool(tiny_base)
-    for d in (make_lora(tiny_base, tmp / "l1", "l1", seed=1, r=4, targets=("query", "value", "dense")),
-              make_lora(tiny_base, tmp / "l2", "l2", seed=2, r=8, targets=("key", "intermediate.dense")),
-              make_overrides(tiny_base, tmp / "b1", "b1", "bias", seed=3)):
-        pool.add(load_encoder(d, tiny_base.space))
-    return pool
+KEYS = ["l1@1", "b1@1", "l2@1", BASE_KEY]   # the encoders of test_shared that run on the shared graph
 
 
 def _torch_rows(pool, texts: list[str], keys: list[str]) -> np.ndarray:
@@ -65,11 +52,7 @@ def test_packed_cuts_only_where_attention_padding_costs_more_than_a_call():
 
 @pytest.fixture(scope="module")
 def shared(pool, tmp_path_factory):
-    b = SharedBackend(pool, tmp_path_factory.mktemp("packed-shared"), threads=1, mix="groups", hot=0)
-    for k in KEYS:
-        b.prepare(k)
-    for k in KEYS:
-        assert b.wait(k, timeout=120), b.error(k)
+    b = _ready_backend(pool, tmp_path_factory.mktemp("packed-shared"))
     yield b
     b.close()
 
@@ -103,7 +86,7 @@ def test_a_row_gives_the_same_vector_alone_and_among_other_lengths(shared, key):
 def test_merged_exports_are_packed_and_match_per_row_torch(pool, tiny_base, tmp_path):
     b = OnnxBackend(pool, tmp_path, threads=1)
     try:
-        for k in ("l1@1", "b1@1"):
+        for k in ("l1@1", "b1@1", "p1@1"):   # p1: a partial encoder, its own weights merged
             b.prepare(k)
             assert b.wait(k, timeout=120), b.error(k)
             names = [i.name for i in onnx.load(str(b.directory(k) / MODEL_FILE), load_external_data=False).graph.input]
