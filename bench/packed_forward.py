@@ -20,10 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -103,14 +99,15 @@ def run(args: argparse.Namespace) -> None:
     """Run the benchmark (module docstring)."""
     if args.quick:
         args.batches, args.threads, args.draws, args.rounds, args.graphs = "4", "1", 2, 1, "plain"
-    args.out = args.out or (Path("bench/results/packed_forward") / ("tmp/quick" if args.quick else ""))
     import torch
+    from qswap.bench.results import ResultWriter, results_dir_for
     from qswap.bench.fixtures import load_space_base, load_workload
     from qswap.encoders.embedding import pad_id
     from qswap.encoders.runtime.onnx_export import build_module
     from qswap.encoders.runtime.packed_export import export_packed, first_position
     from qswap.encoders.runtime.shared_export import export_shared, find_slots, ort_input
 
+    writer = ResultWriter("packed_forward", results_dir_for("packed_forward", args.quick, args.out))
     base = load_space_base()
     table = base.word_embeddings().detach().float().numpy()
     tok, prefix = base.tokenizer, base.spec.query_prefix
@@ -135,10 +132,6 @@ def run(args: argparse.Namespace) -> None:
     results: dict[str, Any] = {"lengths": {"mean": float(lengths.mean()), "p10": float(np.percentile(lengths, 10)),
                                            "p90": float(np.percentile(lengths, 90)),
                                            "p99": float(np.percentile(lengths, 99))}, "points": []}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    results.update({"command": "qswap bench packed-forward " + " ".join(sys.argv[3:]),
-                    "commit": commit, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                    "load_start": open("/proc/loadavg").read().split()[:3]})
     with tempfile.TemporaryDirectory() as tmp:
         graphs: dict[str, dict[str, Any]] = {}
         for g in args.graphs.split(","):
@@ -183,13 +176,20 @@ def run(args: argparse.Namespace) -> None:
                     point["packed_over_padded"] = round(point["packed_rows_per_s"] / point["padded_rows_per_s"], 3)
                     results["points"].append(point)
                     print(json.dumps(point), flush=True)
-                    _write(args.out, results)   # after every point: a run cut short keeps what it measured
+                    # after every point: a run cut short keeps what it measured
+                    writer.write(results, summary(results))
 
 
-def _write(out: Path, results: dict[str, Any]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "table.md").write_text(table(results))
+def summary(results: dict[str, Any]) -> str:
+    """The README body: the workload, the arms, and every point."""
+    n = results["lengths"]
+    return (f"Batches drawn from the Debian bench queries with the query prefix: {n['mean']:.1f} tokens on average "
+            f"(p10 {n['p10']:.0f}, p90 {n['p90']:.0f}, p99 {n['p99']:.0f}). Rows per second of each arm, "
+            "alternated batch by batch (module docstring of `qswap.bench.packed_forward`): `padded`, one call "
+            "padded to the longest row; `splits`, the padded calls the runtime made before (rows sorted, cut "
+            "by `padded_splits` with `CALL_TOKENS`); `packed`, one call of the packed graph. Graph `lora`: LoRA "
+            "inputs on every Linear, rank 0 bound (the shared graph); `plain`: no LoRA inputs. `load`: the "
+            "1-minute load average after the point.\n\n" + table(results))
 
 
 def table(results: dict[str, Any]) -> str:
