@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qswap.bench import bf16_quality, e2e_latency, encoder_memory, encoder_scale, forward, guard, quality, hotswap, index_bench, naive_baseline, serving, tuning_speed
-from qswap.bench import adversarial, cycle, domains, gpu, loop, peer, ray_embed, start
+from qswap.bench import adversarial, cycle, domains, gpu, loop, packed_forward, peer, ray_embed, start
 from qswap.bench.data import register as register_data
 
 # (subcommand, module, one-line help); each module has add_arguments(parser) and run(args).
@@ -36,6 +36,7 @@ BENCHMARKS = (
     ("loop", loop, "learning from traffic end to end: capture, tune from clicks, interleave vs A/B, promote"),
     ("gpu", gpu, "qswap on the GPU it finds: query graphs, documents, search, tuning, beside sentence-transformers"),
     ("start", start, "what a start costs on a warm data dir: a server to /readyz and one search, or (--cli) index search and build processes; revisions side by side"),
+    ("packed-forward", packed_forward, "the packed (padding-free) query graph vs padded calls on batches of real query lengths"),
     ("domains", domains, "one encoder per Debian section vs base and a general encoder, served at once; learning curve"),
 )
 

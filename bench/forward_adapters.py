@@ -59,8 +59,7 @@ def ort_adapter_arm(shared: Any, key: str, path: Path) -> Callable[[list[str]], 
     def fn(texts: list[str], keep: Any = adapter) -> np.ndarray:
         # ``keep``: RunOptions holds no reference to the adapter; freed, its parameters vanish.
         (_, ids, mask), = length_buckets(shared.base.tokenizer, texts, shared.base.spec.query_prefix, 64)
-        emb = np.take(shared._table, ids, axis=0)
-        return shared._session._sess.run(["embedding"], {"inputs_embeds": emb, "attention_mask": mask}, opts)[0]
+        return shared._session._sess.run(["embedding"], shared._inputs_of(ids, mask), opts)[0]
     return fn
 
 

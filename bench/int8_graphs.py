@@ -57,18 +57,25 @@ def quantized_graph(fp32_graph: Path, out_dir: Path, scheme: str) -> Path:
 ARMS = {"ort-int8": "per-channel", "ort-int8-ffn32": "per-channel-ffn-out-fp32"}
 
 
-def graph_encoder(base: Any, session: Any) -> Callable[[list[str]], np.ndarray]:
+def graph_encoder(base: Any, session: Any, first_position: int = 0) -> Callable[[list[str]], np.ndarray]:
     """Queries through one ONNX Runtime session of a merged graph: the base's tokenizer and query
-    prefix, rows padded to the call's longest, word embeddings gathered from the base matrix
+    prefix, rows padded to the call's longest (a packed graph gets their real tokens, rows starting
+    at position ``first_position``: :mod:`qswap.encoders.runtime.packing`), word embeddings gathered from the base matrix
     (what :class:`qswap.encoders.runtime.onnx.OnnxBackend` does for a batch of equal keys)."""
+    from qswap.encoders.runtime.packing import packed_inputs
+
     table = base.model.get_input_embeddings().weight.detach().float().cpu().numpy()
     tok, prefix = base.tokenizer, base.spec.query_prefix
+    # A packed graph (the CPU's merged export: qswap.encoders.runtime.packed_export) takes the real tokens.
+    packed = any(i.name == "token_index" for i in session.get_inputs())
 
     def encode(texts: list[str]) -> np.ndarray:
         encs = tok.encode_batch([prefix + t for t in texts])
         width = max(sum(e.attention_mask) for e in encs)
         ids = np.array([e.ids[:width] for e in encs], dtype=np.int64)
         mask = np.array([e.attention_mask[:width] for e in encs], dtype=np.int64)
+        if packed:
+            return session.run(None, packed_inputs(table, ids, mask, base.spec.pooling, first_position))[0]
         return session.run(None, {"inputs_embeds": np.take(table, ids, axis=0), "attention_mask": mask})[0]
     return encode
 
@@ -79,13 +86,15 @@ def int8_arms(base: Any, fp32_graph: Path, work: Path, names: list[str], *, thre
     returns ``(encoders, facts)``, facts per arm: scheme, graph MB, seconds to quantise."""
     import time
 
+    from qswap.encoders.runtime.export_cache import read_meta
     from qswap.encoders.runtime.onnx import make_session
 
     fns, facts = {}, {}
+    start = int(read_meta(fp32_graph.parent).get("first_position", 0))   # a packed graph's (packing)
     for name in names:
         t = time.perf_counter()
         path = quantized_graph(fp32_graph, work, ARMS[name])
         facts[name] = {"scheme": ARMS[name], "quantize_seconds": round(time.perf_counter() - t, 2),
                        "model_file_mb": round(path.stat().st_size / 2**20, 1), "model_file_bytes": path.stat().st_size}
-        fns[name] = graph_encoder(base, make_session(path, threads, ["CPUExecutionProvider"], spin))
+        fns[name] = graph_encoder(base, make_session(path, threads, ["CPUExecutionProvider"], spin), start)
     return fns, facts

@@ -52,7 +52,8 @@ def embed_batch(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     return torch.nn.functional.normalize(x, dim=-1) if spec.normalize else x
 
 
-def padded_splits(widths: list[int], max_rows: int, call_tokens: int | None = None) -> list[tuple[int, int]]:
+def padded_splits(widths: list[int], max_rows: int, call_tokens: int | None = None,
+                  attention_dim: int | None = None) -> list[tuple[int, int]]:
     """Where to cut rows sorted longest first into forward calls: ranges ``(lo, hi)``.
 
     Without ``call_tokens``: consecutive runs of ``max_rows``. With it, the cuts that minimise
@@ -64,6 +65,11 @@ def padded_splits(widths: list[int], max_rows: int, call_tokens: int | None = No
         widths: token counts, non-increasing.
         max_rows: rows per call at most.
         call_tokens: what one more call costs, in tokens of compute.
+        attention_dim: for packed calls (:mod:`qswap.encoders.runtime.packed_export`), the model's
+            hidden size ``d``: a call then computes its real tokens, and pads only attention, whose
+            scores cost ``rows x longest^2 / (6 d)`` tokens (``2 L d`` multiply-adds per padded slot
+            against ``12 d^2`` per token in the linear layers). So short queries go in one call, and a
+            long row among them gets a call of its own.
 
     Returns:
         Ranges covering every row in order.
@@ -73,9 +79,13 @@ def padded_splits(widths: list[int], max_rows: int, call_tokens: int | None = No
         return [(s, min(s + max_rows, n)) for s in range(0, n, max_rows)]
     best = [0.0] + [float("inf")] * n   # best[i]: cost of rows [0, i)
     cut = [0] * (n + 1)
+    real = np.concatenate([[0], np.cumsum(widths)]).tolist() if attention_dim else []
     for i in range(1, n + 1):
         for lo in range(max(0, i - max_rows), i):
-            c = best[lo] + (i - lo) * widths[lo] + call_tokens   # widths[lo]: the range's longest row
+            # widths[lo]: the range's longest row
+            work = real[i] - real[lo] + (i - lo) * widths[lo] ** 2 / (6 * attention_dim) if attention_dim \
+                else (i - lo) * widths[lo]
+            c = best[lo] + work + call_tokens
             if c < best[i]:
                 best[i], cut[i] = c, lo
     out, i = [], n
@@ -135,21 +145,22 @@ def unpadded(tokenizer: Tokenizer) -> Tokenizer:
 
 def length_buckets(tokenizer: Tokenizer, texts: list[str], prefix: str, batch_size: int,
                    encodings: list[Any] | None = None, lengths_out: list[int] | None = None,
-                   call_tokens: int | None = None) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
+                   call_tokens: int | None = None,
+                   attention_dim: int | None = None) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
     """Tokenise once, then yield ``(indices, input_ids, attention_mask)`` int64 numpy batches
     grouped by real token length, longest first; each batch is cut to its own longest row.
     ``encodings``: the texts' encodings when the caller already has them (then not re-tokenised;
     they need not be padded to one another).
     ``lengths_out`` receives every text's token count once tokenised (before the first batch).
     ``call_tokens``: split where padding would cost more than another call (:func:`padded_splits`);
-    None: batches of ``batch_size``."""
+    None: batches of ``batch_size``; ``attention_dim``: the calls are packed (:func:`padded_splits`)."""
     encs = encodings if encodings is not None else tokenizer.encode_batch([prefix + t for t in texts])
     lengths = token_lengths(encs)
     if lengths_out is not None:
         lengths_out.extend(lengths)
     pad = pad_id(tokenizer)
     order = sorted(range(len(texts)), key=lambda i: -lengths[i])
-    for lo, hi in padded_splits([lengths[i] for i in order], batch_size, call_tokens):
+    for lo, hi in padded_splits([lengths[i] for i in order], batch_size, call_tokens, attention_dim):
         idx = order[lo:hi]
         ids, mask = padded_rows(encs, idx, max(lengths[i] for i in idx), pad)
         yield idx, ids, mask

@@ -42,6 +42,7 @@ import numpy as np
 
 from qswap.encoders.runtime.export_digest import EMBEDDINGS_FILE, EXPORT_FORMAT, MODEL_FILE, encoder_digest
 from qswap.encoders.embedding import pad_id, padded_splits
+from qswap.encoders.runtime.packing import packable, packed_inputs
 from qswap.encoders.runtime.export_cache import cached_dir
 from qswap.encoders.runtime.protocol import EncodeFlagged
 from qswap.errors import InvalidInputError, NotFoundError
@@ -60,6 +61,7 @@ class _Session:
     session: Any                  # onnxruntime.InferenceSession
     table: np.ndarray             # word-embedding matrix rows are gathered from
     directory: Path
+    first_position: int | None = None   # a packed graph's position id of a row's first token; None: padded
 
 
 def available_providers() -> list[str]:
@@ -122,6 +124,9 @@ class OnnxBackend:
         self.spin = spin
         self.batch_size = batch_size
         self._variant = "cuda" if "CUDAExecutionProvider" in self.providers else "cpu"
+        # On CPU a graph computes a batch's real tokens only (packed_export) where the base allows it
+        # (packable); on a GPU, padded rows.
+        self._packed = self._variant == "cpu" and packable(self.base.layout)
         self._threads = threads or os.cpu_count() or 1
         # The base matrix every encoder gathers from: a view of the torch parameter on CPU,
         # one host copy when the base lives on a GPU.
@@ -139,8 +144,9 @@ class OnnxBackend:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def directory(self, key: str) -> Path:
-        """Cache directory of ``key``'s export for this base space."""
-        return self.cache_dir / key / self.base.space.fingerprint
+        """Cache directory of ``key``'s export for this base space (the packed graph's on CPU: the
+        padded one, in the space's own directory, is the document runtime's)."""
+        return self.cache_dir / key / (self.base.space.fingerprint + ("-packed" if self._packed else ""))
 
     def count_rows(self, keys: list[str]) -> None:
         """Every encoder runs merged already: nothing to adapt."""
@@ -245,11 +251,11 @@ class OnnxBackend:
         variant = f"{self._variant}-fused" if self.fuse else "plain"
         target = self.directory(key)
         meta = cached_export(self.base, own, target, key, variant,
-                             optimize_for=self._variant if self.fuse else None)
+                             optimize_for=self._variant if self.fuse else None, packed=self._packed)
         table = np.load(target / EMBEDDINGS_FILE, mmap_mode="r") if meta.get("own_word_embeddings") \
             else self._table
         return _Session(make_session(target / MODEL_FILE, self._threads, self.providers, self.spin),
-                        table, target)
+                        table, target, meta.get("first_position") if self._packed else None)
 
     # -- encoding -------------------------------------------------------------------------------
 
@@ -308,7 +314,9 @@ class OnnxBackend:
         # does not make every short one pay for its padding (a batch of 16 queries of 8 to 30
         # tokens padded to 30 computes ~1.6x its real tokens).
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
-        for lo, hi in padded_splits([len(rows[i]) for i in order], self.batch_size, CALL_TOKENS):
+        packed = s.first_position is not None
+        for lo, hi in padded_splits([len(rows[i]) for i in order], self.batch_size, CALL_TOKENS,
+                                    self.base.dim if packed else None):
             idx = order[lo:hi]
             width = len(rows[idx[0]])
             ids = np.full((len(idx), width), pad, dtype=np.int64)
@@ -316,13 +324,16 @@ class OnnxBackend:
             for r, i in enumerate(idx):
                 ids[r, :len(rows[i])] = rows[i]
                 mask[r, :len(rows[i])] = 1
-            emb = np.take(s.table, ids, axis=0)
-            out[idx] = s.session.run(None, {"inputs_embeds": emb, "attention_mask": mask})[0]
+            if packed:
+                feed = packed_inputs(s.table, ids, mask, self.base.spec.pooling, s.first_position)
+            else:
+                feed = {"inputs_embeds": np.take(s.table, ids, axis=0), "attention_mask": mask}
+            out[idx] = s.session.run(None, feed)[0]
         return out
 
 
 def cached_export(base: Any, own: dict[str, Any], target: Path, key: str, variant: str,
-                  optimize_for: str | None) -> dict[str, Any]:
+                  optimize_for: str | None, packed: bool = False) -> dict[str, Any]:
     """The export of base + ``own`` in ``target``: reused when its record's digest matches,
     else exported, checked against torch and swapped in atomically.
 
@@ -333,16 +344,24 @@ def cached_export(base: Any, own: dict[str, Any], target: Path, key: str, varian
         key: encoder key (recorded).
         variant: ``"<provider>-fused"`` or ``"plain"`` (part of the digest).
         optimize_for: ONNX Runtime fusions for ``"cpu"``/``"cuda"``, or ``None``.
+        packed: the packed graph (:mod:`qswap.encoders.runtime.packed_export`), not the padded one.
 
     Returns:
         The export record (``export.json``): digest, probe cosine, fusions, timings.
     """
+    if packed:
+        from qswap.encoders.runtime.packed_export import PACKED_FORMAT
+        variant = f"{variant}-packed{PACKED_FORMAT}"
     digest = encoder_digest(base, own, variant)
 
     def export(staging: Path) -> dict[str, Any]:
         from qswap.encoders.runtime.onnx_export import export_onnx
 
-        facts = export_onnx(base, own, staging, optimize_for=optimize_for)
+        if packed:
+            from qswap.encoders.runtime.packed_export import export_packed
+            facts = export_packed(base, staging, optimize_for=optimize_for, own=own, model_file=MODEL_FILE)
+        else:
+            facts = export_onnx(base, own, staging, optimize_for=optimize_for)
         return {"format": EXPORT_FORMAT, "key": key, "digest": digest, "variant": variant,
                 "space": base.space.fingerprint, "base": base.name, **facts}
 

@@ -42,7 +42,9 @@ from qswap.encoders.embedding import length_buckets
 from qswap.encoders.runtime.hot import DEFAULT_HOT, HOT_SHARE, HOT_WINDOW_ROWS, HotEncoders
 from qswap.encoders.runtime.onnx import CALL_TOKENS, OnnxBackend, available_providers, make_session
 from qswap.encoders.pool import FACTOR_DTYPES, EncoderPool
-from qswap.encoders.runtime.shared_export import SHARED_MODEL_FILE, cached_shared, find_slots, ort_input
+from qswap.encoders.runtime.packed_export import cached_packed
+from qswap.encoders.runtime.packing import packable, packed_inputs
+from qswap.encoders.runtime.shared_export import cached_shared, find_slots, ort_input
 from qswap.encoders.runtime.shared_segments import SegmentRunner, encode_segments
 from qswap.encoders.runtime.shared_run import (WIDE_BYTES, BoundFeed, WideFeed, WideFeeds, await_build, run_calls,
                                                segment_groups)
@@ -97,6 +99,10 @@ class SharedBackend:
         # A GPU runs one call at a time anyway: groups side by side only pay on CPU cores.
         self._group_workers = 1 if "CUDAExecutionProvider" in self.providers else (group_workers or self._threads)
         self._variant = "cuda" if "CUDAExecutionProvider" in self.providers else "cpu"
+        # On CPU the graph computes a batch's real tokens only (packed_export); on a GPU, padded rows.
+        self._packed = self._variant == "cpu" and packable(self.base.layout)
+        self._graph: Path | None = None       # the exported graph the sessions run, once loaded
+        self._first_position = 0              # the packed graph's position id of a row's first token
         # Read from the checkpoint, not through the torch module (built only when something needs it).
         self._table = self.base.word_embeddings().detach().float().cpu().numpy()
         self.slots = find_slots(self.base.layout)
@@ -189,7 +195,12 @@ class SharedBackend:
         # The segment graph takes the pool's type (its Cast per factor measured cheaper overall than
         # converting as the runner copies: a call whose encoders all change, bench/results/forward_mixed/).
         factors = self.factors if segments else self._graph_factors
-        path = cached_shared(self.base, self.directory(), self._variant, factors, segments=segments)
+        if self._packed and not segments:
+            path, self._first_position = cached_packed(self.base, self.directory(), self._variant)
+        else:
+            path = cached_shared(self.base, self.directory(), self._variant, factors, segments=segments)
+        if not segments:
+            self._graph = path
         return make_session(path, self._threads, self.providers, self.spin)
 
     def _start_segments(self) -> None:
@@ -235,7 +246,7 @@ class SharedBackend:
         with self._lock:
             if self._group_future is not None or self._group_workers < 2:
                 return
-            path = self.directory() / SHARED_MODEL_FILE
+            path = self._graph
 
             def build() -> None:
                 sess = make_session(path, 1, self.providers, self.spin)
@@ -491,7 +502,7 @@ class SharedBackend:
                 self._start_segments()
         calls: list[tuple[BoundFeed, list[int], np.ndarray, np.ndarray]] = []   # (feed, rows, ids, mask)
         for k, rows in groups.items():
-            for idx, ids, mask in self._buckets([texts[i] for i in rows], [encs[i] for i in rows]):
+            for idx, ids, mask in self._buckets([texts[i] for i in rows], [encs[i] for i in rows], self._packed):
                 calls.append((feeds[k], [rows[j] for j in idx], ids, mask))
         if (len(groups) > 1 or bulk) and group_session is None:
             self._start_group_session()
@@ -502,10 +513,12 @@ class SharedBackend:
                                              encodings=[encs[i] for i in merged])
         return out, flags
 
-    def _buckets(self, texts: list[str], encs: list[Any]) -> Any:
-        """The calls of ``texts`` (with their encodings): ``(row indices, ids, mask)`` per length bucket."""
+    def _buckets(self, texts: list[str], encs: list[Any], packed: bool = False) -> Any:
+        """The calls of ``texts`` (with their encodings): ``(row indices, ids, mask)`` per length bucket;
+        ``packed``: cut for the packed graph (only a long row among short ones gets a call of its own)."""
         return length_buckets(self.base.tokenizer, texts, self.base.spec.query_prefix, self.batch_size,
-                              encodings=encs, call_tokens=CALL_TOKENS)
+                              encodings=encs, call_tokens=CALL_TOKENS,
+                              attention_dim=self.base.dim if packed else None)
 
     def _own(self, key: str) -> dict[str, torch.Tensor]:
         if (own := adapter_inputs(self.pool, key, self.slots)) is None:   # not for a key with a shared feed
@@ -514,4 +527,10 @@ class SharedBackend:
 
     def _call(self, session: Any, feed: BoundFeed, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """One ONNX Runtime call: the rows' word embeddings gathered here, the adapter bound."""
-        return feed.run(session, np.take(self._table, ids, axis=0), mask)
+        return feed.run(session, self._inputs_of(ids, mask))
+
+    def _inputs_of(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        """The graph's run-time inputs for padded ``ids`` / ``mask``: packed on the packed graph."""
+        if self._packed:
+            return packed_inputs(self._table, ids, mask, self.base.spec.pooling, self._first_position)
+        return {"inputs_embeds": np.take(self._table, ids, axis=0), "attention_mask": mask}

@@ -46,8 +46,10 @@ class BoundFeed:
         self._free: dict[int, tuple[Any, list[Any]]] = {}
         self._lock = threading.Lock()
 
-    def run(self, session: Any, emb: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """The pooled embeddings of one padded batch: ``emb`` (n, L, d) float32, ``mask`` (n, L) int64."""
+    def run(self, session: Any, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """The pooled embeddings of one batch: ``inputs`` are the graph's run-time inputs (the padded
+        graph's ``inputs_embeds`` and ``attention_mask``, or the packed graph's
+        :data:`~qswap.encoders.runtime.packed_export.PACKED_INPUTS`)."""
         import onnxruntime as ort
 
         with self._lock:
@@ -58,8 +60,8 @@ class BoundFeed:
             for name, value in self.feed.items():
                 binding.bind_ortvalue_input(name, value)
         try:
-            binding.bind_ortvalue_input("inputs_embeds", ort.OrtValue.ortvalue_from_numpy(emb))
-            binding.bind_ortvalue_input("attention_mask", ort.OrtValue.ortvalue_from_numpy(mask))
+            for name, value in inputs.items():
+                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
             # Rebound every run: an output left bound keeps the last run's shape, and ONNX
             # Runtime refuses a run whose batch size differs from it.
             binding.bind_output(OUTPUT)
@@ -92,8 +94,8 @@ class WideFeed(BoundFeed):
         # copy (a float32 one is bound in place: a pool tensor, never to be overwritten).
         self.shapes = tuple((n, tuple(t.shape)) for n, t in own.items()) if len(half) == len(own) else None
 
-    def run(self, session: Any, emb: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        return self._cache.run(self, session, emb, mask)
+    def run(self, session: Any, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        return self._cache.run(self, session, inputs)
 
     def widen(self, into: dict[str, torch.Tensor] | None = None) -> tuple[BoundFeed | None, dict[str, torch.Tensor]]:
         """float32 copies of the half-precision tensors: new ones and a feed over them, or
@@ -127,11 +129,11 @@ class WideFeeds:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def run(self, entry: WideFeed, session: Any, emb: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    def run(self, entry: WideFeed, session: Any, inputs: dict[str, np.ndarray]) -> np.ndarray:
         """One run of ``entry`` on its float32 feed (held, taken over, or new)."""
         slot = self._acquire(entry)
         try:
-            return slot[0].run(session, emb, mask)
+            return slot[0].run(session, inputs)
         finally:
             with self._lock:
                 slot[2] -= 1

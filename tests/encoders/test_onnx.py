@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qswap.encoders import BASE_KEY, EncoderPool, load_base, load_encoder, save_encoder
-from qswap.encoders.runtime import onnx_export
+from qswap.encoders.runtime import packed_export
 from qswap.encoders.runtime.export_cache import META_FILE
 from qswap.encoders.runtime.onnx import OnnxBackend
 from qswap.encoders.runtime.export_digest import EMBEDDINGS_FILE, MODEL_FILE
@@ -128,7 +128,7 @@ def test_graph_holds_no_word_embedding_matrix(backend, tiny_base):
 
 def test_cache_is_reused_and_keyed_by_content(pool, backend, tiny_base, tmp_path):
     d = backend.directory("b1@1")
-    assert d.parent.name == "b1@1" and d.name == tiny_base.space.fingerprint
+    assert d.parent.name == "b1@1" and d.name == tiny_base.space.fingerprint + "-packed"   # the CPU's graph
     stamp = (d / MODEL_FILE).stat().st_mtime_ns
     again = OnnxBackend(pool, backend.cache_dir, threads=1)
     try:
@@ -175,7 +175,7 @@ def test_failed_export_stays_on_torch(pool, tmp_path, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("exporter exploded")
 
-    monkeypatch.setattr(onnx_export, "export_onnx", broken)   # what the backend calls to export
+    monkeypatch.setattr(packed_export, "export_packed", broken)   # what the backend calls to export on CPU
     b = OnnxBackend(pool, tmp_path / "cache", threads=1)
     try:
         b.prepare("l1@1")

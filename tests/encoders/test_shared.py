@@ -12,12 +12,12 @@ import pytest
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
 from qswap.encoders.kinds.base import TENSOR_OBJECT_BYTES
 from qswap.encoders.runtime import shared as shared_mod
-from qswap.encoders.runtime import shared_export as shared_export_mod
+from qswap.encoders.runtime import packed_export as packed_export_mod
 from qswap.encoders.runtime.backend import BACKENDS, make_backend
 from qswap.encoders.runtime.cancel import cancellable, run_options
 from qswap.encoders.embedding import length_buckets, padded_splits
 from qswap.encoders.runtime.shared import SharedBackend, adapter_inputs
-from qswap.encoders.runtime.shared_export import SHARED_MODEL_FILE
+from qswap.encoders.runtime.packed_export import PACKED_MODEL_FILE
 
 from ..counting import CountingTokenizer
 from .adapters import make_lora, make_overrides
@@ -104,7 +104,7 @@ def test_one_session_and_adapter_bytes_only(backend, pool):
         assert _bound_in_place(pool, key, backend)
     assert backend.memory_bytes("p1@1") == backend.shared_bytes() > 0
     assert list(backend.merged._sessions) == ["p1@1"]
-    assert (backend.directory() / SHARED_MODEL_FILE).exists()
+    assert (backend.directory() / PACKED_MODEL_FILE).exists()
 
 
 def test_feeds_share_the_base_values_and_count_their_own(backend, pool):
@@ -155,7 +155,7 @@ def test_pinned_encoder_runs_merged_with_the_same_answers(pool, tmp_path):
 def test_failed_export_falls_back_to_torch(pool, tmp_path, monkeypatch):
     def broken(*a, **kw):
         raise RuntimeError("no exporter here")
-    monkeypatch.setattr(shared_export_mod, "export_shared", broken)
+    monkeypatch.setattr(packed_export_mod, "export_packed", broken)   # the CPU's query graph
     b = SharedBackend(pool, tmp_path, threads=1)
     try:
         b.prepare("l1@1")
@@ -366,7 +366,7 @@ def test_a_failed_export_is_retried_and_then_serves_on_onnx(pool, tmp_path, monk
     cause is gone, encoders move from torch to the shared session without a restart."""
     import errno
 
-    real = shared_export_mod.export_shared
+    real = packed_export_mod.export_packed
     failing = threading.Event()
     failing.set()
     attempts: list[bool] = []
@@ -377,7 +377,7 @@ def test_a_failed_export_is_retried_and_then_serves_on_onnx(pool, tmp_path, monk
             failing.clear()   # the cause goes away after the first attempt (fds freed)
             raise OSError(errno.EMFILE, "Too many open files")
         return real(*a, **kw)
-    monkeypatch.setattr(shared_export_mod, "export_shared", flaky)
+    monkeypatch.setattr(packed_export_mod, "export_packed", flaky)
     b = SharedBackend(pool, tmp_path, threads=1, retry_s=0.01)
     try:
         b.prepare("l1@1")
@@ -401,12 +401,13 @@ def test_the_shared_graph_is_fused(backend, tiny_base):
     layers = tiny_base.model.config.num_hidden_layers
     fused = json.loads((backend.directory() / "export.json").read_text())["fused"]
     assert fused["MultiHeadAttention"] == layers and fused["BiasGelu"] == layers
-    assert fused["SkipLayerNormalization"] == 2 * layers
-    graph = onnx.load(str(backend.directory() / SHARED_MODEL_FILE)).graph
+    # one per residual, and the embeddings' sum + LayerNorm (position embeddings added token by token)
+    assert fused["SkipLayerNormalization"] == 2 * layers + 1
+    graph = onnx.load(str(backend.directory() / PACKED_MODEL_FILE)).graph
     ops = [n.op_type for n in graph.node]
     assert "Softmax" not in ops and "Erf" not in ops
     skip = [n for n in graph.node if n.op_type == "SkipLayerNormalization"]
-    assert all(len(n.input) == 5 and n.input[4].endswith(".bias") for n in skip)   # bias inputs folded
+    assert sum(len(n.input) == 5 and n.input[4].endswith(".bias") for n in skip) == 2 * layers   # biases folded
 
 
 @pytest.fixture(scope="module", params=["float16", "bfloat16"])

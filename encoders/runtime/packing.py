@@ -1,0 +1,66 @@
+"""The packed graph's run-time routing inputs (numpy only: a server that serves from cached
+exports computes them without importing torch). The graph: :mod:`qswap.encoders.runtime.packed_export`."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+
+def packing(lengths: list[int] | np.ndarray, pooling: str = "mean", first_position: int = 0) -> dict[str, np.ndarray]:
+    """The packed graph's routing inputs for rows of ``lengths`` real tokens, in that order.
+
+    Args:
+        lengths: each row's real tokens (>= 1).
+        pooling: ``mean`` or ``cls``.
+        first_position: the position id of a row's first token (0 for BERT; ``padding_idx + 1``
+            for RoBERTa-family models, which number positions after the padding index).
+
+    Returns:
+        ``position_ids`` (1, T), ``token_index`` (B, L), ``attention_mask`` (B, L) int64,
+        ``token_positions`` (T,), ``pooling`` (B, T) float32.
+    """
+    n = np.asarray(lengths, dtype=np.int64)
+    rows, width, total = len(n), int(n.max()), int(n.sum())
+    start = np.concatenate([[0], np.cumsum(n)[:-1]])
+    slot = np.arange(width)
+    real = slot < n[:, None]                                      # (B, L)
+    row_of = np.repeat(np.arange(rows), n)                        # (T,)
+    pos = np.arange(total) - start[row_of]                        # each token's place in its row
+    # A pad slot reads its row's first token: any real token would do (masked as a key, never read back).
+    index = np.where(real, start[:, None] + slot, start[:, None])
+    weights = np.zeros((rows, total), dtype=np.float32)
+    if pooling == "mean":
+        weights[row_of, np.arange(total)] = (1.0 / n)[row_of]
+    elif pooling == "cls":
+        weights[np.arange(rows), start] = 1.0
+    else:
+        raise ValueError(f"unknown pooling {pooling!r}")
+    return {"position_ids": (pos + first_position)[None, :], "token_index": index,
+            "attention_mask": real.astype(np.int64), "token_positions": row_of * width + pos, "pooling": weights}
+
+
+def packed_inputs(table: np.ndarray, ids: np.ndarray, mask: np.ndarray, pooling: str,
+                  start: int = 0) -> dict[str, np.ndarray]:
+    """The packed graph's run-time inputs for a padded batch (``ids``, ``mask`` (n, L) int64, each
+    row's real tokens first): the rows' real tokens gathered from the word-embedding ``table``
+    end to end, and :func:`packing` of their lengths."""
+    real = mask.astype(bool)
+    feed = packing(real.sum(1), pooling, start)
+    feed["inputs_embeds"] = np.take(table, ids[real], axis=0)[None]
+    return feed
+
+
+def packable(layout: Any) -> bool:
+    """Whether a base's queries can run packed: every layer's self-attention is a BERT-family block
+    (``query``/``key``/``value`` Linears, which the graph fuses into one attention node that sees
+    each row's own tokens only). Any other attention would attend across the packed rows, so such
+    a base keeps the padded graph. Read from its :class:`~qswap.encoders.layout.BaseLayout`
+    (no torch model needed)."""
+    names = {n for n, _, _, _ in layout.linear}
+    blocks = {n.rsplit(".", 1)[0] for n in names if n.endswith(".query")}
+    triples = {b for b in blocks if f"{b}.key" in names and f"{b}.value" in names}
+    layers = {m.group(1) for n in names if (m := re.match(r"^(.*\.layer\.\d+)\.", n))}
+    return bool(triples) and len(triples) == len(layers)
