@@ -30,7 +30,7 @@ from qswap.encoders.base import BaseEncoder
 from qswap.encoders.embedding import embed_batch, sorted_batches
 from qswap.encoders.kinds import AdapterKind, Attached, get_kind
 from qswap.encoders.lowrank import LowRankDeltas
-from qswap.encoders.packed import pack
+from qswap.encoders.factor_blocks import pack
 from qswap.errors import ConflictError, InvalidInputError, NotFoundError
 from qswap.factors import FACTOR_NAMES
 from qswap.names import BASE_KEY   # the identity encoder every pool has: the base model itself
@@ -155,7 +155,7 @@ class EncoderPool:
     def _store(self, att: Attached) -> Attached:
         """``att`` with its LoRA factors in the pool's storage type, where every factor rounds
         within tolerance (all or none: one encoder's factors share one type), packed into one
-        block of their own (:func:`~qswap.encoders.packed.pack`: what they cost is what is counted)."""
+        block of their own (:func:`~qswap.encoders.factor_blocks.pack`: what they cost is what is counted)."""
         dtype = FACTOR_DTYPES[self.factor_dtype]
         if not att.low_rank:
             return att

@@ -142,7 +142,7 @@ class AdapterKind(ABC):
     def nbytes(self, att: Attached) -> int:
         """Bytes this encoder adds on top of the shared base: the storages its tensors hold
         (a view holds all of its storage; the pool packs LoRA factors into one page-rounded
-        block, :mod:`qswap.encoders.packed`), each counted once, and :data:`TENSOR_OBJECT_BYTES`
+        block, :mod:`qswap.encoders.factor_blocks`), each counted once, and :data:`TENSOR_OBJECT_BYTES`
         per tensor."""
         seen: dict[int, int] = {}
         tensors = att.tensors()

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qswap.encoders.packed import pack_tensors
+from qswap.encoders.factor_blocks import pack_tensors
 from qswap.encoders.runtime.cancel import run_options
 from qswap.encoders.runtime.export_digest import OUTPUT
 from qswap.encoders.runtime.shared_export import ort_input
@@ -104,7 +104,7 @@ class WideFeed(BoundFeed):
             for n, t in self.own.items():
                 into[n].copy_(t)
             return None, into
-        # One mapping per copy (qswap.encoders.packed): a copy dropped from the cache is unmapped
+        # One mapping per copy (qswap.encoders.factor_blocks): a copy dropped from the cache is unmapped
         # whole, instead of leaving ~150 holes in the heap of whichever thread made it.
         half = [n for n, t in self.own.items() if t.dtype in (torch.float16, torch.bfloat16)]
         copies = dict(zip(half, pack_tensors([self.own[n] for n in half], torch.float32)))

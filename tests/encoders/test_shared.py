@@ -436,7 +436,7 @@ def test_half_precision_factors_halve_the_memory(half, pool):
         tensors = hpool.runtime_tensors(key)
         assert {t.dtype for t in tensors.values()} == {getattr(torch, dtype)}
         assert hpool.attached(key).info["factors"] == dtype
-        # half the bytes, up to the page the packed block is rounded to (qswap.encoders.packed)
+        # half the bytes, up to the page the packed block is rounded to (qswap.encoders.factor_blocks)
         objects = TENSOR_OBJECT_BYTES * len(tensors)   # the same in both pools
         full, halved = pool.memory_bytes(key) - objects, hpool.memory_bytes(key) - objects
         assert 0 < full // 2 <= halved <= full // 2 + 4096

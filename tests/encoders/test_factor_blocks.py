@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qswap.bench.processes import rss_parts
-from qswap.encoders.packed import pack_tensors
+from qswap.encoders.factor_blocks import pack_tensors
 
 MIB = 1 << 20
 
