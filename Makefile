@@ -7,17 +7,19 @@ PORT ?= 8000
 
 .PHONY: setup serve test test-fast docs debian-lists clean
 
-# pip compiles each installed file to bytecode one at a time (~80 s of the set-up on 2 cores):
-# compileall does it on every core afterwards. Compiled it must be: where PYTHONDONTWRITEBYTECODE
-# is set, every process (servers, Ray workers) would compile what it imports again. A file that does
-# not compile is skipped, as pip skips it: some packages ship files for newer Pythons (torch's
-# py312 test helpers).
+# Bytecode is written as modules are first imported, not ahead: pip would compile each of the
+# venv's ~25,000 files one at a time (~80 s of the set-up on 2 cores), and compiling them all ahead
+# (compileall on every core) still costs ~40 s, while the servers, CLI runs and Ray workers of a
+# test run import about a quarter of them. Where the environment sets PYTHONDONTWRITEBYTECODE, every
+# such process (hundreds in a test run) would compile what it imports again: the recipes run
+# without it, so the first process to import a module writes its bytecode and the rest load it.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(BIN)/qswap: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q --no-compile torch==2.13.0
 	$(BIN)/pip install -q --no-compile -e '.[dev,ray,milvus,langchain,llamaindex,docs]'
-	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $@
 
 setup: $(BIN)/qswap
@@ -38,12 +40,7 @@ debian-lists:
 # worker. Tests marked `serial` assert a wall-clock bound and run afterwards, alone. Both parts
 # always run; the target fails if either did.
 JOBS ?= 2
-# The project's own sources are compiled first, on every core: where PYTHONDONTWRITEBYTECODE is
-# set, each process the tests start (servers, CLI runs, Ray workers: hundreds) would otherwise
-# compile the qswap modules it imports again (~0.3 s of CPU each on this 2-core machine).
-SRC_DIRS := core cli server index encoders tuning bench client
 test: setup debian-lists
-	@$(BIN)/python -m compileall -qq -j 0 $(SRC_DIRS) || true
 	@rc=0; \
 	$(BIN)/python -m pytest -q -n $(JOBS) -m "not serial" --durations=25 || rc=$$?; \
 	$(BIN)/python -m pytest -q -m serial --durations=5 || rc=$$?; \
@@ -54,7 +51,6 @@ docs: setup
 	$(BIN)/mkdocs build --strict
 
 test-fast: setup
-	@$(BIN)/python -m compileall -qq -j 0 $(SRC_DIRS) || true
 	$(BIN)/python -m pytest -q -m "not slow"
 
 clean:

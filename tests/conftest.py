@@ -8,7 +8,7 @@ import pytest
 
 from qswap.bench.tiny_model import make_tiny_model
 
-from .workers import check_services_modules, make_scheduler, order_for_workers
+from .workers import check_services_modules, last_users, make_scheduler, order_for_workers
 
 # Per-test bound (pytest-timeout) of tests with real weights or a Ray cluster: their fixtures
 # (a cluster start with one retry, a model export) run inside the first test that uses them.
@@ -25,6 +25,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     check_services_modules(items)
     if hasattr(config, "workerinput"):   # every worker sorts alike: the scheduler checks they agree
         order_for_workers(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """Once the last Milvus-server test and its module's fixtures are done, stop the server: it
+    would take ~0.1 CPU while idle beside the worker's other tests until the session ends."""
+    try:
+        return (yield)
+    finally:
+        if _MILVUS_RUNNING and item.nodeid == last_users(item.session.items).get("milvus"):
+            while _MILVUS_RUNNING:
+                _MILVUS_RUNNING.pop().kill()
 
 
 @pytest.hookimpl(optionalhook=True)   # a hook of pytest-xdist, a dev dependency
@@ -55,6 +67,7 @@ def tiny_base(tiny_model_dir: Path):
 
 
 _MILVUS_FACTS: dict = {}
+_MILVUS_RUNNING: list = []   # the session's Milvus server while it runs (pytest_runtest_teardown stops it)
 
 
 @pytest.fixture(scope="session")
@@ -65,12 +78,15 @@ def milvus_server(tmp_path_factory: pytest.TempPathFactory):
     if milvus_package_version() is None:
         pytest.skip("no Milvus server build installed (pip install 'qswap[milvus]')")
     srv = LocalMilvus(tmp_path_factory.mktemp("milvus-server"), short_intervals=True)
+    _MILVUS_RUNNING.append(srv)
     try:
         srv.start()
         _MILVUS_FACTS.update(srv.facts())
         yield srv
     finally:
         srv.kill()   # its data is the session's to discard: no 20 s graceful stop (SIGTERM is not enough)
+        if srv in _MILVUS_RUNNING:
+            _MILVUS_RUNNING.remove(srv)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -42,7 +42,9 @@ class ServerProcess:
         self.log_path = Path(self.log.name)
         cmd = [sys.executable, "-m", "qswap.cli", "serve", "--model", str(model), "--index", str(index),
                "--device", "cpu", "--state-dir", str(tmp / "state"), "--port", str(self.port), *extra]
-        full_env = {**os.environ, "QSWAP_ADMIN_TOKEN": ADMIN, "QSWAP_DATA_DIR": str(tmp / "data"), **(env or {})}
+        # The session's data dir (inherited): its ONNX exports of the tiny model are cached there by
+        # content, so a start here exports (and imports torch for it) only if no test did before.
+        full_env = {**os.environ, "QSWAP_ADMIN_TOKEN": ADMIN, **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)
 
     def wait_ready(self, timeout: float = 240.0) -> "ServerProcess":
