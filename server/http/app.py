@@ -86,7 +86,7 @@ def create_app(settings: ServerSettings | None = None, *, check: bool = True,
     app.add_middleware(RequestContextMiddleware, limit_for=_limit_for(settings), metrics=lambda: state.metrics)
     for module in (search, embeddings, tei, encoders, documents, feedback, health):
         app.include_router(module.router)
-    install_fast_route(app, "/v1/embeddings", EmbeddingRequest, embeddings.answer)
+    install_fast_route(app, embeddings.router, "/v1/embeddings", EmbeddingRequest, embeddings.answer)
     plain_openapi = app.openapi
 
     with_dim = False   # the model's dimension is known once it is loaded: write it then

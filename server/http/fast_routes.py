@@ -19,11 +19,11 @@ import re
 from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 from fastapi import FastAPI, Request, Response
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRoute, APIRouter
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette._exception_handler import wrap_app_handling_exceptions
 from starlette.routing import BaseRoute, Match, NoMatchFound
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from qswap.server.http.auth import bearer, require_search
 from qswap.server.serving.gate import Admission, admit
@@ -38,19 +38,22 @@ Handler = Callable[[Any, Request, Admission], Awaitable[Response]]
 _PLAIN_NUMBER = re.compile(rb"[0-9]{1,9}(\.[0-9]{1,9})?")
 _TIMEOUT, _CONTENT_TYPE = b"x-request-timeout", b"content-type"
 _JSON_TYPES = (b"application/json", b"application/json; charset=utf-8")
+_DECLINED = "qswap.fast_route_declined"   # set in the scope: the app's router matches past this route
 
 
 class FastRoute(BaseRoute, Generic[M]):
     """``POST path`` answered directly when the request is well formed, else by ``route``."""
 
-    def __init__(self, route: APIRoute, model: type[M], handler: Handler) -> None:
+    def __init__(self, route: APIRoute, model: type[M], handler: Handler, router: ASGIApp) -> None:
         self.route = route
+        self.router = router
         self.path = route.path
         self.adapter: TypeAdapter[M] = TypeAdapter(model)
         self.handler = handler
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == self.path:
+        if (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == self.path
+                and _DECLINED not in scope):
             # "route" as FastAPI sets it: the metrics and the access log name the route's template.
             return Match.FULL, {"route": self.route, "endpoint": self.route.endpoint, "path_params": {}}
         return Match.NONE, {}   # other methods reach the FastAPI route (405 stays FastAPI's)
@@ -63,7 +66,10 @@ class FastRoute(BaseRoute, Generic[M]):
         body = await request.body()
         parsed = self._parse(scope, body)
         if parsed is None:
-            await self.route.handle(scope, _replay(body, receive), send)
+            # Routed again past this route: FastAPI's route answers with everything FastAPI
+            # wraps it in, exactly as without this route.
+            scope[_DECLINED] = True
+            await self.router(scope, _replay(body, receive), send)
             return
         model, timeout = parsed
 
@@ -114,14 +120,15 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def install_fast_route(app: FastAPI, path: str, model: type[BaseModel], handler: Handler) -> None:
+def install_fast_route(app: FastAPI, router: APIRouter, path: str, model: type[BaseModel], handler: Handler) -> None:
     """Put a :class:`FastRoute` for ``POST path`` ahead of the app's FastAPI route for it.
 
     Args:
-        app: the app, with its routes included.
-        path: the route's path (its FastAPI route must exist).
+        app: the app, with ``router`` included (without a prefix).
+        router: the router that holds the FastAPI route.
+        path: the route's path.
         model: the body's pydantic model (the FastAPI route's body parameter).
         handler: the route function, given the validated body, the request and its admission.
     """
-    route = next(r for r in app.router.routes if isinstance(r, APIRoute) and r.path == path and "POST" in r.methods)
-    app.router.routes.insert(0, FastRoute(route, model, handler))
+    route = next(r for r in router.routes if isinstance(r, APIRoute) and r.path == path and "POST" in r.methods)
+    app.router.routes.insert(0, FastRoute(route, model, handler, app.router))
