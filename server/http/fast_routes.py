@@ -22,7 +22,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.routing import APIRoute, APIRouter
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette._exception_handler import wrap_app_handling_exceptions
-from starlette.routing import BaseRoute, Match, NoMatchFound
+from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute, Match, NoMatchFound, get_route_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from qswap.server.http.auth import bearer, require_search
@@ -52,7 +53,7 @@ class FastRoute(BaseRoute, Generic[M]):
         self.handler = handler
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
-        if (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == self.path
+        if (scope["type"] == "http" and scope["method"] == "POST" and get_route_path(scope) == self.path
                 and _DECLINED not in scope):
             # "route" as FastAPI sets it: the metrics and the access log name the route's template.
             return Match.FULL, {"route": self.route, "endpoint": self.route.endpoint, "path_params": {}}
@@ -63,17 +64,20 @@ class FastRoute(BaseRoute, Generic[M]):
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive, send)
-        body = await request.body()
-        parsed = self._parse(scope, body)
-        if parsed is None:
-            # Routed again past this route: FastAPI's route answers with everything FastAPI
-            # wraps it in, exactly as without this route.
-            scope[_DECLINED] = True
-            await self.router(scope, _replay(body, receive), send)
-            return
-        model, timeout = parsed
+        declined: list[bytes] = []
 
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            try:
+                body = await request.body()
+            except HTTPException:   # the body limit (RequestContextMiddleware): as FastAPI, raised again
+                raise
+            except Exception as e:   # e.g. the client went away mid-body: FastAPI's 400, which the handler names
+                raise HTTPException(400, "There was an error parsing the body") from e
+            parsed = self._parse(scope, body)
+            if parsed is None:
+                declined.append(body)
+                return
+            model, timeout = parsed
             # search_admission's steps, in its order: auth, then readiness and the deadline.
             await require_search(request, await bearer(request))
             adm = admit(request, timeout)
@@ -85,6 +89,11 @@ class FastRoute(BaseRoute, Generic[M]):
 
         # The app's exception handlers answer what the gate or the handler raises, as for FastAPI.
         await wrap_app_handling_exceptions(app, request)(scope, receive, send)
+        if declined:
+            # Routed again past this route: FastAPI's route answers with everything FastAPI
+            # wraps it in, exactly as without this route.
+            scope[_DECLINED] = True
+            await self.router(scope, _replay(declined[0], receive), send)
 
     def _parse(self, scope: Scope, body: bytes) -> tuple[M, float | None] | None:
         """The validated body and the ``X-Request-Timeout`` seconds; None to let FastAPI answer."""

@@ -7,6 +7,8 @@ Two real uvicorn servers with the same settings: one as built, one with its fast
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any, Iterator
 
 import httpx
@@ -129,3 +131,33 @@ def test_other_methods_reach_the_fastapi_route(pair):
         want = httpx.get(plain.url + path, headers=AUTH, timeout=30)
         assert got.status_code == want.status_code == 405
 
+
+
+def test_a_body_that_stops_arriving_is_answered_as_fastapi(pair):
+    """Cut off mid-body, the request never reaches validation: the fast route must still answer
+    FastAPI's 503 with Retry-After (not a 500 from the middleware)."""
+    fast, plain = pair
+
+    async def call(app: Any, path: str) -> tuple[int, str, str]:
+        messages = [{"type": "http.request", "body": b'{"query": ', "more_body": True}, {"type": "http.disconnect"}]
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(m: dict) -> None:
+            sent.append(m)
+
+        scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"",
+                 "headers": [(b"content-type", b"application/json"), (b"authorization", f"Bearer {SEARCH}".encode())],
+                 "http_version": "1.1", "scheme": "http", "server": ("t", 80), "client": ("c", 1), "root_path": "",
+                 "app": app}
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        start = next(m for m in sent if m["type"] == "http.response.start")
+        body = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+        error = body["error"]["code"] if isinstance(body["error"], dict) else body["error"]
+        return start["status"], error, dict(start["headers"]).get(b"retry-after", b"").decode()
+
+    for path in ("/v1/search", "/v1/embeddings"):
+        got, want = asyncio.run(call(fast.app, path)), asyncio.run(call(plain.app, path))
+        assert got == want == (503, "not_ready", "1")
