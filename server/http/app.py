@@ -23,8 +23,10 @@ from qswap.atomic import atomic_write_bytes
 from qswap.server.http.routes import documents, embeddings, encoders, feedback, health, search, tei
 from qswap.server.config import ServerSettings
 from qswap.server.http.errors import install_error_handlers
+from qswap.server.http.fast_routes import install_fast_route
+from qswap.server.http.compat_models import EmbeddingRequest
 from qswap.server.http.logs import RequestContextMiddleware
-from qswap.server.http.models import METADATA_VALUE_SCHEMA
+from qswap.server.http.models import METADATA_VALUE_SCHEMA, SearchRequest
 from qswap.server.http.synfilter import watch_listeners
 from qswap.server.state import ServerState
 
@@ -84,6 +86,9 @@ def create_app(settings: ServerSettings | None = None, *, check: bool = True,
     app.add_middleware(RequestContextMiddleware, limit_for=_limit_for(settings), metrics=lambda: state.metrics)
     for module in (search, embeddings, tei, encoders, documents, feedback, health):
         app.include_router(module.router)
+    # The two hot routes skip FastAPI's per-request work (qswap.server.http.fast_routes).
+    install_fast_route(app, search.router, "/v1/search", SearchRequest, search.search)
+    install_fast_route(app, embeddings.router, "/v1/embeddings", EmbeddingRequest, embeddings.answer)
     plain_openapi = app.openapi
 
     with_dim = False   # the model's dimension is known once it is loaded: write it then

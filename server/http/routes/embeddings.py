@@ -26,7 +26,8 @@ from qswap.server.state import ServerState
 router = APIRouter(tags=["openai"])
 
 
-async def _embeddings(body: EmbeddingRequest, request: Request, adm: Admission) -> Response:
+async def answer(body: EmbeddingRequest, request: Request, adm: Admission) -> Response:
+    """The embeddings answer of an admitted request (both routes, and the fast route's handler)."""
     texts = texts_of(body.input)
     out = await embed_texts(adm, texts, body.model, dimensions=body.dimensions,
                             on_key=lambda key: setattr(request.state, "encoder", key))
@@ -49,7 +50,7 @@ async def embeddings(body: EmbeddingRequest, request: Request, adm: Admission = 
     ``base``), or ``qswap/documents`` (the frozen document tower, as the index embeds its
     documents). ``dimensions`` keeps a Matryoshka prefix, renormalised; ``encoding_format``
     ``base64`` sends little-endian float32. Same admission (429), deadline (504) and auth as search."""
-    return await _embeddings(body, request, adm)
+    return await answer(body, request, adm)
 
 
 @router.post("/embeddings", summary="Embed texts (OpenAI-compatible, for clients whose base URL has no /v1)",
@@ -57,7 +58,7 @@ async def embeddings(body: EmbeddingRequest, request: Request, adm: Admission = 
 async def embeddings_unversioned(body: EmbeddingRequest, request: Request,
                                  adm: Admission = Depends(search_admission)) -> Response:
     """The same as ``POST /v1/embeddings``."""
-    return await _embeddings(body, request, adm)
+    return await answer(body, request, adm)
 
 
 def _card(state: ServerState, model_id: str, key: str, alias: bool = False) -> ModelCard:
