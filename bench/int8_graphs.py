@@ -62,7 +62,7 @@ def graph_encoder(base: Any, session: Any, first_position: int = 0) -> Callable[
     prefix, rows padded to the call's longest (a packed graph gets their real tokens, rows starting
     at position ``first_position``: :mod:`qswap.encoders.runtime.packing`), word embeddings gathered from the base matrix
     (what :class:`qswap.encoders.runtime.onnx.OnnxBackend` does for a batch of equal keys)."""
-    from qswap.encoders.runtime.packing import packed_inputs
+    from qswap.encoders.runtime.packing import graph_inputs
 
     table = base.model.get_input_embeddings().weight.detach().float().cpu().numpy()
     tok, prefix = base.tokenizer, base.spec.query_prefix
@@ -74,9 +74,8 @@ def graph_encoder(base: Any, session: Any, first_position: int = 0) -> Callable[
         width = max(sum(e.attention_mask) for e in encs)
         ids = np.array([e.ids[:width] for e in encs], dtype=np.int64)
         mask = np.array([e.attention_mask[:width] for e in encs], dtype=np.int64)
-        if packed:
-            return session.run(None, packed_inputs(table, ids, mask, base.spec.pooling, first_position))[0]
-        return session.run(None, {"inputs_embeds": np.take(table, ids, axis=0), "attention_mask": mask})[0]
+        feed = graph_inputs(table, ids, mask, base.spec.pooling, first_position if packed else None)
+        return session.run(None, feed)[0]
     return encode
 
 

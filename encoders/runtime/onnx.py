@@ -42,7 +42,7 @@ import numpy as np
 
 from qswap.encoders.runtime.export_digest import EMBEDDINGS_FILE, EXPORT_FORMAT, MODEL_FILE, encoder_digest
 from qswap.encoders.embedding import pad_id, padded_splits
-from qswap.encoders.runtime.packing import packable, packed_inputs
+from qswap.encoders.runtime.packing import graph_inputs, packable
 from qswap.encoders.runtime.export_cache import cached_dir
 from qswap.encoders.runtime.protocol import EncodeFlagged
 from qswap.errors import InvalidInputError, NotFoundError
@@ -324,10 +324,7 @@ class OnnxBackend:
             for r, i in enumerate(idx):
                 ids[r, :len(rows[i])] = rows[i]
                 mask[r, :len(rows[i])] = 1
-            if packed:
-                feed = packed_inputs(s.table, ids, mask, self.base.spec.pooling, s.first_position)
-            else:
-                feed = {"inputs_embeds": np.take(s.table, ids, axis=0), "attention_mask": mask}
+            feed = graph_inputs(s.table, ids, mask, self.base.spec.pooling, s.first_position)
             out[idx] = s.session.run(None, feed)[0]
         return out
 

@@ -53,6 +53,16 @@ def packed_inputs(table: np.ndarray, ids: np.ndarray, mask: np.ndarray, pooling:
     return feed
 
 
+def graph_inputs(table: np.ndarray, ids: np.ndarray, mask: np.ndarray, pooling: str,
+                 first_position: int | None) -> dict[str, np.ndarray]:
+    """A query graph's run-time inputs for a padded batch: :func:`packed_inputs` for a packed graph
+    (``first_position`` its rows' first position id), else the padded graph's ``inputs_embeds``
+    (the rows' word embeddings from ``table``) and ``attention_mask`` (``first_position`` None)."""
+    if first_position is not None:
+        return packed_inputs(table, ids, mask, pooling, first_position)
+    return {"inputs_embeds": np.take(table, ids, axis=0), "attention_mask": mask}
+
+
 def packable(layout: Any) -> bool:
     """Whether a base's queries can run packed: every layer's self-attention is a BERT-family block
     (``query``/``key``/``value`` Linears, which the graph fuses into one attention node that sees

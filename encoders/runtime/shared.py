@@ -43,7 +43,7 @@ from qswap.encoders.runtime.hot import DEFAULT_HOT, HOT_SHARE, HOT_WINDOW_ROWS, 
 from qswap.encoders.runtime.onnx import CALL_TOKENS, OnnxBackend, available_providers, make_session
 from qswap.encoders.pool import FACTOR_DTYPES, EncoderPool
 from qswap.encoders.runtime.packed_export import cached_packed
-from qswap.encoders.runtime.packing import packable, packed_inputs
+from qswap.encoders.runtime.packing import graph_inputs, packable
 from qswap.encoders.runtime.shared_export import cached_shared, find_slots, ort_input
 from qswap.encoders.runtime.shared_segments import SegmentRunner, encode_segments
 from qswap.encoders.runtime.shared_run import (WIDE_BYTES, BoundFeed, WideFeed, WideFeeds, await_build, run_calls,
@@ -531,6 +531,5 @@ class SharedBackend:
 
     def _inputs_of(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
         """The graph's run-time inputs for padded ``ids`` / ``mask``: packed on the packed graph."""
-        if self._packed:
-            return packed_inputs(self._table, ids, mask, self.base.spec.pooling, self._first_position)
-        return {"inputs_embeds": np.take(self._table, ids, axis=0), "attention_mask": mask}
+        return graph_inputs(self._table, ids, mask, self.base.spec.pooling,
+                            self._first_position if self._packed else None)

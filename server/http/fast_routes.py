@@ -27,6 +27,7 @@ from starlette.routing import BaseRoute, Match, NoMatchFound, get_route_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from qswap.server.http.auth import bearer, require_search
+from qswap.server.http.responses import MAX_REQUEST_TIMEOUT_S
 from qswap.server.serving.gate import Admission, admit
 
 M = TypeVar("M", bound=BaseModel)
@@ -104,7 +105,7 @@ class FastRoute(BaseRoute, Generic[M]):
                 if not _PLAIN_NUMBER.fullmatch(v):
                     return None
                 timeout = float(v)
-                if not 0 < timeout <= 600:   # TIMEOUT_HEADER's bounds
+                if not 0 < timeout <= MAX_REQUEST_TIMEOUT_S:   # TIMEOUT_HEADER's bounds
                     return None
             elif k == _CONTENT_TYPE and content_type is None:
                 content_type = v.lower()

@@ -60,8 +60,10 @@ def ready_state_of(request: Request) -> ServerState:
     return state
 
 
+#: The most seconds a request may ask for in ``X-Request-Timeout``.
+MAX_REQUEST_TIMEOUT_S = 600
 #: The ``X-Request-Timeout`` header (absent, not null), a parameter of every route with a deadline.
-TIMEOUT_HEADER: Any = Header(None, gt=0, le=600, description="seconds this request may take, queueing included; "
+TIMEOUT_HEADER: Any = Header(None, gt=0, le=MAX_REQUEST_TIMEOUT_S, description="seconds this request may take, queueing included; "
                              "past it, queued work is dropped and the answer is 504 (default: the server's "
                              "request_timeout_s)")
 
