@@ -19,7 +19,7 @@ git archive HEAD | tar -x -C "$TMP" --one-top-level=src
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$P/wheels" "$TMP/src"
 
 # 2. What the GPU machine's python 3.12 lacks (it has torch, transformers, onnxruntime,
-#    sentence-transformers, numpy, scipy, httpx): the server stack, faiss, peft, prometheus.
+#    sentence-transformers, numpy, scipy, httpx): the server stack, faiss, peft, prometheus, orjson.
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any \
   -d "$P/wheels" \
@@ -27,6 +27,7 @@ git archive HEAD | tar -x -C "$TMP" --one-top-level=src
   annotated-types==0.8.0 typing-inspection==0.4.5 fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 \
   opentelemetry-api==1.45.2 uvicorn==0.54.0 python-multipart==0.0.34 h11==0.16.0 click==8.5.1 \
   httptools==0.9.0 anyio==4.16.0 typing_extensions==4.16.0 \
+  "orjson==$("$PY" -c 'import importlib.metadata as m; print(m.version("orjson"))')" \
   "peft==$("$PY" -c 'import importlib.metadata as m; print(m.version("peft"))')" \
   "prometheus-client==$("$PY" -c 'import importlib.metadata as m; print(m.version("prometheus-client"))')"
 
