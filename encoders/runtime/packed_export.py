@@ -25,6 +25,13 @@ Inputs (:func:`packing` makes the run-time ones from the rows' lengths):
 | ``pooling`` | (B, T) | the pooling weights |
 
 then the shared graph's adapter inputs (:class:`~qswap.encoders.runtime.shared_export.Slots`).
+
+The *segment* variant (``segments=True``, file ``packed-segments.onnx``) is the segment graph of
+:mod:`~qswap.encoders.runtime.shared_segments` on packed tokens: the factors of each encoder of
+the batch, (E, r, in) / (E, out, r), and the routing of
+:func:`~qswap.encoders.runtime.packing.segment_routing` over the packed tokens (``segment_tokens``
+(E, M), ``segment_positions`` (T,)): a token, not a row, is what is routed to its encoder, so
+neither the base projections nor the LoRA products compute a pad token.
 """
 
 from __future__ import annotations
@@ -40,13 +47,14 @@ import numpy as np
 import torch
 
 from qswap.encoders.runtime.packing import packing
-from qswap.encoders.runtime.shared_export import SharedEncoder, Slots, _FusedSelfAttention, _replace
+from qswap.encoders.runtime.shared_export import SEGMENTS_FORMAT, SharedEncoder, Slots, _FusedSelfAttention, _replace
 
 log = logging.getLogger(__name__)
 
 # Bump when the packed graph changes, so cached exports are rebuilt.
 PACKED_FORMAT = 1
 PACKED_MODEL_FILE = "packed.onnx"
+PACKED_SEGMENTS_FILE = "packed-segments.onnx"
 #: The packed graph's run-time inputs before the adapter inputs, in graph-input order.
 PACKED_INPUTS = ("inputs_embeds", "position_ids", "token_index", "attention_mask", "token_positions", "pooling")
 
@@ -73,8 +81,8 @@ class PackedEncoder(SharedEncoder):
     """``(inputs_embeds, position_ids, token_index, attention_mask, token_positions, pooling,
     *adapter inputs) -> embedding`` (module docstring)."""
 
-    def __init__(self, pooled: Any, slots: Slots) -> None:
-        super().__init__(pooled, slots)
+    def __init__(self, pooled: Any, slots: Slots, segments: bool = False) -> None:
+        super().__init__(pooled, slots, segments)
         for name, mod in list(pooled.model.named_modules()):
             if isinstance(mod, _FusedSelfAttention):
                 _replace(pooled.model, name, _PackedSelfAttention(mod))
@@ -102,12 +110,15 @@ def first_position(pooled: Any) -> int:
 
 
 def export_packed(base: Any, out_dir: Path, *, optimize_for: str | None = "cpu", lora: Any = None,
-                  own: dict[str, torch.Tensor] | None = None, model_file: str = PACKED_MODEL_FILE) -> dict[str, Any]:
+                  own: dict[str, torch.Tensor] | None = None, model_file: str = PACKED_MODEL_FILE,
+                  segments: bool = False, factors: str = "float32") -> dict[str, Any]:
     """Write the packed graph (``packed.onnx``) to ``out_dir``: the shared graph's layers and
     inputs (:func:`~qswap.encoders.runtime.shared_export.export_shared`, float32 factors) on packed
-    tokens; or, with ``own``, one encoder merged (base + ``own``, no adapter inputs: the graph
+    tokens; with ``segments``, the segment graph's (module docstring); or, with ``own``, one
+    encoder merged (base + ``own``, no adapter inputs: the graph
     :mod:`~qswap.encoders.runtime.onnx_export` writes, packed). Checked against the torch base on
-    probe texts, as one packed batch, in reverse order, and row by row.
+    probe texts, as one packed batch, in reverse order, and row by row (the segment graph with the
+    rows dealt over two encoders).
 
     Args:
         base: the base model (never changed: the graph is traced from a storage-sharing copy).
@@ -118,6 +129,9 @@ def export_packed(base: Any, out_dir: Path, *, optimize_for: str | None = "cpu",
             (:func:`~qswap.encoders.runtime.onnx_export.own_tensors`); its word embeddings, if it has
             its own, are the caller's to gather.
         model_file: the graph's file name.
+        segments: the segment graph (not with ``own``).
+        factors: the storage type of its LoRA factor inputs (the segment graph takes the pool's;
+            :data:`qswap.encoders.pool.FACTOR_DTYPES`).
 
     Returns:
         Facts for the cache record: probe cosine, fused node counts, export seconds, and the
@@ -129,8 +143,13 @@ def export_packed(base: Any, out_dir: Path, *, optimize_for: str | None = "cpu",
     from qswap.encoders.runtime.export_digest import EMBEDDINGS_FILE, OPSET, OUTPUT
     from qswap.encoders.runtime.onnx_export import EXPORT_LOCK, _fuse, build_module, probe_inputs, word_embedding_name
     from qswap.encoders.runtime.shared_export import _fused_ops, find_slots, fold_biases, ort_input
+    from qswap.encoders.pool import FACTOR_DTYPES
+    from qswap.encoders.runtime.shared_export import adapter_axes
     from qswap.errors import IntegrityError
 
+    if segments and own is not None:
+        raise ValueError("a merged encoder has no segment graph")
+    dtype = FACTOR_DTYPES[factors]
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -150,16 +169,19 @@ def export_packed(base: Any, out_dir: Path, *, optimize_for: str | None = "cpu",
     if own is not None:   # the merged encoder's biases (a Linear without one adds zeros)
         for name, t in slots.base_inputs(base).items():
             constants[name] = state[name].detach().float() if name in state else t
-    module = PackedEncoder(build_module(base, own or {}), slots).eval()
+    module = PackedEncoder(build_module(base, own or {}), slots, segments).eval()
     start = first_position(module.pooled)
-    names = slots.input_names()
+    names = slots.segment_names() if segments else slots.input_names()
     runtime_names = [] if own is not None else names
 
     def feed(lengths: list[int], rows: np.ndarray, rank: int) -> dict[str, torch.Tensor]:
         packed = {"inputs_embeds": np.concatenate([emb[i, :n] for i, n in zip(rows, lengths)])[None]}
         packed.update(packing(lengths, base.spec.pooling, start))
         out = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in packed.items()}
-        out.update(constants or slots.base_inputs(base, torch.float32, rank))
+        if segments:   # two encoders, so no shape is specialised to one
+            out.update(slots.segment_inputs(base, lengths, True, dtype, rank, segments=2))
+        else:
+            out.update(constants or slots.base_inputs(base, dtype, rank))
         return out
 
     lengths = [int(n) for n in mask.sum(1)]
@@ -168,10 +190,9 @@ def export_packed(base: Any, out_dir: Path, *, optimize_for: str | None = "cpu",
     axes: dict[str, dict[int, str]] = {
         "inputs_embeds": {1: "tokens"}, "position_ids": {1: "tokens"}, "token_index": {0: "batch", 1: "sequence"},
         "attention_mask": {0: "batch", 1: "sequence"}, "token_positions": {0: "tokens"},
-        "pooling": {0: "batch", 1: "tokens"}, OUTPUT: {0: "batch"}}
-    for i, (m, _, _) in enumerate(slots.linear):
-        if m not in slots.plain:
-            axes[f"{m}.lora_A"], axes[f"{m}.lora_B"] = {0: f"r{i}"}, {1: f"r{i}"}
+        "pooling": {0: "batch", 1: "tokens"}, OUTPUT: {0: "batch"}, **adapter_axes(slots, segments)}
+    if segments:
+        axes["segment_positions"] = {0: "tokens"}
     path = out_dir / model_file
     with EXPORT_LOCK, warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
@@ -213,31 +234,37 @@ def export_packed(base: Any, out_dir: Path, *, optimize_for: str | None = "cpu",
             "own_word_embeddings": bool(own and wname in own), "own_tensors": len(own or {})}
 
 
-def packed_digest(base: Any, variant: str) -> str:
-    """Content key of a packed export: its format, the shared graph's, opset, variant and base space."""
+def packed_digest(base: Any, variant: str, segments: bool = False, factors: str = "float32") -> str:
+    """Content key of a packed export: its format, the shared graph's (and the segment graph's and
+    its factor type, for that one), opset, variant and base space."""
     from qswap.encoders.runtime.export_digest import OPSET
     from qswap.encoders.runtime.shared_export import SHARED_FORMAT
 
-    return hashlib.sha256(f"packed{PACKED_FORMAT}|{SHARED_FORMAT}|{OPSET}|{variant}|{base.space.fingerprint}"
-                          .encode()).hexdigest()
+    kind = f"packed{PACKED_FORMAT}|{SHARED_FORMAT}" + (f"|segments{SEGMENTS_FORMAT}|{factors}" if segments else "")
+    return hashlib.sha256(f"{kind}|{OPSET}|{variant}|{base.space.fingerprint}".encode()).hexdigest()
 
 
-def cached_packed(base: Any, directory: Path, variant: str) -> tuple[Path, int]:
-    """The packed graph of ``base`` in ``directory``, exported once and reused while its digest holds,
-    and the position id of a row's first token (:func:`packing`), from its record: a server that
-    serves from the cache does not build the torch model to learn it."""
+def cached_packed(base: Any, directory: Path, variant: str, segments: bool = False,
+                  factors: str = "float32") -> tuple[Path, int]:
+    """The packed graph of ``base`` in ``directory`` (the segment graph, with ``factors``, in its
+    ``-packed-segments`` sibling), exported once and reused while its digest holds, and the
+    position id of a row's first token (:func:`packing`), from its record: a server that serves
+    from the cache does not build the torch model to learn it."""
     from qswap.encoders.runtime.export_cache import cached_dir
     from qswap.encoders.runtime.onnx_export import release_freed_memory
 
-    digest = packed_digest(base, variant)
+    target = directory.with_name(directory.name + "-packed-segments") if segments else directory
+    model_file = PACKED_SEGMENTS_FILE if segments else PACKED_MODEL_FILE
+    digest = packed_digest(base, variant, segments, factors)
 
     def export(staging: Path) -> dict[str, Any]:
-        facts = export_packed(base, staging, optimize_for=variant)
+        facts = export_packed(base, staging, optimize_for=variant, model_file=model_file, segments=segments,
+                              factors=factors)
         release_freed_memory()
         return {"digest": digest, "variant": variant, "space": base.space.fingerprint, "base": base.name, **facts}
 
-    meta, exported = cached_dir(directory, digest, PACKED_MODEL_FILE, export)
+    meta, exported = cached_dir(target, digest, model_file, export)
     if exported:
-        log.info("exported the packed base graph in %.1fs (probe cosine %.7f)", meta["export_seconds"],
-                 meta["probe_min_cosine"])
-    return directory / PACKED_MODEL_FILE, int(meta["first_position"])
+        log.info("exported the packed %s graph in %.1fs (probe cosine %.7f)", "segment" if segments else "base",
+                 meta["export_seconds"], meta["probe_min_cosine"])
+    return target / model_file, int(meta["first_position"])

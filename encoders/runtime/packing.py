@@ -74,3 +74,36 @@ def packable(layout: Any) -> bool:
     triples = {b for b in blocks if f"{b}.key" in names and f"{b}.value" in names}
     layers = {m.group(1) for n in names if (m := re.match(r"^(.*\.layer\.\d+)\.", n))}
     return bool(triples) and len(triples) == len(layers)
+
+
+def segment_routing(segment: np.ndarray | list[int], segments: int, lengths: np.ndarray | list[int],
+                    packed: bool) -> dict[str, np.ndarray]:
+    """The segment graph's routing inputs, row ``i`` with encoder ``segment[i]`` of ``segments``
+    and ``lengths[i]`` tokens, the tokens indexed as one axis: end to end (``packed``) or in rows
+    of ``max(lengths)`` (padded, every row that wide).
+
+    Returns:
+        ``segment_tokens`` (E, M): the tokens of each encoder's rows, M the largest encoder's token
+        count (a smaller one is padded with its first token: its product is never read);
+        ``segment_positions``: where each token's product sits in that (E * M) order, (T,) packed,
+        (n, L) padded. Both have the shape of what their Gather gives, so the graph reshapes
+        nothing by a shape it reads at run time.
+    """
+    segment = np.asarray(segment, dtype=np.int64)
+    n = np.asarray(lengths, dtype=np.int64)
+    if not packed:
+        n = np.full(len(segment), n.max(), dtype=np.int64)
+    of = np.repeat(segment, n)                                      # each token's encoder
+    # Stable: each encoder's tokens keep their order, one encoder's after another's.
+    order = np.argsort(of, kind="stable")
+    counts = np.bincount(of, minlength=segments)
+    width = int(counts.max())
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])          # each encoder's first in ``order``
+    slot = np.arange(width)
+    # A slot past an encoder's own tokens reads its first one (0 for an encoder with none).
+    pick = np.where(slot < counts[:, None], first[:, None] + slot, first[:, None])
+    tokens = order[np.minimum(pick, len(order) - 1)]
+    positions = np.empty_like(order)
+    seg = of[order]
+    positions[order] = seg * width + np.arange(len(order)) - first[seg]
+    return {"segment_tokens": tokens, "segment_positions": positions if packed else positions.reshape(len(n), -1)}

@@ -195,8 +195,8 @@ class SharedBackend:
         # The segment graph takes the pool's type (its Cast per factor measured cheaper overall than
         # converting as the runner copies: a call whose encoders all change, bench/results/forward_mixed/).
         factors = self.factors if segments else self._graph_factors
-        if self._packed and not segments:
-            path, self._first_position = cached_packed(self.base, self.directory(), self._variant)
+        if self._packed:   # the segment graph packed too: tokens, not rows, routed to their encoder
+            path, self._first_position = cached_packed(self.base, self.directory(), self._variant, segments, factors)
         else:
             path = cached_shared(self.base, self.directory(), self._variant, factors, segments=segments)
         if not segments:
@@ -217,7 +217,7 @@ class SharedBackend:
                 except Exception as e:   # mixed batches keep running per group
                     log.warning("segment ONNX export failed; mixed batches run one call per encoder: %s", e)
                     raise
-                runner = SegmentRunner(self.slots, self._base_inputs, FACTOR_DTYPES[self.factors])
+                runner = SegmentRunner(self.slots, self._base_inputs, FACTOR_DTYPES[self.factors], self._packed)
                 with self._lock:
                     self._segments = (sess, runner)
             self._segments_future = self._executor.submit(build)
@@ -497,7 +497,8 @@ class SharedBackend:
         if len(groups) > 1 and not bulk and (self.mix == "segments" or self.mix == "auto"
                                              and segment_groups(rows, len(groups))):
             if segments is not None:
-                groups = encode_segments(*segments, groups, self._own, self._buckets, self._table, texts, encs, out)
+                groups = encode_segments(*segments, groups, self._own, lambda t, e: self._buckets(t, e, self._packed),
+                                         self._inputs_of, texts, encs, out)
             else:
                 self._start_segments()
         calls: list[tuple[BoundFeed, list[int], np.ndarray, np.ndarray]] = []   # (feed, rows, ids, mask)

@@ -27,7 +27,7 @@ So one session holds the base weights once, and an encoder is only its adapter t
 
 The *segment* variant (``segments=True``, file ``segments.onnx``) takes the LoRA factors of
 several encoders at once, ``<m>.lora_A`` (E, r, in) and ``<m>.lora_B`` (E, out, r), and routes
-each row's tokens to its encoder's (:func:`routing`), so one call serves rows of any mix of LoRA
+each row's tokens to its encoder's (:func:`~qswap.encoders.runtime.packing.segment_routing`), so one call serves rows of any mix of LoRA
 encoders (:mod:`qswap.encoders.runtime.shared_segments`); the biases are the base's, fused as
 above. Word embeddings stay outside, as for merged exports
 (:mod:`qswap.encoders.runtime.onnx_export`): the caller gathers rows of the base matrix.
@@ -51,6 +51,7 @@ from qswap.encoders.layout import BaseLayout
 from qswap.encoders.pool import FACTOR_DTYPES
 from qswap.encoders.runtime.export_cache import cached_dir
 from qswap.encoders.runtime.export_digest import OPSET, OUTPUT
+from qswap.encoders.runtime.packing import segment_routing
 from qswap.encoders.runtime.onnx_export import (EXPORT_LOCK, PooledEncoder, _fuse, build_module, probe_cosine,
                                         probe_inputs, release_freed_memory)
 from qswap.errors import IntegrityError, InvalidInputError
@@ -60,11 +61,11 @@ log = logging.getLogger(__name__)
 # Bump when the shared graph changes, so cached exports are rebuilt.
 SHARED_FORMAT = 2
 # Bump when the segment graph changes (its routing inputs), so cached segment exports are rebuilt.
-SEGMENTS_FORMAT = 2
+SEGMENTS_FORMAT = 3
 SHARED_MODEL_FILE = "shared.onnx"
 SEGMENTS_MODEL_FILE = "segments.onnx"
-# The segment graph's token-routing inputs (:func:`routing`).
-SEGMENT_INDEX = ("segment_tokens", "token_positions")
+# The segment graph's token-routing inputs (:func:`~qswap.encoders.runtime.packing.segment_routing`).
+SEGMENT_INDEX = ("segment_tokens", "segment_positions")
 # Layers a query's pooled embedding never depends on (mean/CLS pooling of last_hidden_state).
 UNREACHED = ("pooler",)
 
@@ -114,36 +115,18 @@ class Slots:
             out[f"{m}.bias"] = base.tensor(f"{m}.bias").detach()
         return out
 
-    def segment_inputs(self, base: BaseEncoder, rows: int, length: int, dtype: torch.dtype = torch.float32,
+    def segment_inputs(self, base: BaseEncoder, lengths: list[int], packed: bool, dtype: torch.dtype = torch.float32,
                        rank: int = 0, segments: int = 1) -> dict[str, torch.Tensor]:
-        """:meth:`base_inputs` in the segment graph's layout, ``rows`` rows of ``length`` tokens dealt
-        over ``segments`` encoders (all the base): factors (E, rank, in) / (E, out, rank), the base's biases."""
-        out: dict[str, torch.Tensor] = {k: torch.from_numpy(v) for k, v in
-                                        routing(np.arange(rows) * segments // rows, segments, length).items()}
+        """:meth:`base_inputs` in the segment graph's layout, rows of ``lengths`` tokens (end to end
+        if ``packed``, else padded to the longest) dealt over ``segments`` encoders (all the base):
+        the routing, factors (E, rank, in) / (E, out, rank), the base's biases."""
+        rows = len(lengths)
+        out: dict[str, torch.Tensor] = {
+            k: torch.from_numpy(v) for k, v in
+            segment_routing(np.arange(rows) * segments // rows, segments, lengths, packed).items()}
         for name, t in self.base_inputs(base, dtype, rank).items():
             out[name] = t.unsqueeze(0).expand(segments, *t.shape).contiguous() if ".lora_" in name else t
         return out
-
-
-def routing(segment: np.ndarray, segments: int, length: int) -> dict[str, np.ndarray]:
-    """The segment graph's routing inputs for rows of ``length`` tokens, row ``i`` with encoder
-    ``segment[i]`` of ``segments``: ``segment_tokens`` (E, m * L), the tokens of each encoder's
-    rows, padded to the largest group by repeating its first row; ``token_positions`` (n, L),
-    where each token's product sits in that padded order. Both index the tokens as one (n * L)
-    axis and have the shape of what their Gather gives, so the graph reshapes nothing by a
-    shape it reads at run time."""
-    segment = np.asarray(segment, dtype=np.int64)
-    groups = [np.flatnonzero(segment == e) for e in range(segments)]
-    width = max(len(g) for g in groups)
-    rows = np.empty((segments, width), dtype=np.int64)
-    pos = np.empty(len(segment), dtype=np.int64)
-    for e, g in enumerate(groups):
-        rows[e, :len(g)] = g
-        rows[e, len(g):] = g[0] if len(g) else 0   # padding: its product is never read
-        pos[g] = e * width + np.arange(len(g))
-    tokens = np.arange(length, dtype=np.int64)
-    return {"segment_tokens": (rows[:, :, None] * length + tokens).reshape(segments, -1),
-            "token_positions": pos[:, None] * length + tokens}
 
 
 def find_slots(layout: BaseLayout) -> Slots:
@@ -163,16 +146,17 @@ class _Inputs:
     taken: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def segment(self, x: torch.Tensor, width: int) -> torch.Tensor:
-        """(n, L, width) -> (E, m*L, width): each encoder's tokens (its rows padded to the largest
-        group) as one matrix; one Gather, and reshapes of constant shape."""
+        """(n, L, width) or packed (1, T, width) -> (E, M, width): each encoder's tokens (padded to
+        the largest encoder's) as one matrix; one Gather, and reshapes of constant shape."""
         if id(x) not in self.taken:
             self.taken[id(x)] = x, x.reshape(-1, width)[self.values["segment_tokens"]]
         return self.taken[id(x)][1]
 
     def unsegment(self, y: torch.Tensor, width: int) -> torch.Tensor:
-        """(E, m*L, width) -> (n, L, width), in token order: each token's own product, padding
-        dropped; one Gather (its (n, L) indices give the shape: no Shape/Reshape pair per Linear)."""
-        return y.reshape(-1, width)[self.values["token_positions"]]
+        """(E, M, width) -> (n, L, width) padded, (T, width) packed, in token order: each token's own
+        product, padding dropped; one Gather (its indices give the shape: no Shape/Reshape pair per
+        Linear; a packed (T, width) adds to a (1, T, width) projection by broadcasting)."""
+        return y.reshape(-1, width)[self.values["segment_positions"]]
 
 
 class _AdaptedLinear(torch.nn.Module):
@@ -415,7 +399,7 @@ def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
 
     def inputs(rows: int, rank: int, length: int = mask.shape[1]) -> dict[str, torch.Tensor]:
         if segments:   # two encoders when tracing, so no shape is specialised to one
-            return slots.segment_inputs(base, rows, length, dtype, rank, segments=2 if rank else 1)
+            return slots.segment_inputs(base, [length] * rows, False, dtype, rank, segments=2 if rank else 1)
         return slots.base_inputs(base, dtype, rank)
     feed = inputs(len(mask), 2)
     dev = base.device
@@ -444,10 +428,20 @@ def export_shared(base: BaseEncoder, out_dir: Path, *, factors: str = "float32",
 
 
 def _dynamic_axes(slots: Slots, segments: bool) -> dict[str, dict[int, str]]:
-    """The export's dynamic axes: batch and sequence, each layer's rank, and for the segment
-    graph the encoder axis of the factors and the routing's."""
+    """The export's dynamic axes: batch and sequence, and :func:`adapter_axes`."""
     axes: dict[str, dict[int, str]] = {"inputs_embeds": {0: "batch", 1: "sequence"},
                                        "attention_mask": {0: "batch", 1: "sequence"}, OUTPUT: {0: "batch"}}
+    axes.update(adapter_axes(slots, segments))
+    if segments:
+        axes["segment_positions"] = {0: "batch", 1: "sequence"}
+    return axes
+
+
+def adapter_axes(slots: Slots, segments: bool) -> dict[str, dict[int, str]]:
+    """The adapter inputs' dynamic axes: each layer's rank, and for the segment graph the encoder
+    axis of the factors and of ``segment_tokens`` (``segment_positions`` is the caller's: padded
+    rows or packed tokens)."""
+    axes: dict[str, dict[int, str]] = {}
     for i, (m, _, _) in enumerate(slots.linear):
         if m in slots.plain:
             continue
@@ -458,8 +452,7 @@ def _dynamic_axes(slots: Slots, segments: bool) -> dict[str, dict[int, str]]:
             axes[f"{m}.lora_A"] = {0: f"r{i}"}
             axes[f"{m}.lora_B"] = {1: f"r{i}"}
     if segments:
-        axes.update({"segment_tokens": {0: "segments", 1: "segment_tokens"},
-                     "token_positions": {0: "batch", 1: "sequence"}})
+        axes["segment_tokens"] = {0: "segments", 1: "segment_tokens"}
     return axes
 
 

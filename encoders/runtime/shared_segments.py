@@ -3,12 +3,19 @@
 The CPU analogue of punica's SGMV (segment-gathered matrix-vector products): the segment graph
 (:func:`qswap.encoders.runtime.shared_export.export_shared` with ``segments=True``) takes each
 adapted Linear's LoRA factors once per encoder of the batch, ``<m>.lora_A`` (E, r, in) and
-``<m>.lora_B`` (E, out, r), and three routing inputs (:func:`routing`): which tokens each encoder
-takes, where each token's product comes back from, and each row's encoder. Every Linear then
-computes ``x @ W.T`` for the whole batch (one GEMM, as for one encoder), takes each encoder's
-tokens (one Gather, shared by query/key/value), runs ``[E, m*L, in] @ [E, in, r] @ [E, r, out]``
-(m: the largest group's rows) and routes the products back (one Gather). So a call copies each encoder's factors once,
+``<m>.lora_B`` (E, out, r), and two routing inputs
+(:func:`~qswap.encoders.runtime.packing.segment_routing`): which tokens each encoder takes, and
+where each token's product comes back from. Every Linear then computes ``x @ W.T`` for the whole
+batch (one GEMM, as for one encoder), takes each encoder's tokens (one Gather, shared by
+query/key/value), runs ``[E, M, in] @ [E, in, r] @ [E, r, out]`` (M: the largest encoder's
+tokens) and routes the products back (one Gather). So a call copies each encoder's factors once,
 not each row's, and the base's weights are read once for the whole batch.
+
+On the CPU, for a base whose attention the packed graph fuses
+(:func:`~qswap.encoders.runtime.packing.packable`), the graph is the packed one
+(:mod:`~qswap.encoders.runtime.packed_export`, ``segments=True``): the batch's real tokens end to
+end, each token routed to its encoder, so no pad token is computed or routed; elsewhere (CUDA,
+other bases) it runs padded rows (:func:`~qswap.encoders.runtime.shared_export.export_shared`).
 
 Ranks are zero-padded to the batch's largest per layer (exact), so rows of LoRA encoders of any
 rank and of the base itself share one call. The biases are the base's, graph inputs fused into
@@ -32,7 +39,8 @@ import numpy as np
 import torch
 
 from qswap.encoders.runtime.export_digest import OUTPUT
-from qswap.encoders.runtime.shared_export import Slots, ort_input, routing
+from qswap.encoders.runtime.packing import segment_routing
+from qswap.encoders.runtime.shared_export import Slots, ort_input
 
 #: The most encoders one segment call holds: bounds the call buffers (~5.3 MB per encoder at
 #: LoRA r=32 on every Linear of multilingual-e5-small, float16).
@@ -68,11 +76,14 @@ class SegmentRunner:
         factor_dtype: the storage type of the LoRA factor inputs (float32, float16, bfloat16): the
             pool's (float32 buffers on CPU removed the graph's Cast per factor but measured no
             faster end to end, and slower for a call whose encoders all change).
+        packed: the session runs the packed segment graph (tokens routed end to end), not padded rows.
     """
 
-    def __init__(self, slots: Slots, base: dict[str, torch.Tensor], factor_dtype: torch.dtype) -> None:
+    def __init__(self, slots: Slots, base: dict[str, torch.Tensor], factor_dtype: torch.dtype,
+                 packed: bool = False) -> None:
         from onnx import TensorProto
 
+        self.packed = packed
         self.linear = slots.linear
         self.norm = slots.norm
         self._base = base
@@ -115,10 +126,11 @@ class SegmentRunner:
         """Bytes of the call buffers (at most :data:`MAX_SEGMENTS` encoders at the largest rank run)."""
         return sum(b.nbytes for b in self._buffers.values())
 
-    def run(self, session: Any, emb: np.ndarray, mask: np.ndarray, keys: list[str]) -> np.ndarray:
-        """Pooled embeddings of one padded batch, row ``i`` with encoder ``keys[i]`` (at most
-        :data:`MAX_SEGMENTS` distinct, each one :meth:`accepts`): ``emb`` (n, L, d) float32,
-        ``mask`` (n, L) int64."""
+    def run(self, session: Any, inputs: dict[str, np.ndarray], mask: np.ndarray, keys: list[str]) -> np.ndarray:
+        """Pooled embeddings of one batch, row ``i`` with encoder ``keys[i]`` (at most
+        :data:`MAX_SEGMENTS` distinct, each one :meth:`accepts`): ``inputs``, the graph's run-time
+        inputs (:func:`~qswap.encoders.runtime.packing.graph_inputs`: packed tokens or padded
+        rows, as the session's graph is), ``mask`` (n, L) the rows' padded mask."""
         import onnxruntime as ort
 
         with self._lock:
@@ -133,7 +145,8 @@ class SegmentRunner:
             binding = self._binding[1]
             slot = {k: e for e, k in enumerate(order)}
             segment = np.fromiter((slot[k] for k in keys), dtype=np.int64, count=len(keys))
-            for name, value in routing(segment, len(order), mask.shape[1]).items():
+            lengths = mask.sum(1) if self.packed else np.full(len(keys), mask.shape[1])
+            for name, value in segment_routing(segment, len(order), lengths, self.packed).items():
                 binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
             for m, i, o in self.linear:
                 rank = max(s.rank(m) for s in sources)
@@ -146,8 +159,8 @@ class SegmentRunner:
                             if self._onnx_type is not None else ort.OrtValue.ortvalue_from_numpy(value)
                         binding.bind_ortvalue_input(name, value)
                         self._bound[name] = (where, value)
-            binding.bind_ortvalue_input("inputs_embeds", ort.OrtValue.ortvalue_from_numpy(emb))
-            binding.bind_ortvalue_input("attention_mask", ort.OrtValue.ortvalue_from_numpy(mask))
+            for name, value in inputs.items():
+                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
             # Rebound every run: an output left bound keeps the last run's shape (shared_run.BoundFeed).
             binding.bind_output(OUTPUT)
             try:
@@ -213,12 +226,15 @@ class SegmentRunner:
 def encode_segments(session: Any, runner: SegmentRunner, groups: dict[str, list[int]],
                     own: Callable[[str], dict[str, torch.Tensor]],
                     buckets: Callable[[list[str], list[Any]], Iterable[tuple[list[int], np.ndarray, np.ndarray]]],
-                    table: np.ndarray, texts: list[str], encs: list[Any], out: np.ndarray) -> dict[str, list[int]]:
+                    inputs_of: Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]],
+                    texts: list[str], encs: list[Any], out: np.ndarray) -> dict[str, list[int]]:
     """Run the rows of ``groups`` (key -> its rows) whose encoders the segment graph takes, in one
-    call per length bucket (``buckets``: the backend's calls of some texts) and per
-    :data:`MAX_SEGMENTS` encoders, each row routed to its encoder's factors, into ``out``; returns
-    the groups left to run per group (encoders with biases of their own: the segment graph takes
-    the base's). ``own``: an encoder's adapter inputs; ``table``: the word embeddings."""
+    call per length bucket (``buckets``: the backend's calls of some texts, cut for the session's
+    graph, packed or padded) and per :data:`MAX_SEGMENTS` encoders, each row routed to its
+    encoder's factors, into ``out``; returns the groups left to run per group (encoders with
+    biases of their own: the segment graph takes the base's). ``own``: an encoder's adapter
+    inputs; ``inputs_of``: the graph's run-time inputs of a bucket's padded ids and mask
+    (:func:`~qswap.encoders.runtime.packing.graph_inputs`)."""
     keys = [k for k in groups if runner.accepts(k, own)]
     if len(keys) < 2:
         return groups
@@ -227,5 +243,5 @@ def encode_segments(session: Any, runner: SegmentRunner, groups: dict[str, list[
         rows = list(key_of)
         for idx, ids, mask in buckets([texts[i] for i in rows], [encs[i] for i in rows]):
             picked = [rows[j] for j in idx]
-            out[picked] = runner.run(session, np.take(table, ids, axis=0), mask, [key_of[i] for i in picked])
+            out[picked] = runner.run(session, inputs_of(ids, mask), mask, [key_of[i] for i in picked])
     return {k: r for k, r in groups.items() if k not in keys}

@@ -5,23 +5,30 @@ bias rows (the bias kind runs in its own bound call beside the segment call)."""
 
 from __future__ import annotations
 
+import json
 import threading
+from typing import Callable
 
 import numpy as np
+import onnx as onnx_model
 import pytest
 
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
-from qswap.encoders.runtime import onnx, shared_export, shared_segments
+from qswap.encoders.runtime import onnx, packed_export, shared_export, shared_segments
+from qswap.encoders.runtime.packed_export import PACKED_INPUTS, PACKED_SEGMENTS_FILE
 from qswap.encoders.runtime.shared import SharedBackend
-from qswap.encoders.runtime.shared_export import routing
+from qswap.encoders.runtime.packing import segment_routing
 from qswap.encoders.runtime.shared_segments import SegmentRunner
 from qswap.errors import InvalidInputError
 
-from .adapters import make_lora
+from .adapters import make_lora, make_overrides
 from .test_shared import MIN_COSINE, TEXTS, _pool, _ready_backend, cosine, encoder_dirs, pool  # noqa: F401 (fixtures)
 
 # LoRA r=4 and r=8 on different layers, bias, base, and a partial encoder (merged export), interleaved.
 MIXED = ["l1@1", BASE_KEY, "l2@1", "b1@1", "p1@1", "l2@1", "l1@1", "b1@1", BASE_KEY]
+# The 20-encoder pool's bias encoders, and a long row (~40 tokens) among the short TEXTS.
+BIASED = ["bias0@1", "bias1@1"]
+LONG = " ".join(["science"] * 30) + " for the linux search server"
 # What each rank/target set of the 20-encoder pool adapts.
 SHAPES = [(2, ("query", "value")), (4, ("key", "intermediate.dense")), (8, ("query", "key", "value", "dense")),
           (16, ("value", "output.dense"))]
@@ -40,13 +47,15 @@ class _Spy:
     def __init__(self, backend: SharedBackend, monkeypatch: pytest.MonkeyPatch) -> None:
         self.segments: list[int] = []
         self.encoders: list[set[str]] = []
+        self.packed: list[bool] = []   # per segment call: whether it ran the packed graph
         self.groups = 0
         run, call = SegmentRunner.run, backend._call
 
-        def spy_run(runner, session, emb, mask, keys):
+        def spy_run(runner, session, inputs, mask, keys):
             self.segments.append(len(keys))
             self.encoders.append(set(keys))
-            return run(runner, session, emb, mask, keys)
+            self.packed.append("token_index" in inputs)
+            return run(runner, session, inputs, mask, keys)
 
         def spy_call(*a):
             self.groups += 1
@@ -61,12 +70,24 @@ def _alone(pool, texts, keys) -> np.ndarray:
 
 
 def test_routing_sends_every_token_back_to_its_place():
-    r = routing(np.array([0, 1, 0, 2, 0]), 3, 2)
-    tokens, back = r["segment_tokens"], r["token_positions"]
+    r = segment_routing(np.array([0, 1, 0, 2, 0]), 3, [2, 2, 2, 2, 2], packed=False)
+    tokens, back = r["segment_tokens"], r["segment_positions"]
     assert tokens.shape == (3, 3 * 2)                        # three encoders, the largest has three rows
     assert back.shape == (5, 2)                               # (rows, tokens): the Gather gives (n, L, width)
     assert (tokens.reshape(-1)[back] == np.arange(10).reshape(5, 2)).all()  # each token's product comes back to it
     assert set(tokens[1]) == {2, 3} and set(tokens[0]) == {0, 1, 4, 5, 8, 9}
+
+
+def test_packed_routing_routes_real_tokens_only():
+    # rows of 3, 1, 2 and 4 real tokens end to end (10 tokens); encoders 1, 0, 1, 2
+    r = segment_routing([1, 0, 1, 2], 3, [3, 1, 2, 4], packed=True)
+    tokens, back = r["segment_tokens"], r["segment_positions"]
+    assert tokens.shape == (3, 5)                             # encoder 1 has the most tokens: 3 + 2
+    assert back.shape == (10,)                                # one per real token: the Gather gives (T, width)
+    assert (tokens.reshape(-1)[back] == np.arange(10)).all()
+    assert tokens[1].tolist() == [0, 1, 2, 4, 5] and set(tokens[0]) == {3} and set(tokens[2]) == {6, 7, 8, 9}
+    # padded rows of the same batch route 4 x 4 slots, pads included
+    assert segment_routing([1, 0, 1, 2], 3, [3, 1, 2, 4], packed=False)["segment_tokens"].shape == (3, 8)
 
 
 def test_mixed_batch_is_one_segment_call_equal_to_groups_and_torch(segmented, pool, tmp_path, monkeypatch):
@@ -94,8 +115,8 @@ def test_mixed_batch_is_one_segment_call_equal_to_groups_and_torch(segmented, po
 
 @pytest.fixture(scope="module")
 def twenty(tiny_base, tmp_path_factory):
-    """20 LoRA encoders of four ranks and target sets, the bias encoder, in one pool; a segment
-    and a per-group backend over it."""
+    """20 LoRA encoders of four ranks and target sets and two bias encoders in one pool; a
+    segment and a per-group backend over it."""
     tmp = tmp_path_factory.mktemp("twenty")
     pool = EncoderPool(tiny_base)
     keys = []
@@ -104,10 +125,13 @@ def twenty(tiny_base, tmp_path_factory):
         pool.add(load_encoder(make_lora(tiny_base, tmp / f"e{i}", f"e{i}", seed=10 + i, r=r, targets=targets),
                               tiny_base.space))
         keys.append(f"e{i}@1")
+    for i in range(2):
+        pool.add(load_encoder(make_overrides(tiny_base, tmp / f"bias{i}", f"bias{i}", "bias", seed=50 + i),
+                              tiny_base.space))
     backends = {}
     for mix in ("segments", "groups"):
         b = SharedBackend(pool, tmp / mix, threads=1, mix=mix)
-        for k in [*keys, BASE_KEY]:
+        for k in [*keys, *BIASED, BASE_KEY]:
             b.prepare(k)
         assert b.wait(keys[0], timeout=120), b.error(keys[0])
         backends[mix] = b
@@ -117,23 +141,43 @@ def twenty(tiny_base, tmp_path_factory):
 
 
 @pytest.mark.parametrize("k", [1, 4, 20])
-def test_batches_of_1_4_and_20_encoders_equal_torch(twenty, k, monkeypatch):
+@pytest.mark.parametrize("order", ["forward", "reversed"])
+def test_batches_of_1_4_and_20_encoders_equal_torch(twenty, k, order, monkeypatch):
     pool, keys, backends = twenty
     seg = backends["segments"]
-    texts = [TEXTS[i % len(TEXTS)] for i in range(24)]
-    mix = [keys[(i * 7) % k] for i in range(23)] + [BASE_KEY]   # uneven groups, the base's row last
+    # Rows of 3 to ~40 tokens, uneven groups of LoRA encoders of four ranks, the base's row and
+    # two bias encoders' rows (their own bound calls beside the segment call).
+    texts = [LONG if i % 11 == 5 else TEXTS[i % len(TEXTS)] for i in range(27)]
+    mix = [keys[(i * 7) % k] for i in range(23)] + [BASE_KEY, *BIASED, BIASED[0]]
+    if order == "reversed":
+        texts, mix = texts[::-1], mix[::-1]
     seg.encode(texts[:2], keys[:2])                              # builds the segment graph
     assert seg.segments_ready(wait=120)
     spy = _Spy(seg, monkeypatch)
-    # The segment graph runs padded rows: one call per padded length bucket (a one-encoder batch runs
-    # packed, in fewer calls).
-    encs = seg.base.tokenizer.encode_batch([seg.base.spec.query_prefix + t for t in texts])
-    buckets = sum(1 for _ in seg._buckets(texts, encs))
+    # On the CPU the segment graph runs packed, its calls cut as a one-encoder batch's are.
+    rows = [i for i, key in enumerate(mix) if key not in BIASED]
+    encs = seg.base.tokenizer.encode_batch([seg.base.spec.query_prefix + texts[i] for i in rows])
+    buckets = sum(1 for _ in seg._buckets([texts[i] for i in rows], encs, packed=True))
     got = seg.encode(texts, mix)
-    assert len(spy.segments) == buckets and spy.groups == 0
-    assert sum(spy.segments) == len(texts) and set().union(*spy.encoders) == set(mix)   # every row, every encoder
+    assert len(spy.segments) == buckets and all(spy.packed) and spy.groups >= len(BIASED)
+    assert sum(spy.segments) == len(rows)                       # every row of a LoRA encoder or the base
+    assert set().union(*spy.encoders) == set(mix) - set(BIASED)
     assert cosine(got, _alone(pool, texts, mix)).min() >= MIN_COSINE
     assert cosine(got, backends["groups"].encode(texts, mix)).min() >= MIN_COSINE
+
+
+def test_the_cpu_segment_graph_is_packed_and_fused(twenty, tiny_base):
+    seg = twenty[2]["segments"]
+    seg.encode(TEXTS[:2], twenty[1][:2])
+    assert seg.segments_ready(wait=120)
+    target = seg.directory().with_name(seg.directory().name + "-packed-segments")
+    names = [i.name for i in onnx_model.load(str(target / PACKED_SEGMENTS_FILE), load_external_data=False).graph.input]
+    assert names[:len(PACKED_INPUTS) + 2] == [*PACKED_INPUTS, "segment_tokens", "segment_positions"]
+    facts = json.loads((target / "export.json").read_text())
+    layers = tiny_base.model.config.num_hidden_layers
+    # the broadcast Add of a packed LoRA product leaves the optimiser's fusions as in the padded graph
+    assert facts["fused"]["MultiHeadAttention"] == layers and facts["fused"]["BiasGelu"] == layers
+    assert facts["fused"]["SkipLayerNormalization"] >= 2 * layers and facts["probe_min_cosine"] >= MIN_COSINE
 
 
 def test_one_encoder_keeps_its_bound_call(segmented, monkeypatch):
@@ -192,14 +236,20 @@ def test_more_encoders_than_a_call_holds_run_as_several_calls(segmented, pool, m
     assert cosine(got, _alone(pool, TEXTS[:4], keys)).min() >= MIN_COSINE
 
 
-def test_a_failed_segment_export_leaves_mixed_batches_per_group(pool, tmp_path, monkeypatch):
-    real = shared_export.export_shared
+def _patch_segment_exports(monkeypatch: pytest.MonkeyPatch, before: Callable[[], None]) -> None:
+    """Call ``before`` ahead of every segment graph export, packed (the CPU's) or padded."""
+    for module, name in ((shared_export, "export_shared"), (packed_export, "export_packed")):
+        def wrapped(*a, segments=False, _real=getattr(module, name), **kw):
+            if segments:
+                before()
+            return _real(*a, segments=segments, **kw)
+        monkeypatch.setattr(module, name, wrapped)
 
-    def broken(*a, segments=False, **kw):
-        if segments:
-            raise OSError("disk full")
-        return real(*a, segments=segments, **kw)
-    monkeypatch.setattr("qswap.encoders.runtime.shared_export.export_shared", broken)
+
+def test_a_failed_segment_export_leaves_mixed_batches_per_group(pool, tmp_path, monkeypatch):
+    def broken():
+        raise OSError("disk full")
+    _patch_segment_exports(monkeypatch, broken)
     b = _ready_backend(pool, tmp_path, mix="segments")
     try:
         first = b.encode(TEXTS, MIXED)
@@ -250,19 +300,17 @@ def test_building_lists_what_runs_in_the_background_until_it_is_done(pool, tmp_p
     # background: held here until released, so each is seen in flight, then done.
     started = {"segment graph": threading.Event(), "merged graph": threading.Event()}
     release = threading.Event()
-    real_shared, real_merged = shared_export.export_shared, onnx.cached_export
+    real_merged = onnx.cached_export
 
-    def held_shared(*a, segments=False, **kw):
-        if segments:
-            started["segment graph"].set()
-            assert release.wait(60)
-        return real_shared(*a, segments=segments, **kw)
+    def held_segments():
+        started["segment graph"].set()
+        assert release.wait(60)
 
     def held_merged(*a, **kw):
         started["merged graph"].set()
         assert release.wait(60)
         return real_merged(*a, **kw)
-    monkeypatch.setattr("qswap.encoders.runtime.shared_export.export_shared", held_shared)
+    _patch_segment_exports(monkeypatch, held_segments)
     b = _ready_backend(pool, tmp_path, mix="segments")
     try:
         assert b.building() == []                       # ready, and no batch has mixed encoders yet

@@ -44,9 +44,9 @@ def test_a_mixed_batch_is_one_segment_call_with_the_one_encoder_answers(mixed, m
     calls: list[list[str]] = []
     run = SegmentRunner.run
 
-    def spy(runner, session, emb, mask, keys):
+    def spy(runner, session, inputs, mask, keys):
         calls.append(list(keys))
-        return run(runner, session, emb, mask, keys)
+        return run(runner, session, inputs, mask, keys)
     monkeypatch.setattr(SegmentRunner, "run", spy)
     # The first forward waits until the three requests are tokenised and queued behind it: the
     # next batch then holds all three, one row per encoder.
