@@ -180,6 +180,23 @@ def test_the_cpu_segment_graph_is_packed_and_fused(twenty, tiny_base):
     assert facts["fused"]["SkipLayerNormalization"] >= 2 * layers and facts["probe_min_cosine"] >= MIN_COSINE
 
 
+def test_a_base_that_cannot_run_packed_runs_the_padded_segment_graph(pool, tmp_path, monkeypatch):
+    # As on a GPU or for a base whose attention is not fused: padded rows, segments.onnx.
+    monkeypatch.setattr("qswap.encoders.runtime.shared.packable", lambda layout: False)
+    b = _ready_backend(pool, tmp_path, mix="segments")
+    try:
+        b.encode(TEXTS, MIXED)
+        assert b.segments_ready(wait=120)
+        spy = _Spy(b, monkeypatch)
+        texts, keys = TEXTS + [LONG], MIXED + ["l2@1"]
+        got = b.encode(texts, keys)
+        assert spy.segments and not any(spy.packed)
+        assert (b.directory().with_name(b.directory().name + "-segments") / shared_export.SEGMENTS_MODEL_FILE).exists()
+        assert cosine(got, _alone(pool, texts, keys)).min() >= MIN_COSINE
+    finally:
+        b.close()
+
+
 def test_one_encoder_keeps_its_bound_call(segmented, monkeypatch):
     assert segmented.segments_ready(wait=120)
     spy = _Spy(segmented, monkeypatch)
