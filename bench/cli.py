@@ -46,7 +46,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run taking seconds (results under bench/results/%s/tmp/quick)" % name)
     parser.add_argument("--out", type=Path, default=None,
-                        help=f"result directory (default bench/results/{name}/)")
+                        help=f"result directory (default bench/results/{name.replace('-', '_')}/)")
 
 
 def stops_cleanly(run: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], Any]:
