@@ -301,6 +301,18 @@ class SharedBackend:
         """The hot encoders whose rows run merged now (their sessions are ready)."""
         return [k for k in sorted(self._hot.keys()) if self.merged.ready(k)]
 
+    def all_cores(self, key: str) -> bool:
+        """Whether a server's batch led by ``key`` runs best on all cores, waiting for its other forward lane
+        rather than running beside it on one core (:mod:`qswap.server.serving.batching`): an encoder served
+        from its own merged session (pinned, or one the shared graph cannot express), or the one hot encoder.
+
+        Not while several encoders are hot: under concurrency their batches mix them, and two lanes side by
+        side, one core each, serve more than batches that wait for each other (four hot domains, every batch
+        on all cores: 0.85x the QPS of hot encoders off at concurrency 8, ``bench/results/peer_hot/``)."""
+        if self.runtime(key) != "onnx-merged":
+            return False
+        return key not in self._hot or len(self._hot.keys()) == 1
+
     def pin(self, key: str) -> None:
         """Serve ``key`` from its own merged export (for an encoder with most of the traffic);
         its transformer weights count in :meth:`memory_bytes`."""
