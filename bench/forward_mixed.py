@@ -12,7 +12,10 @@ For each batch size (``--mixed-batches``) the arms run side by side, interleaved
   last call is not copied again, which is what a fixed mix measures) and ``segments k=K cold``,
   the same with every slot emptied before each call (what a call whose encoders all changed pays);
 - ``auto k=K``: ``mix="auto"``, segments only when the groups are small
-  (:func:`qswap.encoders.runtime.shared_run.segment_groups`).
+  (:func:`qswap.encoders.runtime.shared_run.segment_groups`);
+- ``hot k=K`` (K up to :data:`qswap.encoders.runtime.hot.DEFAULT_HOT`): every one of the K
+  encoders hot, the batch run as one call per encoder group, each on that encoder's own merged
+  session, one after another (what a server whose K encoders are all hot runs).
 
 Every encoder is a LoRA of ``--adapter-rank`` on every Linear layer with factors in the server's
 storage type; the queries are the benchmark's fixed-length ones (one length bucket per batch).
@@ -42,6 +45,7 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
         progress: Callable[[int, str], tuple[Any, Any]]) -> dict[str, Any]:
     """Measure the mixed-batch arms; returns a dict for ``results.json["mixed"]``."""
     from qswap.bench.stats import interleaved, percentile, ratio_summary
+    from qswap.encoders.runtime.hot import DEFAULT_HOT
     from qswap.encoders.runtime.onnx import OnnxBackend
     from qswap.encoders.runtime.shared import SharedBackend
     from qswap.factors import SERVING_FACTORS
@@ -68,11 +72,14 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
         raise RuntimeError(f"shared export failed: {segments.error(keys[0])}")
     for k in keys:
         auto.prepare(k)
-    merged.prepare(keys[0])
+    hot_ks = [k for k in encoders if 1 < k <= DEFAULT_HOT]
+    for k in keys[:max([1, *hot_ks])]:
+        merged.prepare(k)
     if not auto.wait(keys[0], timeout=1800):
         raise RuntimeError(f"shared export failed: {auto.error(keys[0])}")
-    if not merged.wait(keys[0], timeout=1800):
-        raise RuntimeError(f"merged export failed: {merged.error(keys[0])}")
+    for k in keys[:max([1, *hot_ks])]:
+        if not merged.wait(k, timeout=1800):
+            raise RuntimeError(f"merged export failed: {merged.error(k)}")
     n_max = max(batches)
     texts = [queries[i % len(queries)] for i in range(n_max)]
     mixes = {k: [keys[i % k] for i in range(n_max)] for k in encoders}
@@ -114,6 +121,8 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
             if k == big:
                 fns[f"segments k={k} cold"] = cold(mixes[k])
             fns[f"auto k={k}"] = arm(auto, mixes[k])
+            if k in hot_ks:
+                fns[f"hot k={k}"] = arm(merged, mixes[k])
     out: dict[str, Any] = {"rank": rank, "factors": SERVING_FACTORS, "encoders": encoders, "threads": threads,
                            "cosine": cosine, "ms": {}, "ratios": {}}
     bar, tick = progress(reps * len(fns) * len(batches), "mixed batches")
@@ -134,6 +143,9 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
                 if k == big:
                     r[f"segments k={k} cold / groups k={k}"] = ratio(f"segments k={k} cold", f"groups k={k}")
                 r[f"auto k={k} / groups k={k}"] = ratio(f"auto k={k}", f"groups k={k}")
+                if k in hot_ks:
+                    r[f"hot k={k} / segments k={k}"] = ratio(f"hot k={k}", f"segments k={k}")
+                    r[f"hot k={k} / shared 1-encoder"] = ratio(f"hot k={k}", "shared 1-encoder")
         out["ratios"][str(n)] = r
     bar.close()
     runner = segments._segments[1] if segments._segments is not None else None

@@ -32,11 +32,12 @@ Timing starts once qswap builds nothing more in the background
 ``GET /readyz`` until its ``warming`` list is empty, again until a round starts no build): the
 segment graph and the mixed-batch session are built only once batches mix encoders. A timing
 during which a qswap server still started one is run again once it is built
-(:func:`qswap.bench.fixtures.time_settled`). With one
-domain, that encoder serves every row, so the shared backend makes it *hot*
-(:mod:`qswap.encoders.runtime.hot`: its rows run on a merged graph of their own): timing starts
-once it is. ``--hot-off-arm`` adds a fourth arm in that scenario, qswap's search route on a
-second server started with ``--hot-encoders 0``, to show what hot encoders change side by side.
+(:func:`qswap.bench.fixtures.time_settled`). With one domain, or as many as the server's default
+hot encoders (four), each encoder serves a fair share of the rows, so the shared backend makes
+every one *hot* (:mod:`qswap.encoders.runtime.hot`: its rows run on a merged graph of their own):
+timing starts once they are. ``--hot-off-arm`` adds a fourth arm in those scenarios, qswap's
+search route on a second server started with ``--hot-encoders 0``, to show what hot encoders
+change side by side.
 ``--mix-arm MODE`` adds, in the scenarios of several domains, qswap's search route on a second
 server started with ``--mixed-batches MODE`` (how a batch that mixes encoders runs), to compare
 that setting with the default side by side. ``--scenarios`` picks the scenarios to run (default ``one,many``; ``twenty`` on request).
@@ -58,6 +59,7 @@ from qswap.bench.load_options import (ByMode, LoadDefaults, LoadOptions, RunDirs
                                       warm_up)
 from qswap.bench.loadgen import Request
 from qswap.bench.processes import http_json
+from qswap.encoders.runtime.hot import DEFAULT_HOT
 
 NAME = "peer"
 LOAD = LoadDefaults(levels=ByMode((1, 8, 32), (1, 4)), seconds=ByMode(15.0, 1.0), requests=ByMode(1_000_000, 40),
@@ -66,8 +68,9 @@ DOMAINS = ByMode(4, 2)
 #: Domains of the ``twenty`` scenario (``--quick``: a few, for the mechanics).
 TWENTY = ByMode(20, 3)
 RANK = 16
-#: Searches sent before timing the one-domain scenario: more than a hot-encoder window
-#: (qswap.encoders.runtime.hot.HOT_WINDOW_ROWS), so that its encoder runs merged.
+#: Searches sent before timing a scenario whose every encoder becomes hot (no more domains than
+#: qswap.encoders.runtime.hot.DEFAULT_HOT): more than a hot-encoder window (HOT_WINDOW_ROWS), so
+#: that they run merged.
 HOT_WARM_ROWS = 640
 #: Minimum cosine between the two servers' query embeddings for the comparison to count.
 AGREEMENT_BAR = 0.9999
@@ -103,7 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory Infinity's models may take, in MiB (default: what is available when it starts, "
                         "less a reserve for the rest of the machine); it loads as many as fit")
     p.add_argument("--hot-off-arm", action="store_true",
-                   help="one domain: also time qswap's search on a second server with --hot-encoders 0")
+                   help="one domain, and several up to the default hot encoders: also time qswap's search on a "
+                        "second server with --hot-encoders 0")
     p.add_argument("--mix-arm", choices=("auto", "groups", "segments"), default=None,
                    help="several domains: also time qswap's search on a second server with --mixed-batches MODE")
     p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
@@ -232,8 +236,8 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
             "qswap embeddings": (qs.port, embedding_requests(work.queries, keys))}
         servers = {"qswap": {"command": qs.command, "start_s": qs.start_seconds}}
         qswaps = [qs]   # the qswap servers timed: none may build while timing (time_settled)
-        hot = n_dom == 1 and backend == "shared"
-        if hot:   # its one encoder serves every row: it runs merged once a window of rows says so
+        hot = n_dom <= DEFAULT_HOT and backend == "shared"
+        if hot:   # each encoder serves a fair share of the rows: it runs merged once a window of rows says so
             warm_up(qs.port, arms["qswap search"][1], concurrency=4, requests=HOT_WARM_ROWS, duration_s=120)
             out["qswap_hot_wait_s"] = wait_for_runtime(qs, keys, "onnx")
         # Both routes, at the highest level: every batch shape the timed runs make has come up.
@@ -242,7 +246,8 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
         if hot and hot_off_arm:
             off = stack.enter_context(qswap_server(idx_dir, enc_root, tmp / "state-hot-off", tmp / "qswap-hot-off.log",
                                                    model=model, extra=["--backend", backend, "--hot-encoders", "0"]))
-            register(off, f"{domains[0]}-1")
+            for d in domains:
+                register(off, f"{d}-1")
             wait_for_runtime(off, ["base", *keys], "onnx-shared")
             arms[HOT_OFF] = (off.port, search_requests(work.queries, keys))
             servers["qswap, hot off"] = {"command": off.command, "start_s": off.start_seconds}
@@ -466,8 +471,8 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
         "its default backend (one shared ONNX Runtime session, adapters bound per run)"
         if res["qswap_backend"] == "shared" else "`--backend onnx` (one merged, fused ONNX export per encoder)") + (
         f"; encoders: {res['encoders']}." + "".join(
-            f" One domain: its encoder ran hot (its own merged graph) {sc['qswap_hot_wait_s']:.1f} s after the "
-            f"warm-up, before timing." for sc in res["scenarios"].values() if "qswap_hot_wait_s" in sc) + "".join(
+            f" {sc['label']}: every encoder ran hot (its own merged graph) {sc['qswap_hot_wait_s']:.1f} s after "
+            f"the warm-up, before timing." for sc in res["scenarios"].values() if "qswap_hot_wait_s" in sc) + "".join(
             f" {sc['label']}: qswap built {', '.join(b)} after its warm-up traffic; timing began once done."
             for sc in res["scenarios"].values()
             if (b := sorted({k for r in sc.get("qswap_settled", {}).values() for k in r["waited_for"]}))) + "".join(

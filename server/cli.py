@@ -13,6 +13,7 @@ from qswap.factors import FACTOR_NAMES
 
 # OMP_WAIT_POLICY=PASSIVE is set by the qswap entry point (qswap.cli) before torch/faiss load.
 from qswap.encoders.runtime.backend import BACKENDS
+from qswap.encoders.runtime.hot import DEFAULT_HOT
 from qswap.encoders.precision import PRECISIONS
 
 # flag destination -> settings field (only flags given on the command line override the environment)
@@ -96,8 +97,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--onnx-spin", choices=("on", "off"), default=None,
                    help="ONNX Runtime's workers busy-wait inside a forward (default on; docs/serving.md)")
     p.add_argument("--hot-encoders", type=int, metavar="N",
-                   help="shared backend: an encoder serving at least half of the recent rows runs on its own merged "
-                        "graph; at most N such (default 1; 0: never; docs/query-path.md)")
+                   help="shared backend: the busiest encoders, each serving at least 1/(2N) of the recent rows, "
+                        "run on merged graphs of their own, at most N (~85 MB each for multilingual-e5-small; "
+                        f"default {DEFAULT_HOT}; 0: never; docs/query-path.md)")
     p.add_argument("--mixed-batches", choices=("auto", "groups", "segments"), default=None,
                    help="shared backend: how a batch that mixes encoders runs (default auto; docs/query-path.md)")
     p.add_argument("--bulk-lane", choices=("on", "off"), default=None,

@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from qswap import DEFAULT_MODEL
+from qswap.encoders.runtime.hot import DEFAULT_HOT
 from qswap.errors import InvalidInputError
 from qswap.factors import SERVING_FACTORS
 from qswap.paths import data_dir
@@ -81,9 +82,10 @@ class ServerSettings(BaseSettings):
                                      "all cores)")
     onnx_spin: bool = Field(True, description="ONNX Runtime's workers busy-wait inside a forward (its default); off: "
                             "they sleep, leaving the cores to the event loop and the index (see docs/serving.md)")
-    hot_encoders: int = Field(1, ge=0, le=16, description="shared backend: merged sessions kept for the encoders "
-                              "with most of the served rows (~85 MB each for multilingual-e5-small; 0: none; "
-                              "see docs/query-path.md)")
+    hot_encoders: int = Field(DEFAULT_HOT, ge=0, le=16, description="shared backend: merged sessions kept for the "
+                              "busiest encoders, each serving at least 1/(2N) of the recent rows (~85 MB each "
+                              "for multilingual-e5-small, outside the encoder memory budget; 0: none; see "
+                              "docs/query-path.md)")
     mixed_batches: Literal["auto", "groups", "segments"] = Field(
         "auto", description="shared backend: how a batch that mixes encoders runs: one call per encoder group "
                             "(groups), one call for all its rows (segments), or by its shape (auto; see "

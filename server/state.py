@@ -179,7 +179,7 @@ class ServerState:
                                     bulk=s.bulk_lane,
                                     encode_bulk=getattr(self.backend, "encode_flagged_bulk", None),
                                     lanes=s.forward_lanes, encode_single=served_single(self.backend),
-                                    all_cores=lambda key: self.backend.runtime(key) == "onnx-merged")
+                                    all_cores=getattr(self.backend, "all_cores", None))
         self.metrics.admitted.set_function(lambda: batcher.pending)
         if s.feedback_dir is not None:
             from qswap.feedback.store import FeedbackStore

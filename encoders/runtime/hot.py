@@ -4,8 +4,13 @@ The shared graph (:mod:`qswap.encoders.runtime.shared`) serves any number of enc
 session, but an encoder's rows cost more there than on its own merged export: the shared graph
 takes the adapter as inputs and keeps Q, K and V apart, while a merged graph packs them into one
 attention op (``bench/results/forward_mixed/``: a batch of 8 queries of one LoRA r=32 encoder,
-1.25x the merged graph's time). When one encoder carries most of the traffic (a server with one
-domain, or one domain far ahead of the others), it is worth a merged session of its own.
+1.25x the merged graph's time). When a few encoders carry most of the traffic (a server with one
+domain, or a few domains, or a few domains far ahead of the others), each is worth a merged session
+of its own.
+
+With ``slots`` merged sessions allowed, an encoder is hot once it serves a fair share of them:
+at least :func:`hot_share` (``slots``) of a window's rows, ``HOT_SHARE / slots`` (half with one
+slot, an eighth with four: so four equal domains all run merged); the busiest go first.
 
 :class:`HotEncoders` only decides which encoders those are, from the rows a server served; the
 backend builds and frees the sessions.
@@ -19,16 +24,26 @@ from typing import Callable
 
 from qswap.errors import InvalidInputError
 
-#: An encoder with at least this share of a window's served rows becomes hot (runs merged); a hot
-#: one goes back to the shared graph below half of it, so that a share near the line does not
-#: export and free a session window after window.
+#: With one slot, an encoder with at least this share of a window's served rows becomes hot (runs
+#: merged); with N slots, this share over N (:func:`hot_share`). A hot one goes back to the shared
+#: graph below half of its line, so that a share near the line does not export and free a session
+#: window after window.
 HOT_SHARE = 0.5
 #: Served rows per decision: a few seconds of a loaded server, long enough that a burst of one
 #: encoder's requests does not export a graph it will not keep.
 HOT_WINDOW_ROWS = 512
 #: Merged sessions kept for hot encoders (each holds the base's transformer weights again: ~85 MB
-#: for multilingual-e5-small); 0 turns hot encoders off.
-DEFAULT_HOT = 1
+#: for multilingual-e5-small); 0 turns hot encoders off. Four: a server of up to four busy domains
+#: runs every one of them merged, for at most ~340 MB whatever the number of encoders loaded
+#: (bench/results/peer_hot/).
+DEFAULT_HOT = 4
+
+
+def hot_share(slots: int) -> float:
+    """The share of a window's served rows that makes an encoder hot with ``slots`` merged sessions
+    allowed: ``HOT_SHARE / slots``, so that as many equal busiest encoders as there are slots
+    (and no more than twice as many) reach it."""
+    return HOT_SHARE / max(slots, 1)
 
 
 class HotEncoders:
@@ -63,11 +78,13 @@ class HotEncoders:
                 return [], []
             share = {k: n / rows for k, n in self._recent.items()}
             self._recent.clear()
-            demoted = sorted(k for k in self._hot if share.get(k, 0.0) < HOT_SHARE / 2 or not eligible(k))
+            line = hot_share(self.slots)
+            demoted = sorted(k for k in self._hot if share.get(k, 0.0) < line / 2 or not eligible(k))
             self._hot.difference_update(demoted)
             promoted = []
-            for k, s in sorted(share.items(), key=lambda kv: -kv[1]):
-                if s < HOT_SHARE or len(self._hot) >= self.slots:
+            # Busiest first (ties by key, so that which of equal encoders get the last slots is stable).
+            for k, s in sorted(share.items(), key=lambda kv: (-kv[1], kv[0])):
+                if s < line or len(self._hot) >= self.slots:
                     break
                 if k not in self._hot and eligible(k):
                     self._hot.add(k)

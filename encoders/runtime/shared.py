@@ -18,10 +18,11 @@ graph that takes the LoRA factors of each of its encoders once and routes each r
 
 Encoders the shared graph cannot express (``partial`` tensors other than biases), and encoders pinned with
 :meth:`SharedBackend.pin`, go to a merged per-encoder export (:class:`qswap.encoders.runtime.onnx.OnnxBackend`),
-whose bytes count in the memory budget. An encoder that serves most of a server's rows
-(:meth:`SharedBackend.count_rows`) is *hot*: it also gets a merged export, built in the background, and its rows
-of interactive batches run there (:mod:`qswap.encoders.runtime.hot`); when its share of the traffic falls, it
-goes back to the shared graph and its session is freed. Until the shared export is ready, or if it fails, every
+whose bytes count in the memory budget. The few encoders that serve a fair share of a server's rows
+(:meth:`SharedBackend.count_rows`; up to ``hot`` of them) are *hot*: each also gets a merged export, built in the
+background, and its rows of interactive batches run there, one call per hot encoder of a batch
+(:mod:`qswap.encoders.runtime.hot`); when its share of the traffic falls, it goes back to the shared graph and
+its session is freed. Until the shared export is ready, or if it fails, every
 row runs on the torch pool, so answers never wait on an export.
 """
 
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 
 from qswap.encoders.embedding import length_buckets
-from qswap.encoders.runtime.hot import DEFAULT_HOT, HOT_SHARE, HOT_WINDOW_ROWS, HotEncoders
+from qswap.encoders.runtime.hot import DEFAULT_HOT, HOT_WINDOW_ROWS, HotEncoders, hot_share
 from qswap.encoders.runtime.onnx import CALL_TOKENS, OnnxBackend, available_providers, make_session
 from qswap.encoders.pool import FACTOR_DTYPES, EncoderPool
 from qswap.encoders.runtime.packed_export import cached_packed
@@ -278,7 +279,7 @@ class SharedBackend:
 
     def count_rows(self, keys: list[str]) -> None:
         """Count the encoders of rows a server served to its users (not guard or tuning passes); every
-        ``hot_window`` rows, decide which encoders are hot (:data:`HOT_SHARE`).
+        ``hot_window`` rows, decide which encoders are hot (:func:`qswap.encoders.runtime.hot.hot_share`).
 
         A new hot encoder's merged export starts in the background (cached on disk like any merged export); its
         rows stay on the shared graph until the session is ready. An encoder that is no longer hot goes back to
@@ -290,7 +291,7 @@ class SharedBackend:
             self.merged.discard(k)
         for k in promoted:
             log.info("encoder %s is hot (at least %.0f%% of the last %d rows): exporting its merged graph",
-                     k, 100 * HOT_SHARE, self._hot.window)
+                     k, 100 * hot_share(self._hot.slots), self._hot.window)
             try:
                 self.merged.prepare(k)
             except NotFoundError:   # removed meanwhile
@@ -299,6 +300,18 @@ class SharedBackend:
     def hot(self) -> list[str]:
         """The hot encoders whose rows run merged now (their sessions are ready)."""
         return [k for k in sorted(self._hot.keys()) if self.merged.ready(k)]
+
+    def all_cores(self, key: str) -> bool:
+        """Whether a server's batch led by ``key`` runs best on all cores, waiting for its other forward lane
+        rather than running beside it on one core (:mod:`qswap.server.serving.batching`): an encoder served
+        from its own merged session (pinned, or one the shared graph cannot express), or the one hot encoder.
+
+        Not while several encoders are hot: under concurrency their batches mix them, and two lanes side by
+        side, one core each, serve more than batches that wait for each other (four hot domains, every batch
+        on all cores: 0.85x the QPS of hot encoders off at concurrency 8, ``bench/results/peer_hot/``)."""
+        if self.runtime(key) != "onnx-merged":
+            return False
+        return key not in self._hot or len(self._hot.keys()) == 1
 
     def pin(self, key: str) -> None:
         """Serve ``key`` from its own merged export (for an encoder with most of the traffic);
@@ -482,8 +495,11 @@ class SharedBackend:
                 if session is not None else {}
         hot = self._hot.keys() if not bulk else set()   # the bulk lane holds one core: never the merged session
         for k in hot:
+            # Its rows run merged, one call per hot encoder of the batch: with four encoders all hot, as fast
+            # as their batch on the shared graph in one segment call, or per group, at 8 and 32 rows
+            # (bench/results/forward_mixed_hot/), and faster for a batch of one encoder.
             if self.merged.ready(k):
-                feeds.pop(k, None)   # its rows run merged
+                feeds.pop(k, None)
         for i, k in enumerate(keys):
             if k in feeds:
                 groups.setdefault(k, []).append(i)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
-from qswap.encoders.runtime.hot import HOT_SHARE, HotEncoders
+from qswap.encoders.runtime.hot import DEFAULT_HOT, HOT_SHARE, HotEncoders, hot_share
 from qswap.encoders.runtime.protocol import served, served_single
 from qswap.encoders.runtime.shared import SharedBackend
 from qswap.errors import InvalidInputError
@@ -25,10 +25,38 @@ def test_an_encoder_with_most_rows_becomes_hot_at_the_end_of_a_window():
     assert "a" in hot and hot.keys() == {"a"}
 
 
-def test_even_traffic_makes_no_encoder_hot():
-    hot = HotEncoders(slots=2, window=8)
-    assert hot.count(["a", "b", "c", "d"] * 2, ALL) == ([], [])
+def test_even_traffic_over_more_than_twice_the_slots_makes_no_encoder_hot():
+    hot = HotEncoders(slots=2, window=10)
+    assert hot.count(["a", "b", "c", "d", "e"] * 2, ALL) == ([], [])   # 20 % each < hot_share(2) = 25 %
     assert hot.keys() == set()
+
+
+def test_four_equal_domains_are_all_hot_with_the_default_slots():
+    assert DEFAULT_HOT >= 4 and hot_share(DEFAULT_HOT) <= 0.25
+    hot = HotEncoders(window=16)
+    assert hot.count(["a", "b", "c", "d"] * 4, ALL) == (["a", "b", "c", "d"], [])
+    assert hot.keys() == {"a", "b", "c", "d"}
+    assert hot.count(["a", "b", "c", "d"] * 4, ALL) == ([], [])          # still equal: nothing changes
+
+
+def test_the_slot_limit_takes_the_busiest_and_a_freed_slot_goes_to_the_next():
+    hot = HotEncoders(slots=2, window=20)
+    # 35 / 30 / 20 / 15 %: a and b reach hot_share(2) = 25 %, c and d do not
+    assert hot.count(["a"] * 7 + ["b"] * 6 + ["c"] * 4 + ["d"] * 3, ALL) == (["a", "b"], [])
+    # b falls to 10 % (< half its line): demoted; c at 40 % takes its slot, d (20 %) stays out
+    assert hot.count(["a"] * 6 + ["b"] * 2 + ["c"] * 8 + ["d"] * 4, ALL) == (["c"], ["b"])
+    assert hot.keys() == {"a", "c"}
+
+
+def test_a_hot_encoder_of_several_keeps_its_slot_down_to_half_its_line():
+    hot = HotEncoders(slots=4, window=16)
+    hot.count(["a", "b", "c", "d"] * 4, ALL)
+    line = hot_share(4)
+    # a at 1/16 = 6.25 % is exactly half the line: kept; e (25 %) finds no slot free
+    assert hot.count(["a"] + ["b"] * 4 + ["c"] * 4 + ["d"] * 3 + ["e"] * 4, ALL) == ([], [])
+    assert 1 / 16 >= line / 2
+    # a gone (0 %): its slot goes to e
+    assert hot.count(["b", "c", "d", "e"] * 4, ALL) == (["e"], ["a"])
 
 
 def test_a_hot_encoder_stays_hot_above_half_the_share_and_leaves_below():
@@ -98,6 +126,8 @@ def test_served_rows_make_an_encoder_hot_and_its_rows_run_merged(backend, pool, 
     assert backend.merged.wait("h1@1", timeout=120), backend.merged.error("h1@1")
     assert backend.runtime("h1@1") == "onnx-merged" and backend.hot() == ["h1@1"]
     assert backend.runtime("h2@1") == "onnx-shared"
+    # the one hot encoder's batches wait for all cores; a shared encoder's run beside another lane
+    assert backend.all_cores("h1@1") and not backend.all_cores("h2@1")
     calls = _spy_merged(backend, monkeypatch)
     keys = ["h1@1", "h2@1", "h1@1", BASE_KEY, "h1@1", "h2@1", "h1@1", "h1@1", BASE_KEY]
     got = encode(TEXTS, keys)
@@ -158,3 +188,70 @@ def test_a_second_forward_lanes_rows_count_and_run_on_one_core(backend, pool, mo
     assert backend.hot() == ["h1@1"] and calls == [] and flags == [False] * len(TEXTS)
     ref = np.stack([pool.encode([t], ["h1@1"])[0] for t in TEXTS])
     assert cosine(got, ref).min() >= MIN_COSINE
+
+
+FOUR = [f"q{i}@1" for i in range(1, 5)]
+
+
+@pytest.fixture(scope="module")
+def pool4(tiny_base, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hot-four")
+    pool = EncoderPool(tiny_base, factor_dtype="float32")
+    for i, key in enumerate(FOUR):
+        name = key.split("@")[0]
+        pool.add(load_encoder(make_lora(tiny_base, tmp / name, name, seed=10 + i, r=4,
+                                        targets=("query", "value", "dense")), tiny_base.space))
+    return pool
+
+
+def _four_domains(pool4, tmp_path, hot: int, mix: str) -> SharedBackend:
+    b = SharedBackend(pool4, tmp_path, threads=2, hot=hot, hot_window=4 * len(FOUR), mix=mix)
+    for key in FOUR:
+        b.prepare(key)
+    assert b.wait(timeout=120), b.error(FOUR[0])
+    return b
+
+
+@pytest.mark.parametrize("mix", ["auto", "segments"])
+def test_four_equal_domains_all_run_merged_and_mixed_batches_answer_as_torch(pool4, tmp_path, monkeypatch, mix):
+    b = _four_domains(pool4, tmp_path, hot=4, mix=mix)
+    try:
+        served(b)(TEXTS[:8] * 2, FOUR * 4)                        # one window, each domain a quarter: all hot
+        for key in FOUR:
+            assert b.merged.wait(key, timeout=120), b.merged.error(key)
+        assert b.hot() == FOUR and {b.runtime(k) for k in FOUR} == {"onnx-merged"}
+        assert not any(b.all_cores(k) for k in FOUR)   # several hot: their batches take one core beside another
+        calls = _spy_merged(b, monkeypatch)
+        keys = [FOUR[i % 4] for i in range(len(TEXTS))]
+        got = served(b)(TEXTS, keys)                              # one batch mixing the four hot encoders
+        assert calls == [keys]                                    # every row on the merged sessions
+        ref = np.stack([pool4.encode([t], [k])[0] for t, k in zip(TEXTS, keys)])
+        assert cosine(got, ref).min() >= MIN_COSINE
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("mix", ["auto", "segments", "groups"])
+def test_a_slot_limit_leaves_the_rest_shared_and_a_batch_mixing_both_answers_as_torch(pool4, tmp_path,
+                                                                                      monkeypatch, mix):
+    b = _four_domains(pool4, tmp_path, hot=2, mix=mix)
+    try:
+        # 7 / 5 / 2 / 2 of 16 rows: the two busiest reach hot_share(2) = 25 %; the others do not
+        served(b)(TEXTS[:8] * 2, [FOUR[0]] * 7 + [FOUR[1]] * 5 + [FOUR[2]] * 2 + [FOUR[3]] * 2)
+        for key in FOUR[:2]:
+            assert b.merged.wait(key, timeout=120), b.merged.error(key)
+        assert b.hot() == FOUR[:2]
+        assert [b.runtime(k) for k in FOUR] == ["onnx-merged"] * 2 + ["onnx-shared"] * 2
+        calls = _spy_merged(b, monkeypatch)
+        keys = [FOUR[i % 4] for i in range(len(TEXTS))]
+        got = b.encode(TEXTS, keys)                               # not counted: the hot set stays
+        assert calls == [[k for k in keys if k in FOUR[:2]]]      # the hot rows, and only they, ran merged
+        ref = np.stack([pool4.encode([t], [k])[0] for t, k in zip(TEXTS, keys)])
+        assert cosine(got, ref).min() >= MIN_COSINE
+        # the traffic turns to the other two: the first two leave, the others take their slots
+        served(b)(TEXTS[:8] * 2, [FOUR[2]] * 8 + [FOUR[3]] * 8)
+        for key in FOUR[2:]:
+            assert b.merged.wait(key, timeout=120), b.merged.error(key)
+        assert b.hot() == FOUR[2:] and not any(b.merged.ready(k) for k in FOUR[:2])
+    finally:
+        b.close()
