@@ -62,11 +62,14 @@ def normalize_rows(x: Any, full_dim: int, what: str = "embeddings") -> np.ndarra
     if a.ndim != 2 or a.shape[1] != full_dim:
         raise InvalidInputError(f"{what} have shape {a.shape}, expected (n, {full_dim})",
                                 f"embed with the index's base model (dimension {full_dim})")
-    if not np.isfinite(a).all():
+    # np.linalg.norm(a, axis=1) computes exactly this, with more argument handling per call (every
+    # search normalises its queries). A NaN or infinity makes its row's norm non-finite, so the
+    # whole matrix is checked only then (a finite row can overflow float32 too: it passes, as before).
+    norms = np.sqrt(np.add.reduce(a * a, axis=1, keepdims=True))
+    if not np.isfinite(norms).all() and not np.isfinite(a).all():
         bad = int(np.flatnonzero(~np.isfinite(a).all(axis=1))[0])
         raise InvalidInputError(f"{what}: row {bad} has NaN or infinite values",
                                 "check the embedding model's output")
-    norms = np.linalg.norm(a, axis=1, keepdims=True)
     if (norms == 0).any():
         bad = int(np.flatnonzero(norms[:, 0] == 0)[0])
         raise InvalidInputError(f"{what}: row {bad} is all zeros", "a zero vector has no direction to compare")

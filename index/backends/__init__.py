@@ -110,3 +110,17 @@ def open_index(location: str | Path, *, read_only: bool = False, expected_space:
         return MilvusIndex.open_location(str(location), read_only=read_only, expected_space=expected_space)
     from qswap.index.backends.faiss.index import DocumentIndex
     return DocumentIndex.open(Path(location), read_only=read_only, expected_space=expected_space, verify=verify)
+
+
+def search_on_this_thread() -> None:
+    """Make every later search of a FAISS index made from the calling thread run on that thread alone.
+
+    FAISS spreads a batch of queries over OpenMP threads, one per core. A thread that searches
+    while other work holds the cores (the server's answer stage, beside the next forward pass)
+    gains nothing from that: the extra threads take cores from the forward pass and spin after
+    each search. Measured on 2 cores, one domain at 8 concurrent searches: the batch's FAISS call
+    5.1 ms with two threads; bench/results/request_overhead/edge13/ has the before and after.
+    A Milvus collection searches in its own server: nothing changes for it.
+    """
+    from qswap.index.backends.faiss.faiss_index import limit_threads
+    limit_threads(1)

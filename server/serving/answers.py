@@ -105,7 +105,7 @@ def answer_batch(jobs: list[Any], batch_requests: int, start: float, search: Sea
     for j in jobs:
         offsets.append(o)
         o += len(j.texts)
-    groups: dict[str, list[int]] = {}
+    groups: dict[str | None, list[int]] = {}
     posts = Posts()   # sent once the embeddings are ready, then once per filter group searched
     for i, j in enumerate(jobs):
         if j.vectors_only:   # an embedding request: its rows are its answer
@@ -114,8 +114,9 @@ def answer_batch(jobs: list[Any], batch_requests: int, start: float, search: Sea
             posts.add(j.loop, j.future, EmbedOutcome(np.array(emb[off:off + n], dtype=np.float32), list(j.trunc), queue_s,
                                                 j.encode_s))
             j.parts.clear()
-        else:
-            groups.setdefault(json.dumps(j.filter, sort_keys=True, default=str), []).append(i)
+        else:   # one key per distinct filter (most searches have none: no JSON to write)
+            key = None if j.filter is None else json.dumps(j.filter, sort_keys=True, default=str)
+            groups.setdefault(key, []).append(i)
     posts.flush()
     for members in groups.values():
         rows = [offsets[i] + r for i in members for r in range(len(jobs[i].texts))]
@@ -123,7 +124,8 @@ def answer_batch(jobs: list[Any], batch_requests: int, start: float, search: Sea
         with_text = any(jobs[i].with_text for i in members)
         t0 = time.perf_counter()
         try:
-            hits = search(np.ascontiguousarray(emb[rows]), kmax, jobs[members[0]].filter, with_text)
+            q = emb if len(rows) == len(emb) else np.ascontiguousarray(emb[rows])   # rows: all, in order
+            hits = search(q, kmax, jobs[members[0]].filter, with_text)
         except Exception as e:
             for i in members:
                 posts.add(jobs[i].loop, jobs[i].future, exc=e)

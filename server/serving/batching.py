@@ -74,6 +74,7 @@ import numpy as np
 
 from qswap.encoders.runtime.cancel import Cancel, cancellable
 from qswap.errors import DeadlineExceededError, NotReadyError, OverloadedError
+from qswap.index.backends import search_on_this_thread
 from qswap.server.serving.admission import Ticket
 from qswap.server.serving.answers import EmbedOutcome, SearchFn, SearchOutcome, answer_batch, post
 from qswap.server.serving.forward import EncodeFlagged, EncodeFn, ForwardStage
@@ -484,6 +485,7 @@ class MicroBatcher:
     def _answer_loop(self, inbox: queue.Queue) -> None:
         """Stage 3: search and answer the requests each forward pass completed (``inbox``: the
         first lane's or the bulk lane's)."""
+        search_on_this_thread()   # its searches run beside a forward pass: one core each
         while True:
             item = inbox.get()
             if item is STOP:

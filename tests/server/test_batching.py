@@ -118,6 +118,28 @@ def test_batcher_one_search_per_distinct_filter():
     assert [len(o.hits[0]) for o in outs] == [1, 3, 2]
 
 
+def test_batcher_searches_on_one_openmp_thread():
+    """The answer stage runs beside the next forward pass: FAISS must not spread its searches
+    over the cores that pass holds (its OpenMP threads are a setting of the calling thread)."""
+    import faiss
+
+    seen: list[int] = []
+    control: list[int] = []
+    enc, _ = _fake([])
+
+    def search(q, k, flt, with_text):
+        seen.append(faiss.omp_get_max_threads())
+        return [[] for _ in q]
+    t = threading.Thread(target=lambda: control.append(faiss.omp_get_max_threads()))
+    t.start()
+    t.join()
+    if control[0] < 2:
+        pytest.skip("one OpenMP thread is this machine's default: nothing to limit")
+    with running(encode=enc, search=search, adaptive=False) as b:
+        _run(b.search(["x", "yy"], "k", 2, ticket=Ticket()))
+    assert seen == [1]
+
+
 def test_batcher_respects_max_batch_and_runs_calls_on_the_writes_thread():
     calls: list = []
     enc, srch = _fake(calls)

@@ -14,9 +14,11 @@ up to date incrementally and recomputed when an index is opened.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import re
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from qswap.index.errors import IndexCorruptError
 from qswap.errors import InvalidInputError
@@ -49,6 +52,7 @@ CREATE INDEX IF NOT EXISTS docs_id ON docs(id);
 CREATE TABLE IF NOT EXISTS info (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
+_LONG_DIGITS = re.compile(r"[0-9]{19}")   # an integer that may not fit 64 bits (see meta_of)
 _LIVE = "added_gen <= ? AND (deleted_gen IS NULL OR deleted_gen > ?)"
 
 Scalar = str | int | float | bool
@@ -57,6 +61,25 @@ Scalar = str | int | float | bool
 def meta_json(metadata: dict[str, Any]) -> str:
     """Canonical JSON of a metadata object (what is stored and hashed)."""
     return json.dumps(metadata, sort_keys=True, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def meta_of(stored: str) -> dict[str, Any]:
+    """The metadata object of its stored JSON (:func:`meta_json`).
+
+    orjson reads the ten objects of a search's hits in a fifth of ``json.loads``'s time, to the
+    same values, except integers beyond 64 bits, which it reads as floats: JSON holding a run
+    of 19 digits or more is read by ``json.loads``, as before.
+    """
+    if _LONG_DIGITS.search(stored):
+        return json.loads(stored)
+    return orjson.loads(stored)
+
+
+@functools.lru_cache(maxsize=64)
+def _fetch_sql(n: int, with_text: bool) -> str:
+    """The SELECT of :meth:`DocStore.fetch` for ``n`` rows (built once per size)."""
+    cols = "row, id, text, meta" if with_text else "row, id, NULL, meta"
+    return f"SELECT {cols} FROM docs WHERE row IN ({','.join('?' * n)}) AND {_LIVE}"
 
 
 def record_hash(row: int, doc_id: str, text: str, meta: str) -> int:
@@ -194,12 +217,10 @@ class DocStore:
     def fetch(self, rows: Iterable[int], gen: int, with_text: bool = True
               ) -> dict[int, tuple[str, str | None, dict[str, Any]]]:
         """row -> (id, text or None, metadata) for the live rows among ``rows``."""
-        cols = "row, id, text, meta" if with_text else "row, id, NULL, meta"
         out: dict[int, tuple[str, str | None, dict[str, Any]]] = {}
         for part in _chunks([int(r) for r in rows]):
-            q = f"SELECT {cols} FROM docs WHERE row IN ({','.join('?' * len(part))}) AND {_LIVE}"
-            for row, doc_id, text, meta in self._query(q, (*part, gen, gen)):
-                out[int(row)] = (doc_id, text, json.loads(meta))
+            for row, doc_id, text, meta in self._query(_fetch_sql(len(part), with_text), (*part, gen, gen)):
+                out[row] = (doc_id, text, meta_of(meta))
         return out
 
     def records(self, rows: Iterable[int], gen: int) -> list[tuple[int, str, str, str]]:

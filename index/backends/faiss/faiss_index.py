@@ -183,6 +183,12 @@ def bitmap_selector(rows: np.ndarray, universe: int, exclude: bool = False) -> S
     return Selector(faiss.IDSelectorNot(inner), [bits, inner])
 
 
+def limit_threads(n: int) -> None:
+    """At most ``n`` OpenMP threads for the FAISS calls the calling thread makes from now on
+    (OpenMP's thread count is a setting of each thread)."""
+    faiss.omp_set_num_threads(max(1, int(n)))
+
+
 def search(index: faiss.Index, queries: np.ndarray, k: int, config: IndexConfig,
            selector: Selector | None = None) -> tuple[np.ndarray, np.ndarray]:
     """One batched FAISS search; scores are inner products (L2 results are converted)."""

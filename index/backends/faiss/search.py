@@ -135,6 +135,13 @@ class SearchMixin:
         return out_r, out_s
 
     def _rescore(self, q: np.ndarray, cands: list[np.ndarray], k: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        if len(cands) == 1:
+            # One query (every search of a one-query request): its candidates' vectors in its
+            # order, the same rows the general path picks out of the batch's (same scores).
+            c = cands[0]
+            s = self._store.gather(c) @ q[0]
+            order = np.lexsort((c, -s))[:k]
+            return [c[order]], [s[order]]
         allrows = np.unique(np.concatenate(cands)) if cands else np.zeros(0, np.int64)
         vecs = self._store.gather(allrows)
         out_r, out_s = [], []
@@ -170,14 +177,15 @@ class SearchMixin:
         return out_r, out_s
 
     def _hits(self, rows: list[np.ndarray], scores: list[np.ndarray], with_text: bool) -> list[list[Hit]]:
-        allrows = np.unique(np.concatenate(rows)) if rows else np.zeros(0, np.int64)
-        recs = self._docs.fetch(allrows.tolist(), self._gen, with_text)
+        # One query's rows need no np.unique (the store returns each row once anyway).
+        wanted = rows[0] if len(rows) == 1 else np.unique(np.concatenate(rows)) if rows else np.zeros(0, np.int64)
+        recs = self._docs.fetch(wanted.tolist(), self._gen, with_text)
         out = []
         for r, s in zip(rows, scores):
             hits = []
             for row, score in zip(r.tolist(), s.tolist()):
                 rec = recs.get(row)
                 if rec is not None:  # a row FAISS returned is always live; guard anyway
-                    hits.append(Hit(rec[0], float(score), rec[1], rec[2]))
+                    hits.append(Hit(rec[0], score, rec[1], rec[2]))
             out.append(hits)
         return out
