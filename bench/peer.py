@@ -304,7 +304,8 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
         out["qswap_retimed"], out["qswap_built_during_timing"] = settled["retimed"], settled["built_during"]
         out["qswap_retimed_for"] = settled["thrown_for"]
         out["qswap_warming_after"] = http_json("GET", qs.url("/readyz"))[1].get("warming", [])
-        out["rss_bytes"] = {"qswap": qs.rss(), **({"infinity": inf.rss()} if inf is not None else {})}
+        out["rss_bytes"] = {"qswap": qs.rss(), **({"infinity": inf.rss()} if inf is not None else {}),
+                            **({"qswap_hot_off": off.rss()} if hot and hot_off_arm else {})}
     return out
 
 
@@ -460,6 +461,8 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
         rss = sc["rss_bytes"]
         mem.append([sc["label"], rss["qswap"] / mib, rss["infinity"] / mib if "infinity" in rss else "",
                     f"{im['served']} of {im['of']}" if im else ""])
+        if "qswap_hot_off" in rss:   # the same encoders on a server with --hot-encoders 0: what hot sessions cost
+            mem.append([f"{sc['label']}, qswap hot off", rss["qswap_hot_off"] / mib, "", ""])
         if "agreement" in sc:
             g = sc["agreement"]
             agree.append(f"{sc['label']}: min cosine {g['min_cosine']:.7f} over {g['queries']} queries x "

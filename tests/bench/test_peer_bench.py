@@ -50,6 +50,7 @@ def test_qswap_arms_run_and_infinity_is_skipped_with_a_reason(tiny_model_dir, tm
                 assert p["failed"] == 0 and p["ok"] > 0 and p["qps"] > 0
                 assert 0 < p["p50_ms"] <= p["p99_ms"] and len(p["loadavg"]) == 3
         assert res["scenarios"][sc]["rss_bytes"]["qswap"] > 0
+        assert res["scenarios"][sc]["rss_bytes"]["qswap_hot_off"] > 0   # what hot sessions cost, beside
         assert "agreement" not in res["scenarios"][sc] and res["scenarios"][sc]["vs_infinity"] == {}
     for sc in ("one", "many"):
         for c in ("1", "4"):
@@ -58,6 +59,7 @@ def test_qswap_arms_run_and_infinity_is_skipped_with_a_reason(tiny_model_dir, tm
         assert res["scenarios"][sc]["qswap_hot_wait_s"] >= 0
     md = (out / "README.md").read_text()
     assert "Infinity skipped: cannot create" in md and "| one domain | 4 | qswap embeddings |" in md
+    assert "| one domain, qswap hot off |" in md
     assert "hot encoder on / off" in md
     assert (out / "qps.png").stat().st_size > 0 and (out / "p99.png").stat().st_size > 0
 
