@@ -13,7 +13,7 @@ For each batch size (``--mixed-batches``) the arms run side by side, interleaved
   the same with every slot emptied before each call (what a call whose encoders all changed pays);
 - ``auto k=K``: ``mix="auto"``, segments only when the groups are small
   (:func:`qswap.encoders.runtime.shared_run.segment_groups`);
-- ``hot k=K`` (K up to :data:`qswap.encoders.runtime.hot.DEFAULT_HOT`): every one of the K
+- ``hot k=K`` (K up to :data:`qswap.encoders.runtime.hot.FEW_DOMAINS_HOT`): every one of the K
   encoders hot, the batch run as one call per encoder group, each on that encoder's own merged
   session, one after another (what a server whose K encoders are all hot runs).
 
@@ -45,7 +45,7 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
         progress: Callable[[int, str], tuple[Any, Any]]) -> dict[str, Any]:
     """Measure the mixed-batch arms; returns a dict for ``results.json["mixed"]``."""
     from qswap.bench.stats import interleaved, percentile, ratio_summary
-    from qswap.encoders.runtime.hot import DEFAULT_HOT
+    from qswap.encoders.runtime.hot import FEW_DOMAINS_HOT
     from qswap.encoders.runtime.onnx import OnnxBackend
     from qswap.encoders.runtime.shared import SharedBackend
     from qswap.factors import SERVING_FACTORS
@@ -72,7 +72,7 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
         raise RuntimeError(f"shared export failed: {segments.error(keys[0])}")
     for k in keys:
         auto.prepare(k)
-    hot_ks = [k for k in encoders if 1 < k <= DEFAULT_HOT]
+    hot_ks = [k for k in encoders if 1 < k <= FEW_DOMAINS_HOT]
     for k in keys[:max([1, *hot_ks])]:
         merged.prepare(k)
     if not auto.wait(keys[0], timeout=1800):

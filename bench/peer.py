@@ -32,8 +32,8 @@ Timing starts once qswap builds nothing more in the background
 ``GET /readyz`` until its ``warming`` list is empty, again until a round starts no build): the
 segment graph and the mixed-batch session are built only once batches mix encoders. A timing
 during which a qswap server still started one is run again once it is built
-(:func:`qswap.bench.fixtures.time_settled`). With one domain, or as many as the server's default
-hot encoders (four), each encoder serves a fair share of the rows, so the shared backend makes
+(:func:`qswap.bench.fixtures.time_settled`). With one domain, or as many as ``--hot-encoders``
+(default: the server's, one), each encoder serves a fair share of the rows, so the shared backend makes
 every one *hot* (:mod:`qswap.encoders.runtime.hot`: its rows run on a merged graph of their own):
 timing starts once they are. ``--hot-off-arm`` adds a fourth arm in those scenarios, qswap's
 search route on a second server started with ``--hot-encoders 0``, to show what hot encoders
@@ -105,8 +105,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--infinity-memory", type=float, default=None, metavar="MIB",
                    help="memory Infinity's models may take, in MiB (default: what is available when it starts, "
                         "less a reserve for the rest of the machine); it loads as many as fit")
+    p.add_argument("--hot-encoders", type=int, default=DEFAULT_HOT, metavar="N",
+                   help=f"qswap's --hot-encoders (default {DEFAULT_HOT}, the server's); a scenario of at most N "
+                        "domains waits until every encoder runs hot before timing")
     p.add_argument("--hot-off-arm", action="store_true",
-                   help="one domain, and several up to the default hot encoders: also time qswap's search on a "
+                   help="one domain, and several up to --hot-encoders: also time qswap's search on a "
                         "second server with --hot-encoders 0")
     p.add_argument("--mix-arm", choices=("auto", "groups", "segments"), default=None,
                    help="several domains: also time qswap's search on a second server with --mixed-batches MODE")
@@ -211,7 +214,8 @@ class _Infinity:
 
 def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: Path, enc_root: Path,
               model: str, backend: str, infinity: _Infinity | None, prefix: str,
-              tmp: Path, hot_off_arm: bool = False, mix_arm: str | None = None) -> dict[str, Any]:
+              tmp: Path, hot_off_arm: bool = False, mix_arm: str | None = None,
+              hot_slots: int = DEFAULT_HOT) -> dict[str, Any]:
     """Start both servers for ``n_dom`` domains, check agreement, measure every arm at every level."""
     from qswap.bench.fixtures import (embedding_requests, qswap_server, register, search_requests, time_settled,
                                       wait_for_runtime, warm_until_settled)
@@ -226,7 +230,8 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
     warm_n = 8 if opts.quick else max(64, 8 * top)
     with ExitStack() as stack:
         qs = stack.enter_context(qswap_server(idx_dir, enc_root, tmp / f"state-{n_dom}", tmp / f"qswap-{n_dom}.log",
-                                              model=model, extra=["--backend", backend]))
+                                              model=model, extra=["--backend", backend,
+                                                                         "--hot-encoders", str(hot_slots)]))
         for d in domains:
             register(qs, f"{d}-1")
         out["qswap_runtime_wait_s"] = wait_for_runtime(qs, ["base", *keys],
@@ -236,7 +241,7 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
             "qswap embeddings": (qs.port, embedding_requests(work.queries, keys))}
         servers = {"qswap": {"command": qs.command, "start_s": qs.start_seconds}}
         qswaps = [qs]   # the qswap servers timed: none may build while timing (time_settled)
-        hot = n_dom <= DEFAULT_HOT and backend == "shared"
+        hot = 0 < n_dom <= hot_slots and backend == "shared"
         if hot:   # each encoder serves a fair share of the rows: it runs merged once a window of rows says so
             warm_up(qs.port, arms["qswap search"][1], concurrency=4, requests=HOT_WARM_ROWS, duration_s=120)
             out["qswap_hot_wait_s"] = wait_for_runtime(qs, keys, "onnx")
@@ -256,7 +261,8 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
         if mix_arm is not None and n_dom > 1:
             mixed = stack.enter_context(qswap_server(idx_dir, enc_root, tmp / f"state-mix-{n_dom}",
                                                      tmp / f"qswap-mix-{n_dom}.log", model=model,
-                                                     extra=["--backend", backend, "--mixed-batches", mix_arm]))
+                                                     extra=["--backend", backend, "--mixed-batches", mix_arm,
+                                                            "--hot-encoders", str(hot_slots)]))
             for d in domains:
                 register(mixed, f"{d}-1")
             wait_for_runtime(mixed, ["base", *keys], "onnx-shared" if backend == "shared" else backend)
@@ -371,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
         res["scenarios"][tag] = _scenario(label, n, opts=opts, work=work, idx_dir=idx_dir, enc_root=enc_root,
                                           model=args.model, backend=args.backend, infinity=infinity,
                                           prefix=prefix, tmp=dirs.tmp, hot_off_arm=args.hot_off_arm,
-                                          mix_arm=args.mix_arm)
+                                          mix_arm=args.mix_arm, hot_slots=args.hot_encoders)
     _summarise(res)
     _write(dirs, res)
     dirs.clean_scratch()

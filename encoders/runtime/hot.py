@@ -32,11 +32,15 @@ HOT_SHARE = 0.5
 #: Served rows per decision: a few seconds of a loaded server, long enough that a burst of one
 #: encoder's requests does not export a graph it will not keep.
 HOT_WINDOW_ROWS = 512
-#: Merged sessions kept for hot encoders (each holds the base's transformer weights again: ~85 MB
-#: for multilingual-e5-small); 0 turns hot encoders off. Four: a server of up to four busy domains
-#: runs every one of them merged, for at most ~340 MB whatever the number of encoders loaded
-#: (bench/results/peer_hot/).
-DEFAULT_HOT = 4
+#: Merged sessions kept for hot encoders by default; 0 turns hot encoders off. Each holds the base's
+#: transformer weights again (105-115 MB of RSS for multilingual-e5-small, bench/results/peer/:
+#: "qswap hot off" rows). One: a one-domain server gains at low concurrency (1.17x QPS at c=1 in
+#: that run), while four equal domains all hot gained 1.07x at c=1 and lost at c=8 and c=32
+#: (0.93x, 0.99x) for +462 MB, so more slots are an option (``--hot-encoders 4``), not the default.
+DEFAULT_HOT = 1
+#: Slots a server of a few busy domains would set (``--hot-encoders 4``): the mixed-batch
+#: benchmark's ``hot k=K`` arms go up to this many encoders.
+FEW_DOMAINS_HOT = 4
 
 
 def hot_share(slots: int) -> float:

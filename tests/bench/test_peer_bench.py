@@ -28,8 +28,10 @@ def test_qswap_arms_run_and_infinity_is_skipped_with_a_reason(tiny_model_dir, tm
     (tmp_path / "a-file").write_text("")
     out = tmp_path / "peer"
     # A venv that cannot be made: the benchmark says why in one line and measures qswap alone. The
-    # hot-off arm rides along (one run of the bench, not two: its servers' start dominates).
-    assert _quick(tiny_model_dir, out, "--infinity-venv", str(tmp_path / "a-file" / "venv"), "--hot-off-arm") == 0
+    # hot-off arm rides along (one run of the bench, not two: its servers' start dominates), with
+    # two hot slots so that the two domains of `many` both run hot.
+    assert _quick(tiny_model_dir, out, "--infinity-venv", str(tmp_path / "a-file" / "venv"), "--hot-off-arm",
+                  "--hot-encoders", "2") == 0
     err = capsys.readouterr().err
     assert "qswap bench peer: Infinity skipped: cannot create" in err and "Traceback" not in err
     doc = json.loads((out / "results.json").read_text())
@@ -42,7 +44,7 @@ def test_qswap_arms_run_and_infinity_is_skipped_with_a_reason(tiny_model_dir, tm
         for c in ("1", "4"):
             arms = _points(res, sc)[c]
             # The hot-off arm: a second server with hot encoders off, beside the hot one, in both
-            # scenarios (two domains are no more than the default hot encoders: both run hot).
+            # scenarios (two domains are no more than --hot-encoders 2: both run hot).
             assert set(arms) == {"qswap search", "qswap embeddings", peer.HOT_OFF}
             for pts in arms.values():
                 assert len(pts) == 1

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
-from qswap.encoders.runtime.hot import DEFAULT_HOT, HOT_SHARE, HotEncoders, hot_share
+from qswap.encoders.runtime.hot import DEFAULT_HOT, FEW_DOMAINS_HOT, HOT_SHARE, HotEncoders, hot_share
 from qswap.encoders.runtime.protocol import served, served_single
 from qswap.encoders.runtime.shared import SharedBackend
 from qswap.errors import InvalidInputError
@@ -31,9 +31,11 @@ def test_even_traffic_over_more_than_twice_the_slots_makes_no_encoder_hot():
     assert hot.keys() == set()
 
 
-def test_four_equal_domains_are_all_hot_with_the_default_slots():
-    assert DEFAULT_HOT >= 4 and hot_share(DEFAULT_HOT) <= 0.25
-    hot = HotEncoders(window=16)
+def test_four_equal_domains_are_none_hot_by_default_and_all_hot_with_four_slots():
+    # The default keeps one merged session: for the encoder with half the rows, not for one of four.
+    assert HotEncoders(window=16).count(["a", "b", "c", "d"] * 4, ALL) == ([], [])
+    assert DEFAULT_HOT == 1 and FEW_DOMAINS_HOT == 4 and hot_share(FEW_DOMAINS_HOT) <= 0.25
+    hot = HotEncoders(slots=FEW_DOMAINS_HOT, window=16)
     assert hot.count(["a", "b", "c", "d"] * 4, ALL) == (["a", "b", "c", "d"], [])
     assert hot.keys() == {"a", "b", "c", "d"}
     assert hot.count(["a", "b", "c", "d"] * 4, ALL) == ([], [])          # still equal: nothing changes
