@@ -414,15 +414,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _slope(full: list[dict[str, Any]], reading: Any) -> tuple[float | None, dict[str, float]]:
-    """RSS per encoder between two points (``full``, all loaded) and the same per kind of page, of the
-    readings ``reading(point)`` picks; ``(None, {})`` without two such readings."""
-    if len(full) != 2 or reading(full[0]) is None or reading(full[1]) is None:
-        return None, {}
-    a, b = reading(full[0]), reading(full[1])
-    n = full[1]["encoders"] - full[0]["encoders"]
-    # Anonymous memory is what the encoders hold; file pages (mapped libraries and weights) come
-    # and go with the page cache, not with the count.
+def _slope(a: dict[str, Any], b: dict[str, Any], n: int) -> tuple[float, dict[str, float]]:
+    """RSS per encoder from reading ``a`` to reading ``b`` (``n`` encoders apart), and the same per kind
+    of page. Anonymous memory is what the encoders hold; file pages (mapped libraries and weights)
+    come and go with the page cache, not with the count."""
     return (b["rss"] - a["rss"]) / n, {k: (v - a.get("rss_parts", {}).get(k, 0)) / n
                                        for k, v in b.get("rss_parts", {}).items()}
 
@@ -444,8 +439,12 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
     rss_target = first["rss"] + fixed + last["loaded"] * counted
     # Per encoder, where every encoder is loaded and the fixed costs are in: the two largest such counts.
     full = [p for p in pts if p["encoders"] == p["loaded"] and p["encoders"] >= SMALL][-2:]
-    slope, slope_parts = _slope(full, lambda p: p)                 # serving: each ran
-    slope_idle, slope_idle_parts = _slope(full, lambda p: p.get("loaded_only"))   # loaded, not yet run
+    slope, slope_parts, slope_idle, slope_idle_parts = None, {}, None, {}
+    if len(full) == 2:
+        n = full[1]["encoders"] - full[0]["encoders"]
+        slope, slope_parts = _slope(full[0], full[1], n)   # serving: every encoder ran at both
+        if "loaded_only" in full[1]:   # the new ones loaded, not yet run, over the last reading
+            slope_idle, slope_idle_parts = _slope(full[0], full[1]["loaded_only"], n)
     s_small, s_last = res["side_by_side"][str(SMALL)], res["side_by_side"][str(last["encoders"])]
     reg_ratio = s_last["registration_p50_ms"] / s_small["registration_p50_ms"]
     search_ratio = {arm: s_last["search"]["p50"][arm]["client"] / s_small["search"]["p50"][arm]["client"]
@@ -512,7 +511,8 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
           f"**{(slope or 0) / MIB:.2f} MiB** <= {TARGET_COUNT:.2f}x the "
           f"{counted / MIB:.2f} MiB counted: {_verdict(sm['count_ok'])} ({(sm['count_ratio'] or 0):.2f}x)"
           + _parts(slope_parts) + "\n"
-          f"- the same slope read before the newest encoders ran (registered, attached and bound, never searched): "
+          f"- the same encoders before they ran (registered, attached and bound to the shared graph, never "
+          f"searched; RSS({full[-1]['encoders']}) before its new encoders ran - RSS({full[0]['encoders']})): "
           f"{(slope_idle or 0) / MIB:.2f} MiB" + _parts(slope_idle_parts) + "\n"
           f"- restart with {last['encoders']} registered: **{restart['start_s']:.2f} s** to ready (first start "
           f"with none: {res['server']['start_s']:.2f} s; {restart['listed']} encoders listed after it, paged 250 "
