@@ -6,9 +6,11 @@ bound per run) over the benchmark index, with an encoder memory budget of ``--lo
 non-zero so each really changes the forward) one after another over HTTP, up to 1,000
 (``--counts``). Beyond the budget the server's LRU detaches the least recently used ones, so
 the newest ``--loaded`` stay attached. At every count the newest encoders are waited for until
-they run on the shared runtime and used by searches, then the server's RSS (also by kind of
-page: anonymous, mapped files, shared memory) and PSS are read from ``/proc`` and the listing is
-timed (whole, and one page of 100).
+they run on the shared runtime and the server builds nothing in the background, and the server's
+RSS is read (the encoders loaded, the new ones not yet run); then every loaded encoder serves
+searches (each at least once, in batches that mix them, until no build starts), and the RSS
+(also by kind of page: anonymous, mapped files, shared memory) and PSS are read from ``/proc``
+again and the listing is timed (whole, and one page of 100).
 
 What must not grow with the number of encoders is measured at the largest count against the
 small one (10) on two servers side by side: once the first holds the largest count, a second one
@@ -41,8 +43,9 @@ mix encoders and what a loaded encoder costs beyond its factors:
   call buffers: :data:`~qswap.encoders.runtime.shared_segments.MAX_SEGMENTS` adapters' factors;
   with half-precision factors, the float32 copies of the factors served last, capped at
   :data:`~qswap.encoders.runtime.shared_run.WIDE_BYTES`) + loaded x the counted bytes per encoder;
-- **count**: the RSS each encoder adds while every encoder is loaded (the slope between the two
-  largest counts that are all loaded, the fixed costs already in both) <= 1.10x the counted
+- **count**: the RSS each serving encoder adds while every encoder is loaded (the slope between
+  the two largest counts that are all loaded, every encoder run, the fixed costs already in both;
+  the same slope before the new encoders ran is reported beside it) <= 1.10x the counted
   bytes per encoder, so the budget holds what it says; the same slope per kind of page says
   where the rest lives (an encoder's factors are anonymous memory).
 """
@@ -61,7 +64,8 @@ from pathlib import Path
 from typing import Any
 
 from qswap.bench.fixtures import (MODEL, index_meta, load_space_base, load_workload, lora_encoders, qswap_server,
-                                  register, search_requests, stamped_index, wait_for_runtime)
+                                  register, search_requests, stamped_index, wait_for_runtime, wait_until_built,
+                                  warm_until_settled)
 from qswap.bench.load_options import LOAD_HOST, ByMode, RunDirs, warm_up
 from qswap.bench.loadgen import Request, run_load_sync
 from qswap.bench.plots import plot_lines
@@ -84,6 +88,10 @@ TARGET_COUNT = 1.10
 # at 1,000 it had been evicted and loaded again, which starts its share afresh.
 NO_HOT = ["--hot-encoders", "0"]
 TARGET_SAME = 1.10
+# Serving every loaded encoder before a reading: at least this many searches, on this many
+# connections (so batches mix encoders and the runtimes built for mixed batches are in from the start).
+SERVE_MIN = 16
+SERVE_CONCURRENCY = 4
 TARGET_RESTART_S = 10.0
 
 
@@ -212,10 +220,10 @@ def _probe(srv: ServerProcess, probes: list[str]) -> list[float]:
     return times
 
 
-def _grow(srv: ServerProcess, work: Any, names: list[tuple[str, str]], done: int, count: int,
-          loaded: int) -> list[float]:
-    """Register ``names[done:count]`` one by one (seconds each, returned), wait until the newest
-    run on the shared graph, and let the newest ``loaded`` (those the budget keeps) serve searches."""
+def _grow(srv: ServerProcess, names: list[tuple[str, str]], done: int, count: int, loaded: int) -> list[float]:
+    """Register ``names[done:count]`` one by one (seconds each, returned), then wait until the newest
+    run on the shared graph and the server builds nothing in the background (a graph being built
+    holds transient memory that an RSS reading would take for the encoders')."""
     t0 = time.perf_counter()
     took = []
     for i, (n, v) in enumerate(names[done:count]):
@@ -223,11 +231,27 @@ def _grow(srv: ServerProcess, work: Any, names: list[tuple[str, str]], done: int
         took.append(dt)
         if (done + i + 1) % 100 == 0:
             print(f"  {done + i + 1} registered ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-    newest = [f"{n}@{v}" for n, v in names[max(0, count - min(loaded, count)):count]]
     fresh = [f"{n}@{v}" for n, v in names[done:count]][-loaded:]
     wait_for_runtime(srv, fresh, "onnx-shared")
-    warm_up(srv.port, search_requests(work.queries, newest), concurrency=2, requests=max(16, 2 * len(newest)))
+    wait_until_built(srv)
     return took
+
+
+def _serve_loaded(srv: ServerProcess, work: Any, names: list[tuple[str, str]], count: int, loaded: int) -> int:
+    """Run every loaded encoder (the newest ``loaded`` of the first ``count``: those the budget keeps)
+    through searches, each at least once, with batches that mix them, until the server builds nothing
+    more in the background; returns the searches sent. What an encoder holds once it serves (its
+    bindings, the float32 copy of its factors) is only there after it ran."""
+    newest = [f"{n}@{v}" for n, v in names[max(0, count - min(loaded, count)):count]]
+    requests = max(SERVE_MIN, len(newest))
+    got = warm_until_settled(srv, search_requests(work.queries, newest), concurrency=SERVE_CONCURRENCY,
+                             requests=requests)
+    return got["rounds"] * requests
+
+
+def _memory(srv: ServerProcess) -> dict[str, Any]:
+    """The server's RSS, PSS and RSS by kind of page now (``/proc``)."""
+    return {"rss": srv.rss(), "pss": srv.pss(), "rss_parts": srv.rss_parts()}
 
 
 def _proc_counters(srv: ServerProcess) -> dict[str, float]:
@@ -346,26 +370,30 @@ def run(args: argparse.Namespace) -> int:
         res["rss_no_encoder"], res["pss_no_encoder"] = srv.rss(), srv.pss()
         done = 0
         for count in counts:
-            res["registration_s"] += _grow(srv, work, names, done, count, loaded)
+            res["registration_s"] += _grow(srv, names, done, count, loaded)
             done = count
+            # Twice: loaded only (registered, attached, bound to the shared graph), then serving.
+            before = _memory(srv)
+            served = _serve_loaded(srv, work, names, count, loaded)
             listing, list_s = _timed_get(srv, "/v1/encoders")
             _, page_s = _timed_get(srv, f"/v1/encoders?limit={PAGE}&after=s5")
-            point = {"encoders": count, "rss": srv.rss(), "pss": srv.pss(), "rss_parts": srv.rss_parts(),
+            point = {"encoders": count, **_memory(srv), "loaded_only": before, "searches_served": served,
                      "loaded": sum(1 for e in listing["encoders"] if e["key"] != "base" and e["loaded"]),
                      "list_all_ms": list_s * 1000, "list_page_ms": page_s * 1000,
                      "list_all_bytes": len(json.dumps(listing))}
             reported = [e["memory_bytes"] for e in listing["encoders"] if e["key"] != "base" and e["loaded"]]
             point["reported_bytes_mean"] = sum(reported) / max(len(reported), 1)
             res["points"].append(point)
-            print(f"{count} encoders: RSS {point['rss'] / MIB:.0f} MiB, {point['loaded']} loaded, "
-                  f"listing {point['list_all_ms']:.0f} ms", file=sys.stderr)
+            print(f"{count} encoders: RSS {point['rss'] / MIB:.0f} MiB serving, {before['rss'] / MIB:.0f} MiB "
+                  f"loaded only, {point['loaded']} loaded, listing {point['list_all_ms']:.0f} ms", file=sys.stderr)
         # The smallest count on a second server of its own, beside this one: both measured in turn.
         small = qswap_server(idx_dir, root, dirs.tmp / "state-small", dirs.tmp / "small.log", model=args.model,
                              extra=["--lora-factors", factors, "--encoder-memory-mb", str(budget_mib), *NO_HOT])
         with small:
             wait_for_runtime(small, ["base"], "onnx-shared")
             warm_up(small.port, search_requests(work.queries, ["base"]), concurrency=2, requests=32)
-            _grow(small, work, names, 0, SMALL, loaded)
+            _grow(small, names, 0, SMALL, loaded)
+            _serve_loaded(small, work, names, SMALL, loaded)
             res["side_by_side"] = {str(c): v for c, v in _side_by_side(
                 {SMALL: small, counts[-1]: srv}, work, [f"{n}-{v}" for n, v in probe_names], n_req, rounds).items()}
         res["points"][-1]["rss_after_probes"] = srv.rss()
@@ -386,6 +414,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _slope(a: dict[str, Any], b: dict[str, Any], n: int) -> tuple[float, dict[str, float]]:
+    """RSS per encoder from reading ``a`` to reading ``b`` (``n`` encoders apart), and the same per kind
+    of page. Anonymous memory is what the encoders hold; file pages (mapped libraries and weights)
+    come and go with the page cache, not with the count."""
+    return (b["rss"] - a["rss"]) / n, {k: (v - a.get("rss_parts", {}).get(k, 0)) / n
+                                       for k, v in b.get("rss_parts", {}).items()}
+
+
+def _parts(parts: dict[str, float]) -> str:
+    return (" (by kind of page: " + ", ".join(f"{k} {v / MIB:.2f} MiB" for k, v in parts.items()) + ")"
+            if parts else "")
+
+
 def _verdict(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
@@ -398,11 +439,12 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
     rss_target = first["rss"] + fixed + last["loaded"] * counted
     # Per encoder, where every encoder is loaded and the fixed costs are in: the two largest such counts.
     full = [p for p in pts if p["encoders"] == p["loaded"] and p["encoders"] >= SMALL][-2:]
-    slope = (full[1]["rss"] - full[0]["rss"]) / (full[1]["encoders"] - full[0]["encoders"]) if len(full) == 2 else None
-    # The same slope per kind of page: anonymous memory is what the encoders hold; file pages
-    # (mapped libraries and weights) come and go with the page cache, not with the count.
-    slope_parts = ({k: (full[1]["rss_parts"][k] - full[0]["rss_parts"].get(k, 0)) / (full[1]["encoders"] - full[0]["encoders"])
-                    for k in full[1].get("rss_parts", {})} if len(full) == 2 else {})
+    slope, slope_parts, slope_idle, slope_idle_parts = None, {}, None, {}
+    if len(full) == 2:
+        n = full[1]["encoders"] - full[0]["encoders"]
+        slope, slope_parts = _slope(full[0], full[1], n)   # serving: every encoder ran at both
+        if "loaded_only" in full[1]:   # the new ones loaded, not yet run, over the last reading
+            slope_idle, slope_idle_parts = _slope(full[0], full[1]["loaded_only"], n)
     s_small, s_last = res["side_by_side"][str(SMALL)], res["side_by_side"][str(last["encoders"])]
     reg_ratio = s_last["registration_p50_ms"] / s_small["registration_p50_ms"]
     search_ratio = {arm: s_last["search"]["p50"][arm]["client"] / s_small["search"]["p50"][arm]["client"]
@@ -411,6 +453,8 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
     res["summary"] = {"rss_target_bytes": rss_target, "rss_last_bytes": last["rss"],
                       "rss_ok": last["rss"] <= rss_target, "rss_per_loaded_encoder_bytes": slope,
                       "rss_per_loaded_encoder_parts_bytes": slope_parts,
+                      "rss_per_loaded_encoder_not_run_bytes": slope_idle,
+                      "rss_per_loaded_encoder_not_run_parts_bytes": slope_idle_parts,
                       "count_ratio": slope / counted if slope is not None else None,
                       "count_ok": slope is not None and slope <= TARGET_COUNT * counted, "registration_p50_ratio": reg_ratio,
                       "registration_ok": reg_ratio <= TARGET_SAME, "search_p50_ratio": search_ratio,
@@ -418,9 +462,11 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
                       "restart_s": restart["start_s"], "restart_ok": restart["start_s"] <= TARGET_RESTART_S}
     sm = res["summary"]
     rows = [[p["encoders"], p["loaded"], p["rss"] / MIB, (p["pss"] or 0) / MIB, (p["rss"] - first["rss"]) / MIB,
+             p["loaded_only"]["rss"] / MIB if "loaded_only" in p else "-",
              p["list_all_ms"], p["list_page_ms"], p["list_all_bytes"] / 1024] for p in pts]
-    table = md_table(["LoRA encoders registered", "loaded", "RSS MiB", "PSS MiB", "RSS growth since 1 (MiB)",
-                      "GET /v1/encoders ms (all)", f"ms (page of {PAGE})", "listing KiB"], rows)
+    table = md_table(["LoRA encoders registered", "loaded", "RSS MiB (serving)", "PSS MiB", "RSS growth since 1 (MiB)",
+                      "RSS MiB before the new ones ran", "GET /v1/encoders ms (all)", f"ms (page of {PAGE})",
+                      "listing KiB"], rows)
     same_rows = [["registration (HTTP, p50 ms)", f"{s_small['registration_p50_ms']:.1f}",
                   f"{s_last['registration_p50_ms']:.1f}", f"**{reg_ratio:.3f}x**"]]
     for arm, label in (("lora", "search by encoder name, client p50 ms"), ("base", "search with the base, client p50 ms")):
@@ -461,10 +507,13 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
           f"- RSS with {last['encoders']} registered, {last['loaded']} loaded: **{last['rss'] / MIB:.0f} MiB** <= "
           f"RSS(1) {first['rss'] / MIB:.0f} MiB + fixed {fixed / MIB:.0f} MiB ({fixed_parts}) + {last['loaded']} x "
           f"{counted / MIB:.2f} MiB counted = {rss_target / MIB:.0f} MiB: {_verdict(sm['rss_ok'])}\n"
-          f"- RSS per loaded encoder ({slope_span}): **{(slope or 0) / MIB:.2f} MiB** <= {TARGET_COUNT:.2f}x the "
+          f"- RSS per serving encoder ({slope_span}; every loaded encoder searched before each reading): "
+          f"**{(slope or 0) / MIB:.2f} MiB** <= {TARGET_COUNT:.2f}x the "
           f"{counted / MIB:.2f} MiB counted: {_verdict(sm['count_ok'])} ({(sm['count_ratio'] or 0):.2f}x)"
-          + (" (by kind of page: " + ", ".join(f"{k} {v / MIB:.2f} MiB" for k, v in slope_parts.items()) + ")"
-             if slope_parts else "") + "\n"
+          + _parts(slope_parts) + "\n"
+          f"- the same encoders before they ran (registered, attached and bound to the shared graph, never "
+          f"searched; RSS({full[-1]['encoders']}) before its new encoders ran - RSS({full[0]['encoders']})): "
+          f"{(slope_idle or 0) / MIB:.2f} MiB" + _parts(slope_idle_parts) + "\n"
           f"- restart with {last['encoders']} registered: **{restart['start_s']:.2f} s** to ready (first start "
           f"with none: {res['server']['start_s']:.2f} s; {restart['listed']} encoders listed after it, paged 250 "
           f"at a time; first searches on an encoder loaded lazily: p50 {restart['first_search_p50_ms']:.1f} ms) "

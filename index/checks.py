@@ -53,6 +53,15 @@ def check_ids(ids: list[Any]) -> None:
         require_utf8(i, "document id")
 
 
+def row_norms(a: np.ndarray) -> np.ndarray:
+    """The L2 norm of each row of a 2-d float array, as an ``(n, 1)`` column (to divide by).
+
+    ``np.linalg.norm(a, axis=1, keepdims=True)`` computes exactly this, with more argument
+    handling per call: every search normalises its queries and renormalises the rows it rescores.
+    """
+    return np.sqrt(np.add.reduce(a * a, axis=1, keepdims=True))
+
+
 def normalize_rows(x: Any, full_dim: int, what: str = "embeddings") -> np.ndarray:
     """Check an (n, full_dim) matrix of finite non-zero rows; return it L2-normalised, float32."""
     try:
@@ -62,10 +71,9 @@ def normalize_rows(x: Any, full_dim: int, what: str = "embeddings") -> np.ndarra
     if a.ndim != 2 or a.shape[1] != full_dim:
         raise InvalidInputError(f"{what} have shape {a.shape}, expected (n, {full_dim})",
                                 f"embed with the index's base model (dimension {full_dim})")
-    # np.linalg.norm(a, axis=1) computes exactly this, with more argument handling per call (every
-    # search normalises its queries). A NaN or infinity makes its row's norm non-finite, so the
-    # whole matrix is checked only then (a finite row can overflow float32 too: it passes, as before).
-    norms = np.sqrt(np.add.reduce(a * a, axis=1, keepdims=True))
+    # A NaN or infinity makes its row's norm non-finite, so the whole matrix is checked only then
+    # (a finite row can overflow float32 too: it passes).
+    norms = row_norms(a)
     if not np.isfinite(norms).all() and not np.isfinite(a).all():
         bad = int(np.flatnonzero(~np.isfinite(a).all(axis=1))[0])
         raise InvalidInputError(f"{what}: row {bad} has NaN or infinite values",

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from qswap.atomic import sha256_file
+from qswap.atomic import atomic_stream, sha256_file
+from qswap.index.checks import row_norms
 from qswap.index.errors import IndexCorruptError
-from qswap.atomic import atomic_stream
 
 DTYPE = np.float16
 EMB_DIR = "emb"
@@ -128,10 +128,8 @@ class EmbeddingStore:
         (FAISS, rescoring, exact search) score the same unit vector, so scores agree exactly.
         """
         x = self.gather16(rows).astype(np.float32)
-        # np.linalg.norm(x, axis=1) computes exactly this; spelt out, a search's rescoring of a
-        # few dozen rows does not pay its argument handling.
-        norms = np.sqrt(np.add.reduce(x * x, axis=1, keepdims=True))
-        norms[norms == 0] = 1.0
+        norms = row_norms(x)
+        norms[norms == 0] = 1.0   # a zero row stays zero rather than NaN
         return x / norms
 
     def iter_rows(self, rows: np.ndarray, block: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
