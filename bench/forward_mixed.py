@@ -17,10 +17,6 @@ For each batch size (``--mixed-batches``) the arms run side by side, interleaved
   encoders hot, the batch run as one call per encoder group, each on that encoder's own merged
   session, one after another (what a server whose K encoders are all hot runs).
 
-and at the largest K, ``segments k=K one slot each``: the segment call with one slot per encoder
-(:class:`~qswap.encoders.runtime.shared_segments.SegmentRunner` ``slot_tokens=inf``), against
-which the default cuts the encoders with the most tokens into several slots.
-
 Every encoder is a LoRA of ``--adapter-rank`` on every Linear layer with factors in the server's
 storage type. Each batch size runs on two sets of queries (``--mixed-lengths``): ``fixed``, the
 benchmark's fixed-length ones (one length bucket, nothing for packing to remove), and ``real``
@@ -31,7 +27,6 @@ torch pool.
 
 from __future__ import annotations
 
-import math
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -41,7 +36,6 @@ import numpy as np
 from qswap.bench.data.encoders import random_lora_encoder
 from qswap.encoders import EncoderPool, load_encoder
 from qswap.encoders.base import BaseEncoder
-from qswap.encoders.runtime.shared_segments import SLOT_TOKENS
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> float:
@@ -124,7 +118,7 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
     for name, draws in cases.items():
         if name.endswith("real-length"):
             out_tokens[name] = _token_figures(base, draws, big)
-    if real:   # the largest real-length draw, whose rows' lengths make the segment call cut slots
+    if real:   # the largest real-length draw: rows of many lengths, packed
         draw = cases[f"{n_max} real-length"][0]
         cosine["segments vs torch (real lengths)"] = _cos(segments.encode(draw, mixes[big]),
                                                           pool.encode(draw, mixes[big]))
@@ -139,16 +133,6 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
 
     def arm(backend: Any, ks: list[str]) -> Callable[[list[str]], np.ndarray]:
         return lambda t: backend.encode(t, ks[:len(t)])
-
-    def one_slot_each(ks: list[str]) -> Callable[[list[str]], np.ndarray]:
-        def fn(t: list[str]) -> np.ndarray:
-            runner = segments._segments[1]
-            runner.slot_tokens = math.inf
-            try:
-                return segments.encode(t, ks[:len(t)])
-            finally:
-                runner.slot_tokens = SLOT_TOKENS
-        return fn
     fns: dict[str, Callable[[list[str]], np.ndarray]] = {
         "merged 1-encoder": lambda t: merged.encode(t, [keys[0]] * len(t)),
         "shared 1-encoder": arm(groups, mixes[1] if 1 in mixes else [keys[0]] * n_max)}
@@ -157,7 +141,6 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
             fns[f"groups k={k}"] = arm(groups, mixes[k])
             fns[f"segments k={k}"] = arm(segments, mixes[k])
             if k == big:
-                fns[f"segments k={k} one slot each"] = one_slot_each(mixes[k])
                 fns[f"segments k={k} cold"] = cold(mixes[k])
             fns[f"auto k={k}"] = arm(auto, mixes[k])
             if k in hot_ks:
@@ -180,10 +163,6 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
                 r[f"segments k={k} / groups k={k}"] = ratio(f"segments k={k}", f"groups k={k}")
                 r[f"segments k={k} / shared 1-encoder"] = ratio(f"segments k={k}", "shared 1-encoder")
                 if k == big:
-                    r[f"segments k={k} / segments k={k} one slot each"] = ratio(f"segments k={k}",
-                                                                                f"segments k={k} one slot each")
-                    r[f"segments k={k} one slot each / shared 1-encoder"] = ratio(f"segments k={k} one slot each",
-                                                                                  "shared 1-encoder")
                     r[f"segments k={k} cold / groups k={k}"] = ratio(f"segments k={k} cold", f"groups k={k}")
                 r[f"auto k={k} / groups k={k}"] = ratio(f"auto k={k}", f"groups k={k}")
                 if k in hot_ks:
@@ -201,21 +180,16 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
 
 def _token_figures(base: BaseEncoder, draws: list[list[str]], k: int) -> dict[str, float]:
     """Of real-length batches spread round-robin over ``k`` encoders: tokens per query, and the
-    tokens the batched LoRA products compute over the real ones, one slot per encoder and cut."""
-    from qswap.encoders.runtime.packing import segment_owners, segment_width
-    from qswap.encoders.runtime.shared_segments import MAX_SEGMENTS
-
-    per_query, one, cut = [], [], []
+    tokens the segment call's batched LoRA products compute (every encoder's block padded to the
+    fullest) over the real ones."""
+    per_query, padded = [], []
     for texts in draws:
         encs = base.tokenizer.encode_batch([base.spec.query_prefix + t for t in texts])
         n = np.array([sum(e.attention_mask) for e in encs])   # the tokenizer pads a batch to its longest
-        counts = np.bincount(np.arange(len(n)) % k, weights=n).astype(np.int64)
-        width = segment_width(counts, MAX_SEGMENTS, SLOT_TOKENS)
+        counts = np.bincount(np.arange(len(n)) % k, weights=n)
         per_query.append(n.mean())
-        one.append(len(counts) * counts.max() / n.sum())
-        cut.append(len(segment_owners(counts, width)) * width / n.sum())
-    return {"tokens per query": float(np.mean(per_query)), "LoRA tokens / real, one slot each": float(np.mean(one)),
-            "LoRA tokens / real, cut": float(np.mean(cut))}
+        padded.append(len(counts) * counts.max() / n.sum())
+    return {"tokens per query": float(np.mean(per_query)), "LoRA tokens / real": float(np.mean(padded))}
 
 
 def summary_lines(m: dict[str, Any]) -> list[str]:
@@ -234,8 +208,7 @@ def summary_lines(m: dict[str, Any]) -> list[str]:
                             for k, v in m["ratios"][n].items()])]
     for n, f in m.get("real_tokens", {}).items():
         lines += [f"{n} queries: {f['tokens per query']:.1f} tokens per query on average; at k={max(m['encoders'])} "
-                  f"the batched LoRA products compute {f['LoRA tokens / real, one slot each']:.2f}x the real tokens "
-                  f"with one slot per encoder, {f['LoRA tokens / real, cut']:.2f}x with slots cut.", ""]
+                  f"the segment call's batched LoRA products compute {f['LoRA tokens / real']:.2f}x the real tokens.", ""]
     lines += ["Min cosine per row on the largest mix: " + ", ".join(f"{k} {v:.7f}" for k, v in m["cosine"].items())
               + f". Segment call buffers after the runs: {m['segment_buffers_mb']} MB.",
               "", "## Goals (this run)", ""]

@@ -76,45 +76,16 @@ def packable(layout: Any) -> bool:
     return bool(triples) and len(triples) == len(layers)
 
 
-def segment_width(counts: np.ndarray | list[int], most: int, slot_tokens: float) -> int:
-    """The token width of the segment graph's slots for encoders of ``counts`` tokens: the one that
-    minimises ``slots * (width + slot_tokens)``, the padded LoRA products' tokens plus what each
-    slot costs beyond its tokens (its factors cast and packed: ``slot_tokens`` tokens' worth), with
-    at most ``most`` slots. An encoder whose tokens exceed the width takes several slots, so one
-    long block no longer pads every encoder's block to its length; never below the widest block
-    over 1 encoder (``slots`` counts one per ``width`` tokens of each encoder, rounded up)."""
-    n = np.asarray(counts, dtype=np.int64)
-    if not np.isfinite(slot_tokens):   # a slot costs more than any padding: one per encoder
-        return int(n.max())
-    widths = np.arange(1, int(n.max()) + 1)
-    slots = -(-n[None, :] // widths[:, None]).sum(1)          # ceil, per candidate width
-    cost = np.where(slots <= most, slots * (widths + slot_tokens), np.inf)
-    return int(widths[int(np.argmin(cost))])
-
-
-def segment_owners(counts: np.ndarray | list[int], width: int) -> np.ndarray:
-    """The encoder of each slot when encoder ``e`` has ``counts[e]`` tokens cut into slots of
-    ``width``: slot ``e`` holds its first ``width`` tokens, the slots after ``len(counts)`` the
-    rest, encoder by encoder (the layout :func:`segment_routing` routes to)."""
-    n = np.asarray(counts, dtype=np.int64)
-    extra = np.maximum(-(-n // width) - 1, 0)
-    return np.concatenate([np.arange(len(n)), np.repeat(np.arange(len(n)), extra)])
-
-
 def segment_routing(segment: np.ndarray | list[int], segments: int, lengths: np.ndarray | list[int],
-                    packed: bool, width: int | None = None) -> dict[str, np.ndarray]:
+                    packed: bool) -> dict[str, np.ndarray]:
     """The segment graph's routing inputs, row ``i`` with encoder ``segment[i]`` of ``segments``
     and ``lengths[i]`` tokens, the tokens indexed as one axis: end to end (``packed``) or in rows
     of ``max(lengths)`` (padded, every row that wide).
 
-    ``width``: at most that many tokens per slot, an encoder with more taking further slots in the
-    order of :func:`segment_owners` (their factors the caller's to repeat there); ``None``: one slot
-    per encoder, as wide as the largest encoder's tokens.
-
     Returns:
-        ``segment_tokens`` (S, M): the tokens of each slot, M the fullest slot's token count (a
-        smaller one is padded with its first token: its product is never read);
-        ``segment_positions``: where each token's product sits in that (S * M) order, (T,) packed,
+        ``segment_tokens`` (E, M): the tokens of each encoder's rows, M the largest encoder's token
+        count (a smaller one is padded with its first token: its product is never read);
+        ``segment_positions``: where each token's product sits in that (E * M) order, (T,) packed,
         (n, L) padded. Both have the shape of what their Gather gives, so the graph reshapes
         nothing by a shape it reads at run time.
     """
@@ -123,23 +94,13 @@ def segment_routing(segment: np.ndarray | list[int], segments: int, lengths: np.
     if not packed:
         n = np.full(len(segment), n.max(), dtype=np.int64)
     of = np.repeat(segment, n)                                      # each token's encoder
-    if width is not None:   # the j-th token of encoder e goes to its (j // width)-th slot
-        counts = np.bincount(of, minlength=segments)
-        order = np.argsort(of, kind="stable")
-        rank = np.empty_like(order)
-        rank[order] = np.arange(len(order)) - np.concatenate([[0], np.cumsum(counts)[:-1]])[of[order]]
-        chunk = rank // width
-        extra = np.maximum(-(-counts // width) - 1, 0)
-        later = segments + np.concatenate([[0], np.cumsum(extra)[:-1]])   # each encoder's second slot
-        of = np.where(chunk == 0, of, later[of] + chunk - 1)
-        segments = segments + int(extra.sum())
-    # Stable: each slot's tokens keep their order, one slot's after another's.
+    # Stable: each encoder's tokens keep their order, one encoder's after another's.
     order = np.argsort(of, kind="stable")
     counts = np.bincount(of, minlength=segments)
     width = int(counts.max())
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]])          # each slot's first in ``order``
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])          # each encoder's first in ``order``
     slot = np.arange(width)
-    # A slot past its own tokens reads its first one (0 for a slot with none).
+    # A slot past an encoder's own tokens reads its first one (0 for an encoder with none).
     pick = np.where(slot < counts[:, None], first[:, None] + slot, first[:, None])
     tokens = order[np.minimum(pick, len(order) - 1)]
     positions = np.empty_like(order)

@@ -39,18 +39,12 @@ import numpy as np
 import torch
 
 from qswap.encoders.runtime.export_digest import OUTPUT
-from qswap.encoders.runtime.packing import segment_owners, segment_routing, segment_width
+from qswap.encoders.runtime.packing import segment_routing
 from qswap.encoders.runtime.shared_export import Slots, ort_input
 
 #: The most encoders one segment call holds: bounds the call buffers (~5.3 MB per encoder at
 #: LoRA r=32 on every Linear of multilingual-e5-small, float16).
 MAX_SEGMENTS = 32
-#: What one more slot costs a call beyond its tokens, in tokens' worth of LoRA products: its
-#: factors cast to float32 in the graph and packed by each batched MatMul (~0.65 ms per encoder
-#: at r=32 on every Linear, against ~0.047 ms per token; ONNX Runtime's profile of a 32-row
-#: call, bench/results/forward_mixed/). :func:`~qswap.encoders.runtime.packing.segment_width`
-#: weighs it against the padding of every slot to the fullest one.
-SLOT_TOKENS = 16
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
@@ -83,16 +77,13 @@ class SegmentRunner:
             pool's (float32 buffers on CPU removed the graph's Cast per factor but measured no
             faster end to end, and slower for a call whose encoders all change).
         packed: the session runs the packed segment graph (tokens routed end to end), not padded rows.
-        slot_tokens: what one more slot costs, in tokens (:data:`SLOT_TOKENS`); ``math.inf``: one
-            slot per encoder, never cut.
     """
 
     def __init__(self, slots: Slots, base: dict[str, torch.Tensor], factor_dtype: torch.dtype,
-                 packed: bool = False, slot_tokens: float = SLOT_TOKENS) -> None:
+                 packed: bool = False) -> None:
         from onnx import TensorProto
 
         self.packed = packed
-        self.slot_tokens = slot_tokens
         self.linear = slots.linear
         self.norm = slots.norm
         self._base = base
@@ -132,7 +123,7 @@ class SegmentRunner:
                         keys[i] = None
 
     def nbytes(self) -> int:
-        """Bytes of the call buffers (at most :data:`MAX_SEGMENTS` slots at the largest rank run)."""
+        """Bytes of the call buffers (at most :data:`MAX_SEGMENTS` encoders at the largest rank run)."""
         return sum(b.nbytes for b in self._buffers.values())
 
     def run(self, session: Any, inputs: dict[str, np.ndarray], mask: np.ndarray, keys: list[str]) -> np.ndarray:
@@ -155,17 +146,12 @@ class SegmentRunner:
             slot = {k: e for e, k in enumerate(order)}
             segment = np.fromiter((slot[k] for k in keys), dtype=np.int64, count=len(keys))
             lengths = mask.sum(1) if self.packed else np.full(len(keys), mask.shape[1])
-            # An encoder with many tokens takes several slots (its factors repeated), so the
-            # batched LoRA products are not all padded to its block (packing.segment_width).
-            counts = np.bincount(segment, weights=lengths, minlength=len(order)).astype(np.int64)
-            width = segment_width(counts, MAX_SEGMENTS, self.slot_tokens)
-            held = order + [order[e] for e in segment_owners(counts, width)[len(order):]]
-            for name, value in segment_routing(segment, len(order), lengths, self.packed, width).items():
+            for name, value in segment_routing(segment, len(order), lengths, self.packed).items():
                 binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
             for m, i, o in self.linear:
                 rank = max(s.rank(m) for s in sources)
-                a = self._fill(f"{m}.lora_A", (rank, i), held, lambda s: s.factors.get(m, (None,))[0])
-                b = self._fill(f"{m}.lora_B", (o, rank), held, lambda s: s.factors.get(m, (None, None))[1])
+                a = self._fill(f"{m}.lora_A", (rank, i), order, lambda s: s.factors.get(m, (None,))[0])
+                b = self._fill(f"{m}.lora_B", (o, rank), order, lambda s: s.factors.get(m, (None, None))[1])
                 for name, value in ((f"{m}.lora_A", a), (f"{m}.lora_B", b)):
                     where = (value.ctypes.data, value.shape)
                     if self._bound.get(name, (None,))[0] != where:
@@ -206,9 +192,9 @@ class SegmentRunner:
 
     def _fill(self, name: str, shape: tuple[int, int], order: list[str],
               pick: Callable[[_Source], np.ndarray | None]) -> np.ndarray:
-        """The (S, *shape) factor ``name`` in its buffer, slot ``s`` holding ``order[s]``'s (a key
-        may hold several slots): each slot's tensor converted to the graph's type and zero-padded
-        (ranks to the batch's largest), slots that hold their key at this shape left as they are."""
+        """The (E, *shape) factor ``name`` in its buffer: each slot's tensor converted to the graph's
+        type and zero-padded (ranks to the batch's largest), slots that hold their key at this
+        shape left as they are."""
         size = len(order) * shape[0] * shape[1]
         buf = self._buffers.get(name)
         if buf is None or buf.size < size:

@@ -6,7 +6,6 @@ bias rows (the bias kind runs in its own bound call beside the segment call)."""
 from __future__ import annotations
 
 import json
-import math
 import threading
 from typing import Callable
 
@@ -18,7 +17,7 @@ from qswap.encoders import BASE_KEY, EncoderPool, load_encoder
 from qswap.encoders.runtime import onnx, packed_export, shared_export, shared_segments
 from qswap.encoders.runtime.packed_export import PACKED_INPUTS, PACKED_SEGMENTS_FILE
 from qswap.encoders.runtime.shared import SharedBackend
-from qswap.encoders.runtime.packing import segment_owners, segment_routing, segment_width
+from qswap.encoders.runtime.packing import segment_routing
 from qswap.encoders.runtime.shared_segments import SegmentRunner
 from qswap.errors import InvalidInputError
 
@@ -89,30 +88,6 @@ def test_packed_routing_routes_real_tokens_only():
     assert tokens[1].tolist() == [0, 1, 2, 4, 5] and set(tokens[0]) == {3} and set(tokens[2]) == {6, 7, 8, 9}
     # padded rows of the same batch route 4 x 4 slots, pads included
     assert segment_routing([1, 0, 1, 2], 3, [3, 1, 2, 4], packed=False)["segment_tokens"].shape == (3, 8)
-
-
-def test_routing_cuts_an_encoder_with_many_tokens_into_slots():
-    # encoder 0 has 3 rows of 10 tokens (30), encoders 1 and 2 one short row each
-    segment, lengths = [0, 1, 0, 2, 0], [10, 3, 10, 4, 10]
-    counts = np.bincount(np.repeat(segment, lengths), minlength=3)
-    assert segment_width(counts, 32, math.inf) == 30          # one slot per encoder: as wide as the fullest
-    width = segment_width(counts, 32, 4)
-    assert width < 30
-    owners = segment_owners(counts, width)
-    assert owners[:3].tolist() == [0, 1, 2] and set(owners[3:]) == {0}   # the extra slots are encoder 0's
-    assert len(owners) * (width + 4) < 3 * (30 + 4)            # cheaper than one slot each, by its cost
-    r = segment_routing(segment, 3, lengths, packed=True, width=width)
-    tokens, back = r["segment_tokens"], r["segment_positions"]
-    assert tokens.shape == (len(owners), width) and back.shape == (37,)
-    assert (tokens.reshape(-1)[back] == np.arange(37)).all()   # each token's product comes back to it
-    of = np.repeat(segment, lengths)
-    for s, e in enumerate(owners):                             # every slot holds its owner's tokens only
-        assert set(of[tokens[s]]) == {e}
-    # no more slots than allowed; a lone encoder is never cut
-    assert len(segment_owners(counts, segment_width(counts, 4, 0))) <= 4
-    assert segment_width([500], 32, 0.5) == 500
-    # width None: one slot per encoder, as before
-    assert segment_routing(segment, 3, lengths, packed=True)["segment_tokens"].shape == (3, 30)
 
 
 def test_mixed_batch_is_one_segment_call_equal_to_groups_and_torch(segmented, pool, tmp_path, monkeypatch):
@@ -189,40 +164,6 @@ def test_batches_of_1_4_and_20_encoders_equal_torch(twenty, k, order, monkeypatc
     assert set().union(*spy.encoders) == set(mix) - set(BIASED)
     assert cosine(got, _alone(pool, texts, mix)).min() >= MIN_COSINE
     assert cosine(got, backends["groups"].encode(texts, mix)).min() >= MIN_COSINE
-
-
-def test_a_long_block_is_cut_into_slots_and_equals_torch(twenty, monkeypatch):
-    pool, keys, backends = twenty
-    seg = backends["segments"]
-    seg.encode(TEXTS[:2], keys[:2])
-    assert seg.segments_ready(wait=120)
-    runner = seg._segments[1]
-    # one encoder with eight rows, six with one row each: one slot each pads all six to its block
-    texts = [TEXTS[i % len(TEXTS)] for i in range(14)]
-    mix = [keys[8]] * 8 + keys[:6]
-    calls: dict[str, list[tuple[int, int, int]]] = {"cut": [], "whole": []}   # (encoders, slots, width)
-    route = shared_segments.segment_routing
-
-    def spy(segment, segments, *a, **kw):
-        r = route(segment, segments, *a, **kw)
-        calls[arm].append((segments, *r["segment_tokens"].shape))
-        return r
-    monkeypatch.setattr(shared_segments, "segment_routing", spy)
-    arm = "cut"
-    cut = seg.encode(texts, mix)
-    arm, runner.slot_tokens = "whole", math.inf
-    try:
-        whole = seg.encode(texts, mix)
-    finally:
-        runner.slot_tokens = shared_segments.SLOT_TOKENS
-    assert any(slots > e for e, slots, _ in calls["cut"])           # cut: more slots than encoders
-    assert all(slots == e for e, slots, _ in calls["whole"])
-    assert sum(s * w for _, s, w in calls["cut"]) < sum(s * w for _, s, w in calls["whole"])  # fewer tokens computed
-    alone = _alone(pool, texts, mix)
-    assert cosine(cut, alone).min() >= MIN_COSINE and cosine(whole, alone).min() >= MIN_COSINE
-    # a next call that cuts another encoder refills the slots it moved
-    mix2 = [keys[3]] * 8 + [keys[8], *keys[:3], *keys[4:6]]
-    assert cosine(seg.encode(texts, mix2), _alone(pool, texts, mix2)).min() >= MIN_COSINE
 
 
 def test_the_cpu_segment_graph_is_packed_and_fused(twenty, tiny_base):
