@@ -103,6 +103,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="encoders mixed in one batch, round-robin over its rows (default: %(default)s)")
     p.add_argument("--mixed-batches", default="8,32", help="queries per mixed batch (default: %(default)s)")
     p.add_argument("--mixed-reps", type=int, default=15, help="rounds per mixed batch size (default: %(default)s)")
+    p.add_argument("--mixed-lengths", default="fixed,real",
+                   help="query lengths of the mixed batches: 'fixed' (the --query-tokens texts, no padding to "
+                        "remove) and/or 'real' (a new draw of the Debian bench queries each round) "
+                        "(default: %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run (10 rounds, batch of 4; results under bench/results/forward/tmp/quick)")
     p.add_argument("--out", type=Path, default=None, help="result directory (default bench/results/forward/)")
@@ -403,13 +407,22 @@ def _mixed_only(args: argparse.Namespace, base: Any, queries: list[str], results
     if not encoders or not batches or min(encoders + batches) < 1 or args.mixed_reps < 1 or args.adapter_rank < 1:
         raise InvalidInputError("--mixed-encoders, --mixed-batches, --mixed-reps and --adapter-rank must be >= 1",
                                 "give positive numbers")
+    lengths = [x.strip() for x in args.mixed_lengths.split(",") if x.strip()]
+    if not lengths or set(lengths) - {"fixed", "real"}:
+        raise InvalidInputError(f"bad --mixed-lengths {args.mixed_lengths!r}", "give fixed, real or fixed,real")
     if args.quick:
         args.mixed_reps, batches = 2, batches[:1]
+    real = None
+    if "real" in lengths:
+        from qswap.bench.fixtures import load_workload
+
+        real = load_workload(args.quick).queries
     with tempfile.TemporaryDirectory(prefix="qswap-bench-mixed-cache-") as tmp:
         results["mixed"] = forward_mixed.run(
             base, queries, threads=args.threads, rank=args.adapter_rank, encoders=encoders, batches=batches,
             reps=args.mixed_reps, settle=args.settle_ms / 1000, spin=not args.ort_no_spin,
-            cache=args.cache_dir or Path(tmp), timed_arms=timed_arms, spread=_spread, progress=_progress)
+            cache=args.cache_dir or Path(tmp), timed_arms=timed_arms, spread=_spread, progress=_progress,
+            real=real, fixed="fixed" in lengths)
     results["goals"] = forward_mixed.goals(results["mixed"])
     md = "\n".join(forward_mixed.summary_lines(results["mixed"]))
     out = writer.write(results, md)

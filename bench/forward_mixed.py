@@ -18,8 +18,11 @@ For each batch size (``--mixed-batches``) the arms run side by side, interleaved
   session, one after another (what a server whose K encoders are all hot runs).
 
 Every encoder is a LoRA of ``--adapter-rank`` on every Linear layer with factors in the server's
-storage type; the queries are the benchmark's fixed-length ones (one length bucket per batch).
-Answers: per-row cosine of segments against per group and against the torch pool.
+storage type. Each batch size runs on two sets of queries (``--mixed-lengths``): ``fixed``, the
+benchmark's fixed-length ones (one length bucket, nothing for packing to remove), and ``real``
+(``N real-length queries``), a new draw of the Debian bench queries each round, the same for
+every arm of the round. Answers: per-row cosine of segments against per group and against the
+torch pool.
 """
 
 from __future__ import annotations
@@ -42,8 +45,10 @@ def _cos(a: np.ndarray, b: np.ndarray) -> float:
 def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encoders: list[int], batches: list[int],
         reps: int, settle: float, spin: bool, cache: Path, timed_arms: Callable[..., Any],
         spread: Callable[[list[float]], dict[str, float]],
-        progress: Callable[[int, str], tuple[Any, Any]]) -> dict[str, Any]:
-    """Measure the mixed-batch arms; returns a dict for ``results.json["mixed"]``."""
+        progress: Callable[[int, str], tuple[Any, Any]], real: list[str] | None = None,
+        fixed: bool = True) -> dict[str, Any]:
+    """Measure the mixed-batch arms; returns a dict for ``results.json["mixed"]``. ``queries``: the
+    fixed-length texts (timed if ``fixed``); ``real``: texts of real lengths to draw batches from."""
     from qswap.bench.stats import interleaved, percentile, ratio_summary
     from qswap.encoders.runtime.hot import FEW_DOMAINS_HOT
     from qswap.encoders.runtime.onnx import OnnxBackend
@@ -100,6 +105,23 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
     torch_ref = pool.encode(texts, mixes[big])
     cosine = {"segments vs groups": _cos(by_encoder, per_group), "segments vs torch": _cos(by_encoder, torch_ref),
               "groups vs torch": _cos(per_group, torch_ref)}
+    rng = np.random.default_rng(0)
+    warmup = 2
+    cases: dict[str, list[list[str]]] = {}
+    for n in batches:
+        if fixed:
+            cases[str(n)] = [texts[:n]]
+        if real:
+            cases[f"{n} real-length"] = [[real[i] for i in rng.choice(len(real), n, replace=len(real) < n)]
+                                         for _ in range(reps + warmup)]
+    out_tokens: dict[str, dict[str, float]] = {}
+    for name, draws in cases.items():
+        if name.endswith("real-length"):
+            out_tokens[name] = _token_figures(base, draws, big)
+    if real:   # the largest real-length draw: rows of many lengths, packed
+        draw = cases[f"{n_max} real-length"][0]
+        cosine["segments vs torch (real lengths)"] = _cos(segments.encode(draw, mixes[big]),
+                                                          pool.encode(draw, mixes[big]))
 
     def cold(ks: list[str]) -> Callable[[list[str]], np.ndarray]:
         def fn(t: list[str]) -> np.ndarray:
@@ -124,16 +146,16 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
             if k in hot_ks:
                 fns[f"hot k={k}"] = arm(merged, mixes[k])
     out: dict[str, Any] = {"rank": rank, "factors": SERVING_FACTORS, "encoders": encoders, "threads": threads,
-                           "cosine": cosine, "ms": {}, "ratios": {}}
-    bar, tick = progress(reps * len(fns) * len(batches), "mixed batches")
-    for n in batches:
-        t = interleaved(timed_arms(fns, [texts[:n]], settle), reps, warmup=2, on_round=tick)
+                           "cosine": cosine, "ms": {}, "ratios": {}, "real_tokens": out_tokens}
+    bar, tick = progress(reps * len(fns) * len(cases), "mixed batches")
+    for n, draws in cases.items():
+        t = interleaved(timed_arms(fns, draws, settle), reps, warmup=warmup, on_round=tick)
 
         def ratio(a: str, b: str) -> dict[str, float]:
             rs = ratio_summary(t[a], t[b])
             return {"median": rs.median, "p10": percentile(rs.ratios, 10), "p90": percentile(rs.ratios, 90),
                     "n": rs.n}
-        out["ms"][str(n)] = {name: spread([x * 1000 for x in v]) for name, v in t.items()}
+        out["ms"][n] = {name: spread([x * 1000 for x in v]) for name, v in t.items()}
         r: dict[str, Any] = {"shared 1-encoder / merged 1-encoder": ratio("shared 1-encoder", "merged 1-encoder")}
         for k in encoders:
             if k > 1:
@@ -146,7 +168,7 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
                 if k in hot_ks:
                     r[f"hot k={k} / segments k={k}"] = ratio(f"hot k={k}", f"segments k={k}")
                     r[f"hot k={k} / shared 1-encoder"] = ratio(f"hot k={k}", "shared 1-encoder")
-        out["ratios"][str(n)] = r
+        out["ratios"][n] = r
     bar.close()
     runner = segments._segments[1] if segments._segments is not None else None
     out["segment_buffers_mb"] = round(runner.nbytes() / 2**20, 1) if runner is not None else 0.0
@@ -154,6 +176,20 @@ def run(base: BaseEncoder, queries: list[str], *, threads: int, rank: int, encod
         b.close()
     tmp.cleanup()
     return out
+
+
+def _token_figures(base: BaseEncoder, draws: list[list[str]], k: int) -> dict[str, float]:
+    """Of real-length batches spread round-robin over ``k`` encoders: tokens per query, and the
+    tokens the segment call's batched LoRA products compute (every encoder's block padded to the
+    fullest) over the real ones."""
+    per_query, padded = [], []
+    for texts in draws:
+        encs = base.tokenizer.encode_batch([base.spec.query_prefix + t for t in texts])
+        n = np.array([sum(e.attention_mask) for e in encs])   # the tokenizer pads a batch to its longest
+        counts = np.bincount(np.arange(len(n)) % k, weights=n)
+        per_query.append(n.mean())
+        padded.append(len(counts) * counts.max() / n.sum())
+    return {"tokens per query": float(np.mean(per_query)), "LoRA tokens / real": float(np.mean(padded))}
 
 
 def summary_lines(m: dict[str, Any]) -> list[str]:
@@ -170,6 +206,9 @@ def summary_lines(m: dict[str, Any]) -> list[str]:
                   md_table(["paired ratio", "median", "p10", "p90", "rounds"],
                            [[k, f"{v['median']:.3f}", f"{v['p10']:.3f}", f"{v['p90']:.3f}", v["n"]]
                             for k, v in m["ratios"][n].items()])]
+    for n, f in m.get("real_tokens", {}).items():
+        lines += [f"{n} queries: {f['tokens per query']:.1f} tokens per query on average; at k={max(m['encoders'])} "
+                  f"the segment call's batched LoRA products compute {f['LoRA tokens / real']:.2f}x the real tokens.", ""]
     lines += ["Min cosine per row on the largest mix: " + ", ".join(f"{k} {v:.7f}" for k, v in m["cosine"].items())
               + f". Segment call buffers after the runs: {m['segment_buffers_mb']} MB.",
               "", "## Goals (this run)", ""]

@@ -64,7 +64,17 @@ def test_mixed_only_arms_run_and_segment_answers_equal_groups(tiny_model_dir, tm
     assert "hot k=3 / segments k=3" in m["ratios"]["6"]
     assert m["cosine"]["segments vs groups"] >= 0.99999 and m["cosine"]["segments vs torch"] >= 0.99999
     assert "segments k=3 / groups k=3" in m["ratios"]["6"] and "segment_buffers_mb" in m
-    assert "## Mixed batches" in (out / "README.md").read_text()
+    # the real-length arm: the same arms on batches drawn from real queries, rows of several lengths
+    assert set(m["ms"]["6 real-length"]) == set(m["ms"]["6"])
+    assert m["ms"]["6 real-length"]["segments k=3"]["n"] == m["ms"]["6"]["segments k=3"]["n"] == 2
+    assert m["cosine"]["segments vs torch (real lengths)"] >= 0.99999
+    tokens = m["real_tokens"]["6 real-length"]
+    assert tokens["tokens per query"] > 1 and tokens["LoRA tokens / real"] > 1   # unequal lengths: blocks padded
+    readme = (out / "README.md").read_text()
+    assert "## Mixed batches" in readme and "### 6 real-length queries" in readme
+    rc = qswap_main(["bench", "forward", "--mixed-only", "--quick", "--model", str(tiny_model_dir),
+                     "--mixed-lengths", "fixed,long", "--out", str(tmp_path / "bad")])
+    assert rc == 2 and not (tmp_path / "bad" / "results.json").exists()
 
 
 def test_int8_arms_quantise_the_ort_graph(tiny_model_dir, tmp_path):
