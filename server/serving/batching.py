@@ -393,8 +393,11 @@ class MicroBatcher:
                 # several requests and the window lets more join.
                 window = self.window_s if (self._last_requests > 1 or not self.adaptive) else 0.0
                 reserved = counted = self._wait_for_all_cores(item)
+                # Beside a busy lane: half of what waits, the rest for whichever lane ends first, so that
+                # one one-core pass does not take every queued request while the other lane goes idle.
+                limit = None if reserved or self._encoding == 0 else (self._ready.qsize() + 2) // 2
                 try:
-                    batch, carry = self.forward.gather(item, self._ready, window)
+                    batch, carry = self.forward.gather(item, self._ready, window, limit)
                     self._last_requests = len(batch)
                     with self._lanes_cond:
                         single = not reserved and self._encoding > 0   # another lane is encoding: one core
