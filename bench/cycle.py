@@ -33,7 +33,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from qswap.bench.load_options import ByMode, LoadDefaults, LoadOptions, RunDirs, add_load_arguments, load_point, warm_up
+from qswap.bench.load_options import ByMode, LoadDefaults, LoadOptions, RunDirs, add_load_arguments, load_point
 
 NAME = "cycle"
 LOAD = LoadDefaults(levels=ByMode((32,), (4,)), seconds=ByMode(20.0, 1.0), requests=ByMode(1_000_000, 60),
@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
     from qswap.bench.fixtures import (embedding_requests, index_meta, load_space_base, load_workload, lora_encoders,
-                                      qswap_server, register, search_requests, stamped_index, wait_for_runtime)
+                                      qswap_server, register, search_requests, stamped_index, wait_for_runtime,
+                                      warm_until_settled)
     from qswap.bench.revisions import arm_command, parse_arms
 
     opts = LoadOptions.from_args(args, LOAD)
@@ -174,8 +175,10 @@ def run(args: argparse.Namespace) -> int:
             register(qs, "d0-1")
             wait_for_runtime(qs, ["base", "d0@1"], "onnx-shared")
             for route in routes:
-                # Past the hot-encoder window (512 rows), so that no build starts during a measured point.
-                warm_up(qs.port, makes[route], concurrency=4, requests=700 if not opts.quick else 8, duration_s=60)
+                # Past the hot-encoder window (512 rows), then until the server builds nothing more (the hot
+                # encoder's merged graph, its one-core twin), so that no build runs during a measured point.
+                warm_until_settled(qs, makes[route], concurrency=max(opts.levels),
+                                   requests=700 if not opts.quick else 8)
             servers[label] = qs
         for rnd in range(opts.rounds):
             order = list(servers) if rnd % 2 == 0 else list(reversed(servers))

@@ -178,8 +178,7 @@ class ServerState:
                                     encode_documents=lambda texts: self.embed_documents(texts),
                                     bulk=s.bulk_lane,
                                     encode_bulk=getattr(self.backend, "encode_flagged_bulk", None),
-                                    lanes=s.forward_lanes, encode_single=served_single(self.backend),
-                                    all_cores=getattr(self.backend, "all_cores", None))
+                                    lanes=s.forward_lanes, encode_single=served_single(self.backend))
         self.metrics.admitted.set_function(lambda: batcher.pending)
         if s.feedback_dir is not None:
             from qswap.feedback.store import FeedbackStore

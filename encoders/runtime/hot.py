@@ -34,7 +34,8 @@ HOT_SHARE = 0.5
 HOT_WINDOW_ROWS = 512
 #: Merged sessions kept for hot encoders by default; 0 turns hot encoders off. Each holds the base's
 #: transformer weights again (105-115 MB of RSS for multilingual-e5-small, bench/results/peer/:
-#: "qswap hot off" rows). One: a one-domain server gains at low concurrency (1.17x QPS at c=1 in
+#: "qswap hot off" rows), and its one-core twin on a server running two forward lanes ~85 MB more
+#: (:class:`qswap.encoders.runtime.onnx.OnnxBackend`). One: a one-domain server gains at low concurrency (1.17x QPS at c=1 in
 #: that run), while four equal domains all hot gained 1.07x at c=1 and lost at c=8 and c=32
 #: (0.93x, 0.99x) for +462 MB, so more slots are an option (``--hot-encoders 4``), not the default.
 DEFAULT_HOT = 1

@@ -34,7 +34,7 @@ import os
 import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -106,6 +106,14 @@ class OnnxBackend:
     Runtime's transformer fusions when exporting (attention, skip layer norm, bias GELU).
     ``spin``: busy-waiting worker threads (see :func:`make_session`). ``batch_size``: rows
     per ONNX Runtime call.
+
+    ``encode(..., single=True)`` runs an encoder's rows on one core, for a caller that runs
+    another forward beside it (a server's second forward lane): on a single-threaded twin of
+    its session, built in the background at the first such call (the multi-threaded session
+    serves meanwhile). Two calls on one two-thread session at once fight over its threads; a
+    one-thread twin runs beside the other call undisturbed. The twin holds the graph's weights
+    again (ONNX Runtime keeps a copy per session, pre-packed, even when both sessions are given
+    the same initializer values).
     """
 
     encode_flagged: EncodeFlagged | None = None   # the server's tokenizer flags truncation
@@ -134,12 +142,15 @@ class OnnxBackend:
         # An exported graph holds every base weight but the word embeddings, in fp32.
         self._session_bytes = self.base.layout.parameters * 4 - self._table.nbytes
         self._sessions: dict[str, _Session] = {}
+        self._twins: dict[str, _Session] = {}   # key -> its single-threaded twin (encode single=True)
+        self._twin_futures: dict[str, Future[None]] = {}
         self._futures: dict[str, Future[None]] = {}
         self._errors: dict[str, str] = {}
         self._gen: dict[str, int] = {}   # bumped by discard: a finishing stale export is dropped
         self._lock = threading.RLock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qswap-onnx-export")
         self._builds = 0   # exports (or cached loads) started: builds_started
+        self._twin_builds = 0   # single-threaded twins started: builds_started
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -184,14 +195,18 @@ class OnnxBackend:
         return self.ready(key)
 
     def building(self) -> list[str]:
-        """``["merged graph"]`` while any encoder's export (or session) is being built, else empty."""
+        """``merged graph`` while any encoder's export (or session) is being built, ``one-core merged
+        session`` while a single-threaded twin is (:meth:`encode` ``single``); empty when neither is."""
         with self._lock:
-            return ["merged graph"] if any(not f.done() for f in self._futures.values()) else []
+            return ((["merged graph"] if any(not f.done() for f in self._futures.values()) else [])
+                    + (["one-core merged session"] if any(not f.done() for f in self._twin_futures.values()) else []))
 
     def builds_started(self) -> dict[str, int]:
-        """Encoder exports (or cached loads) started so far, as ``merged graph``."""
+        """Encoder exports (or cached loads) started so far, as ``merged graph``, and their
+        single-threaded twins, as ``one-core merged session``."""
         with self._lock:
-            return {"merged graph": self._builds} if self._builds else {}
+            started = {"merged graph": self._builds, "one-core merged session": self._twin_builds}
+            return {k: n for k, n in started.items() if n}
 
     def runtime(self, key: str) -> str:
         """``onnx-merged`` once ``key``'s export serves, ``torch`` (the pool) until then."""
@@ -199,8 +214,11 @@ class OnnxBackend:
 
     def memory_bytes(self, key: str) -> int:
         """Bytes ``key``'s session holds once ready (its graph's weights), counted from the start
-        so that a memory budget covers what the export is about to load."""
-        return self._session_bytes
+        so that a memory budget covers what the export is about to load; twice that once its
+        single-threaded twin is being built or serves."""
+        with self._lock:
+            twin = key in self._twins or key in self._twin_futures
+        return self._session_bytes * (2 if twin else 1)
 
     def error(self, key: str) -> str | None:
         """Why ``key``'s last export failed (``None`` if it did not)."""
@@ -216,10 +234,11 @@ class OnnxBackend:
         with self._lock:
             self._gen[key] = self._gen.get(key, 0) + 1
             self._sessions.pop(key, None)
+            self._twins.pop(key, None)
             self._errors.pop(key, None)
-            fut = self._futures.pop(key, None)
-            if fut is not None:
-                fut.cancel()
+            for fut in (self._futures.pop(key, None), self._twin_futures.pop(key, None)):
+                if fut is not None:
+                    fut.cancel()
         if delete_cache:
             shutil.rmtree(self.cache_dir / key, ignore_errors=True)
 
@@ -229,6 +248,7 @@ class OnnxBackend:
             for key in list(self._sessions) + list(self._futures):
                 self._gen[key] = self._gen.get(key, 0) + 1
             self._sessions.clear()
+            self._twins.clear()
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _build(self, key: str, gen: int) -> None:
@@ -257,22 +277,59 @@ class OnnxBackend:
         return _Session(make_session(target / MODEL_FILE, self._threads, self.providers, self.spin),
                         table, target, meta.get("first_position") if self._packed else None)
 
+    def _start_twin(self, key: str, s: _Session) -> None:
+        """Build ``key``'s single-threaded twin of ``s`` in the background, once (caller holds the lock)."""
+        if key in self._twins or key in self._twin_futures:
+            return
+        gen = self._gen.get(key, 0)
+
+        def build() -> None:
+            twin = replace(s, session=make_session(s.directory / MODEL_FILE, 1, self.providers, self.spin))
+            with self._lock:
+                if self._gen.get(key, 0) == gen and self._sessions.get(key) is s:
+                    self._twins[key] = twin
+        self._twin_futures[key] = self._executor.submit(build)
+        self._twin_builds += 1
+
+    def twin_ready(self, key: str, timeout: float | None = 0) -> bool:
+        """Whether ``key``'s single-threaded twin serves (:meth:`encode` ``single``); ``timeout``:
+        seconds to wait for it if it is being built."""
+        with self._lock:
+            fut = self._twin_futures.get(key)
+        if fut is not None and timeout != 0:
+            try:
+                fut.result(timeout=timeout)
+            except Exception:   # a timeout or a failed build: not ready (its rows run on the main session)
+                pass
+        with self._lock:
+            return key in self._twins
+
     # -- encoding -------------------------------------------------------------------------------
 
-    def encode(self, texts: list[str], keys: list[str], encodings: list[Any] | None = None) -> np.ndarray:
+    def encode(self, texts: list[str], keys: list[str], encodings: list[Any] | None = None,
+               single: bool = False) -> np.ndarray:
         """Encode row ``i`` as a query with encoder ``keys[i]``; (n, dim) float32, input order.
 
         Rows whose key is ready run in ONNX Runtime, grouped per key; the others go through
         ``pool.encode`` (torch). Unknown keys raise :class:`NotFoundError` like the pool.
         ``encodings``: the texts' tokenizer encodings when the caller has them (not redone).
+        ``single``: on one core, on each key's single-threaded twin (see the class docstring;
+        on CPU with more than one thread only: elsewhere the session runs them as it is).
         """
         if len(texts) != len(keys):
             raise InvalidInputError(f"{len(texts)} texts but {len(keys)} encoder keys")
         out = np.empty((len(texts), self.base.dim), dtype=np.float32)
         groups: dict[str, list[int]] = {}
         rest: list[int] = []
+        twins = single and self._variant == "cpu" and self._threads > 1
         with self._lock:
-            sessions = dict(self._sessions)
+            sessions = {k: s for k in dict.fromkeys(keys) if (s := self._sessions.get(k)) is not None}
+            if twins:
+                for k, s in sessions.items():
+                    if k in self._twins:
+                        sessions[k] = self._twins[k]
+                    else:   # its rows run on the main session until the twin is built
+                        self._start_twin(k, s)
         for i, k in enumerate(keys):
             if k in sessions:
                 groups.setdefault(k, []).append(i)

@@ -64,8 +64,8 @@ def served(backend: Backend) -> Callable[..., np.ndarray]:
 
 
 def served_single(backend: Backend) -> Callable[..., tuple[np.ndarray, list[bool]]] | None:
-    """A server's batches on one core (``backend.encode_flagged_bulk``: its single-threaded
-    session), rows counted as :func:`served` counts them; None for a backend without one
-    (then a server runs one forward lane)."""
-    single = getattr(backend, "encode_flagged_bulk", None)
+    """A server's batches on one core (``backend.encode_flagged_single``, else
+    ``encode_flagged_bulk``: its single-threaded sessions), rows counted as :func:`served` counts
+    them; None for a backend without one (then a server runs one forward lane)."""
+    single = getattr(backend, "encode_flagged_single", None) or getattr(backend, "encode_flagged_bulk", None)
     return None if single is None else _counted(backend, single)

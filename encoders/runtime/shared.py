@@ -301,18 +301,6 @@ class SharedBackend:
         """The hot encoders whose rows run merged now (their sessions are ready)."""
         return [k for k in sorted(self._hot.keys()) if self.merged.ready(k)]
 
-    def all_cores(self, key: str) -> bool:
-        """Whether a server's batch led by ``key`` runs best on all cores, waiting for its other forward lane
-        rather than running beside it on one core (:mod:`qswap.server.serving.batching`): an encoder served
-        from its own merged session (pinned, or one the shared graph cannot express), or the one hot encoder.
-
-        Not while several encoders are hot: under concurrency their batches mix them, and two lanes side by
-        side, one core each, serve more than batches that wait for each other (four hot domains, every batch
-        on all cores: 0.85x the QPS of hot encoders off at concurrency 8, ``bench/results/peer_hot/``)."""
-        if self.runtime(key) != "onnx-merged":
-            return False
-        return key not in self._hot or len(self._hot.keys()) == 1
-
     def pin(self, key: str) -> None:
         """Serve ``key`` from its own merged export (for an encoder with most of the traffic);
         its transformer weights count in :meth:`memory_bytes`."""
@@ -472,11 +460,21 @@ class SharedBackend:
         threads (the main session until that session is built)."""
         return self.encode_flagged(texts, keys, encodings, bulk=True)
 
+    def encode_flagged_single(self, texts: list[str], keys: list[str],
+                              encodings: list[Any] | None = None) -> tuple[np.ndarray, list[bool]]:
+        """:meth:`encode_flagged` on one core, for a server's forward lane that runs beside another one: the
+        shared graph's calls as :meth:`encode_flagged_bulk` runs them, and the rows of hot and merged encoders
+        on their merged sessions' single-threaded twins (:meth:`OnnxBackend.encode` ``single``, built at the
+        first such batch), so that a hot encoder's batch runs merged beside the other lane instead of on the
+        shared graph or waiting for both cores."""
+        return self.encode_flagged(texts, keys, encodings, bulk=True, twin=True)
+
     def encode_flagged(self, texts: list[str], keys: list[str], encodings: list[Any] | None = None,
-                       bulk: bool = False) -> tuple[np.ndarray, list[bool]]:
+                       bulk: bool = False, twin: bool = False) -> tuple[np.ndarray, list[bool]]:
         """:meth:`encode` and, per row, whether the tokenizer cut it at the model's max length, from the one
         tokenisation the forward uses (a server needs both). ``encodings``: the texts' tokenizer encodings when
-        the caller has them (not redone); ``bulk``: see :meth:`encode_flagged_bulk`."""
+        the caller has them (not redone); ``bulk``: see :meth:`encode_flagged_bulk`; ``twin`` (with ``bulk``):
+        see :meth:`encode_flagged_single`."""
         if len(texts) != len(keys):
             raise InvalidInputError(f"{len(texts)} texts but {len(keys)} encoder keys")
         out = np.empty((len(texts), self.base.dim), dtype=np.float32)
@@ -493,7 +491,8 @@ class SharedBackend:
             # hundreds loaded, that copy was the one part of a search that grew with their number).
             feeds = {k: f for k in dict.fromkeys(keys) if isinstance(f := self._inputs.get(k), BoundFeed)} \
                 if session is not None else {}
-        hot = self._hot.keys() if not bulk else set()   # the bulk lane holds one core: never the merged session
+        # The bulk lane holds one core: never a merged session; a forward lane on one core runs the twins.
+        hot = self._hot.keys() if not bulk or twin else set()
         for k in hot:
             # Its rows run merged, one call per hot encoder of the batch: with four encoders all hot, as fast
             # as their batch on the shared graph in one segment call, or per group, at 8 and 32 rows
@@ -527,7 +526,7 @@ class SharedBackend:
                   groups=len(groups), bulk=bulk)
         if merged:
             out[merged] = self.merged.encode([texts[i] for i in merged], [keys[i] for i in merged],
-                                             encodings=[encs[i] for i in merged])
+                                             encodings=[encs[i] for i in merged], single=twin)
         return out, flags
 
     def _buckets(self, texts: list[str], encs: list[Any], packed: bool = False) -> Any:

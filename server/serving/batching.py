@@ -45,14 +45,15 @@ deadline passed) is stopped in the middle (:mod:`qswap.encoders.runtime.cancel`)
 **Forward lanes.** With ``lanes`` > 1 (and a backend that can encode on one core,
 ``encode_single``), that many forward threads take batches from the same queue. A lane that
 starts a batch while no other lane is encoding runs it as one lane does, on all cores; one that
-starts while another lane is encoding runs it on one core (a single-threaded session), unless
-its first request's encoder runs best on all cores (``all_cores``: a hot encoder's merged
-session): that batch waits for the other lane, then is gathered and runs on all cores. Under
-concurrency two batches then run side by side, one core each, instead of one batch at a time
-on both: a two-thread ONNX Runtime call loses much of its second thread to the event loop and
-the answer thread on a two-core machine (each of its parallel sections waits for the thread
-that was preempted), while two one-thread calls go on independently. With one request at a
-time, a single lane is busy and runs on all cores, as before.
+starts while another lane is encoding runs it on one core (single-threaded sessions: the shared
+graph's, and a hot encoder's one-core twin of its merged session), and takes at most half of
+the requests waiting, so that its slower pass does not hold every waiting request while the
+other lane runs dry (the rest go to whichever lane is free first). Under concurrency two batches
+then run side by side, one core each, instead of one batch at a time on both: a two-thread ONNX
+Runtime call loses much of its second thread to the event loop and the answer thread on a
+two-core machine (each of its parallel sections waits for the thread that was preempted), while
+two one-thread calls go on independently. With one request at a time, a single lane is busy and
+runs on all cores, as before.
 
 Admission is bounded: at most ``max_pending`` requests wait or run overall and at most
 ``max_pending_per_encoder`` for one encoder; beyond that a request is refused at once with
@@ -110,13 +111,11 @@ class MicroBatcher:
                  max_batch_tokens: int | None = None, slice_tokens: int | None = None,
                  encode_documents: Callable[[list[str]], np.ndarray] | None = None,
                  bulk: bool = False, encode_bulk: EncodeFlagged | None = None,
-                 lanes: int = 1, encode_single: EncodeFlagged | None = None,
-                 all_cores: Callable[[str], bool] | None = None) -> None:
+                 lanes: int = 1, encode_single: EncodeFlagged | None = None) -> None:
         # encode, tokenize, truncated, encode_flagged, encode_documents, encode_bulk, count_tokens,
         # max_batch, max_batch_tokens, slice_tokens: the forward stage's (qswap.server.serving.forward).
         # bulk: large requests run on a second, lower-priority forward thread (module docstring).
         # lanes: forward threads (module docstring, "Forward lanes"); 1 without encode_single.
-        # all_cores: encoder keys whose batches never take one core (wait for the others instead).
         if lanes < 1:
             raise ValueError(f"lanes must be >= 1, got {lanes}")
         self.forward = ForwardStage(encode=encode, tokenize=tokenize, truncated=truncated,
@@ -150,7 +149,6 @@ class MicroBatcher:
                        for i in range(1, self.lanes)]
         self._encoding = 0   # lanes encoding now (under _lanes_cond)
         self._lanes_cond = threading.Condition()
-        self._all_cores = all_cores
         self._writes = WriteLane(self._do_call, f"{name}-writes")   # index writes, in order
         self._stages = [threading.Thread(target=self._count_loop, name=f"{name}-tokens", daemon=True),
                         threading.Thread(target=self._answer_loop, args=(self._answers,), name=f"{name}-answers",
@@ -392,13 +390,19 @@ class MicroBatcher:
                 # latency, so take what is already queued and go; under load batches hold
                 # several requests and the window lets more join.
                 window = self.window_s if (self._last_requests > 1 or not self.adaptive) else 0.0
-                reserved = counted = self._wait_for_all_cores(item)
+                with self._lanes_cond:
+                    busy = self._encoding > 0
+                # Beside a busy lane: half of what waits (this request included), the rest for whichever
+                # lane is free first. Taking all of it, a one-core pass held every waiting request while
+                # the other lane ran dry (one domain, concurrency 32: p99 1.3-1.5x, bench/results/cycle/lane14-half).
+                limit = (self._ready.qsize() + 2) // 2 if busy else None
+                counted = False
                 try:
-                    batch, carry = self.forward.gather(item, self._ready, window)
+                    batch, carry = self.forward.gather(item, self._ready, window, limit)
                     self._last_requests = len(batch)
                     with self._lanes_cond:
-                        single = not reserved and self._encoding > 0   # another lane is encoding: one core
-                        self._encoding += 0 if reserved else 1
+                        single = self._encoding > 0   # another lane is encoding: one core
+                        self._encoding += 1
                     counted = True
                     self._process(batch, single=single)
                 finally:
@@ -408,19 +412,6 @@ class MicroBatcher:
                             self._lanes_cond.notify_all()
             except Exception:   # never let the worker die: requests would hang
                 log.exception("batch worker error")
-
-    def _wait_for_all_cores(self, item: Any) -> bool:
-        """With several lanes: a batch led by an encoder that runs best on all cores
-        (``all_cores``, e.g. a hot encoder's merged session) waits until no other lane is
-        encoding, then holds the cores (True) before its batch is gathered, so the batch takes
-        in what queued meanwhile. A one-core pass on the shared graph would cost such rows more
-        than waiting (measured: one domain's p99 1.2-1.3x with its batches split over lanes)."""
-        if len(self._lanes) == 0 or self._all_cores is None or not self._all_cores(item.key):
-            return False
-        with self._lanes_cond:
-            self._lanes_cond.wait_for(lambda: self._encoding == 0)
-            self._encoding += 1
-        return True
 
     def _shutdown(self) -> None:
         """After the lanes have stopped: end the other stages, refuse what is still queued."""

@@ -118,9 +118,11 @@ class ForwardStage:
         _, n = token_slices(job.tokens[lo:], self.slice_tokens, self.max_batch)[0]
         return Slice(job, lo, lo + n)
 
-    def gather(self, first: Job, ready: queue.Queue, window: float) -> tuple[list[Slice], Any]:
+    def gather(self, first: Job, ready: queue.Queue, window: float,
+               limit: int | None = None) -> tuple[list[Slice], Any]:
         """A batch: ``first``'s next slice, and the whole requests that join it from ``ready``
-        within ``window`` seconds of ``first``'s arrival and within the budget.
+        within ``window`` seconds of ``first``'s arrival and within the budget (``limit``: at most
+        that many rows, where fewer than ``max_batch``).
 
         Returns:
             The batch, and the item taken from ``ready`` that did not join it (None if none):
@@ -131,14 +133,15 @@ class ForwardStage:
         if first.documents:   # the document tower runs its own forward pass
             return batch, None
         deadline = first.enqueued + window
-        while rows < self.max_batch:
+        most = self.max_batch if limit is None else min(limit, self.max_batch)
+        while rows < most:
             wait = deadline - time.perf_counter()
             try:
                 nxt = ready.get(timeout=wait) if wait > 0 else ready.get_nowait()
             except queue.Empty:
                 break
             # Only whole requests join a batch; the first one is the one that is split.
-            if not isinstance(nxt, Job) or nxt.next_row or nxt.documents or rows + len(nxt.texts) > self.max_batch:
+            if not isinstance(nxt, Job) or nxt.next_row or nxt.documents or rows + len(nxt.texts) > most:
                 return batch, nxt
             self.counted(nxt)
             n, top = len(nxt.texts), max(nxt.tokens or [1])

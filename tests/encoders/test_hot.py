@@ -3,6 +3,9 @@ the same answers, and goes back to the shared graph (its session freed) when its
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import numpy as np
 import pytest
 
@@ -11,6 +14,8 @@ from qswap.encoders.runtime.hot import DEFAULT_HOT, FEW_DOMAINS_HOT, HOT_SHARE, 
 from qswap.encoders.runtime.protocol import served, served_single
 from qswap.encoders.runtime.shared import SharedBackend
 from qswap.errors import InvalidInputError
+from qswap.server.serving.admission import Ticket
+from qswap.server.serving.batching import MicroBatcher
 
 from .adapters import make_lora
 from .test_shared import MIN_COSINE, TEXTS, cosine
@@ -128,8 +133,6 @@ def test_served_rows_make_an_encoder_hot_and_its_rows_run_merged(backend, pool, 
     assert backend.merged.wait("h1@1", timeout=120), backend.merged.error("h1@1")
     assert backend.runtime("h1@1") == "onnx-merged" and backend.hot() == ["h1@1"]
     assert backend.runtime("h2@1") == "onnx-shared"
-    # the one hot encoder's batches wait for all cores; a shared encoder's run beside another lane
-    assert backend.all_cores("h1@1") and not backend.all_cores("h2@1")
     calls = _spy_merged(backend, monkeypatch)
     keys = ["h1@1", "h2@1", "h1@1", BASE_KEY, "h1@1", "h2@1", "h1@1", "h1@1", BASE_KEY]
     got = encode(TEXTS, keys)
@@ -180,8 +183,8 @@ def test_hot_off_keeps_every_encoder_on_the_shared_graph(pool, tmp_path):
 
 
 def test_a_second_forward_lanes_rows_count_and_run_on_one_core(backend, pool, monkeypatch):
-    # served_single: a server's forward lane on one core (the single-threaded session, never the
-    # merged one); its rows count towards which encoder is hot like the first lane's.
+    # served_single: a server's forward lane on one core (the single-threaded session while the
+    # encoder is not hot); its rows count towards which encoder is hot like the first lane's.
     single = served_single(backend)
     assert single is not None
     calls = _spy_merged(backend, monkeypatch)
@@ -190,6 +193,97 @@ def test_a_second_forward_lanes_rows_count_and_run_on_one_core(backend, pool, mo
     assert backend.hot() == ["h1@1"] and calls == [] and flags == [False] * len(TEXTS)
     ref = np.stack([pool.encode([t], ["h1@1"])[0] for t in TEXTS])
     assert cosine(got, ref).min() >= MIN_COSINE
+
+
+@pytest.fixture
+def two_threads(pool, tmp_path):
+    """A backend whose sessions use two threads (a one-thread backend has no one-core twins), h1 hot."""
+    b = SharedBackend(pool, tmp_path, threads=2, hot=1, hot_window=len(TEXTS))
+    try:
+        for key in ("h1@1", "h2@1"):
+            b.prepare(key)
+        assert b.wait(timeout=120), b.error("h1@1")
+        served(b)(TEXTS, ["h1@1"] * len(TEXTS))           # one window, all h1: hot
+        assert b.merged.wait("h1@1", timeout=120), b.merged.error("h1@1")
+        yield b
+    finally:
+        b.close()
+
+
+def _spy_run(session) -> list[int]:
+    """One entry per run of the ONNX Runtime ``session`` (the real run happens)."""
+    runs: list[int] = []
+    run = session.run
+    session.run = lambda out, feed, *a: (runs.append(1), run(out, feed, *a))[1]
+    return runs
+
+
+def test_a_one_core_lane_runs_a_hot_encoder_on_a_one_thread_twin_of_its_merged_session(two_threads, pool):
+    b = two_threads
+    keys = [("h1@1", "h2@1")[i % 2] for i in range(len(TEXTS))]
+    merged = b.merged.encode(TEXTS, keys)                 # h1 on the merged session (both threads), h2 on torch
+    single = served_single(b)
+    assert single is not None
+    single(TEXTS, keys)                                   # the first one-core batch starts the twin
+    assert b.merged.twin_ready("h1@1", timeout=120)
+    assert b.builds_started()["one-core merged session"] == 1 and "one-core merged session" not in b.building()
+    twin = b.merged._twins["h1@1"].session
+    assert twin.get_session_options().intra_op_num_threads == 1
+    runs, main_runs = _spy_run(twin), _spy_run(b.merged._sessions["h1@1"].session)
+    got, flags = single(TEXTS, keys)
+    assert runs and not main_runs and flags == [False] * len(TEXTS)   # h1's rows on the twin alone
+    h1 = [i for i, k in enumerate(keys) if k == "h1@1"]
+    assert cosine(got[h1], merged[h1]).min() >= 0.99999
+    ref = np.stack([pool.encode([t], [k])[0] for t, k in zip(TEXTS, keys)])
+    assert cosine(got, ref).min() >= MIN_COSINE
+    assert b.merged.memory_bytes("h1@1") == 2 * b.merged.memory_bytes("h2@1")   # the twin holds the weights again
+    assert single(TEXTS, keys) is not None and b.builds_started()["one-core merged session"] == 1   # built once
+
+
+def test_a_hot_encoders_batch_runs_beside_a_busy_lane_on_the_twin_and_an_idle_server_on_both_cores(two_threads):
+    # Two forward lanes over the real backend: while the first lane's pass is held, a search of the hot
+    # encoder is answered at once on the second lane, on the twin (one core); with the server idle
+    # again, the same search runs on the merged session's two threads.
+    b = two_threads
+    single = served_single(b)
+    single(TEXTS[:2], ["h1@1"] * 2)                       # builds the twin
+    assert b.merged.twin_ready("h1@1", timeout=120)
+    twin_rows = _spy_run(b.merged._twins["h1@1"].session)
+    main_rows = _spy_run(b.merged._sessions["h1@1"].session)
+    held, release = threading.Event(), threading.Event()
+    encode = served(b)
+
+    def first_lane(texts, keys, encodings=None):
+        if texts[0] == "held":
+            held.set()
+            assert release.wait(30), "never released"
+        return encode(texts, keys, encodings=encodings)
+
+    def search(q, k, flt, with_text):
+        return [["hit"] * k for _ in q]
+
+    batcher = MicroBatcher(encode=first_lane, search=search, window_s=0.0, lanes=2, encode_single=single)
+    batcher.start()
+    try:
+        async def main():
+            first = asyncio.ensure_future(batcher.embed(["held"], "h2@1", ticket=Ticket()))
+            assert await asyncio.to_thread(held.wait, 30)
+            beside = await asyncio.wait_for(batcher.embed([TEXTS[0]], "h1@1", ticket=Ticket()), 30)
+            assert not first.done()                       # still in its held pass
+            ran_beside = (list(twin_rows), list(main_rows))
+            release.set()
+            await asyncio.wait_for(first, 30)
+            idle = await asyncio.wait_for(batcher.embed([TEXTS[0]], "h1@1", ticket=Ticket()), 30)
+            return beside, idle, ran_beside
+        try:
+            beside, idle, ran_beside = asyncio.run(main())
+        finally:
+            release.set()
+    finally:
+        batcher.stop()
+    assert ran_beside == ([1], [])                        # beside the held pass: the twin
+    assert twin_rows == [1] and main_rows == [1]          # idle: the merged session, both threads
+    assert cosine(beside.vectors, idle.vectors).min() >= 0.99999
 
 
 FOUR = [f"q{i}@1" for i in range(1, 5)]
@@ -222,7 +316,6 @@ def test_four_equal_domains_all_run_merged_and_mixed_batches_answer_as_torch(poo
         for key in FOUR:
             assert b.merged.wait(key, timeout=120), b.merged.error(key)
         assert b.hot() == FOUR and {b.runtime(k) for k in FOUR} == {"onnx-merged"}
-        assert not any(b.all_cores(k) for k in FOUR)   # several hot: their batches take one core beside another
         calls = _spy_merged(b, monkeypatch)
         keys = [FOUR[i % 4] for i in range(len(TEXTS))]
         got = served(b)(TEXTS, keys)                              # one batch mixing the four hot encoders

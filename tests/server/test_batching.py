@@ -432,44 +432,56 @@ def test_a_second_lane_encodes_on_one_core_while_the_first_lane_is_busy():
     assert seen[0][2] != seen[1][2]   # two forward threads
 
 
-def test_a_batch_of_an_all_cores_encoder_waits_for_the_other_lane_instead_of_one_core():
-    # all_cores (a hot encoder's merged session): its batch is not split onto one core while
-    # another lane encodes; it waits, then runs on all cores. A batch of another encoder
-    # arriving after it still takes one core at once. Without all_cores the "hot" search would
-    # be answered on one core while "first" is held (the assertion on hot.done() fails).
-    held, release = threading.Event(), threading.Event()
-    seen: list[tuple[str, str]] = []
+def test_a_lane_beside_a_busy_one_takes_at_most_half_of_the_waiting_requests():
+    # Both lanes held ("first" on all cores, "second" on one core), five searches wait. Released, the
+    # first lane starts beside the still busy second: its one-core batch takes three of the five
+    # (half, rounded up), then one at a time while the other is busy. Taking all it could, it would
+    # run one batch of five (the assertion on the batch sizes fails).
+    held = {"first": threading.Event(), "second": threading.Event()}
+    release = {"first": threading.Event(), "second": threading.Event()}
+    seen: list[tuple[str, int]] = []
+
+    def hold(texts):
+        if texts[0] in held:
+            held[texts[0]].set()
+            assert release[texts[0]].wait(30), "never released"
 
     def encode(texts, keys):
-        seen.append(("all cores", texts[0]))
-        if texts[0] == "first":
-            held.set()
-            assert release.wait(30), "never released"
+        seen.append(("all cores", len(texts)))
+        hold(texts)
         return np.ones((len(texts), 2), dtype=np.float32)
 
     def single(texts, keys):
-        seen.append(("one core", texts[0]))
+        seen.append(("one core", len(texts)))
+        hold(texts)
         return np.ones((len(texts), 2), dtype=np.float32), [False] * len(texts)
 
     def search(q, k, flt, with_text):
         return [["hit"] * k for _ in q]
 
-    with running(encode=encode, search=search, window_s=0.0, lanes=3, encode_single=single,
-                 all_cores=lambda key: key == "hot") as b:
+    with running(encode=encode, search=search, window_s=0.0, lanes=2, encode_single=single) as b:
         async def main():
-            first = asyncio.ensure_future(b.search(["first"], "k1", 1, ticket=Ticket()))
-            assert await asyncio.to_thread(held.wait, 30)
-            hot = asyncio.ensure_future(b.search(["hot"], "hot", 1, ticket=Ticket()))
-            other = await asyncio.wait_for(b.search(["other"], "k3", 1, ticket=Ticket()), 10)
-            assert not hot.done() and not first.done()
-            release.set()
-            return await asyncio.wait_for(first, 30), await asyncio.wait_for(hot, 30), other
+            first = asyncio.ensure_future(b.search(["first"], "k", 1, ticket=Ticket()))
+            assert await asyncio.to_thread(held["first"].wait, 30)
+            second = asyncio.ensure_future(b.search(["second"], "k", 1, ticket=Ticket()))
+            assert await asyncio.to_thread(held["second"].wait, 30)
+            waiting = [asyncio.ensure_future(b.search([f"q{i}"], "k", 1, ticket=Ticket())) for i in range(5)]
+            end = time.monotonic() + 30
+            while b._ready.qsize() < 5:   # all five counted and queued for the lanes
+                assert time.monotonic() < end, "never queued"
+                await asyncio.sleep(0.001)
+            release["first"].set()
+            done = await asyncio.wait_for(asyncio.gather(first, *waiting), 30)
+            assert not second.done()
+            release["second"].set()
+            return done, await asyncio.wait_for(second, 30)
         try:
-            first, hot, other = _run(main())
+            done, second = _run(main())
         finally:
-            release.set()
-    assert first.hits == hot.hits == other.hits == [["hit"]]
-    assert seen == [("all cores", "first"), ("one core", "other"), ("all cores", "hot")]
+            for e in release.values():
+                e.set()
+    assert all(r.hits == [["hit"]] for r in [*done, second])
+    assert seen == [("all cores", 1), ("one core", 1), ("one core", 3), ("one core", 1), ("one core", 1)]
 
 
 def test_lanes_run_one_request_at_a_time_on_all_cores_and_stop_with_the_batcher():
