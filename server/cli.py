@@ -98,7 +98,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="ONNX Runtime's workers busy-wait inside a forward (default on; docs/serving.md)")
     p.add_argument("--hot-encoders", type=int, metavar="N",
                    help="shared backend: the busiest encoders, each serving at least 1/(2N) of the recent rows, "
-                        "run on merged graphs of their own, at most N (~110 MB each for multilingual-e5-small; "
+                        "run on merged graphs of their own, at most N (~110 MB each for multilingual-e5-small, "
+                        "~280 MiB with the one-core twin a server builds under load; "
                         f"default {DEFAULT_HOT}; 0: never; docs/query-path.md)")
     p.add_argument("--mixed-batches", choices=("auto", "groups", "segments"), default=None,
                    help="shared backend: how a batch that mixes encoders runs (default auto; docs/query-path.md)")

@@ -83,8 +83,9 @@ class ServerSettings(BaseSettings):
     onnx_spin: bool = Field(True, description="ONNX Runtime's workers busy-wait inside a forward (its default); off: "
                             "they sleep, leaving the cores to the event loop and the index (see docs/serving.md)")
     hot_encoders: int = Field(DEFAULT_HOT, ge=0, le=16, description="shared backend: merged sessions kept for the "
-                              "busiest encoders, each serving at least 1/(2N) of the recent rows (~110 MB each "
-                              "for multilingual-e5-small, outside the encoder memory budget; 0: none; see "
+                              "busiest encoders, each serving at least 1/(2N) of the recent rows (~110 MB each, "
+                              "~280 MiB with its one-core twin under load, for multilingual-e5-small, outside "
+                              "the encoder memory budget; 0: none; see "
                               "docs/query-path.md)")
     mixed_batches: Literal["auto", "groups", "segments"] = Field(
         "auto", description="shared backend: how a batch that mixes encoders runs: one call per encoder group "
