@@ -489,6 +489,10 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
     fixed_parts = ", ".join(f"{k.replace('_', ' ')} {v / MIB:.0f}" for k, v in res["fixed_bytes"].items())
     slope_span = (f"RSS({full[1]['encoders']}) - RSS({full[0]['encoders']}), all loaded, over "
                   f"{full[1]['encoders'] - full[0]['encoders']}") if len(full) == 2 else "no two all-loaded counts"
+    # Only where two all-loaded counts exist (a run with fewer has no slope to report).
+    idle_line = (f"- the same encoders before they ran (registered, attached and bound to the shared graph, never "
+                 f"searched; RSS({full[1]['encoders']}) before its new encoders ran - RSS({full[0]['encoders']})): "
+                 f"{slope_idle / MIB:.2f} MiB" + _parts(slope_idle_parts) + "\n") if slope_idle is not None else ""
     md = (f"Server: `{cmd if isinstance(cmd, str) else ' '.join(cmd)}` (default backend: one shared ONNX Runtime "
           f"session); {res['index']['documents']:,} documents. Encoders: random LoRA r={res['rank']} adapters on "
           f"every dense layer of {res['model']} (adapter file {res['adapter_file_bytes'] / MIB:.2f} MiB in float32, "
@@ -511,9 +515,7 @@ def _write(dirs: RunDirs, res: dict[str, Any]) -> None:
           f"**{(slope or 0) / MIB:.2f} MiB** <= {TARGET_COUNT:.2f}x the "
           f"{counted / MIB:.2f} MiB counted: {_verdict(sm['count_ok'])} ({(sm['count_ratio'] or 0):.2f}x)"
           + _parts(slope_parts) + "\n"
-          f"- the same encoders before they ran (registered, attached and bound to the shared graph, never "
-          f"searched; RSS({full[-1]['encoders']}) before its new encoders ran - RSS({full[0]['encoders']})): "
-          f"{(slope_idle or 0) / MIB:.2f} MiB" + _parts(slope_idle_parts) + "\n"
+          + idle_line +
           f"- restart with {last['encoders']} registered: **{restart['start_s']:.2f} s** to ready (first start "
           f"with none: {res['server']['start_s']:.2f} s; {restart['listed']} encoders listed after it, paged 250 "
           f"at a time; first searches on an encoder loaded lazily: p50 {restart['first_search_p50_ms']:.1f} ms) "

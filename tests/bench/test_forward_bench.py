@@ -58,7 +58,7 @@ def test_mixed_only_arms_run_and_segment_answers_equal_groups(tiny_model_dir, tm
                      "--out", str(out)])
     assert rc == 0
     m = json.loads((out / "results.json").read_text())["results"]["mixed"]
-    # hot k=3: three encoders at most the default hot slots, each on its own merged session
+    # hot k=3: three encoders, at most FEW_DOMAINS_HOT, each on its own merged session
     assert set(m["ms"]["6"]) == {"merged 1-encoder", "shared 1-encoder", "groups k=3", "auto k=3", "segments k=3",
                                  "segments k=3 cold", "hot k=3"}
     assert "hot k=3 / segments k=3" in m["ratios"]["6"]
