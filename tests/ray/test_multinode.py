@@ -78,12 +78,23 @@ def cluster(ray_clusters) -> Iterator[Cluster]:
                     os.environ[k] = v
 
 
+#: The embedder actors the index build starts (one per node).
+EMBEDDERS = 2
+
+
 def _embed_on_node(model_dir: str, seen: str) -> Any:
-    """A Ray Data actor's embedder that records the node it runs on."""
+    """A Ray Data actor's embedder that records the node it runs on, then waits until every
+    embedder of the pool has recorded its own: without that barrier, on a loaded machine the first
+    actor could embed every block before the second was constructed, and the test would see one
+    node although the pool spans two. The wait is bounded, so a pool that never gets its second
+    actor fails the node assertion instead of hanging the build."""
     import ray
 
     from qswap.encoders.runtime.embedder import document_embedder
     Path(seen, f"{ray.get_runtime_context().get_node_id()}-{os.getpid()}").touch()
+    deadline = time.monotonic() + 120.0
+    while len(list(Path(seen).iterdir())) < EMBEDDERS and time.monotonic() < deadline:
+        time.sleep(0.05)   # polls the other process's file: a cross-process barrier, not an ordering guess
     return document_embedder(model_dir)
 
 
@@ -99,7 +110,7 @@ def test_index_build_runs_on_both_nodes_and_equals_local_build(cluster, tmp_path
     seen.mkdir()
     # Two embedders of 1 CPU on two 1-CPU nodes: one on each.
     build_index_on_ray(ray_corpus, tmp_path / "ray", functools.partial(_embed_on_node, str(tiny_model_dir), str(seen)),
-                       tiny_base.space, cfg, workers=2, cpus_per_worker=1, progress=False,
+                       tiny_base.space, cfg, workers=EMBEDDERS, cpus_per_worker=1, progress=False,
                        model=str(tiny_model_dir)).close()
     nodes = {p.name.split("-")[0] for p in seen.iterdir()}
     assert nodes == set(alive_nodes()), nodes
