@@ -14,7 +14,8 @@ worker per core (:func:`qswap.encoders.runtime.shared_run.spread_groups` says wh
 the first such batch comes, so a server whose batches never mix encoders does not hold its weights. With
 ``mix="segments"`` (or ``"auto"`` for batches of small groups) a mixed batch is instead ONE call of a second
 graph that takes the LoRA factors of each of its encoders once and routes each row to its own
-(:mod:`qswap.encoders.runtime.shared_segments`).
+(:mod:`qswap.encoders.runtime.shared_segments`); a server's forward lane that runs on one core beside a busy
+one makes that call on a single-threaded session of the segment graph, built when such a lane first needs it.
 
 Encoders the shared graph cannot express (``partial`` tensors other than biases), and encoders pinned with
 :meth:`SharedBackend.pin`, go to a merged per-encoder export (:class:`qswap.encoders.runtime.onnx.OnnxBackend`),
@@ -143,6 +144,14 @@ class SharedBackend:
         # The segment graph's session and runner (mix="segments"/"auto"), built at the first mixed batch.
         self._segments: tuple[Any, SegmentRunner] | None = None
         self._segments_future: Future[None] | None = None
+        self._segments_path: Path | None = None
+        # Its single-threaded session for forward lanes on one core, built at the first mixed batch of small
+        # groups such a lane gets (:meth:`encode_flagged_single`), and its runners: one per lane running on it
+        # at once (each with its own buffers), made as lanes need them and kept free between their calls.
+        self._segments_single: Any = None
+        self._segments_single_future: Future[None] | None = None
+        self._single_runners: list[SegmentRunner] = []
+        self._single_free: list[SegmentRunner] = []
         # Merged per-encoder exports: encoders the shared graph cannot express, and pinned ones.
         self.merged = OnnxBackend(pool, cache_dir, threads=threads, providers=self.providers, spin=spin,
                                   batch_size=batch_size)
@@ -200,7 +209,9 @@ class SharedBackend:
             path, self._first_position = cached_packed(self.base, self.directory(), self._variant, segments, factors)
         else:
             path = cached_shared(self.base, self.directory(), self._variant, factors, segments=segments)
-        if not segments:
+        if segments:
+            self._segments_path = path
+        else:
             self._graph = path
         return make_session(path, self._threads, self.providers, self.spin)
 
@@ -223,6 +234,48 @@ class SharedBackend:
                     self._segments = (sess, runner)
             self._segments_future = self._executor.submit(build)
             self._count_build("segment graph")
+
+    def _start_segments_single(self) -> None:
+        """Build the segment graph's single-threaded session and its runner in the background, once, after the
+        segment graph itself (started here if it is not).
+
+        Why: a forward lane that starts beside a busy one runs on one core. Without this session, its batch of
+        small encoder groups ran one single-threaded call per group in turn (a 6-row batch of 8 LoRA domains:
+        five calls of one or two rows); the multi-threaded segment session would fight the other lane for its
+        threads, and its runner serves one call at a time. Its own runner keeps its own buffers (the factors of
+        the encoders of its last call), and two lanes on one core each (the usual case under load: each starts
+        while the other encodes) take a runner each, so the lanes never wait on each other. It costs the segment
+        graph's weights again (ONNX Runtime pre-packs each session's own), like the mixed-batch session.
+        """
+        with self._lock:
+            if self._segments_single_future is not None:
+                return
+            path = self._segments_path
+            if path is None:   # the segment graph first: its build gives the path
+                if self._segments_future is None:
+                    self._start_segments()
+                return
+
+            def build() -> None:
+                sess = make_session(path, 1, self.providers, self.spin)
+                with self._lock:
+                    if not self._closed:
+                        self._segments_single = sess
+            self._segments_single_future = self._executor.submit(build)
+            self._count_build("one-core segment session")
+
+    def _single_runner(self) -> SegmentRunner:
+        """A runner of the one-core segment session that no lane is using (a new one if every one is)."""
+        with self._lock:
+            if self._single_free:
+                return self._single_free.pop()
+            runner = SegmentRunner(self.slots, self._base_inputs, FACTOR_DTYPES[self.factors], self._packed)
+            self._single_runners.append(runner)
+            return runner
+
+    def _runners(self) -> list[SegmentRunner]:
+        """The segment runners made (caller holds the lock): each holds copies of encoders' factors."""
+        return ([self._segments[1]] if self._segments is not None else []) + list(self._single_runners)
 
     def _feed(self, own: dict[str, torch.Tensor]) -> BoundFeed:
         """An encoder's full feed, pre-built OrtValues bound once per session: a run copies
@@ -270,10 +323,10 @@ class SharedBackend:
         with self._lock:
             self._forget(self._inputs.get(key))
             self._inputs[key] = self._feed(own) if self._session is not None else own
-            segments = self._segments
+            runners = self._runners()
         was_hot = self._hot.discard(key)
-        if segments is not None:   # a re-prepared key's factors are copied again when it next runs
-            segments[1].discard(key)
+        for runner in runners:   # a re-prepared key's factors are copied again when it next runs
+            runner.discard(key)
         if was_hot:   # its merged session holds the weights it had: it becomes hot again from its traffic
             self.merged.discard(key)
 
@@ -307,9 +360,9 @@ class SharedBackend:
         with self._lock:
             self._pinned.add(key)
             self._forget(self._inputs.pop(key, None))
-            segments = self._segments
-        if segments is not None:
-            segments[1].discard(key)
+            runners = self._runners()
+        for runner in runners:
+            runner.discard(key)
         self.merged.prepare(key)
 
     def ready(self, key: str) -> bool:
@@ -374,8 +427,8 @@ class SharedBackend:
 
     def shared_bytes(self) -> int:
         """The one shared session's weights (:func:`session_weight_bytes`); the single-threaded session for
-        mixed batches, and the segment session, hold as much again each once built (:meth:`groups_side_by_side`,
-        :meth:`segments_ready`)."""
+        mixed batches, the segment session and its single-threaded twin hold as much again each once built
+        (:meth:`groups_side_by_side`, :meth:`segments_ready`, :meth:`segments_single_ready`)."""
         return session_weight_bytes(self.base)
 
     def groups_side_by_side(self, wait: float | None = 0) -> bool:
@@ -390,15 +443,22 @@ class SharedBackend:
         await_build(self._segments_future, wait)   # a timeout or a failed build: mixed batches run per group
         return self._segments is not None
 
+    def segments_single_ready(self, wait: float | None = 0) -> bool:
+        """Whether a forward lane on one core runs its batches of small encoder groups as one call of the segment
+        graph's single-threaded session now; ``wait``: seconds to wait for it if it is being built."""
+        await_build(self._segments_single_future, wait)   # meanwhile, or if it failed: per group, in turn
+        return self._segments_single is not None
+
     def building(self) -> list[str]:
         """What is being built in the background now, by kind: ``shared graph`` (answers run on torch
-        meanwhile), ``mixed-batch session`` and ``segment graph`` (started by the first batches that mix
-        encoders; those run per group meanwhile), ``merged graph`` (a hot or pinned encoder's; it runs on the
+        meanwhile), ``mixed-batch session``, ``segment graph`` and ``one-core segment session`` (started by the
+        first batches that mix encoders; those run per group meanwhile), ``merged graph`` (a hot or pinned encoder's; it runs on the
         shared graph meanwhile). Empty once every build started has finished, whatever its outcome (a failure is
         in :meth:`error` and the log)."""
         with self._lock:
             pending = [("shared graph", self._future), ("mixed-batch session", self._group_future),
-                       ("segment graph", self._segments_future)]
+                       ("segment graph", self._segments_future),
+                       ("one-core segment session", self._segments_single_future)]
         return [name for name, f in pending if f is not None and not f.done()] + self.merged.building()
 
     def _count_build(self, kind: str) -> None:   # caller holds the lock
@@ -415,10 +475,10 @@ class SharedBackend:
         with self._lock:
             self._forget(self._inputs.pop(key, None))
             self._pinned.discard(key)
-            segments = self._segments
+            runners = self._runners()
         self._hot.discard(key)
-        if segments is not None:
-            segments[1].discard(key)
+        for runner in runners:
+            runner.discard(key)
         self.merged.discard(key)
 
     def _forget(self, entry: Any) -> None:   # a replaced or dropped feed: its float32 copy is freed
@@ -443,6 +503,8 @@ class SharedBackend:
             self._session = None
             self._group_session = None
             self._segments = None
+            self._segments_single = None
+            self._single_runners, self._single_free = [], []
             self._inputs.clear()
 
     # -- encoding -------------------------------------------------------------------------------
@@ -463,7 +525,8 @@ class SharedBackend:
     def encode_flagged_single(self, texts: list[str], keys: list[str],
                               encodings: list[Any] | None = None) -> tuple[np.ndarray, list[bool]]:
         """:meth:`encode_flagged` on one core, for a server's forward lane that runs beside another one: the
-        shared graph's calls as :meth:`encode_flagged_bulk` runs them, and the rows of hot and merged encoders
+        shared graph's calls as :meth:`encode_flagged_bulk` runs them (a batch of small encoder groups as one call of
+        the segment graph's single-threaded session, built at the first such batch), and the rows of hot and merged encoders
         on their merged sessions' single-threaded twins (:meth:`OnnxBackend.encode` ``single``, built at the
         first such batch), so that a hot encoder's batch runs merged beside the other lane instead of on the
         shared graph or waiting for both cores."""
@@ -487,6 +550,7 @@ class SharedBackend:
         merged: list[int] = []
         with self._lock:
             session, group_session, segments = self._session, self._group_session, self._segments
+            segments_single = self._segments_single
             # The batch's own encoders, looked up: not a copy of every loaded encoder's feed (with
             # hundreds loaded, that copy was the one part of a search that grew with their number).
             feeds = {k: f for k in dict.fromkeys(keys) if isinstance(f := self._inputs.get(k), BoundFeed)} \
@@ -508,14 +572,29 @@ class SharedBackend:
             if k not in self.pool:
                 raise NotFoundError(f"encoder {k} is not loaded", "register it or use a loaded encoder")
         rows = sum(len(r) for r in groups.values())
-        # Never for the bulk lane: the segment session is multi-threaded, the bulk lane holds one core.
-        if len(groups) > 1 and not bulk and (self.mix == "segments" or self.mix == "auto"
-                                             and segment_groups(rows, len(groups))):
+        mixed = len(groups) > 1 and (self.mix == "segments" or self.mix == "auto" and segment_groups(rows, len(groups)))
+        # The segment session is multi-threaded: a forward lane on one core (twin) runs its single-threaded
+        # twin instead; never the bulk lane (its large requests are rarely mixed, and it must not hold a
+        # runner the interactive lanes wait for).
+        if mixed and not bulk:
             if segments is not None:
                 groups = encode_segments(*segments, groups, self._own, lambda t, e: self._buckets(t, e, self._packed),
                                          self._inputs_of, texts, encs, out)
             else:
                 self._start_segments()
+        elif mixed and twin:
+            if segments_single is not None:
+                runner = self._single_runner()
+                try:
+                    groups = encode_segments(segments_single, runner, groups, self._own,
+                                             lambda t, e: self._buckets(t, e, self._packed), self._inputs_of,
+                                             texts, encs, out)
+                finally:
+                    with self._lock:
+                        if runner in self._single_runners:   # not closed meanwhile
+                            self._single_free.append(runner)
+            else:
+                self._start_segments_single()
         calls: list[tuple[BoundFeed, list[int], np.ndarray, np.ndarray]] = []   # (feed, rows, ids, mask)
         for k, rows in groups.items():
             for idx, ids, mask in self._buckets([texts[i] for i in rows], [encs[i] for i in rows], self._packed):

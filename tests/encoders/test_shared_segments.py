@@ -305,11 +305,55 @@ def test_auto_runs_segments_only_for_small_groups(pool, tmp_path, monkeypatch):
 
 
 def test_the_bulk_lane_never_runs_segments(segmented, pool, monkeypatch):
+    segmented.encode(TEXTS, MIXED)   # a mixed batch starts the segment graph (if no test before did)
     assert segmented.segments_ready(wait=120)
     spy = _Spy(segmented, monkeypatch)
     got, _ = segmented.encode_flagged_bulk(TEXTS, MIXED)   # one core, per group, in this thread
     assert not spy.segments and spy.groups >= 4
     assert cosine(got, _alone(pool, TEXTS, MIXED)).min() >= MIN_COSINE
+
+
+def test_a_one_core_lane_runs_a_mixed_batch_as_one_call_of_the_single_threaded_segment_session(segmented, pool,
+                                                                                              monkeypatch):
+    segmented.encode(TEXTS, MIXED)   # a mixed batch starts the segment graph (if no test before did)
+    assert segmented.segments_ready(wait=120)
+    first, _ = segmented.encode_flagged_single(TEXTS, MIXED)   # per group meanwhile: starts the one-core session
+    assert segmented.segments_single_ready(wait=120)
+    sess = segmented._segments_single
+    assert sess.get_session_options().intra_op_num_threads == 1
+    used = []
+    run = SegmentRunner.run
+    inside, release = threading.Event(), threading.Event()
+
+    def spy_run(self, session, inputs, mask, keys):
+        used.append((self, session, len(keys)))
+        if threading.current_thread().name == "held":   # the first lane stays in its call until released
+            inside.set()
+            assert release.wait(60)
+        return run(self, session, inputs, mask, keys)
+    monkeypatch.setattr(SegmentRunner, "run", spy_run)
+    # Two lanes on one core at once: the second gets a runner of its own and finishes while the first is held.
+    held: dict[str, np.ndarray] = {}
+    lane = threading.Thread(target=lambda: held.setdefault("got", segmented.encode_flagged_single(TEXTS, MIXED)[0]),
+                            name="held")
+    lane.start()
+    try:
+        assert inside.wait(60)
+        got, _ = segmented.encode_flagged_single(TEXTS, MIXED)
+    finally:
+        release.set()
+        lane.join(60)
+    assert not lane.is_alive()
+    lora_or_base = sum(k in ("l1@1", "l2@1", BASE_KEY) for k in MIXED)
+    runners = {id(r) for r, _, _ in used}
+    assert len(runners) == 2 and all(s is sess for _, s, _ in used)   # its session, two runners
+    assert segmented._segments[1] not in {r for r, _, _ in used}      # never the two-thread session's runner
+    assert sum(n for _, _, n in used) == 2 * lora_or_base
+    alone = _alone(pool, TEXTS, MIXED)
+    for emb in (first, got, held["got"]):
+        assert cosine(emb, alone).min() >= MIN_COSINE
+    segmented.discard("l9@1")                                      # an unknown key: nothing held, nothing raised
+    assert "one-core segment session" in segmented.builds_started()
 
 
 def test_building_lists_what_runs_in_the_background_until_it_is_done(pool, tmp_path, monkeypatch):
