@@ -55,6 +55,12 @@ two-core machine (each of its parallel sections waits for the thread that was pr
 two one-thread calls go on independently. With one request at a time, a single lane is busy and
 runs on all cores, as before.
 
+**Idle.** A request admitted while nothing else is (no other request waiting or running)
+skips the tokens stage: the forward lane tokenises it when it takes it. A batch whose requests
+are the only ones admitted when its forward pass ends is answered on the forward lane itself,
+not handed to the answer stage. With one request at a time each request then crosses two
+threads fewer; under concurrency the pipeline runs as above.
+
 Admission is bounded: at most ``max_pending`` requests wait or run overall and at most
 ``max_pending_per_encoder`` for one encoder; beyond that a request is refused at once with
 :class:`OverloadedError` (429 + ``Retry-After``) instead of joining a queue whose wait would
@@ -335,7 +341,12 @@ class MicroBatcher:
         ticket.watch(job.future)
         with self._count_lock:
             self._live.add(job)
-        self._q.put(job)
+        if self._pending == 1 and not (self.low is not None and self._large(job)):
+            # Nothing else admitted: no job waits to be tokenised ahead of this one, so the forward
+            # lane tokenises it itself, one hand-off between threads fewer (module docstring, "Idle").
+            self._ready.put(job)
+        else:
+            self._q.put(job)
         return await self._wait(job.future, job.deadline)
 
     async def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
@@ -374,6 +385,7 @@ class MicroBatcher:
         """One forward lane: batches from the ready queue until STOP (module docstring). The
         first lane (the worker thread) shuts the batcher down after it; another lane that takes
         the one STOP puts it back for the first."""
+        search_on_this_thread()   # an idle batch is answered on this thread (_run_batch): one core, as the answer stage
         carry: Any = None
         while True:
             item = carry if carry is not None else self._ready.get()
@@ -383,6 +395,8 @@ class MicroBatcher:
                     self._ready.put(STOP)
                 return
             try:
+                if isinstance(item, Job) and item.tokens is None:   # taken straight from _submit when idle
+                    self._counted(item)
                 if self._bulk_thread is not None and self.forward.is_bulk(item):
                     self._bulk.put(item)
                     continue
@@ -467,11 +481,14 @@ class MicroBatcher:
         return todo and sum(len(t) for t in job.texts) > INLINE_CHARS
 
     def _count(self, job: Job) -> None:
+        self._counted(job)
+        self._ready.put(job)
+
+    def _counted(self, job: Job) -> None:
         try:
             self.forward.counted(job)
         except Exception:   # a tokenizer failure: every row costs one; the encode reports the error
             job.tokens = [1] * len(job.texts)
-        self._ready.put(job)
 
     def _answer_loop(self, inbox: queue.Queue) -> None:
         """Stage 3: search and answer the requests each forward pass completed (``inbox``: the
@@ -481,16 +498,20 @@ class MicroBatcher:
             item = inbox.get()
             if item is STOP:
                 return
-            jobs, batch_requests, start = item
-            try:
-                answer_batch(jobs, batch_requests, start, self._search, self.metrics)
-            except Exception as e:   # never leave a caller waiting
-                log.exception("answer stage error")
-                for j in jobs:
-                    post(j.loop, j.future, exc=e)
-            finally:
-                for j in jobs:
-                    self._finish(j)
+            self._answer(*item)
+
+    def _answer(self, jobs: list[Job], batch_requests: int, start: float) -> None:
+        """Search and answer ``jobs`` (every row encoded), then finish them: the answer stage's
+        work, or the forward lane's for an idle batch."""
+        try:
+            answer_batch(jobs, batch_requests, start, self._search, self.metrics)
+        except Exception as e:   # never leave a caller waiting
+            log.exception("answer stage error")
+            for j in jobs:
+                post(j.loop, j.future, exc=e)
+        finally:
+            for j in jobs:
+                self._finish(j)
 
     def _drain(self, writes: list[Call]) -> None:
         # The tokens stage, the bulk lane and the writes thread have ended: nothing moves between
@@ -577,5 +598,11 @@ class MicroBatcher:
         if jobs:
             for j in jobs:
                 j.answering = True
+            if not bulk and self._pending == len(jobs):
+                # Idle: nothing else admitted (no request waiting, no other batch encoding or being
+                # answered), so no next forward pass could overlap the answer stage: answer here,
+                # one hand-off between threads fewer (module docstring, "Idle").
+                self._answer(jobs, len(slices), start)
+                return
             inbox = self._bulk_answers if bulk and self._bulk_answers is not None else self._answers
             inbox.put((jobs, len(slices), start))

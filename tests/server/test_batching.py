@@ -259,19 +259,26 @@ def test_a_cancelled_caller_is_cancelled_not_timed_out():
 
 
 def test_pipeline_answers_one_batch_while_the_next_is_encoded():
-    """Tokens are counted on their own thread, and a batch's search runs on the answer thread
-    while the forward thread encodes the next batch (held until then: without the overlap the
-    search gives up after 10 s and the answer says so)."""
-    first_encoded, second_encoded = threading.Event(), threading.Event()
+    """Under concurrency, tokens are counted on their own thread, and a batch's search runs on the
+    answer thread while the forward thread encodes the next batch (held until then: without the
+    overlap the search gives up after 10 s and the answer says so). The first request's forward
+    pass is held until the second request is counted, so the first batch does not end idle."""
+    first_encoded, second_counted, second_encoded = threading.Event(), threading.Event(), threading.Event()
     names: dict[str, str] = {}
 
     def count(texts):
-        names.setdefault("count", threading.current_thread().name)
+        names[f"count {texts[0]}"] = threading.current_thread().name
+        if texts == ["b"]:
+            second_counted.set()
         return [1] * len(texts)
 
     def encode(texts, keys):
         names.setdefault("encode", threading.current_thread().name)
-        (second_encoded if first_encoded.is_set() else first_encoded).set()
+        if first_encoded.is_set():
+            second_encoded.set()
+        else:
+            first_encoded.set()
+            assert second_counted.wait(10)   # a second request admitted: this batch is not idle
         return np.ones((len(texts), 2), dtype=np.float32)
 
     def search(q, k, flt, with_text):
@@ -282,12 +289,41 @@ def test_pipeline_answers_one_batch_while_the_next_is_encoded():
     with running(encode=encode, search=search, count_tokens=count, window_s=0.0, max_batch=64) as b:
         async def main():
             first = asyncio.ensure_future(b.search(["a"], "k", 1, ticket=Ticket()))
-            assert await asyncio.to_thread(first_encoded.wait, 10)   # batch 1 encoded, now searching
+            assert await asyncio.to_thread(first_encoded.wait, 10)   # batch 1 encoding, held
             second = await b.search(["b"], "k", 1, ticket=Ticket())
             return await first, second
         first, second = _run(main())
     assert first.hits == [[True]] and second.hits == [[True]]
-    assert names == {"count": "qswap-batcher-tokens", "encode": "qswap-batcher", "search": "qswap-batcher-answers"}
+    assert names == {"count a": "qswap-batcher",   # admitted alone: tokenised on the forward thread
+                     "count b": "qswap-batcher-tokens", "encode": "qswap-batcher", "search": "qswap-batcher-answers"}
+
+
+def test_a_lone_request_is_answered_on_the_forward_thread():
+    """With nothing else admitted, a request is counted, encoded and searched on the forward
+    thread: no hand-off to the tokens or the answer stage."""
+    names: list[tuple[str, str]] = []
+
+    def count(texts):
+        names.append(("count", threading.current_thread().name))
+        return [1] * len(texts)
+
+    enc, srch = _fake([])
+
+    def search(q, k, flt, with_text):
+        names.append(("search", threading.current_thread().name))
+        return srch(q, k, flt, with_text)
+
+    with running(encode=enc, search=search, count_tokens=count, window_s=0.0) as b:
+        async def main():
+            outs = []
+            for n in (1, 2):
+                done = threading.Event()   # set once the request is finished (no longer admitted)
+                outs.append(await b.search(["x" * n], "k", 2, on_done=done.set, ticket=Ticket()))
+                assert await asyncio.to_thread(done.wait, 10)
+            return outs
+        outs = _run(main())
+    assert [o.hits for o in outs] == [[["1:0", "1:1"]], [["2:0", "2:1"]]]
+    assert names == [("count", "qswap-batcher"), ("search", "qswap-batcher")] * 2
 
 
 def _short_beside_held_large(encode, search, held: threading.Event, release: threading.Event):
