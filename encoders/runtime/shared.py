@@ -236,8 +236,8 @@ class SharedBackend:
             self._count_build("segment graph")
 
     def _start_segments_single(self) -> None:
-        """Build the segment graph's single-threaded session and its runner in the background, once, after the
-        segment graph itself (started here if it is not).
+        """Build the segment graph's single-threaded session in the background, once, after the segment graph
+        itself (started here if it is not); its runners are made as lanes need them (:meth:`_single_runner`).
 
         Why: a forward lane that starts beside a busy one runs on one core. Without this session, its batch of
         small encoder groups ran one single-threaded call per group in turn (a 6-row batch of 8 LoRA domains:
@@ -452,9 +452,9 @@ class SharedBackend:
     def building(self) -> list[str]:
         """What is being built in the background now, by kind: ``shared graph`` (answers run on torch
         meanwhile), ``mixed-batch session``, ``segment graph`` and ``one-core segment session`` (started by the
-        first batches that mix encoders; those run per group meanwhile), ``merged graph`` (a hot or pinned encoder's; it runs on the
-        shared graph meanwhile). Empty once every build started has finished, whatever its outcome (a failure is
-        in :meth:`error` and the log)."""
+        first batches that mix encoders; those run per group meanwhile), ``merged graph`` (a hot or pinned
+        encoder's; it runs on the shared graph meanwhile). Empty once every build started has finished, whatever
+        its outcome (a failure is in :meth:`error` and the log)."""
         with self._lock:
             pending = [("shared graph", self._future), ("mixed-batch session", self._group_future),
                        ("segment graph", self._segments_future),
@@ -525,11 +525,11 @@ class SharedBackend:
     def encode_flagged_single(self, texts: list[str], keys: list[str],
                               encodings: list[Any] | None = None) -> tuple[np.ndarray, list[bool]]:
         """:meth:`encode_flagged` on one core, for a server's forward lane that runs beside another one: the
-        shared graph's calls as :meth:`encode_flagged_bulk` runs them (a batch of small encoder groups as one call of
-        the segment graph's single-threaded session, built at the first such batch), and the rows of hot and merged encoders
-        on their merged sessions' single-threaded twins (:meth:`OnnxBackend.encode` ``single``, built at the
-        first such batch), so that a hot encoder's batch runs merged beside the other lane instead of on the
-        shared graph or waiting for both cores."""
+        shared graph's calls as :meth:`encode_flagged_bulk` runs them (but a batch of small encoder groups as one
+        call of the segment graph's single-threaded session, built at the first such batch), and the rows of hot
+        and merged encoders on their merged sessions' single-threaded twins (:meth:`OnnxBackend.encode`
+        ``single``, built at the first such batch), so that a hot encoder's batch runs merged beside the other
+        lane instead of on the shared graph or waiting for both cores."""
         return self.encode_flagged(texts, keys, encodings, bulk=True, twin=True)
 
     def encode_flagged(self, texts: list[str], keys: list[str], encodings: list[Any] | None = None,
@@ -574,8 +574,8 @@ class SharedBackend:
         rows = sum(len(r) for r in groups.values())
         mixed = len(groups) > 1 and (self.mix == "segments" or self.mix == "auto" and segment_groups(rows, len(groups)))
         # The segment session is multi-threaded: a forward lane on one core (twin) runs its single-threaded
-        # twin instead; never the bulk lane (its large requests are rarely mixed, and it must not hold a
-        # runner the interactive lanes wait for).
+        # twin instead. The bulk lane keeps to one call per group: its requests are large, and each has
+        # one encoder.
         if mixed and not bulk:
             if segments is not None:
                 groups = encode_segments(*segments, groups, self._own, lambda t, e: self._buckets(t, e, self._packed),
