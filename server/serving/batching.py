@@ -411,6 +411,7 @@ class MicroBatcher:
                 # the other lane ran dry (one domain, concurrency 32: p99 1.3-1.5x, bench/results/cycle/lane14-half).
                 limit = (self._ready.qsize() + 2) // 2 if busy else None
                 counted = False
+                idle = None
                 try:
                     batch, carry = self.forward.gather(item, self._ready, window, limit)
                     self._last_requests = len(batch)
@@ -418,12 +419,16 @@ class MicroBatcher:
                         single = self._encoding > 0   # another lane is encoding: one core
                         self._encoding += 1
                     counted = True
-                    self._process(batch, single=single)
+                    idle = self._process(batch, single=single)
                 finally:
                     if counted:
                         with self._lanes_cond:
                             self._encoding -= 1
                             self._lanes_cond.notify_all()
+                if idle is not None:
+                    # Answered only once this lane no longer counts as encoding: its client may send the
+                    # next request at once, and that one must find no lane busy (all cores), as before.
+                    self._answer(*idle)
             except Exception:   # never let the worker die: requests would hang
                 log.exception("batch worker error")
 
@@ -563,7 +568,9 @@ class MicroBatcher:
             except Exception:
                 log.exception("on_done callback failed")
 
-    def _process(self, batch: list[Slice], bulk: bool = False, single: bool = False) -> None:
+    def _process(self, batch: list[Slice], bulk: bool = False,
+                 single: bool = False) -> tuple[list[Job], int, float] | None:
+        """Run one batch; returns an idle batch's requests for the caller to answer (:meth:`_run_batch`)."""
         start = time.perf_counter()
         live: list[Slice] = []
         for sl in batch:
@@ -578,9 +585,9 @@ class MicroBatcher:
                     j.started = start
                 live.append(sl)
         if not live:
-            return
+            return None
         try:
-            self._run_batch(live, start, bulk, single)
+            return self._run_batch(live, start, bulk, single)
         finally:
             for sl in live:
                 j = sl.job
@@ -591,8 +598,11 @@ class MicroBatcher:
                 elif not j.answering:
                     self._finish(j)
 
-    def _run_batch(self, slices: list[Slice], start: float, bulk: bool = False, single: bool = False) -> None:
-        """Encode the slices (``single``: on one core); hand the requests they complete to the answer stage."""
+    def _run_batch(self, slices: list[Slice], start: float, bulk: bool = False,
+                   single: bool = False) -> tuple[list[Job], int, float] | None:
+        """Encode the slices (``single``: on one core); hand the requests they complete to the answer stage,
+        or, when they are the only ones admitted, return them (with the batch's size and start) for the
+        forward lane to answer itself (:meth:`_answer`)."""
         self.forward.encode(slices, bulk, single)
         jobs = [sl.job for sl in slices if sl.job.next_row == len(sl.job.texts) and not sl.job.failed]
         if jobs:
@@ -600,9 +610,9 @@ class MicroBatcher:
                 j.answering = True
             if not bulk and self._pending == len(jobs):
                 # Idle: nothing else admitted (no request waiting, no other batch encoding or being
-                # answered), so no next forward pass could overlap the answer stage: answer here,
+                # answered), so no next forward pass could overlap the answer stage: the lane answers,
                 # one hand-off between threads fewer (module docstring, "Idle").
-                self._answer(jobs, len(slices), start)
-                return
+                return jobs, len(slices), start
             inbox = self._bulk_answers if bulk and self._bulk_answers is not None else self._answers
             inbox.put((jobs, len(slices), start))
+        return None
