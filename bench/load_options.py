@@ -108,6 +108,12 @@ class LoadOptions:
                    requests=args.requests or defaults.requests.pick(quick),
                    rounds=args.rounds or defaults.rounds.pick(quick))
 
+    def settle_requests(self) -> int:
+        """Requests per round of the warm-up that settles a server before timing, sent at the highest
+        level (:func:`qswap.bench.fixtures.warm_until_settled`): enough for every batch shape that
+        level makes to come up."""
+        return 8 if self.quick else max(64, 8 * max(self.levels))
+
     def run(self, port: int, make_request: "Callable[[int], Request] | Sequence[Request]", concurrency: int,
             **kwargs: Any) -> "LoadResult":
         """One measured run on ``LOAD_HOST:port``: at most ``requests`` requests or ``seconds``.

@@ -267,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
             # mixed-batch runtimes (segment graph, single-threaded group session) at the first
             # batches that need them, and a timing must not include those builds.
             top = max(levels)
-            warm_n = 8 if quick else max(64, 8 * top)
+            warm_n = opts.settle_requests()
             res["qswap_settled"] = warm_until_settled(qs, qreq, concurrency=top, requests=warm_n)
             warm_up(nv.port, nreq, concurrency=top, requests=warm_n, duration_s=60)
             res["agreement"] = _agreement(qs, nv, work.queries, domains, 16 if quick else 64)

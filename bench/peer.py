@@ -227,7 +227,7 @@ def _scenario(label: str, n_dom: int, *, opts: LoadOptions, work: Any, idx_dir: 
     keys = [f"{d}@1" for d in domains]
     out: dict[str, Any] = {"label": label, "domains": n_dom, "levels": {}}
     top = max(opts.levels)
-    warm_n = 8 if opts.quick else max(64, 8 * top)
+    warm_n = opts.settle_requests()
     with ExitStack() as stack:
         qs = stack.enter_context(qswap_server(idx_dir, enc_root, tmp / f"state-{n_dom}", tmp / f"qswap-{n_dom}.log",
                                               model=model, extra=["--backend", backend,

@@ -385,7 +385,7 @@ class MicroBatcher:
         """One forward lane: batches from the ready queue until STOP (module docstring). The
         first lane (the worker thread) shuts the batcher down after it; another lane that takes
         the one STOP puts it back for the first."""
-        search_on_this_thread()   # an idle batch is answered on this thread (_run_batch): one core, as the answer stage
+        search_on_this_thread()   # an idle batch is answered on this thread (below): one core, as the answer stage
         carry: Any = None
         while True:
             item = carry if carry is not None else self._ready.get()

@@ -352,8 +352,12 @@ def test_a_one_core_lane_runs_a_mixed_batch_as_one_call_of_the_single_threaded_s
     alone = _alone(pool, TEXTS, MIXED)
     for emb in (first, got, held["got"]):
         assert cosine(emb, alone).min() >= MIN_COSINE
-    segmented.discard("l9@1")                                      # an unknown key: nothing held, nothing raised
     assert "one-core segment session" in segmented.builds_started()
+    # An encoder prepared again is copied again by every runner, the one-core ones included.
+    single = [r for r, _, _ in used]
+    assert any("l1@1" in keys for r in single for _, keys in r._held.values())
+    segmented.prepare("l1@1")
+    assert not any("l1@1" in keys for r in single for _, keys in r._held.values())
 
 
 def test_building_lists_what_runs_in_the_background_until_it_is_done(pool, tmp_path, monkeypatch):
